@@ -1,0 +1,149 @@
+"""Typed stabilizer configs with the reference defaults (`../shared/reference/stabilizers.md`).
+
+Standard library only: the job schema in `cluster/` builds its pydantic models from these
+dataclasses, so a job can be validated without importing torch. Each field's `doc` metadata is the
+text the job schema shows for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"]
+
+# Log-ratios are clamped to this bound before exp, as verl's rollout correction does; exp(20) ~ 4.9e8
+# stays finite in fp32 while any weight beyond it is already capped or masked by every stabilizer.
+LOG_RATIO_BOUND = 20.0
+
+
+def _doc(text: str, default: object) -> object:
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass(frozen=True)
+class NoneConfig:
+    """On-policy REINFORCE/GRPO: behaviour log-probs are ignored (the synchronous baseline)."""
+
+
+@dataclass(frozen=True)
+class PPOClipConfig:
+    """Token PPO clipped surrogate against the behaviour policy, with dual clip for A < 0."""
+
+    eps_low: float = _doc("lower clip: ratios below 1 - eps_low get no gradient when A < 0", 0.2)
+    eps_high: float = _doc("upper clip: ratios above 1 + eps_high get no gradient when A > 0", 0.2)
+    dual_clip_c: float = _doc("dual clip for A < 0: ratios above c get no gradient (verl 3.0)", 3.0)
+
+
+@dataclass(frozen=True)
+class TISConfig:
+    """Truncated importance sampling: detached weight min(ratio, cap)."""
+
+    cap: float = _doc("truncation cap C on the importance weight (verl/slime default 2.0)", 2.0)
+
+
+@dataclass(frozen=True)
+class MISConfig:
+    """Masked importance sampling: weight = ratio inside [low, high], else the unit is masked out."""
+
+    low: float = _doc("lower bound on the ratio statistic; below it the unit is masked", 0.5)
+    high: float = _doc("upper bound on the ratio statistic; above it the unit is masked", 2.0)
+
+
+@dataclass(frozen=True)
+class MISGeoConfig:
+    """Geometric-mean sequence masking: bounds must hug 1 (per-token drift compounds)."""
+
+    low: float = _doc("lower bound on exp(mean_t log-ratio)", 0.999)
+    high: float = _doc("upper bound on exp(mean_t log-ratio)", 1.001)
+
+
+@dataclass(frozen=True)
+class IcePopConfig:
+    """IcePop: token weight = ratio inside [low, high], else 0; the token stays in the denominator."""
+
+    low: float = _doc("alpha: lower ratio bound (verl/OpenRLHF default 0.5)", 0.5)
+    high: float = _doc("beta: upper ratio bound (verl/OpenRLHF default 5.0)", 5.0)
+
+
+@dataclass(frozen=True)
+class OPSMConfig:
+    """DeepSeek-V3.2 off-policy sequence masking of negative-advantage sequences."""
+
+    delta: float = _doc("mask when A < 0 and mean_t log(mu / pi) exceeds delta (slime 1e-4)", 1e-4)
+
+
+@dataclass(frozen=True)
+class M2POConfig:
+    """Second-moment trust region (M2PO)."""
+
+    tau: float = _doc("second-moment budget: mean (log r)^2 over trust-region tokens", 0.04)
+    mode: Literal["mask", "adaptive_clip"] = _doc(
+        "mask: the paper's Algorithm 1; adaptive_clip: the released code's clip range", "mask"
+    )
+
+
+@dataclass(frozen=True)
+class GSPOConfig:
+    """Group sequence policy optimisation: clipped geometric-mean sequence ratio."""
+
+    eps_low: float = _doc("lower clip on the geometric sequence ratio", 3e-4)
+    eps_high: float = _doc("upper clip on the geometric sequence ratio", 4e-4)
+
+
+@dataclass(frozen=True)
+class CISPOConfig:
+    """CISPO: detached clipped token weight, so clipped tokens still get gradient."""
+
+    eps_low: float = _doc("weight floor is max(0, 1 - eps_low); 10 means no floor", 10.0)
+    eps_high: float = _doc("weight ceiling 1 + eps_high", 0.2)
+
+
+@dataclass(frozen=True)
+class BAPOConfig:
+    """BAPO: PPO clip with bounds adapted each step until positive tokens hold a target share."""
+
+    positive_share: float = _doc(
+        "rho_0: target share of the positive-advantage tokens in the total loss contribution", 0.5
+    )
+    clip_low_min: float = _doc("a-: lowest lower ratio bound", 0.6)
+    clip_low_max: float = _doc("b-: highest lower ratio bound", 0.9)
+    clip_high_min: float = _doc("a+: lowest upper ratio bound", 1.2)
+    clip_high_max: float = _doc("b+: highest upper ratio bound", 3.0)
+    step: float = _doc("increment of each bound per adaptation move", 0.05)
+    dual_clip_c: float = _doc("dual clip for A < 0", 3.0)
+
+
+@dataclass(frozen=True)
+class VCPOConfig:
+    """VCPO: seq-TIS base loss, ESS-scaled learning rate and the off-policy optimal baseline."""
+
+    cap: float = _doc("sequence TIS cap C of the base loss (official scripts: 8)", 8.0)
+    rho_on: float = _doc("on-policy reference ESS ratio; LR shrinks when ESS ratio is below it", 1.0)
+    lr_rule: Literal["sqrt", "linear"] = _doc("LR factor sqrt(s) or s, s = min(1, ess/rho_on)", "sqrt")
+    ess_from_clipped: bool = _doc("compute the ESS from capped weights (official default: no)", False)
+    use_baseline: bool = _doc("replace the group mean with the off-policy optimal baseline", True)
+    baseline_is_weight: Literal["once", "twice"] = _doc(
+        "once: W = w^2 |grad log pi|^2 (paper); twice: also min(w, C)^2 (official code)", "once"
+    )
+    normalize_by_length: bool = _doc("divide the baseline weight by T_i^2", False)
+    norm_by_std: bool = _doc("divide advantages by the group reward std (official scripts: yes)", True)
+
+
+STABILIZER_CONFIGS: dict[str, type] = {
+    "none": NoneConfig,
+    "ppo_clip": PPOClipConfig,
+    "tis_token": TISConfig,
+    "tis_seq": TISConfig,
+    "mis_token": MISConfig,
+    "mis_seq": MISConfig,
+    "mis_geo": MISGeoConfig,
+    "icepop": IcePopConfig,
+    "opsm": OPSMConfig,
+    "m2po": M2POConfig,
+    "gspo": GSPOConfig,
+    "cispo": CISPOConfig,
+    "bapo": BAPOConfig,
+    "vcpo": VCPOConfig,
+}
+"""Config class per stabilizer name; `algorithms.registry` checks that it covers every stabilizer."""

@@ -1,0 +1,35 @@
+"""Repository contracts: CI runs the README's command, and the layout's import rules hold."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _readme_test_command() -> str:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    block = lines[lines.index("```bash") + 1 : lines.index("```")]
+    commands = [line for line in block if line and not line.startswith("#")]
+    return commands[-1]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    assert ci_lines == [_readme_test_command()]
+
+
+def _modules_after_import(module: str) -> set[str]:
+    code = f"import sys, {module}; print('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
+    return {name.split(".")[0] for name in out.stdout.split()}
+
+
+def test_algorithms_import_only_torch():
+    loaded = _modules_after_import("algorithms.registry")
+    forbidden = {"ray", "deepspeed", "vllm", "transformers", "cluster", "actors", "learner", "tasks", "wandb"}
+    assert not loaded & forbidden
+
+
+def test_stabilizer_configs_import_no_torch():
+    assert "torch" not in _modules_after_import("algorithms.config")
