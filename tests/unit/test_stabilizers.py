@@ -1,0 +1,219 @@
+"""Hand-computed cases per stabilizer, and the weight form checked against each literal objective."""
+
+import math
+
+import pytest
+import torch
+
+from algorithms import registry
+from algorithms.aggregation import policy_gradient_loss
+from algorithms.batch import PolicyBatch
+
+LOG = math.log
+
+
+def _batch(ratios, advantages=1.0, mask=None, requires_grad=False):
+    """One-or-more sequences whose token ratios pi/mu are given (behaviour log-probs = log 0.5)."""
+    log_ratio = torch.log(torch.tensor(ratios, dtype=torch.float32))
+    if log_ratio.dim() == 1:
+        log_ratio = log_ratio.unsqueeze(0)
+    behaviour = torch.full_like(log_ratio, LOG(0.5))
+    logprobs = (behaviour + log_ratio).requires_grad_(requires_grad)
+    adv = torch.as_tensor(advantages, dtype=torch.float32)
+    if adv.dim() == 0:
+        adv = adv.expand(log_ratio.shape[0]).clone()
+    mask = torch.ones_like(log_ratio, dtype=torch.bool) if mask is None else torch.tensor(mask).bool()
+    return PolicyBatch(logprobs, behaviour, adv, mask)
+
+
+def _weights(name, batch, **config):
+    return registry.build(name, **config).token_weights(batch)
+
+
+def test_every_issue_stabilizer_is_registered():
+    expected = {"none", "ppo_clip", "tis_token", "tis_seq", "mis_token", "mis_seq", "mis_geo", "icepop",
+                "opsm", "m2po", "gspo", "cispo", "bapo", "vcpo"}
+    assert set(registry.STABILIZERS) == expected
+
+
+def test_unknown_name_and_unknown_config_key_are_clear_errors():
+    with pytest.raises(KeyError, match="registered: bapo"):
+        registry.get("tis")
+    with pytest.raises(TypeError, match="cap_value"):
+        registry.build("tis_seq", cap_value=3)
+
+
+def test_reference_defaults():
+    assert registry.build("tis_seq").config.cap == 2.0
+    assert registry.build("vcpo").config.cap == 8.0 and registry.build("vcpo").config.rho_on == 1.0
+    assert registry.build("m2po").config.tau == 0.04
+    icepop = registry.build("icepop").config
+    assert (icepop.low, icepop.high) == (0.5, 5.0)
+    gspo = registry.build("gspo").config
+    assert (gspo.eps_low, gspo.eps_high) == (3e-4, 4e-4)
+
+
+def test_none_ignores_behaviour():
+    out = _weights("none", _batch([0.1, 10.0], mask=[[1, 0]]))
+    assert out.weights.tolist() == [[1.0, 0.0]]
+
+
+def test_tis_token_caps_each_token():
+    out = _weights("tis_token", _batch([0.5, 1.0, 3.0]))
+    assert torch.allclose(out.weights, torch.tensor([[0.5, 1.0, 2.0]]))
+    assert out.metrics["stability/clip_frac"].item() == pytest.approx(1 / 3)
+
+
+def test_tis_seq_caps_the_product():
+    out = _weights("tis_seq", _batch([[1.5, 1.2], [0.5, 1.2]]))
+    assert torch.allclose(out.weights, torch.tensor([[1.8, 1.8], [0.6, 0.6]]), rtol=1e-5)
+    capped = _weights("tis_seq", _batch([[3.0, 1.0]]))
+    assert torch.allclose(capped.weights, torch.tensor([[2.0, 2.0]]))
+
+
+def test_mis_token_drops_tokens_from_the_denominator():
+    out = _weights("mis_token", _batch([0.4, 1.0, 2.5]))
+    assert out.mask.tolist() == [[False, True, False]]
+    assert torch.allclose(out.weights, torch.tensor([[0.0, 1.0, 0.0]]))
+
+
+def test_mis_seq_drops_whole_sequences_and_weights_the_rest():
+    out = _weights("mis_seq", _batch([[3.0, 1.0], [1.5, 1.0]]))
+    assert out.mask.tolist() == [[False, False], [True, True]]
+    assert torch.allclose(out.weights[1], torch.tensor([1.5, 1.5]))
+    assert out.metrics["stability/seq_mask_frac"].item() == pytest.approx(0.5)
+
+
+def test_mis_geo_uses_the_geometric_mean():
+    # 100 tokens at 1.01 would be 2.7 as a product but 1.01 as a geometric mean: outside [0.999, 1.001].
+    drifting = _weights("mis_geo", _batch([[1.01] * 100, [1.0] * 100]))
+    assert drifting.mask[0].any().item() is False and drifting.mask[1].all()
+    assert _weights("mis_geo", _batch([[1.01] * 100]), low=0.5, high=2.0).mask.all()
+
+
+def test_icepop_zeroes_out_of_band_tokens_but_keeps_them_counted():
+    out = _weights("icepop", _batch([0.4, 1.0, 6.0]))
+    assert out.mask.all()
+    assert torch.allclose(out.weights, torch.tensor([[0.0, 1.0, 0.0]]))
+
+
+def test_opsm_masks_only_stale_negative_sequences():
+    stale = [0.5, 0.5]  # mean log(mu/pi) = log 2 > delta
+    out = _weights("opsm", _batch([stale, stale, [1.0, 1.0]], advantages=[-1.0, 1.0, -1.0]))
+    assert out.weights.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+    assert out.mask.all()
+
+
+def test_cispo_clips_but_keeps_gradient():
+    out = _weights("cispo", _batch([0.5, 1.0, 3.0]))
+    assert torch.allclose(out.weights, torch.tensor([[0.5, 1.0, 1.2]]))
+
+
+def test_vcpo_base_loss_is_seq_tis_with_cap_8():
+    out = _weights("vcpo", _batch([[3.0, 4.0], [1.5, 1.0]]))
+    assert torch.allclose(out.weights, torch.tensor([[8.0, 8.0], [1.5, 1.5]]))
+    assert "stability/ess_ratio" in out.metrics and "stability/ess_ratio_clipped" in out.metrics
+
+
+def test_bapo_widens_bounds_until_positive_share_is_met():
+    # Negative tokens with r in [0.6, 0.9) dominate at the narrowest bounds; raising c_low clips them.
+    # share at c_low 0.6: 1 / (1 + 0.7 + 0.8 + 0.86) = 0.30; at 0.75: 1 / 2.66; at 0.85: 1 / 1.86 >= 0.5.
+    batch = _batch([[1.0, 0.7, 0.8, 0.86]], advantages=[[1.0, -1.0, -1.0, -1.0]])
+    out = _weights("bapo", batch)
+    assert out.metrics["stability/positive_share"].item() == pytest.approx(1 / 1.86, rel=1e-5)
+    assert out.metrics["stability/clip_low"].item() == pytest.approx(0.85)
+    assert out.metrics["stability/clip_high"].item() == pytest.approx(1.2)
+    assert torch.allclose(out.weights, torch.tensor([[1.0, 0.0, 0.0, 0.86]]))
+
+
+def test_bapo_stops_at_the_widest_bounds():
+    batch = _batch([[1.0, 1.0, 1.0]], advantages=[[1.0, -5.0, -5.0]])
+    out = _weights("bapo", batch)
+    assert out.metrics["stability/clip_low"].item() == pytest.approx(0.9)
+    assert out.metrics["stability/clip_high"].item() == pytest.approx(3.0)
+
+
+# ---- the weight form gives exactly the gradient of each published objective ----
+
+def _ratio(batch):
+    return torch.exp(batch.logprobs - batch.behaviour_logprobs)
+
+
+def _literal_ppo(batch, low, high, dual_c=None):
+    r, a = _ratio(batch), batch.token_advantages
+    surrogate = torch.min(r * a, r.clamp(low, high) * a)
+    if dual_c is not None:
+        surrogate = torch.where(a < 0, torch.max(surrogate, dual_c * a), surrogate)
+    return -(surrogate * batch.mask).sum() / batch.mask.sum()
+
+
+def _literal_gspo(batch, low, high):
+    s = torch.exp(((batch.logprobs - batch.behaviour_logprobs) * batch.mask).sum(1) / batch.mask.sum(1))
+    a = batch.seq_advantages
+    return -torch.min(s * a, s.clamp(low, high) * a).mean()
+
+
+def _literal_m2po_mask(batch, keep):
+    return -((_ratio(batch) * batch.token_advantages) * keep).sum() / batch.mask.sum()
+
+
+def _grad(loss, batch):
+    (grad,) = torch.autograd.grad(loss, batch.logprobs)
+    return grad
+
+
+RATIOS = [[0.5, 0.95, 1.1, 1.5, 4.0], [0.7, 1.0, 1.3, 0.85, 2.0]]
+ADVANTAGES = [[1.0, -1.0, 1.0, -1.0, -1.0], [-0.5, 0.5, 1.0, 1.0, -2.0]]
+
+
+SEQ_ADVANTAGES = [-0.2, 0.5]
+
+
+@pytest.mark.parametrize(
+    "name, config, mode, advantages, literal",
+    [
+        ("ppo_clip", {}, "token-mean", ADVANTAGES, lambda b: _literal_ppo(b, 0.8, 1.2, 3.0)),
+        ("ppo_clip", {"eps_high": 0.28}, "token-mean", ADVANTAGES, lambda b: _literal_ppo(b, 0.8, 1.28, 3.0)),
+        # geometric ratios are 1.257 and 1.091: the first sequence is clipped (A > 0), the second is not
+        ("gspo", {"eps_low": 0.05, "eps_high": 0.1}, "seq-mean-token-mean", [0.3, 0.5],
+         lambda b: _literal_gspo(b, 0.95, 1.1)),
+        ("gspo", {"eps_low": 0.5, "eps_high": 0.5}, "seq-mean-token-mean", SEQ_ADVANTAGES,
+         lambda b: _literal_gspo(b, 0.5, 1.5)),
+        ("m2po", {"mode": "adaptive_clip", "tau": 0.02}, "token-mean", ADVANTAGES, None),
+    ],
+)
+def test_weight_form_matches_literal_objective_gradient(name, config, mode, advantages, literal):
+    batch = _batch(RATIOS, advantages=advantages, requires_grad=True)
+    out = registry.build(name, **config).token_weights(batch)
+    ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, mode), batch)
+    assert (out.weights == 0).any() and (out.weights > 0).any() or name == "gspo" and config["eps_low"] == 0.5
+    if literal is None:  # adaptive clip: PPO with the bounds the stabilizer reports
+        low, high = out.metrics["stability/clip_low"].item(), out.metrics["stability/clip_high"].item()
+        assert high < 1e4, "the test data must exceed the M2 budget"
+        literal = lambda b: _literal_ppo(b, low, high)  # noqa: E731
+    assert torch.allclose(ours, _grad(literal(batch), batch), atol=1e-6)
+
+
+def test_gspo_sequence_weight_scaling_by_seq_len():
+    batch = _batch([[1.01, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]], advantages=[1.0, -1.0], requires_grad=True)
+    out = registry.build("gspo").token_weights(batch)
+    ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, "seq-mean-token-mean"), batch)
+    assert torch.allclose(ours, _grad(_literal_gspo(batch, 1 - 3e-4, 1 + 4e-4), batch), atol=1e-7)
+
+
+def test_m2po_mask_matches_paper_objective_gradient():
+    batch = _batch(RATIOS, advantages=ADVANTAGES, requires_grad=True)
+    out = registry.build("m2po").token_weights(batch)
+    keep = out.weights > 0
+    assert (~keep).any(), "the test data must exceed the M2 budget"
+    ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, "token-mean"), batch)
+    assert torch.allclose(ours, _grad(_literal_m2po_mask(batch, keep), batch), atol=1e-6)
+
+
+def test_cispo_matches_its_detached_objective():
+    batch = _batch(RATIOS, advantages=ADVANTAGES, requires_grad=True)
+    out = registry.build("cispo").token_weights(batch)
+    ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, "token-mean"), batch)
+    weight = _ratio(batch).detach().clamp(0.0, 1.2)
+    literal = -(weight * batch.token_advantages * batch.logprobs).sum() / batch.mask.sum()
+    assert torch.allclose(ours, _grad(literal, batch), atol=1e-6)
