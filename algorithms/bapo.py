@@ -13,43 +13,64 @@ then the PPO clipped surrogate with [c_low, c_high] and dual clip.
 The README states the target as a positive share rho_0 = 0.5; the released code compares a pos/neg
 ratio with its target instead. We follow the paper's share (a share of rho_0 is a pos/neg ratio of
 rho_0 / (1 - rho_0)); pass positive_share = 1/3 to reproduce the released script's 0.5 ratio.
+
+The whole walk is evaluated at once: pos depends only on c_high and neg only on c_low, so one pass
+buckets every token by the first bound that admits it and cumulative sums give each candidate's share.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from algorithms.batch import PolicyBatch, TokenWeights, safe_exp
-from algorithms.clipping import clip_active, clipped_surrogate_weights
-from algorithms.config import BAPOConfig
+from algorithms.batch import PolicyBatch, TokenWeights
+from algorithms.clipping import clipped_surrogate_weights
+from algorithms.config import LOG_RATIO_BOUND, BAPOConfig
 from algorithms.stabilizer import Stabilizer, register
 
-_ROUNDING = 1e-9  # bounds move in float steps; keep b- and b+ themselves reachable
 
-
-def positive_share(log_ratio: Tensor, advantages: Tensor, mask: Tensor, low: float, high: float, dual_c: float) -> Tensor:
-    """Share of the positive-advantage tokens in the gradient-carrying contribution sum r |A|."""
-    active = clip_active(log_ratio, advantages, low, high, dual_c) & mask
-    contribution = torch.where(active, safe_exp(log_ratio) * advantages.abs(), torch.zeros_like(log_ratio))
-    pos = contribution[advantages > 0].sum()
-    total = contribution.sum()
-    return pos / total if total > 0 else torch.ones(())
+def bound_grid(lowest: float, highest: float, step: float) -> list[float]:
+    """lowest, lowest + step, ... and finally `highest` itself (the walk stops at the cap)."""
+    values = [lowest]
+    while values[-1] < highest - 1e-9:
+        values.append(min(lowest + len(values) * step, highest))
+    return values
 
 
 def adapt_bounds(log_ratio: Tensor, advantages: Tensor, mask: Tensor, config: BAPOConfig) -> tuple[float, float, Tensor]:
-    """The narrowest bounds (c_low first, then c_high) reaching the positive share; and the share."""
-    low, high = config.clip_low_min, config.clip_high_min
-    share = positive_share(log_ratio, advantages, mask, low, high, config.dual_clip_c)
-    while share < config.positive_share:
-        if low + config.step <= config.clip_low_max + _ROUNDING:
-            low = min(low + config.step, config.clip_low_max)
-        elif high + config.step <= config.clip_high_max + _ROUNDING:
-            high = min(high + config.step, config.clip_high_max)
-        else:
-            break
-        share = positive_share(log_ratio, advantages, mask, low, high, config.dual_clip_c)
-    return low, high, share
+    """The first bounds on the walk (c_low first, then c_high) that reach the positive share; and the share."""
+    lows = bound_grid(config.clip_low_min, config.clip_low_max, config.step)
+    highs = bound_grid(config.clip_high_min, config.clip_high_max, config.step)
+    contribution = torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND)) * advantages.abs()
+    log_lows = torch.tensor([math.log(v) for v in lows], dtype=log_ratio.dtype)
+    log_highs = torch.tensor([math.log(v) for v in highs], dtype=log_ratio.dtype)
+    positive = mask & (advantages > 0)
+    negative = mask & (advantages < 0) & (log_ratio <= math.log(config.dual_clip_c))
+    # A positive token counts for every c_high >= r: always when r <= a+, from the first grid bound
+    # above r when r lies inside the grid (few tokens: they alone are bucketed), never above b+.
+    pos_always = (contribution * (positive & (log_ratio <= float(log_highs[0])))).sum(dtype=torch.float64)
+    inside = positive & (log_ratio > float(log_highs[0])) & (log_ratio <= float(log_highs[-1]))
+    first_high = torch.searchsorted(log_highs, log_ratio[inside], side="left")
+    pos = pos_always + torch.cumsum(torch.bincount(first_high, contribution[inside].double(), len(highs)), 0)
+    # A negative token counts for every c_low <= r: always when r >= b-, for the grid lows <= r
+    # when r lies inside the grid, never below a-.
+    neg_always = (contribution * (negative & (log_ratio >= float(log_lows[-1])))).sum(dtype=torch.float64)
+    inside = negative & (log_ratio >= float(log_lows[0])) & (log_ratio < float(log_lows[-1]))
+    n_lows = torch.searchsorted(log_lows, log_ratio[inside], side="right")
+    neg_from = torch.bincount(n_lows, contribution[inside].double(), len(lows) + 1)
+    neg = neg_always + torch.flip(torch.cumsum(torch.flip(neg_from, (0,)), 0), (0,))[1:]
+    # The walk: (low_0, high_0) ... (low_last, high_0), then (low_last, high_1) ... (low_last, high_last).
+    walk_pos = torch.cat([pos[:1].expand(len(lows)), pos[1:]])
+    walk_neg = torch.cat([neg, neg[-1:].expand(len(highs) - 1)])
+    total = walk_pos + walk_neg
+    share = torch.where(total > 0, walk_pos / total.clamp(min=1e-300), torch.ones_like(total))
+    reached = share >= config.positive_share
+    index = int(torch.argmax(reached.to(torch.uint8))) if bool(reached.any()) else len(share) - 1
+    low = lows[min(index, len(lows) - 1)]
+    high = highs[max(0, index - len(lows) + 1)]
+    return low, high, share[index].float()
 
 
 @register("bapo")
@@ -57,8 +78,7 @@ class BAPO(Stabilizer):
     """PPO clip whose bounds adapt each step to keep positive tokens' share of the gradient."""
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        advantages = batch.token_advantages
-        low, high, share = adapt_bounds(batch.log_ratio, advantages, batch.mask, self.config)
+        low, high, share = adapt_bounds(batch.log_ratio, batch.token_advantages, batch.mask, self.config)
         result = clipped_surrogate_weights(batch, low, high, self.config.dual_clip_c)
         result.metrics["stability/clip_low"] = torch.tensor(low)
         result.metrics["stability/clip_high"] = torch.tensor(high)

@@ -50,19 +50,38 @@ class PolicyBatch:
         return masked_seq_mean(self.advantages, self.mask)
 
     @property
+    def mask_float(self) -> Tensor:
+        """The loss mask as fp32 0/1, [B, T]."""
+        if "mask_float" not in self._cache:
+            self._cache["mask_float"] = self.mask.float()
+        return self._cache["mask_float"]
+
+    @property
     def log_ratio(self) -> Tensor:
         """Detached token log-ratio log pi - log mu in fp32, zero on padding."""
         if "log_ratio" not in self._cache:
             diff = self.logprobs.detach().float() - self.behaviour_logprobs.float()
-            self._cache["log_ratio"] = torch.where(self.mask, diff, torch.zeros_like(diff))
+            # where, not a multiply: a padded -inf behaviour log-prob must not leak a NaN
+            self._cache["log_ratio"] = zero_outside(diff, self.mask)
         return self._cache["log_ratio"]
 
     @property
     def token_lengths(self) -> Tensor:
         """Number of loss tokens per sequence, [B] float."""
         if "token_lengths" not in self._cache:
-            self._cache["token_lengths"] = self.mask.sum(dim=1).float()
+            self._cache["token_lengths"] = self.mask_float.sum(dim=1)
         return self._cache["token_lengths"]
+
+    @property
+    def token_count(self) -> Tensor:
+        """Number of loss tokens in the batch (at least 1, so it can divide)."""
+        if "token_count" not in self._cache:
+            self._cache["token_count"] = self.token_lengths.sum().clamp(min=1)
+        return self._cache["token_count"]
+
+    def token_mean(self, values: Tensor) -> Tensor:
+        """Mean of `values` [B, T] over the loss tokens; `values` must already be 0 on padding."""
+        return values.sum() / self.token_count
 
     @property
     def seq_log_ratio(self) -> Tensor:
@@ -93,15 +112,20 @@ def safe_exp(log_value: Tensor) -> Tensor:
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean over True entries; 0 when nothing is selected (never NaN)."""
-    count = mask.sum()
-    total = torch.where(mask, values, torch.zeros_like(values)).sum()
-    return total / count.clamp(min=1)
+    mask = mask.bool()
+    return zero_outside(values, mask).sum() / mask.sum().clamp(min=1)
 
 
 def masked_seq_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Per-sequence mean over the True tokens of each row, [B]; 0 for an empty row."""
-    total = torch.where(mask, values, torch.zeros_like(values)).sum(dim=1)
-    return total / mask.sum(dim=1).clamp(min=1)
+    mask = mask.bool()
+    return zero_outside(values, mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+
+
+def zero_outside(values: Tensor, mask: Tensor) -> Tensor:
+    """`values` where `mask` is True, 0 elsewhere (a NaN or inf outside the mask does not leak)."""
+    # A 0-dim tensor operand is several times faster than a Python scalar in torch.where on CPU.
+    return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
 def fraction(flags: Tensor, mask: Tensor) -> Tensor:

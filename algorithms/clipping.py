@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from algorithms.batch import PolicyBatch, TokenWeights, broadcast_seq, fraction, safe_exp
+from algorithms.config import LOG_RATIO_BOUND
 from algorithms.stabilizer import Stabilizer, register
 
 
@@ -35,9 +36,9 @@ def clipped_surrogate_weights(
     """Token PPO surrogate with ratio bounds [low, high] as detached weights, with its clip fraction."""
     advantages = batch.token_advantages
     active = clip_active(batch.log_ratio, advantages, low, high, dual_clip_c) & batch.mask
-    weights = torch.where(active, safe_exp(batch.log_ratio), torch.zeros_like(batch.log_ratio))
-    metrics = {"stability/clip_frac": fraction(~active & (advantages != 0), batch.mask)}
-    return TokenWeights(weights, batch.mask, metrics)
+    weights = torch.exp(batch.log_ratio.clamp(max=LOG_RATIO_BOUND)) * active
+    clipped = ~active & batch.mask & (advantages != 0)
+    return TokenWeights(weights, batch.mask, {"stability/clip_frac": batch.token_mean(clipped.float())})
 
 
 @register("ppo_clip")

@@ -11,12 +11,12 @@ import math
 import torch
 from torch import Tensor
 
-from algorithms.batch import masked_mean, safe_exp
+from algorithms.batch import masked_mean, safe_exp, zero_outside
 
 
 def sequence_log_weights(log_ratio: Tensor, mask: Tensor) -> Tensor:
     """log w_i = sum_t mask * (log pi - log mu), [B]: the log of the sequence importance weight."""
-    return torch.where(mask.bool(), log_ratio.float(), torch.zeros_like(log_ratio, dtype=torch.float32)).sum(1)
+    return zero_outside(log_ratio.float(), mask.bool()).sum(dim=1)
 
 
 def ess_ratio(log_w: Tensor) -> Tensor:

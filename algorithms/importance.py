@@ -12,17 +12,21 @@ import math
 import torch
 from torch import Tensor
 
-from algorithms.batch import PolicyBatch, TokenWeights, broadcast_seq, fraction, masked_mean, safe_exp
+from algorithms.batch import PolicyBatch, TokenWeights, broadcast_seq, fraction
 from algorithms.stabilizer import Stabilizer, register
 
 
-def _weight_metrics(weights: Tensor, mask: Tensor, capped: Tensor, masked: Tensor) -> dict[str, Tensor]:
-    return {
-        "stability/is_weight_mean": masked_mean(weights, mask),
-        "stability/is_weight_max": torch.where(mask, weights, torch.zeros_like(weights)).max(),
-        "stability/clip_frac": fraction(capped, mask),
-        "stability/mask_frac": fraction(masked, mask),
-    }
+def _weight_metrics(batch: PolicyBatch, weights: Tensor, clipped: Tensor | None = None) -> dict[str, Tensor]:
+    """Mean and max IS weight over the loss tokens, and the share of tokens a cap or clip changed."""
+    metrics = {"stability/is_weight_mean": batch.token_mean(weights), "stability/is_weight_max": weights.max()}
+    if clipped is not None:
+        metrics["stability/clip_frac"] = batch.token_mean((clipped & batch.mask).float())
+    return metrics
+
+
+def _capped_exp(log_value: Tensor, cap: float, mask_float: Tensor) -> Tensor:
+    """min(exp(l), cap) on loss tokens, 0 on padding; capping in log space keeps it finite."""
+    return torch.exp(log_value.clamp(max=math.log(cap))) * mask_float
 
 
 def _in_bounds(log_stat: Tensor, low: float, high: float) -> Tensor:
@@ -35,8 +39,7 @@ class NoStabilizer(Stabilizer):
     """On-policy REINFORCE/GRPO: every loss token has weight 1; behaviour log-probs are ignored."""
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        weights = batch.mask.to(batch.logprobs.dtype)
-        return TokenWeights(weights, batch.mask, {})
+        return TokenWeights(batch.mask_float, batch.mask, {})
 
 
 @register("tis_token")
@@ -44,18 +47,17 @@ class TokenTIS(Stabilizer):
     """Token TIS: sg(min(rho_t, C))."""
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        ratio = safe_exp(batch.log_ratio)
-        capped = ratio > self.config.cap
-        weights = ratio.clamp(max=self.config.cap) * batch.mask
-        return TokenWeights(weights, batch.mask, _weight_metrics(weights, batch.mask, capped, ~batch.mask))
+        weights = _capped_exp(batch.log_ratio, self.config.cap, batch.mask_float)
+        capped = batch.log_ratio > math.log(self.config.cap)
+        return TokenWeights(weights, batch.mask, _weight_metrics(batch, weights, capped))
 
 
 def sequence_tis_weights(batch: PolicyBatch, cap: float) -> TokenWeights:
     """sg(min(w, C)) on every token of a sequence, w = exp(clamp(sum_t l_t, +-20))."""
-    ratio = broadcast_seq(safe_exp(batch.seq_log_ratio), batch.log_ratio)
-    capped = ratio > cap
-    weights = ratio.clamp(max=cap) * batch.mask
-    return TokenWeights(weights, batch.mask, _weight_metrics(weights, batch.mask, capped, ~batch.mask))
+    seq_weight = torch.exp(batch.seq_log_ratio.clamp(max=math.log(cap)))
+    weights = broadcast_seq(seq_weight, batch.mask) * batch.mask_float
+    capped = broadcast_seq(batch.seq_log_ratio > math.log(cap), batch.mask)
+    return TokenWeights(weights, batch.mask, _weight_metrics(batch, weights, capped))
 
 
 @register("tis_seq")
@@ -69,9 +71,9 @@ class SequenceTIS(Stabilizer):
 def _masked_is(batch: PolicyBatch, log_stat: Tensor, low: float, high: float) -> TokenWeights:
     """MIS: weight = the ratio statistic where it lies in [low, high]; elsewhere the unit leaves the loss."""
     keep = _in_bounds(log_stat, low, high) & batch.mask
-    weights = torch.where(keep, safe_exp(log_stat), torch.zeros_like(log_stat))
-    metrics = _weight_metrics(weights, keep, torch.zeros_like(keep), batch.mask & ~keep)
-    metrics["stability/mask_frac"] = fraction(~keep, batch.mask)
+    weights = torch.exp(log_stat.clamp(max=math.log(high))) * keep
+    metrics = _weight_metrics(batch, weights)
+    metrics["stability/mask_frac"] = 1 - keep.sum() / batch.token_count
     metrics["stability/seq_mask_frac"] = fraction((batch.mask & ~keep).any(1), batch.mask.any(1))
     return TokenWeights(weights, keep, metrics)
 
@@ -107,8 +109,9 @@ class IcePop(Stabilizer):
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         keep = _in_bounds(batch.log_ratio, self.config.low, self.config.high) & batch.mask
-        weights = torch.where(keep, safe_exp(batch.log_ratio), torch.zeros_like(batch.log_ratio))
-        metrics = _weight_metrics(weights, batch.mask, torch.zeros_like(keep), batch.mask & ~keep)
+        weights = torch.exp(batch.log_ratio.clamp(max=math.log(self.config.high))) * keep
+        metrics = _weight_metrics(batch, weights)
+        metrics["stability/mask_frac"] = 1 - keep.sum() / batch.token_count
         return TokenWeights(weights, batch.mask, metrics)
 
 
@@ -123,10 +126,9 @@ class OffPolicySequenceMasking(Stabilizer):
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         mean_log_mu_over_pi = -batch.seq_log_ratio / batch.token_lengths.clamp(min=1)
         drop = (batch.seq_advantages < 0) & (mean_log_mu_over_pi > self.config.delta)
-        drop_tokens = broadcast_seq(drop, batch.mask) & batch.mask
-        weights = (~drop_tokens & batch.mask).to(batch.logprobs.dtype)
+        weights = batch.mask_float * ~broadcast_seq(drop, batch.mask)
         metrics = {
-            "stability/mask_frac": fraction(drop_tokens, batch.mask),
+            "stability/mask_frac": batch.token_mean(batch.mask_float - weights),
             "stability/seq_mask_frac": fraction(drop, batch.mask.any(1)),
         }
         return TokenWeights(weights, batch.mask, metrics)
@@ -137,8 +139,8 @@ class CISPO(Stabilizer):
     """CISPO: sg(clip(rho_t, 1 - eps_low, 1 + eps_high)); clipped tokens still get gradient."""
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        ratio = safe_exp(batch.log_ratio)
         low, high = max(0.0, 1.0 - self.config.eps_low), 1.0 + self.config.eps_high
-        clipped = (ratio > high) | (ratio < low)
-        weights = ratio.clamp(low, high) * batch.mask
-        return TokenWeights(weights, batch.mask, _weight_metrics(weights, batch.mask, clipped, ~batch.mask))
+        weights = _capped_exp(batch.log_ratio, high, batch.mask_float).clamp(min=low) * batch.mask_float
+        log_low = math.log(low) if low > 0 else -math.inf
+        clipped = (batch.log_ratio > math.log(high)) | (batch.log_ratio < log_low)
+        return TokenWeights(weights, batch.mask, _weight_metrics(batch, weights, clipped))

@@ -19,7 +19,8 @@ import math
 import torch
 from torch import Tensor
 
-from algorithms.batch import PolicyBatch, TokenWeights, fraction, safe_exp
+from algorithms.batch import PolicyBatch, TokenWeights
+from algorithms.config import LOG_RATIO_BOUND
 from algorithms.clipping import clipped_surrogate_weights
 from algorithms.stabilizer import Stabilizer, register
 
@@ -31,6 +32,22 @@ def trust_region_tokens(log_ratio: Tensor, advantages: Tensor, mask: Tensor) -> 
     return mask.bool() & (((advantages > 0) & (log_ratio > 0)) | ((advantages < 0) & (log_ratio < 0)))
 
 
+def _candidates_descending(values: Tensor, threshold: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Values above `threshold`, largest first, with their flat indices; and the sum of the others.
+
+    Also returns `tail[m]` for m = 0..K: the sum of all values except the m largest, summed from the
+    small end (never as total - removed), so tiny values keep their weight in fp64.
+    """
+    values = values.double()  # compare and sum in one precision, or ties at tau flip sides
+    selected = values > threshold
+    index = selected.nonzero().squeeze(1)
+    top, order = torch.sort(values[index], descending=True)
+    rest = (values * ~selected).sum()
+    suffix = torch.flip(torch.cumsum(torch.flip(top, (0,)), 0), (0,))
+    tail = rest + torch.cat([suffix, top.new_zeros(1)])
+    return top, index[order], rest, tail
+
+
 def m2po_token_mask(log_ratio: Tensor, advantages: Tensor, mask: Tensor, tau: float = 0.04) -> Tensor:
     """M2PO Algorithm 1: True where a token is kept.
 
@@ -40,21 +57,25 @@ def m2po_token_mask(log_ratio: Tensor, advantages: Tensor, mask: Tensor, tau: fl
     log_ratio = log_ratio.detach().float()
     mask = mask.bool()
     region = trust_region_tokens(log_ratio, advantages, mask)
-    m2 = torch.where(region, log_ratio * log_ratio, torch.zeros_like(log_ratio))
-    n_region = region.sum()
-    if n_region == 0 or m2.sum() <= tau * n_region:
+    return _keep_within_budget(log_ratio * log_ratio * region, int(region.sum()), mask, tau)
+
+
+def _keep_within_budget(region_m2: Tensor, n_region: int, mask: Tensor, tau: float) -> Tensor:
+    """Algorithm 1 on (log r)^2 that is > 0 on the n_region trust-region tokens and 0 elsewhere.
+
+    Removing the m largest is the sorted-prefix form: find the smallest m whose remaining mean is
+    <= tau. Each removed value was the maximum of a set whose mean exceeded tau, so only values
+    above tau can be removed: sorting those few replaces a sort of the batch.
+    """
+    total = region_m2.sum(dtype=torch.float64)
+    if n_region == 0 or total <= tau * n_region:
         return mask
-    values = m2[region]
-    sorted_values, order = torch.sort(values)
-    running_mean = torch.cumsum(sorted_values.double(), 0) / torch.arange(
-        1, values.numel() + 1, dtype=torch.float64, device=values.device
-    )
-    # The running mean of an ascending sequence never decreases, so the kept set is a prefix.
-    n_keep = int((running_mean <= tau).sum())
-    keep_region = torch.zeros_like(values, dtype=torch.bool)
-    keep_region[order[:n_keep]] = True
+    top, index, _, tail = _candidates_descending(region_m2.reshape(-1), tau)
+    removed = torch.arange(0, top.numel() + 1, dtype=torch.float64)
+    fits = tail <= tau * (n_region - removed)
+    n_drop = int(torch.argmax(fits.to(torch.uint8))) if bool(fits.any()) else top.numel()
     keep = mask.clone()
-    keep[region] = keep_region
+    keep.view(-1)[index[:n_drop]] = False
     return keep
 
 
@@ -62,18 +83,20 @@ def adaptive_clip_tau(region_m2: Tensor, tau: float) -> float | None:
     """The released code's clip half-width: None (no clipping) when mean M2 <= tau, else tau_c.
 
     tau_c^2 is the largest trust-region (log r)^2 value v such that sum_i min(v_i, v) <= tau * N.
+    Capping at the j-th largest value v_j (0-based) gives (sum of all but the j largest) + j v_j.
+    Every value <= tau fits, so only values above tau and the largest value <= tau are candidates.
     """
     n = region_m2.numel()
-    if n == 0 or float(region_m2.mean()) <= tau:
+    if n == 0 or region_m2.sum(dtype=torch.float64) <= tau * n:
         return None
-    sorted_values, _ = torch.sort(region_m2.double())
-    prefix = torch.cumsum(sorted_values, 0) - sorted_values  # sum of values strictly before index j
-    remaining = torch.arange(n, 0, -1, dtype=torch.float64, device=sorted_values.device)
-    capped_total = prefix + remaining * sorted_values
-    fits = capped_total <= tau * n
-    if not bool(fits.any()):
-        return 0.0
-    return math.sqrt(float(sorted_values[fits].max()))
+    top, _, _, tail = _candidates_descending(region_m2, tau)
+    j = torch.arange(0, top.numel(), dtype=torch.float64)
+    fits = (tail[:-1] + j * top) <= tau * n
+    if bool(fits.any()):
+        return math.sqrt(float(top[int(torch.argmax(fits.to(torch.uint8)))]))
+    values = region_m2.double()
+    largest_within = float((values * (values <= tau)).max())
+    return math.sqrt(largest_within)
 
 
 @register("m2po")
@@ -82,15 +105,16 @@ class M2PO(Stabilizer):
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         region = trust_region_tokens(batch.log_ratio, batch.advantages, batch.mask)
-        m2_before = batch.log_ratio.square()[region]
-        metrics = {"stability/m2": m2_before.mean() if m2_before.numel() else torch.zeros(())}
+        region_m2 = batch.log_ratio * batch.log_ratio * region
+        n_region = region.sum().clamp(min=1)
+        metrics = {"stability/m2": region_m2.sum() / n_region}
         if self.config.mode == "adaptive_clip":
-            return self._adaptive_clip(batch, m2_before, metrics)
-        keep = m2po_token_mask(batch.log_ratio, batch.advantages, batch.mask, self.config.tau)
-        weights = torch.where(keep, safe_exp(batch.log_ratio), torch.zeros_like(batch.log_ratio))
-        kept_region = batch.log_ratio.square()[region & keep]
-        metrics["stability/m2_after"] = kept_region.mean() if kept_region.numel() else torch.zeros(())
-        metrics["stability/mask_frac"] = fraction(~keep, batch.mask)
+            return self._adaptive_clip(batch, region_m2[region], metrics)
+        keep = _keep_within_budget(region_m2, int(region.sum()), batch.mask, self.config.tau)
+        weights = torch.exp(batch.log_ratio.clamp(max=LOG_RATIO_BOUND)) * keep
+        kept_region = region & keep
+        metrics["stability/m2_after"] = (region_m2 * kept_region).sum() / kept_region.sum().clamp(min=1)
+        metrics["stability/mask_frac"] = 1 - keep.sum() / batch.token_count
         return TokenWeights(weights, batch.mask, metrics)
 
     def _adaptive_clip(self, batch: PolicyBatch, m2_before: Tensor, metrics: dict[str, Tensor]) -> TokenWeights:

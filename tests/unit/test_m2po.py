@@ -102,3 +102,48 @@ def test_m2po_adaptive_clip_mode_clips_at_solved_bounds():
     assert (out.weights[0] > 0).tolist() == [True, True, True, True, False, False]
     assert out.metrics["stability/clip_high"].item() == pytest.approx(1.25058, abs=1e-5)
     assert out.metrics["stability/m2_after"].item() == pytest.approx(0.035, rel=1e-5)
+
+
+def _full_sort_keep_count(m2_region: torch.Tensor, tau: float) -> int:
+    values, _ = torch.sort(m2_region.double())
+    running = torch.cumsum(values, 0) / torch.arange(1, values.numel() + 1, dtype=torch.float64)
+    return int((running <= tau).sum())
+
+
+@pytest.mark.parametrize("tail_share, tail_std", [(0.01, 2.0), (0.3, 1.0), (0.9, 3.0)])
+def test_top_k_search_matches_full_sort_on_large_batches(tail_share, tail_std):
+    # A heavy tail: most tokens near on-policy, a share far off; 0.9 forces the top-k to grow.
+    gen = torch.Generator().manual_seed(7)
+    log_ratio = torch.randn(32, 512, generator=gen) * 0.05
+    tail = torch.rand(32, 512, generator=gen) < tail_share
+    log_ratio[tail] = torch.randn(int(tail.sum()), generator=gen) * tail_std
+    advantages = torch.randn(32, generator=gen)
+    mask = torch.rand(32, 512, generator=gen) < 0.9
+    keep = m2po_token_mask(log_ratio, advantages, mask, tau=0.04)
+    region = (mask & (((advantages[:, None] > 0) & (log_ratio > 0)) | ((advantages[:, None] < 0) & (log_ratio < 0))))
+    n_keep = _full_sort_keep_count(log_ratio[region] ** 2, 0.04)
+    assert int((keep & region).sum()) == n_keep
+    assert torch.equal(keep & ~region, mask & ~region)
+    assert (log_ratio[keep & region] ** 2).mean() <= 0.04 + 1e-6
+
+
+def _adaptive_tau_by_scan(values: torch.Tensor, tau: float):
+    n = values.numel()
+    if values.double().mean() <= tau:
+        return None
+    best = None
+    for v in sorted(values.double().tolist()):
+        if sum(min(x, v) for x in values.double().tolist()) <= tau * n:
+            best = v
+    return 0.0 if best is None else math.sqrt(best)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(1e-6, 5.0), min_size=1, max_size=300), st.floats(0.0, 0.3))
+def test_adaptive_clip_tau_matches_a_plain_scan(values, tau):
+    tensor = torch.tensor(values, dtype=torch.float32)
+    expected = _adaptive_tau_by_scan(tensor, tau)
+    got = adaptive_clip_tau(tensor, tau)
+    assert (got is None) == (expected is None)
+    if got is not None:
+        assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)

@@ -1,0 +1,96 @@
+"""Each stabilizer's loss time relative to `none`, measured side by side in one run.
+
+    python -m benchmarks.stabilizers [--batch 64] [--tokens 2048] [--rounds 30]
+
+One timed call is token_weights + the aggregated policy-gradient loss + its backward to the
+log-probs, on stale-looking inputs: token log-ratios mostly near 0 (std `--base-std`) with a heavy
+tail (`--tail-share` of tokens at std `--tail-std`), so M2PO's mask, the caps and the clips are all
+active. Rounds interleave the stabilizers so machine noise hits all alike; the table reports medians
+and ratios to `none` of the same rounds. The second ratio adds to every call the health metrics the
+learner logs each step whatever the stabilizer (ESS, K1/K3 KL, chi^2, M2), as a real step pays them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from algorithms import registry
+from algorithms.aggregation import policy_gradient_loss
+from algorithms.batch import PolicyBatch
+from algorithms.diagnostics import ratio_metrics
+from algorithms.stabilizer import Stabilizer
+
+RECOMMENDED_AGGREGATION = {"gspo": "seq-mean-token-mean", "vcpo": "seq-mean-token-mean"}
+
+
+def make_inputs(
+    batch: int, tokens: int, base_std: float, tail_share: float, tail_std: float, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    logprobs = -torch.rand(batch, tokens, generator=gen) * 4
+    log_ratio = torch.randn(batch, tokens, generator=gen) * base_std
+    tail = torch.rand(batch, tokens, generator=gen) < tail_share
+    log_ratio[tail] = torch.randn(int(tail.sum()), generator=gen) * tail_std
+    behaviour = logprobs - log_ratio
+    lengths = torch.randint(tokens // 4, tokens + 1, (batch,), generator=gen)
+    mask = torch.arange(tokens).unsqueeze(0) < lengths.unsqueeze(1)
+    advantages = torch.randn(batch, generator=gen)
+    return logprobs, behaviour, advantages, mask
+
+
+def time_once(stabilizer: Stabilizer, inputs: tuple[torch.Tensor, ...], with_health: bool) -> float:
+    logprobs, behaviour, advantages, mask = inputs
+    leaf = logprobs.clone().requires_grad_(True)
+    start = time.perf_counter()
+    batch = PolicyBatch(leaf, behaviour, advantages, mask)
+    decision = stabilizer.token_weights(batch)
+    mode = RECOMMENDED_AGGREGATION.get(stabilizer.name, "token-mean")
+    loss = policy_gradient_loss(leaf, decision.weights, batch.token_advantages, decision.mask, mode)
+    loss.backward()
+    if with_health:
+        ratio_metrics(batch.log_ratio, batch.mask)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--base-std", type=float, default=0.05, help="token log-ratio std of most tokens")
+    parser.add_argument("--tail-share", type=float, default=0.02, help="share of heavy-tail tokens")
+    parser.add_argument("--tail-std", type=float, default=1.5, help="log-ratio std of heavy-tail tokens")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is least noisy)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    inputs = make_inputs(args.batch, args.tokens, args.base_std, args.tail_share, args.tail_std)
+    stabilizers = [registry.build(name) for name in registry.STABILIZERS]
+    stabilizers.append(registry.build("m2po", mode="adaptive_clip"))
+    labels = [s.name + ("(adaptive_clip)" if getattr(s.config, "mode", "mask") == "adaptive_clip" else "") for s in stabilizers]
+    for stabilizer in stabilizers:  # warm-up: allocator and first-call costs
+        time_once(stabilizer, inputs, True)
+    loss_only: dict[str, list[float]] = {label: [] for label in labels}
+    with_health: dict[str, list[float]] = {label: [] for label in labels}
+    for _ in range(args.rounds):
+        for label, stabilizer in zip(labels, stabilizers):
+            loss_only[label].append(time_once(stabilizer, inputs, False))
+            with_health[label].append(time_once(stabilizer, inputs, True))
+
+    base, base_health = statistics.median(loss_only["none"]), statistics.median(with_health["none"])
+    print(
+        f"B={args.batch} T={args.tokens} log-ratio std {args.base_std}, tail {args.tail_share:.0%} at std "
+        f"{args.tail_std}; rounds={args.rounds} threads={args.threads}"
+    )
+    print(f"{'stabilizer':<22}{'loss ms':>9}{'x none':>8}{'+health ms':>12}{'x none':>8}")
+    for label in labels:
+        loss, health = statistics.median(loss_only[label]), statistics.median(with_health[label])
+        print(f"{label:<22}{loss * 1e3:>9.2f}{loss / base:>8.2f}{health * 1e3:>12.2f}{health / base_health:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
