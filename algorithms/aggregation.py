@@ -9,22 +9,30 @@ from __future__ import annotations
 
 from typing import get_args
 
+import torch
 from torch import Tensor
+
+from algorithms.batch import PolicyBatch, TokenWeights
 
 from algorithms.config import LossAggregation
 
 AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 
 
+def _as_float(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    return mask if mask.dtype == dtype else mask.to(dtype)
+
+
 def loss_denominator(mask: Tensor, mode: LossAggregation, constant_tokens: float | None = None) -> Tensor:
     """Local denominator of `mode`: tokens for token-mean, non-empty sequences for seq-mean-*.
 
     For `constant` (Dr.GRPO) it is non-empty sequences times the constant length `constant_tokens`.
+    `mask` may be boolean or a float 0/1 mask (cheaper on CPU when the caller already has one).
     """
-    mask = mask.bool()
+    lengths = _as_float(mask).sum(dim=1)
     if mode == "token-mean":
-        return mask.sum().float()
-    sequences = mask.any(dim=1).sum().float()
+        return lengths.sum()
+    sequences = (lengths > 0).sum().float()
     if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         return sequences
     if mode == "constant":
@@ -47,12 +55,12 @@ def aggregate_token_loss(
     seq-mean-token-sum: mean over sequences of token sums. constant: token sums / (sequences * C).
     An all-masked batch gives an exact 0 that still carries the graph (zero gradient, no NaN).
     """
-    mask = mask.bool()
-    masked = token_loss * mask.to(token_loss.dtype)
+    mask = _as_float(mask, token_loss.dtype)
+    masked = token_loss * mask
     if denominator is None:
         denominator = loss_denominator(mask, mode, constant_tokens)
     if mode == "seq-mean-token-mean":
-        per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1).to(token_loss.dtype)
+        per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
         numerator = per_seq.sum()
     else:
         numerator = masked.sum()
@@ -71,3 +79,17 @@ def policy_gradient_loss(
     """-agg(sg(weights) * A * log pi): its gradient is every stabilizer's policy gradient."""
     token_loss = -(weights.detach() * advantages * logprobs)
     return aggregate_token_loss(token_loss, mask, mode, denominator, constant_tokens)
+
+
+def policy_loss(
+    batch: PolicyBatch,
+    decision: TokenWeights,
+    mode: LossAggregation,
+    denominator: Tensor | None = None,
+    constant_tokens: float | None = None,
+) -> Tensor:
+    """The learner's loss for one batch and its stabilizer's decision (reuses the batch's float mask)."""
+    mask = batch.mask_float if decision.mask is batch.mask else decision.mask
+    return policy_gradient_loss(
+        batch.logprobs, decision.weights, batch.token_advantages, mask, mode, denominator, constant_tokens
+    )

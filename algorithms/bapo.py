@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from algorithms.batch import PolicyBatch, TokenWeights
-from algorithms.clipping import clipped_surrogate_weights
+from algorithms.clipping import step_indicator, clipped_surrogate_weights
 from algorithms.config import LOG_RATIO_BOUND, BAPOConfig
 from algorithms.stabilizer import Stabilizer, register
 
@@ -43,23 +43,27 @@ def adapt_bounds(log_ratio: Tensor, advantages: Tensor, mask: Tensor, config: BA
     """The first bounds on the walk (c_low first, then c_high) that reach the positive share; and the share."""
     lows = bound_grid(config.clip_low_min, config.clip_low_max, config.step)
     highs = bound_grid(config.clip_high_min, config.clip_high_max, config.step)
-    contribution = torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND)) * advantages.abs()
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    contribution = torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND)) * advantages.abs() * mask
     log_lows = torch.tensor([math.log(v) for v in lows], dtype=log_ratio.dtype)
     log_highs = torch.tensor([math.log(v) for v in highs], dtype=log_ratio.dtype)
-    positive = mask & (advantages > 0)
-    negative = mask & (advantages < 0) & (log_ratio <= math.log(config.dual_clip_c))
+    log_c = math.log(config.dual_clip_c)
+    sign = torch.sign(advantages)
     # A positive token counts for every c_high >= r: always when r <= a+, from the first grid bound
     # above r when r lies inside the grid (few tokens: they alone are bucketed), never above b+.
-    pos_always = (contribution * (positive & (log_ratio <= float(log_highs[0])))).sum(dtype=torch.float64)
-    inside = positive & (log_ratio > float(log_highs[0])) & (log_ratio <= float(log_highs[-1]))
+    positive = contribution * sign.clamp(min=0)
+    pos_always = (positive * (1 - step_indicator(log_ratio - float(log_highs[0])))).sum(dtype=torch.float64)
+    inside = (positive > 0) & (log_ratio > float(log_highs[0])) & (log_ratio <= float(log_highs[-1]))
     first_high = torch.searchsorted(log_highs, log_ratio[inside], side="left")
-    pos = pos_always + torch.cumsum(torch.bincount(first_high, contribution[inside].double(), len(highs)), 0)
-    # A negative token counts for every c_low <= r: always when r >= b-, for the grid lows <= r
-    # when r lies inside the grid, never below a-.
-    neg_always = (contribution * (negative & (log_ratio >= float(log_lows[-1])))).sum(dtype=torch.float64)
-    inside = negative & (log_ratio >= float(log_lows[0])) & (log_ratio < float(log_lows[-1]))
+    pos = pos_always + torch.cumsum(torch.bincount(first_high, positive[inside].double(), len(highs)), 0)
+    # A negative token (not dual-clipped) counts for every c_low <= r: always when r >= b-, for the
+    # grid lows <= r when r lies inside the grid, never below a-.
+    negative = contribution * (-sign).clamp(min=0) * (1 - step_indicator(log_ratio - log_c))
+    neg_always = (negative * (1 - step_indicator(float(log_lows[-1]) - log_ratio))).sum(dtype=torch.float64)
+    inside = (negative > 0) & (log_ratio >= float(log_lows[0])) & (log_ratio < float(log_lows[-1]))
     n_lows = torch.searchsorted(log_lows, log_ratio[inside], side="right")
-    neg_from = torch.bincount(n_lows, contribution[inside].double(), len(lows) + 1)
+    neg_from = torch.bincount(n_lows, negative[inside].double(), len(lows) + 1)
     neg = neg_always + torch.flip(torch.cumsum(torch.flip(neg_from, (0,)), 0), (0,))[1:]
     # The walk: (low_0, high_0) ... (low_last, high_0), then (low_last, high_1) ... (low_last, high_last).
     walk_pos = torch.cat([pos[:1].expand(len(lows)), pos[1:]])
@@ -78,7 +82,7 @@ class BAPO(Stabilizer):
     """PPO clip whose bounds adapt each step to keep positive tokens' share of the gradient."""
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        low, high, share = adapt_bounds(batch.log_ratio, batch.token_advantages, batch.mask, self.config)
+        low, high, share = adapt_bounds(batch.log_ratio, batch.advantages, batch.mask_float, self.config)
         result = clipped_surrogate_weights(batch, low, high, self.config.dual_clip_c)
         result.metrics["stability/clip_low"] = torch.tensor(low)
         result.metrics["stability/clip_high"] = torch.tensor(high)

@@ -12,33 +12,42 @@ import math
 import torch
 from torch import Tensor
 
-from algorithms.batch import PolicyBatch, TokenWeights, broadcast_seq, fraction, safe_exp
+from algorithms.batch import PolicyBatch, TokenWeights, fraction, safe_exp
 from algorithms.config import LOG_RATIO_BOUND
 from algorithms.stabilizer import Stabilizer, register
 
 
+def step_indicator(x: Tensor) -> Tensor:
+    """1.0 where x > 0, else 0.0, in float arithmetic (boolean masks cost several times more on CPU)."""
+    return torch.sign(x).clamp(min=0)
+
+
 def clip_active(log_ratio: Tensor, advantages: Tensor, low: float, high: float, dual_clip_c: float | None) -> Tensor:
-    """Where the clipped PPO surrogate still has gradient, for ratio bounds [low, high].
+    """1.0 where the clipped PPO surrogate still has gradient for ratio bounds [low, high], else 0.0.
 
     A > 0 loses gradient above `high`; A < 0 below `low`, and above `dual_clip_c` (dual clip).
-    Compared in log space so that +-1000 log-ratios never overflow.
+    Compared in log space so that +-1000 log-ratios never overflow. `advantages` broadcasts against
+    `log_ratio` ([B, 1] against [B, T] costs nothing per token). With low < 1 < high, a padded token
+    (log-ratio 0) is never clipped: the caller multiplies by its mask.
     """
     log_low = math.log(low) if low > 0 else -math.inf
-    clipped = ((advantages > 0) & (log_ratio > math.log(high))) | ((advantages < 0) & (log_ratio < log_low))
+    sign = torch.sign(advantages)
+    clipped_low = step_indicator(log_low - log_ratio)
     if dual_clip_c is not None:
-        clipped |= (advantages < 0) & (log_ratio > math.log(dual_clip_c))
-    return ~clipped
+        clipped_low = clipped_low + step_indicator(log_ratio - math.log(dual_clip_c))
+    clipped = sign.clamp(min=0) * step_indicator(log_ratio - math.log(high)) + (-sign).clamp(min=0) * clipped_low
+    return 1.0 - clipped
 
 
 def clipped_surrogate_weights(
     batch: PolicyBatch, low: float, high: float, dual_clip_c: float | None
 ) -> TokenWeights:
     """Token PPO surrogate with ratio bounds [low, high] as detached weights, with its clip fraction."""
-    advantages = batch.token_advantages
-    active = clip_active(batch.log_ratio, advantages, low, high, dual_clip_c) & batch.mask
+    advantages = batch.advantages.unsqueeze(1) if batch.advantages.dim() == 1 else batch.advantages
+    active = clip_active(batch.log_ratio, advantages, low, high, dual_clip_c) * batch.mask_float
     weights = torch.exp(batch.log_ratio.clamp(max=LOG_RATIO_BOUND)) * active
-    clipped = ~active & batch.mask & (advantages != 0)
-    return TokenWeights(weights, batch.mask, {"stability/clip_frac": batch.token_mean(clipped.float())})
+    clipped = (batch.mask_float - active) * torch.sign(advantages).abs()
+    return TokenWeights(weights, batch.mask, {"stability/clip_frac": batch.token_mean(clipped)})
 
 
 @register("ppo_clip")
@@ -62,7 +71,8 @@ class GSPO(Stabilizer):
         c = self.config
         log_s = batch.seq_log_ratio / batch.token_lengths.clamp(min=1)
         active = clip_active(log_s, batch.seq_advantages, 1.0 - c.eps_low, 1.0 + c.eps_high, None)
-        has_tokens = batch.mask.any(1)
-        weights = broadcast_seq(torch.where(active, safe_exp(log_s), torch.zeros_like(log_s)), batch.mask)
-        metrics = {"stability/clip_frac": fraction(~active & (batch.seq_advantages != 0), has_tokens)}
-        return TokenWeights(weights * batch.mask, batch.mask, metrics)
+        has_tokens = batch.token_lengths > 0
+        weights = (safe_exp(log_s) * active).unsqueeze(1) * batch.mask_float
+        clipped = (1.0 - active) * torch.sign(batch.seq_advantages).abs()
+        metrics = {"stability/clip_frac": fraction(clipped > 0, has_tokens)}
+        return TokenWeights(weights, batch.mask, metrics)

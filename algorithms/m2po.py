@@ -29,23 +29,33 @@ def trust_region_tokens(log_ratio: Tensor, advantages: Tensor, mask: Tensor) -> 
     """Tokens where a PPO clip could bind: (A > 0 and r > 1) or (A < 0 and r < 1)."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
-    return mask.bool() & (((advantages > 0) & (log_ratio > 0)) | ((advantages < 0) & (log_ratio < 0)))
+    return mask.bool() & (advantages * log_ratio > 0)
 
 
-def _candidates_descending(values: Tensor, threshold: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Values above `threshold`, largest first, with their flat indices; and the sum of the others.
+def _region_indicator(log_ratio: Tensor, advantages: Tensor) -> Tensor:
+    """Float 1/0 trust-region indicator for a log-ratio that is already 0 on padding.
 
-    Also returns `tail[m]` for m = 0..K: the sum of all values except the m largest, summed from the
-    small end (never as total - removed), so tiny values keep their weight in fp64.
+    A and log r share a sign exactly in the trust region, and padding has log r = 0; sign() and
+    clamp() keep this in float arithmetic, several times cheaper than boolean masks on CPU.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    return torch.sign(advantages * log_ratio).clamp(min=0)
+
+
+def _candidates_descending(values: Tensor, threshold: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Values above `threshold`, largest first (fp64), with their flat indices, and `tail`.
+
+    `tail[m]` for m = 0..K is the sum of all values except the m largest. The candidates' part is
+    summed from the small end and the rest as sum(min(v, threshold)) - K threshold, never as
+    total - removed, so tiny values keep their weight.
     """
     values = values.double()  # compare and sum in one precision, or ties at tau flip sides
-    selected = values > threshold
-    index = selected.nonzero().squeeze(1)
+    index = (values > threshold).nonzero().squeeze(1)
     top, order = torch.sort(values[index], descending=True)
-    rest = (values * ~selected).sum()
+    rest = values.clamp(max=threshold).sum() - top.numel() * threshold
     suffix = torch.flip(torch.cumsum(torch.flip(top, (0,)), 0), (0,))
-    tail = rest + torch.cat([suffix, top.new_zeros(1)])
-    return top, index[order], rest, tail
+    return top, index[order], rest + torch.cat([suffix, top.new_zeros(1)])
 
 
 def m2po_token_mask(log_ratio: Tensor, advantages: Tensor, mask: Tensor, tau: float = 0.04) -> Tensor:
@@ -54,29 +64,32 @@ def m2po_token_mask(log_ratio: Tensor, advantages: Tensor, mask: Tensor, tau: fl
     Padding (mask False) is returned False. Masked tokens are the trust-region tokens with the largest
     (log r)^2, removed until the mean over the remaining trust-region tokens is <= tau.
     """
-    log_ratio = log_ratio.detach().float()
     mask = mask.bool()
-    region = trust_region_tokens(log_ratio, advantages, mask)
-    return _keep_within_budget(log_ratio * log_ratio * region, int(region.sum()), mask, tau)
+    log_ratio = torch.where(mask, log_ratio.detach().float(), torch.zeros(()))
+    region = _region_indicator(log_ratio, advantages)
+    dropped, _ = _drop_within_budget(log_ratio * log_ratio * region, int(region.sum()), tau)
+    keep = mask.clone()
+    keep.view(-1)[dropped] = False
+    return keep
 
 
-def _keep_within_budget(region_m2: Tensor, n_region: int, mask: Tensor, tau: float) -> Tensor:
+def _drop_within_budget(region_m2: Tensor, n_region: int, tau: float) -> tuple[Tensor, Tensor | None]:
     """Algorithm 1 on (log r)^2 that is > 0 on the n_region trust-region tokens and 0 elsewhere.
 
-    Removing the m largest is the sorted-prefix form: find the smallest m whose remaining mean is
-    <= tau. Each removed value was the maximum of a set whose mean exceeded tau, so only values
-    above tau can be removed: sorting those few replaces a sort of the batch.
+    Returns the flat indices to mask and the M2 of the kept trust-region tokens (None if nothing is
+    masked). Removing the m largest is the sorted-prefix form: find the smallest m whose remaining
+    mean is <= tau. Each removed value was the maximum of a set whose mean exceeded tau, so only
+    values above tau can be removed: sorting those few replaces a sort of the batch.
     """
-    total = region_m2.sum(dtype=torch.float64)
-    if n_region == 0 or total <= tau * n_region:
-        return mask
-    top, index, _, tail = _candidates_descending(region_m2.reshape(-1), tau)
+    no_drop = torch.zeros(0, dtype=torch.long, device=region_m2.device)
+    if n_region == 0 or region_m2.sum(dtype=torch.float64) <= tau * n_region:
+        return no_drop, None
+    top, index, tail = _candidates_descending(region_m2.reshape(-1), tau)
     removed = torch.arange(0, top.numel() + 1, dtype=torch.float64)
     fits = tail <= tau * (n_region - removed)
     n_drop = int(torch.argmax(fits.to(torch.uint8))) if bool(fits.any()) else top.numel()
-    keep = mask.clone()
-    keep.view(-1)[index[:n_drop]] = False
-    return keep
+    kept = n_region - n_drop
+    return index[:n_drop], (tail[n_drop] / kept).float() if kept else torch.zeros(())
 
 
 def adaptive_clip_tau(region_m2: Tensor, tau: float) -> float | None:
@@ -89,7 +102,7 @@ def adaptive_clip_tau(region_m2: Tensor, tau: float) -> float | None:
     n = region_m2.numel()
     if n == 0 or region_m2.sum(dtype=torch.float64) <= tau * n:
         return None
-    top, _, _, tail = _candidates_descending(region_m2, tau)
+    top, _, tail = _candidates_descending(region_m2, tau)
     j = torch.arange(0, top.numel(), dtype=torch.float64)
     fits = (tail[:-1] + j * top) <= tau * n
     if bool(fits.any()):
@@ -104,17 +117,19 @@ class M2PO(Stabilizer):
     """Second-moment trust region; see the module docstring for the two forms."""
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        region = trust_region_tokens(batch.log_ratio, batch.advantages, batch.mask)
+        region = _region_indicator(batch.log_ratio, batch.advantages)
         region_m2 = batch.log_ratio * batch.log_ratio * region
-        n_region = region.sum().clamp(min=1)
-        metrics = {"stability/m2": region_m2.sum() / n_region}
+        n_region = int(region.sum())
+        m2_before = region_m2.sum() / max(n_region, 1)
+        metrics = {"stability/m2": m2_before}
         if self.config.mode == "adaptive_clip":
-            return self._adaptive_clip(batch, region_m2[region], metrics)
-        keep = _keep_within_budget(region_m2, int(region.sum()), batch.mask, self.config.tau)
+            return self._adaptive_clip(batch, region_m2[region > 0], metrics)
+        dropped, m2_after = _drop_within_budget(region_m2, n_region, self.config.tau)
+        keep = batch.mask_float.clone()
+        keep.view(-1)[dropped] = 0.0
         weights = torch.exp(batch.log_ratio.clamp(max=LOG_RATIO_BOUND)) * keep
-        kept_region = region & keep
-        metrics["stability/m2_after"] = (region_m2 * kept_region).sum() / kept_region.sum().clamp(min=1)
-        metrics["stability/mask_frac"] = 1 - keep.sum() / batch.token_count
+        metrics["stability/m2_after"] = m2_before if m2_after is None else m2_after
+        metrics["stability/mask_frac"] = dropped.numel() / batch.token_count
         return TokenWeights(weights, batch.mask, metrics)
 
     def _adaptive_clip(self, batch: PolicyBatch, m2_before: Tensor, metrics: dict[str, Tensor]) -> TokenWeights:

@@ -51,3 +51,23 @@ def test_policy_gradient_loss_detaches_weights():
     loss.backward()
     assert weights.grad is None
     assert torch.allclose(logprobs.grad, torch.tensor([[-1.0, -1.5]]))
+
+
+def test_float_and_bool_masks_agree():
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        assert aggregate_token_loss(LOSS, MASK.float(), mode).item() == aggregate_token_loss(LOSS, MASK, mode).item()
+
+
+def test_policy_loss_uses_the_decision_mask():
+    from algorithms import registry
+    from algorithms.aggregation import policy_loss
+    from algorithms.batch import PolicyBatch
+
+    logprobs = torch.log(torch.tensor([[0.5, 0.5, 0.5]])).requires_grad_(True)
+    behaviour = torch.log(torch.tensor([[0.5, 0.1, 0.5]]))  # the middle token has ratio 5
+    batch = PolicyBatch(logprobs, behaviour, torch.ones(1), torch.ones(1, 3))
+    kept = policy_loss(batch, registry.build("mis_token").token_weights(batch), "token-mean")
+    # mis_token drops the ratio-5 token from the denominator: mean over 2 tokens of -log 0.5
+    assert kept.item() == pytest.approx(-torch.log(torch.tensor(0.5)).item())
+    icepop = policy_loss(batch, registry.build("icepop", high=4.0).token_weights(batch), "token-mean")
+    assert icepop.item() == pytest.approx(2 / 3 * -torch.log(torch.tensor(0.5)).item())

@@ -8,12 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from algorithms.bapo import adapt_bounds, bound_grid
-from algorithms.clipping import clip_active
 from algorithms.config import BAPOConfig
 
 
 def _share(log_ratio, advantages, mask, low, high, dual_c):
-    active = clip_active(log_ratio, advantages, low, high, dual_c) & mask
+    r = torch.exp(log_ratio)
+    clipped = ((advantages > 0) & (r > high)) | ((advantages < 0) & ((r < low) | (r > dual_c)))
+    active = ~clipped & mask
     contribution = torch.where(active, torch.exp(log_ratio) * advantages.abs(), torch.zeros_like(log_ratio))
     pos, total = contribution[advantages > 0].sum().item(), contribution.sum().item()
     return pos / total if total > 0 else 1.0

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from algorithms import diagnostics as d
+from algorithms.batch import PolicyBatch
 
 
 def test_ess_reference_vector():
@@ -78,16 +79,38 @@ def test_chi2_and_second_moment_by_hand():
     assert d.chi2_seq(torch.log(torch.tensor([1.0, 3.0]))).item() == pytest.approx((1 + 9) / 2 - 1, rel=1e-6)
 
 
-def test_health_metrics_finite_for_extreme_ratios():
+def _batch(log_ratio, mask):
+    behaviour = torch.full_like(log_ratio, -2.0)
+    return PolicyBatch(behaviour + log_ratio, behaviour, torch.ones(log_ratio.shape[0]), mask)
+
+
+def test_health_metrics_equal_the_masked_estimators():
+    gen = torch.Generator().manual_seed(3)
+    l = torch.randn(4, 9, generator=gen)
+    mask = torch.rand(4, 9, generator=gen) < 0.7
+    mask[0] = False  # an empty sequence is left out of the ESS
+    metrics = d.health_metrics(_batch(l, mask))
+    assert metrics["stability/kl_k1"].item() == pytest.approx(d.kl_k1(l, mask).item(), rel=1e-5)
+    assert metrics["stability/kl_k3"].item() == pytest.approx(d.kl_k3(l, mask).item(), rel=1e-5)
+    assert metrics["stability/chi2_token"].item() == pytest.approx(d.chi2_token(l, mask).item(), rel=1e-5)
+    assert metrics["stability/m2"].item() == pytest.approx(d.second_moment(l, mask).item(), rel=1e-5)
+    log_w = d.sequence_log_weights(l, mask)[1:]
+    assert metrics["stability/ess_ratio"].item() == pytest.approx(d.ess_ratio(log_w).item(), rel=1e-5)
+
+
+def test_health_metrics_finite_for_extreme_ratios_and_garbage_padding():
     l = torch.tensor([[1000.0, -1000.0], [0.0, 3.0]])
-    mask = torch.ones(2, 2, dtype=torch.bool)
-    metrics = d.ratio_metrics(l, mask)
-    assert set(metrics) >= {"stability/kl_k3", "stability/ess_ratio", "stability/m2", "stability/chi2_seq"}
-    assert all(torch.isfinite(v).all() for v in metrics.values())
+    batch = _batch(l, torch.ones(2, 2, dtype=torch.bool))
+    padded = PolicyBatch(batch.logprobs, torch.tensor([[-2.0, -2.0], [-2.0, -math.inf]]), batch.advantages,
+                         torch.tensor([[True, True], [True, False]]))
+    for b in (batch, padded):
+        metrics = d.health_metrics(b)
+        assert set(metrics) >= {"stability/kl_k3", "stability/ess_ratio", "stability/m2", "stability/chi2_seq"}
+        assert all(torch.isfinite(v).all() for v in metrics.values())
 
 
 def test_health_metrics_of_all_masked_batch_have_no_nan_and_no_ess():
-    metrics = d.ratio_metrics(torch.randn(2, 3), torch.zeros(2, 3, dtype=torch.bool))
+    metrics = d.health_metrics(_batch(torch.randn(2, 3), torch.zeros(2, 3, dtype=torch.bool)))
     assert "stability/ess_ratio" not in metrics
     assert all(torch.isfinite(v) for v in metrics.values())
 

@@ -217,3 +217,14 @@ def test_cispo_matches_its_detached_objective():
     weight = _ratio(batch).detach().clamp(0.0, 1.2)
     literal = -(weight * batch.token_advantages * batch.logprobs).sum() / batch.mask.sum()
     assert torch.allclose(ours, _grad(literal, batch), atol=1e-6)
+
+
+def test_clip_active_follows_the_ppo_rule():
+    from algorithms.clipping import clip_active
+
+    r = torch.tensor([0.5, 0.9, 1.1, 1.5, 4.0] * 3)
+    a = torch.tensor([1.0] * 5 + [-1.0] * 5 + [0.0] * 5)
+    expected = ~(((a > 0) & (r > 1.2)) | ((a < 0) & ((r < 0.8) | (r > 3.0))))
+    assert torch.equal(clip_active(torch.log(r), a, 0.8, 1.2, 3.0), expected.float())
+    no_dual = ~(((a > 0) & (r > 1.2)) | ((a < 0) & (r < 0.8)))
+    assert torch.equal(clip_active(torch.log(r), a, 0.8, 1.2, None), no_dual.float())
