@@ -1,0 +1,176 @@
+"""The rollout buffer: version-tagged groups, a lag bound, admission control and a ledger.
+
+Lag of a group at train time = learner version - the version its responses were sampled with.
+`wait` (default) throttles generation so no group can exceed `max_lag`; `drop` lets generators run
+ahead and drops groups that went stale, recording why. Either way the ledger accounts for every
+prompt group: issued, scored, trained (at which step) or dropped (with a reason).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass
+class ScoredGroup:
+    """A prompt group with its responses, rewards and version tags, ready to train on."""
+
+    group_id: int
+    problem_id: str
+    prompt_ids: list[int]
+    completions: list[dict[str, Any]]  # completion_ids, behaviour_logprobs, text, finish_reason, reward, score_error
+    version_start: int
+    version_end: int
+    generator_index: int
+
+    @property
+    def rewards(self) -> list[float]:
+        return [c["reward"] for c in self.completions]
+
+    def samples(self) -> list[dict[str, Any]]:
+        """One training sample per response (the learner's collate input)."""
+        return [
+            {
+                "prompt_ids": self.prompt_ids, "completion_ids": c["completion_ids"],
+                "behaviour_logprobs": c["behaviour_logprobs"], "reward": c["reward"],
+                "group_id": self.group_id, "version": self.version_start,
+            }
+            for c in self.completions
+        ]
+
+
+@dataclass
+class LedgerEntry:
+    group_id: int
+    problem_id: str
+    issued_version: int
+    generator_index: int
+    status: Literal["issued", "scored", "trained", "dropped"] = "issued"
+    trained_step: int | None = None
+    lag: int | None = None
+    reason: str | None = None
+    score_errors: int = 0
+    history: list[str] = field(default_factory=list)
+
+
+class Ledger:
+    """Every prompt group's fate, appended to a JSONL file as it happens."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.entries: dict[int, LedgerEntry] = {}
+        self.path = path
+        self._file = path.open("a") if path is not None else None
+
+    def issued(self, group_id: int, problem_id: str, version: int, generator_index: int) -> None:
+        if group_id in self.entries:
+            raise ValueError(f"group {group_id} issued twice")
+        self.entries[group_id] = LedgerEntry(group_id, problem_id, version, generator_index)
+        self._record(group_id, "issued")
+
+    def scored(self, group_id: int, score_errors: int = 0) -> None:
+        self._move(group_id, "scored", frm=("issued",)).score_errors = score_errors
+
+    def trained(self, group_id: int, step: int, lag: int) -> None:
+        entry = self._move(group_id, "trained", frm=("scored",))
+        entry.trained_step, entry.lag = step, lag
+
+    def dropped(self, group_id: int, reason: str) -> None:
+        self._move(group_id, "dropped", frm=("issued", "scored")).reason = reason
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(entry.status for entry in self.entries.values()))
+
+    def unresolved(self) -> list[int]:
+        """Groups neither trained nor dropped (in flight or buffered)."""
+        return [gid for gid, e in self.entries.items() if e.status in ("issued", "scored")]
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _move(self, group_id: int, status: str, frm: tuple[str, ...]) -> LedgerEntry:
+        entry = self.entries.get(group_id)
+        if entry is None:
+            raise ValueError(f"group {group_id} was never issued")
+        if entry.status not in frm:
+            raise ValueError(f"group {group_id} cannot become {status}: it is already {entry.status}")
+        entry.status = status  # type: ignore[assignment]
+        self._record(group_id, status)
+        return entry
+
+    def _record(self, group_id: int, event: str) -> None:
+        entry = self.entries[group_id]
+        entry.history.append(event)
+        if self._file is not None:
+            row = {k: v for k, v in asdict(entry).items() if k != "history"}
+            self._file.write(json.dumps({"event": event, **row}) + "\n")
+            self._file.flush()
+
+
+class RolloutBuffer:
+    """FIFO of scored groups with lag-bounded admission.
+
+    `can_issue` answers whether a new group sampled now (with the generator's weights version) would
+    still be trainable when its turn comes: it is trained by the step that follows the groups ahead of
+    it, at version `learner_version + busy + queued // prompts_per_step`.
+    """
+
+    def __init__(self, max_lag: int, prompts_per_step: int, stale_policy: Literal["wait", "drop"], ledger: Ledger) -> None:
+        if max_lag < 0:
+            raise ValueError(f"max_lag must be >= 0, got {max_lag}")
+        self.max_lag, self.prompts_per_step, self.stale_policy = max_lag, prompts_per_step, stale_policy
+        self.ledger = ledger
+        self.ready: deque[ScoredGroup] = deque()
+        self.in_flight = 0
+
+    def can_issue(self, learner_version: int, learner_busy: bool, generator_version: int) -> bool:
+        """Whether a generator at `generator_version` may start one more group now."""
+        queued = len(self.ready) + self.in_flight
+        train_version = learner_version + int(learner_busy) + queued // self.prompts_per_step
+        if self.stale_policy == "wait":
+            return train_version - generator_version <= self.max_lag
+        # drop: run ahead, but never hold more than the lag window could ever train
+        return queued < self.prompts_per_step * (self.max_lag + 2)
+
+    def issue(self, group_id: int, problem_id: str, version: int, generator_index: int) -> None:
+        self.ledger.issued(group_id, problem_id, version, generator_index)
+        self.in_flight += 1
+
+    def add(self, group: ScoredGroup, score_errors: int = 0) -> None:
+        """A generated and scored group arrives."""
+        self.in_flight -= 1
+        self.ledger.scored(group.group_id, score_errors)
+        self.ready.append(group)
+
+    def lost(self, group_id: int, reason: str) -> None:
+        """A group that will never arrive (its generator failed)."""
+        self.in_flight -= 1
+        self.ledger.dropped(group_id, reason)
+
+    def take(self, learner_version: int) -> list[ScoredGroup] | None:
+        """The next `prompts_per_step` groups within the lag bound, or None if not enough yet.
+
+        Stale groups met on the way are dropped (under `wait` that only happens if weights were
+        not delivered in time, and it is recorded the same way).
+        """
+        fresh: deque[ScoredGroup] = deque()
+        for group in self.ready:  # generators finish out of order: a stale group may sit anywhere
+            lag = learner_version - group.version_start
+            if lag > self.max_lag:
+                self.ledger.dropped(group.group_id, f"stale: lag {lag} > max_lag {self.max_lag}")
+            else:
+                fresh.append(group)
+        self.ready = fresh
+        if len(self.ready) < self.prompts_per_step:
+            return None
+        return [self.ready.popleft() for _ in range(self.prompts_per_step)]
+
+    def mark_trained(self, groups: list[ScoredGroup], step_version: int) -> None:
+        """`step_version`: the learner version the step trained at (its groups' lag is measured there)."""
+        for group in groups:
+            self.ledger.trained(group.group_id, step_version, step_version - group.version_start)

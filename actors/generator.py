@@ -1,0 +1,128 @@
+"""A generator: one vLLM engine that samples groups of responses and reloads weights in place.
+
+A plain class; `cluster/` runs each as a Ray actor. Every sample carries the policy version of the
+weights it was sampled with (start and end: weights only change between calls here, so they agree).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GeneratorSpec:
+    """Engine and sampling settings as plain values."""
+
+    model_path: str
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_model_len: int = 512
+    kv_cache_mb: int = 64
+    dtype: str = "float32"
+    seed: int = 0
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt group to sample: its chat messages and a seed that makes the group reproducible."""
+
+    group_id: int
+    problem_id: str
+    messages: list[dict[str, str]]
+    seed: int
+
+
+@dataclass
+class GeneratedGroup:
+    """The responses to one request, with token ids and behaviour log-probs per response."""
+
+    group_id: int
+    problem_id: str
+    prompt_ids: list[int]
+    completions: list[dict[str, Any]] = field(default_factory=list)  # completion_ids, behaviour_logprobs, text, finish_reason
+    version_start: int = 0
+    version_end: int = 0
+    generator_index: int = 0
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Chat-templated prompt token ids; the template adds every special token itself.
+
+    Shared by generation and the supervised warm-up, so both see identical prompts.
+    """
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class Generator:
+    """A vLLM engine in this process (no engine subprocess: faster start, weights pass as objects)."""
+
+    def __init__(self, spec: GeneratorSpec, index: int = 0) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        self.spec, self.index, self.version = spec, index, 0
+        self.llm = LLM(
+            model=spec.model_path,
+            distributed_executor_backend="uni",
+            dtype=spec.dtype,
+            enforce_eager=True,
+            max_model_len=spec.max_model_len,
+            kv_cache_memory_bytes=spec.kv_cache_mb << 20,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="actors.vllm_extension.WeightUpdateExtension",
+            seed=spec.seed + index,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.generated_tokens = 0
+        self.generate_s = 0.0
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GeneratedGroup]:
+        """Sample `samples_per_prompt` responses for every request, with processed log-probs."""
+        from vllm import SamplingParams
+
+        start, version = time.perf_counter(), self.version
+        prompts = [{"prompt_token_ids": self.prompt_ids(r.messages)} for r in requests]
+        params = [
+            SamplingParams(
+                n=self.spec.samples_per_prompt, temperature=self.spec.temperature, top_p=self.spec.top_p,
+                max_tokens=self.spec.max_new_tokens, logprobs=0, seed=r.seed,
+            )
+            for r in requests
+        ]
+        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        groups = []
+        for request, prompt, output in zip(requests, prompts, outputs):
+            group = GeneratedGroup(request.group_id, request.problem_id, list(prompt["prompt_token_ids"]),
+                                   version_start=version, version_end=self.version, generator_index=self.index)
+            for completion in output.outputs:
+                ids = list(completion.token_ids)
+                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
+                group.completions.append({
+                    "completion_ids": ids, "behaviour_logprobs": logprobs,
+                    "text": completion.text, "finish_reason": completion.finish_reason,
+                })
+                self.generated_tokens += len(ids)
+            groups.append(group)
+        self.generate_s += time.perf_counter() - start
+        return groups
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, messages)
+
+    def update_weights(self, state_dict: dict[str, Any], version: int) -> float:
+        """Load new weights in place and drop cached prefixes computed with the old ones; seconds taken."""
+        start = time.perf_counter()
+        self.llm.collective_rpc("update_weights_from_state_dict", args=(state_dict,))
+        self.llm.reset_prefix_cache()
+        self.version = version
+        return time.perf_counter() - start
+
+    def throughput(self) -> dict[str, float]:
+        """Tokens generated and seconds spent generating since start."""
+        return {"generated_tokens": float(self.generated_tokens), "generate_s": self.generate_s}

@@ -1,0 +1,270 @@
+"""The driver of one job: prepare, place actors, then run the asynchronous loop.
+
+The loop keeps every generator busy as long as the rollout buffer admits more groups under the lag
+bound, starts a learner step whenever a batch of fresh groups is ready, and after each step publishes
+the new weights; a generator picks them up before its next request (Ray runs an actor's calls in
+order), so it never restarts and never waits for the learner unless the lag bound says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
+from actors.generator import GeneratedGroup, GenerationRequest, GeneratorSpec
+from algorithms.config import STABILIZER_CONFIGS
+from algorithms.diagnostics import lag_stats
+from cluster import runtime
+from cluster.job import Job, dump_job, section_config
+from cluster.metrics import MetricSink
+from cluster.model_prep import prepare_model, sft_samples
+from learner.batch import TrainBatch, collate
+from learner.rank import LearnerSpec
+from tasks.base import Problem, Task, build_task
+from tasks.config import TASK_CONFIGS
+from tasks.scoring import ScorePool
+
+log = logging.getLogger("stableasync")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    steps: int
+    ledger_counts: dict[str, int]
+    rewards: list[float] = field(default_factory=list)
+
+
+def create_run_dir(job: Job) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(job.logging.run_dir) / (job.logging.run_name or f"{job.name}-{stamp}")
+    run_dir.mkdir(parents=True, exist_ok=False)
+    (run_dir / "job.yaml").write_text(dump_job(job))
+    return run_dir
+
+
+def train(job: Job) -> RunResult:
+    """Run one job to its last step; returns where its records are."""
+    run_dir = create_run_dir(job)
+    task = build_task(job.task.name, section_config(job.task, TASK_CONFIGS))
+    model_path = prepare_model(job, task)
+    runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace)
+    _check_resources(job)
+    sink = MetricSink(run_dir, run_dir.name, job.model_dump(mode="json", by_alias=True), job.logging.wandb.mode,
+                      job.logging.wandb.project, job.logging.wandb.entity, job.logging.progress_bar, job.learner.steps)
+    learners = runtime.LearnerGroup(_learner_spec(job, model_path), job.learner.num_ranks,
+                                    job.learner.cpus_per_rank, job.learner.gpus_per_rank)
+    generators = runtime.start_generators(_generator_spec(job, model_path), job.generator.num_generators,
+                                          job.generator.cpus_per_generator, job.generator.gpus_per_generator)
+    ledger = Ledger(run_dir / "ledger.jsonl")
+    try:
+        if job.model.sft_warmup.steps:
+            _sft_warmup(job, task, model_path, learners, sink)
+        loop = AsyncLoop(job, task, learners, generators, ledger, sink)
+        rewards = loop.run()
+    finally:
+        ledger.close()
+        sink.close()
+        learners.shutdown()
+        for generator in generators:
+            ray.kill(generator)
+    counts = ledger.counts()
+    (run_dir / "summary.json").write_text(json.dumps({"steps": job.learner.steps, "ledger": counts, "rewards": rewards}))
+    return RunResult(run_dir, job.learner.steps, counts, rewards)
+
+
+class AsyncLoop:
+    """Generators, scorer, buffer and learner, driven by completions (`ray.wait`)."""
+
+    def __init__(self, job: Job, task: Task, learners: runtime.LearnerGroup, generators: list[Any],
+                 ledger: Ledger, sink: MetricSink) -> None:
+        self.job, self.task, self.learners, self.generators, self.sink = job, task, learners, generators, sink
+        self.buffer = RolloutBuffer(job.async_.max_lag, job.learner.prompts_per_step, job.async_.stale_policy, ledger)
+        self.problems: Iterator[Problem] = task.problems("train", job.seed)
+        self.problem_of: dict[int, Problem] = {}
+        self.scorer = ScorePool(job.task.name, section_config(job.task, TASK_CONFIGS), max_workers=1)
+        self.rng = random.Random(job.seed)
+        self.next_group_id = 0
+        self.version = 0  # learner optimizer steps taken
+        self.weights_version = [0] * len(generators)  # version each generator will sample with next
+        self.generating: dict[ray.ObjectRef, int] = {}  # generate call -> generator index
+        self.learner_refs: list[ray.ObjectRef] = []
+        self.training: list[ScoredGroup] = []
+        self.step_started = 0.0
+        self.pad_id = 0
+        self.rewards: list[float] = []
+
+    def run(self) -> list[float]:
+        self._sync_weights()  # generators start from the learner's weights (after any warm-up)
+        try:
+            while self.version < self.job.learner.steps:
+                self._issue_generation()
+                self._start_learner_step()
+                self._handle(self._wait_one())
+        finally:
+            self.scorer.close()
+        for ref in list(self.generating):  # let in-flight generation finish so the ledger can close it
+            del self.generating[ref]
+            for group in ray.get(ref):
+                self.buffer.lost(group.group_id, "run finished before this group was trained")
+        for group in self.buffer.ready:
+            self.buffer.ledger.dropped(group.group_id, "run finished before this group was trained")
+        return self.rewards
+
+    # ---- one turn of the loop ------------------------------------------------------------------
+
+    def _issue_generation(self) -> None:
+        busy = set(self.generating.values())
+        for index, generator in enumerate(self.generators):
+            if index in busy:
+                continue
+            requests = []
+            while len(requests) < self.job.generator.prompts_per_request and self.buffer.can_issue(
+                self.version, bool(self.learner_refs), self.weights_version[index]
+            ):
+                requests.append(self._new_request(index))
+            if requests:
+                self.generating[generator.generate.remote(requests)] = index
+
+    def _new_request(self, generator_index: int) -> GenerationRequest:
+        problem = next(self.problems)
+        group_id, self.next_group_id = self.next_group_id, self.next_group_id + 1
+        self.problem_of[group_id] = problem
+        self.buffer.issue(group_id, problem.problem_id, self.weights_version[generator_index], generator_index)
+        return GenerationRequest(group_id, problem.problem_id, self.task.messages(problem), self.rng.getrandbits(31))
+
+    def _start_learner_step(self) -> None:
+        if self.learner_refs:
+            return
+        groups = self.buffer.take(self.version)
+        if groups is None:
+            return
+        self.training, self.step_started = groups, time.perf_counter()
+        self.learner_refs = self.learners.train_step(self._shards(groups))
+
+    def _wait_one(self) -> ray.ObjectRef:
+        pending = list(self.generating) + self.learner_refs[:1]
+        if not pending:
+            raise RuntimeError("nothing to wait for: the buffer admits no generation and no batch is ready")
+        ready, _ = ray.wait(pending, num_returns=1)
+        return ready[0]
+
+    def _handle(self, ref: ray.ObjectRef) -> None:
+        if ref in self.generating:
+            del self.generating[ref]
+            for group in ray.get(ref):
+                self._score_and_buffer(group)
+            return
+        metrics = ray.get(self.learner_refs)[0]
+        self.learner_refs = []
+        self.buffer.mark_trained(self.training, self.version)
+        lags = [self.version - g.version_start for g in self.training for _ in g.completions]
+        self.version += 1
+        sync_s = self._sync_weights()
+        self._log_step(metrics, lags, sync_s)
+
+    # ---- pieces -----------------------------------------------------------------------------------
+
+    def _score_and_buffer(self, group: GeneratedGroup) -> None:
+        problem = self.problem_of.pop(group.group_id)
+        results = self.scorer.score_many([problem] * len(group.completions), [c["text"] for c in group.completions])
+        completions = [
+            {**c, "reward": r.reward, "score_error": r.error} for c, r in zip(group.completions, results)
+        ]
+        errors = sum(r.error is not None for r in results)
+        scored = ScoredGroup(group.group_id, group.problem_id, group.prompt_ids, completions,
+                             group.version_start, group.version_end, group.generator_index)
+        self.buffer.add(scored, errors)
+
+    def _shards(self, groups: list[ScoredGroup]) -> list[TrainBatch]:
+        """Split whole prompt groups over the ranks (group statistics stay on one rank)."""
+        ranks = self.job.learner.num_ranks
+        per_rank = len(groups) // ranks
+        return [
+            collate([s for g in groups[r * per_rank:(r + 1) * per_rank] for s in g.samples()], self.pad_id)
+            for r in range(ranks)
+        ]
+
+    def _sync_weights(self) -> float:
+        """Publish the learner's weights; each generator loads them before its next request."""
+        start = time.perf_counter()
+        weights = self.learners.publish()
+        for index, generator in enumerate(self.generators):
+            generator.update_weights.remote(weights, self.version)
+            self.weights_version[index] = self.version
+        return time.perf_counter() - start
+
+    def _log_step(self, metrics: dict[str, float], lags: list[int], publish_s: float) -> None:
+        stats = lag_stats(torch.tensor(lags), self.job.async_.max_lag)
+        step_s = time.perf_counter() - self.step_started
+        throughput = ray.get([g.throughput.remote() for g in self.generators])
+        tokens = sum(t["generated_tokens"] for t in throughput)
+        gen_s = max(sum(t["generate_s"] for t in throughput), 1e-9)
+        row = {
+            **metrics,
+            "async/lag_mean": float(stats["lag_mean"]),
+            "async/lag_max": float(stats["lag_max"]),
+            "async/lag": [int(c) for c in stats["lag_hist"].tolist()],
+            "async/buffered_groups": len(self.buffer.ready),
+            "perf/weight_sync_s": publish_s,
+            "perf/gen_tokens_per_s": tokens / gen_s * len(self.generators),
+            "time/step_s": step_s,
+        }
+        self.rewards.append(metrics.get("rollout/reward_mean", math.nan))
+        self.sink.log(self.version, row)
+
+
+def _sft_warmup(job: Job, task: Task, model_path: str, learners: runtime.LearnerGroup, sink: MetricSink) -> None:
+    """Teach the answer format on demonstrations before RL (the learner's own optimizer, its own LR)."""
+    warmup = job.model.sft_warmup
+    problems = task.problems("sft", job.seed + 1)
+    ranks = job.learner.num_ranks
+    for step in range(warmup.steps):
+        batch = [next(problems) for _ in range(warmup.prompts_per_step)]
+        samples = sft_samples(model_path, task, batch)
+        per_rank = len(samples) // ranks
+        shards = [collate(samples[r * per_rank:(r + 1) * per_rank], 0) for r in range(ranks)]
+        metrics = learners.sft_step(shards, warmup.learning_rate)
+        sink.log(-warmup.steps + step, metrics)
+
+
+def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
+    stabilizer = job.algorithm.stabilizer
+    return LearnerSpec(
+        model_path=model_path, zero_stage=job.learner.zero_stage, learning_rate=job.learner.learning_rate,
+        weight_decay=job.learner.weight_decay, grad_clip=job.learner.grad_clip,
+        temperature=job.generator.temperature, stabilizer_name=stabilizer.name,
+        stabilizer_config=section_config(stabilizer, STABILIZER_CONFIGS), advantage=job.algorithm.advantage,
+        loss_aggregation=job.algorithm.loss_aggregation, constant_tokens=job.algorithm.constant_tokens,
+        dtype=job.model.dtype, seed=job.seed, backend="nccl" if job.learner.gpus_per_rank else "gloo",
+    )
+
+
+def _generator_spec(job: Job, model_path: str) -> GeneratorSpec:
+    g = job.generator
+    return GeneratorSpec(
+        model_path=model_path, samples_per_prompt=g.samples_per_prompt, max_new_tokens=g.max_new_tokens,
+        temperature=g.temperature, top_p=g.top_p, max_model_len=g.max_model_len, kv_cache_mb=g.kv_cache_mb,
+        dtype=job.model.dtype, seed=job.seed,
+    )
+
+
+def _check_resources(job: Job) -> None:
+    from cluster.job import JobValidationError, cross_field_errors
+
+    resources = runtime.cluster_resources()
+    errors = cross_field_errors(job, resources.get("CPU", 0.0), resources.get("GPU", 0.0))
+    if errors:
+        raise JobValidationError("cluster", errors)

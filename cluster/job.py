@@ -1,0 +1,281 @@
+"""The job file: pydantic models with `extra="forbid"`, every error reported at once with its path.
+
+Imports no torch, ray or vllm, so `stableasync validate` runs anywhere in milliseconds. The stabilizer
+and task sections are generated from the stdlib config dataclasses in `algorithms/config.py` and
+`tasks/config.py`, so defaults and field docs have one source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from algorithms.config import STABILIZER_CONFIGS, LossAggregation
+from tasks.config import TASK_CONFIGS
+
+
+class Section(BaseModel):
+    """Base of every job section: unknown keys are errors, values are not coerced silently."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _section_from_dataclass(name: str, config_cls: type, suffix: str) -> type[BaseModel]:
+    """A pydantic section `{name: <name>, **fields}` mirroring one config dataclass."""
+    hints = typing.get_type_hints(config_cls)
+    fields: dict[str, Any] = {"name": (Literal[name], Field(description=f"selects `{name}`"))}
+    for field in dataclasses.fields(config_cls):
+        default = field.default if field.default is not dataclasses.MISSING else ...
+        fields[field.name] = (hints[field.name], Field(default, description=field.metadata.get("doc")))
+    return create_model(f"{config_cls.__name__}{suffix}_{name}", __base__=Section, **fields)
+
+
+def _union(configs: dict[str, type], suffix: str) -> Any:
+    models = tuple(_section_from_dataclass(name, cls, suffix) for name, cls in configs.items())
+    return Annotated[Union[models], Field(discriminator="name")]  # noqa: UP007 - a runtime tuple
+
+
+StabilizerSection = _union(STABILIZER_CONFIGS, "Section")
+TaskSection = _union(TASK_CONFIGS, "Section")
+
+
+def section_config(section: BaseModel, configs: dict[str, type]) -> Any:
+    """The config dataclass instance a stabilizer or task section describes."""
+    values = section.model_dump(exclude={"name"})
+    return configs[section.name](**values)  # type: ignore[attr-defined]
+
+
+class TinyModelSection(Section):
+    """A small random-init model built offline, with a tokenizer trained on the task's text."""
+
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    head_dim: int = Field(32, gt=0, description="32 is a size the vLLM CPU attention kernels support")
+    intermediate_size: int = Field(256, gt=0)
+    vocab_size: int = Field(512, gt=0)
+    seed: int = 0
+
+
+class SFTWarmupSection(Section):
+    """A short supervised phase on the task's demonstrations before RL (0 steps: none)."""
+
+    steps: int = Field(0, ge=0)
+    prompts_per_step: int = Field(32, gt=0)
+    learning_rate: float = Field(1e-3, gt=0)
+
+
+class ModelSection(Section):
+    path: str = Field(
+        "tiny", description="'tiny' (built offline), a known name (smollm2-135m), a local folder or a hub id"
+    )
+    tiny: TinyModelSection = TinyModelSection()
+    sft_warmup: SFTWarmupSection = SFTWarmupSection()
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="float32 on CPU: bf16 skews log-probs")
+
+
+class GeneratorSection(Section):
+    num_generators: int = Field(1, gt=0)
+    samples_per_prompt: int = Field(8, gt=0, description="responses per prompt: the GRPO group size")
+    prompts_per_request: int = Field(8, gt=0, description="prompt groups one generate call samples")
+    max_new_tokens: int = Field(64, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_model_len: int = Field(512, gt=0, description="prompt plus response tokens the engine accepts")
+    kv_cache_mb: int = Field(64, gt=0, description="vLLM KV cache size; uncapped it takes most of RAM on CPU")
+    cpus_per_generator: float = Field(1.0, gt=0)
+    gpus_per_generator: float = Field(0.0, ge=0)
+
+
+class LearnerSection(Section):
+    num_ranks: int = Field(1, gt=0, description="DeepSpeed data-parallel ranks, one Ray actor each")
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    steps: int = Field(100, gt=0, description="optimizer steps (policy versions) to train")
+    prompts_per_step: int = Field(8, gt=0, description="prompt groups per optimizer step, over all ranks")
+    learning_rate: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    cpus_per_rank: float = Field(1.0, gt=0)
+    gpus_per_rank: float = Field(0.0, ge=0)
+
+
+class AlgorithmSection(Section):
+    stabilizer: StabilizerSection = Field(  # type: ignore[valid-type]
+        default_factory=lambda: {"name": "tis_seq"}, validate_default=True
+    )
+    advantage: Literal["grpo", "dr_grpo", "reinforce", "rloo"] = "grpo"
+    loss_aggregation: LossAggregation = "token-mean"
+    constant_tokens: int | None = Field(None, gt=0, description="the constant length of `constant` aggregation")
+
+
+class AsyncSection(Section):
+    max_lag: int = Field(1, ge=0, description="learner version minus rollout version allowed at train time; 0 is on-policy")
+    stale_policy: Literal["wait", "drop"] = Field(
+        "wait", description="wait: generators pause so nothing goes stale; drop: stale groups are dropped (ledger)"
+    )
+    weight_sync: Literal["object_store", "nccl"] = "object_store"
+
+
+class ClusterSection(Section):
+    address: str | None = Field(None, description="Ray address; none starts a local cluster")
+    num_cpus: int | None = Field(None, gt=0, description="logical CPUs of the local cluster")
+    namespace: str = "stableasync"
+
+
+class WandbSection(Section):
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    project: str = "stableasync"
+    entity: str | None = None
+
+
+class LoggingSection(Section):
+    run_dir: str = Field("runs", description="parent folder of this job's run directory")
+    run_name: str | None = None
+    wandb: WandbSection = WandbSection()
+    progress_bar: bool = True
+
+
+class CheckpointSection(Section):
+    every_steps: int = Field(0, ge=0, description="0: no periodic checkpoints")
+    keep: int = Field(2, gt=0)
+
+
+class EvalSection(Section):
+    every_steps: int = Field(0, ge=0, description="0: no evaluation")
+    num_problems: int = Field(64, gt=0)
+
+
+class Job(Section):
+    """One training job. Sections follow DESIGN.md; every field has a default but `task`."""
+
+    name: str = Field("job", pattern=r"^[A-Za-z0-9_.-]+$")
+    seed: int = 0
+    model: ModelSection = ModelSection()
+    task: TaskSection  # type: ignore[valid-type]
+    generator: GeneratorSection = GeneratorSection()
+    learner: LearnerSection = LearnerSection()
+    algorithm: AlgorithmSection = AlgorithmSection()
+    async_: AsyncSection = Field(AsyncSection(), alias="async")
+    cluster: ClusterSection = ClusterSection()
+    logging: LoggingSection = LoggingSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    eval: EvalSection = EvalSection()
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobError:
+    """One problem in a job file: the dotted field path and what is wrong."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class JobValidationError(ValueError):
+    """All the errors of a job file at once."""
+
+    def __init__(self, source: str, errors: list[JobError]) -> None:
+        self.source, self.errors = source, errors
+        lines = "\n".join(f"  {error}" for error in errors)
+        super().__init__(f"{source}: {len(errors)} error(s)\n{lines}")
+
+
+def _pydantic_errors(error: ValidationError) -> list[JobError]:
+    out = []
+    for item in error.errors():
+        path = ".".join(_user_path([str(part) for part in item["loc"]])) or "(top level)"
+        out.append(JobError(path, item["msg"]))
+    return out
+
+
+def _user_path(loc: list[str]) -> list[str]:
+    """Drop pydantic's union-member tags (e.g. 'tis_seq') that follow a discriminated field."""
+    cleaned: list[str] = []
+    for i, part in enumerate(loc):
+        if i > 0 and loc[i - 1] in ("stabilizer", "task") and part in {*STABILIZER_CONFIGS, *TASK_CONFIGS}:
+            continue
+        cleaned.append("async" if part == "async_" else part)
+    return cleaned
+
+
+def cross_field_errors(job: Job, available_cpus: float | None = None, available_gpus: float | None = None) -> list[JobError]:
+    """Checks that span fields: sizes divisible, resources satisfiable, options consistent."""
+    errors: list[JobError] = []
+    learner, generator = job.learner, job.generator
+    if learner.prompts_per_step % learner.num_ranks:
+        errors.append(JobError(
+            "learner.prompts_per_step",
+            f"{learner.prompts_per_step} prompt groups cannot be split evenly over {learner.num_ranks} ranks "
+            "(each prompt group stays on one rank)",
+        ))
+    if job.algorithm.loss_aggregation == "constant" and job.algorithm.constant_tokens is None:
+        errors.append(JobError("algorithm.constant_tokens", "required when loss_aggregation is 'constant'"))
+    if generator.max_new_tokens >= generator.max_model_len:
+        errors.append(JobError(
+            "generator.max_new_tokens",
+            f"{generator.max_new_tokens} leaves no room for the prompt in max_model_len {generator.max_model_len}",
+        ))
+    if job.async_.weight_sync == "nccl" and (generator.gpus_per_generator == 0 or learner.gpus_per_rank == 0):
+        errors.append(JobError("async.weight_sync", "nccl needs GPUs on generators and learner ranks; use object_store"))
+    if job.model.path == "tiny" and job.model.tiny.num_heads % job.model.tiny.num_kv_heads:
+        errors.append(JobError("model.tiny.num_kv_heads", "must divide num_heads"))
+    cpus_needed = generator.num_generators * generator.cpus_per_generator + learner.num_ranks * learner.cpus_per_rank
+    gpus_needed = generator.num_generators * generator.gpus_per_generator + learner.num_ranks * learner.gpus_per_rank
+    cpu_limit = available_cpus if available_cpus is not None else job.cluster.num_cpus
+    if cpu_limit is not None and cpus_needed > cpu_limit:
+        errors.append(JobError(
+            "cluster.num_cpus" if available_cpus is None else "generator.num_generators",
+            f"the job needs {cpus_needed:g} CPUs ({generator.num_generators} generators x "
+            f"{generator.cpus_per_generator:g} + {learner.num_ranks} ranks x {learner.cpus_per_rank:g}) "
+            f"but the cluster has {cpu_limit:g}",
+        ))
+    if available_gpus is not None and gpus_needed > available_gpus:
+        errors.append(JobError(
+            "generator.gpus_per_generator",
+            f"the job needs {gpus_needed:g} GPUs but the cluster has {available_gpus:g}",
+        ))
+    return errors
+
+
+def validate_job(data: Any, source: str = "job") -> Job:
+    """A typed Job from parsed YAML, or JobValidationError listing every problem with its path."""
+    if not isinstance(data, dict):
+        raise JobValidationError(source, [JobError("(top level)", f"expected a mapping, got {type(data).__name__}")])
+    try:
+        job = Job.model_validate(data)
+    except ValidationError as error:
+        raise JobValidationError(source, _pydantic_errors(error)) from None
+    errors = cross_field_errors(job)
+    if errors:
+        raise JobValidationError(source, errors)
+    return job
+
+
+def load_job(path: str | Path) -> Job:
+    """Read and validate a job YAML file; YAML syntax errors name the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise JobValidationError(str(path), [JobError("(file)", "no such file")])
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
+        raise JobValidationError(str(path), [JobError(where, f"invalid YAML: {getattr(error, 'problem', error)}")]) from None
+    return validate_job(data, str(path))
+
+
+def dump_job(job: Job) -> str:
+    """The resolved job (every default filled in) as YAML."""
+    return yaml.safe_dump(job.model_dump(mode="json", by_alias=True), sort_keys=False)

@@ -1,0 +1,129 @@
+"""Ray connection, placement and the actor wrappers of the plain learner and generator classes."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.generator import Generator, GeneratorSpec
+from learner.batch import TrainBatch
+from learner.rank import LearnerRank, LearnerSpec
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+# Environment every actor of a job gets: in-process vLLM, a shared DeepSpeed op cache, no noise.
+ACTOR_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONPATH": str(PROJECT_ROOT),
+}
+
+
+def actor_env() -> dict[str, str]:
+    env = dict(ACTOR_ENV)
+    env["TORCH_EXTENSIONS_DIR"] = os.environ.get(
+        "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "stableasync" / "torch_extensions")
+    )
+    if os.environ.get("WANDB_API_KEY"):
+        env["WANDB_API_KEY"] = os.environ["WANDB_API_KEY"]  # passed through, never written to the run dir
+    return env
+
+
+def connect(address: str | None, num_cpus: int | None, namespace: str) -> None:
+    """Join the cluster at `address`, or start a small local one (no dashboard, no prestarted workers)."""
+    if ray.is_initialized():
+        return
+    runtime_env = {"env_vars": actor_env()}
+    if address:
+        ray.init(address=address, namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
+        return
+    ray.init(
+        num_cpus=num_cpus, include_dashboard=False, namespace=namespace, runtime_env=runtime_env,
+        _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
+    )
+
+
+def cluster_resources() -> dict[str, float]:
+    return dict(ray.cluster_resources())
+
+
+class LearnerActor(LearnerRank):
+    """A learner rank that publishes weights to the Ray object store (the CPU weight-sync path)."""
+
+    def publish(self) -> list[Any]:
+        """Collective: every rank gathers; rank 0 returns [ObjectRef of the state dict]."""
+        weights = self.state_dict_for_publish()
+        return [ray.put(weights)] if self.rank == 0 else []
+
+    def ready(self) -> int:
+        return self.rank
+
+
+class GeneratorActor(Generator):
+    def ready(self) -> int:
+        return self.index
+
+
+@ray.remote
+def _free_address() -> tuple[str, int]:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+
+class LearnerGroup:
+    """R learner ranks in one placement group; every call goes to all ranks (they are collectives)."""
+
+    def __init__(self, spec: LearnerSpec, num_ranks: int, cpus_per_rank: float, gpus_per_rank: float) -> None:
+        bundles = [{"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})} for _ in range(num_ranks)]
+        self.placement = placement_group(bundles, strategy="PACK")
+        ray.get(self.placement.ready())
+        master_addr, master_port = ray.get(
+            _free_address.options(scheduling_strategy=self._in_bundle(0), num_cpus=0).remote()
+        )
+        remote_cls = ray.remote(LearnerActor)
+        self.ranks = [
+            remote_cls.options(
+                num_cpus=cpus_per_rank, num_gpus=gpus_per_rank, scheduling_strategy=self._in_bundle(rank),
+                runtime_env={"env_vars": {**actor_env(), "OMP_NUM_THREADS": str(max(1, int(cpus_per_rank)))}},
+            ).remote(spec, rank, num_ranks, master_addr, master_port)
+            for rank in range(num_ranks)
+        ]
+        ray.get([r.ready.remote() for r in self.ranks])
+
+    def _in_bundle(self, index: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=self.placement, placement_group_bundle_index=index)
+
+    def train_step(self, shards: list[TrainBatch]) -> list[ray.ObjectRef]:
+        return [rank.train_step.remote(shard) for rank, shard in zip(self.ranks, shards)]
+
+    def sft_step(self, shards: list[TrainBatch], learning_rate: float) -> dict[str, float]:
+        return ray.get([rank.sft_step.remote(shard, learning_rate) for rank, shard in zip(self.ranks, shards)])[0]
+
+    def publish(self) -> ray.ObjectRef:
+        """The object-store reference of the full weights (all ranks take part in the gather)."""
+        return ray.get([rank.publish.remote() for rank in self.ranks])[0][0]
+
+    def shutdown(self) -> None:
+        for rank in self.ranks:
+            ray.kill(rank)
+        remove_placement_group(self.placement)
+
+
+def start_generators(spec: GeneratorSpec, count: int, cpus: float, gpus: float) -> list[Any]:
+    remote_cls = ray.remote(GeneratorActor)
+    generators = [
+        remote_cls.options(
+            num_cpus=cpus, num_gpus=gpus,
+            runtime_env={"env_vars": {**actor_env(), "OMP_NUM_THREADS": str(max(1, int(cpus)))}},
+        ).remote(spec, index)
+        for index in range(count)
+    ]
+    ray.get([g.ready.remote() for g in generators])
+    return generators

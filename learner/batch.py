@@ -1,0 +1,83 @@
+"""The learner's view of rollouts: padded token tensors with behaviour log-probs aligned to targets."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class TrainBatch:
+    """B sequences (prompt + completion) right-padded to L tokens.
+
+    Target-aligned tensors have L - 1 columns: column t scores token t + 1 from the logits at t.
+    `loss_mask` marks completion tokens, the only ones trained on.
+    """
+
+    input_ids: Tensor  # [B, L] long
+    attention_mask: Tensor  # [B, L] long
+    loss_mask: Tensor  # [B, L-1] bool
+    behaviour_logprobs: Tensor  # [B, L-1] float32, 0 off the loss mask
+    rewards: Tensor  # [B] float32
+    group_ids: Tensor  # [B] long: responses to one prompt share an id
+    versions: Tensor  # [B] long: policy version the response was sampled with (start)
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def rows(self, index: Tensor) -> TrainBatch:
+        """The sub-batch of the given rows."""
+        return TrainBatch(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
+
+
+def collate(samples: Sequence[dict[str, Any]], pad_token_id: int) -> TrainBatch:
+    """Pad samples {prompt_ids, completion_ids, behaviour_logprobs, reward, group_id, version}."""
+    if not samples:
+        raise ValueError("cannot collate an empty list of samples")
+    lengths = [len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples]
+    width = max(lengths)
+    batch = len(samples)
+    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    loss_mask = torch.zeros((batch, width - 1), dtype=torch.bool)
+    behaviour = torch.zeros((batch, width - 1), dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        prompt, completion = sample["prompt_ids"], sample["completion_ids"]
+        if len(sample["behaviour_logprobs"]) != len(completion):
+            raise ValueError(
+                f"sample {row} (group {sample['group_id']}): {len(completion)} completion tokens but "
+                f"{len(sample['behaviour_logprobs'])} behaviour log-probs"
+            )
+        tokens = list(prompt) + list(completion)
+        input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        attention_mask[row, : len(tokens)] = 1
+        start = len(prompt) - 1  # logits at the last prompt token score the first completion token
+        loss_mask[row, start : start + len(completion)] = True
+        behaviour[row, start : start + len(completion)] = torch.tensor(sample["behaviour_logprobs"], dtype=torch.float32)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        behaviour_logprobs=behaviour,
+        rewards=torch.tensor([float(s["reward"]) for s in samples], dtype=torch.float32),
+        group_ids=torch.tensor([int(s["group_id"]) for s in samples], dtype=torch.long),
+        versions=torch.tensor([int(s["version"]) for s in samples], dtype=torch.long),
+    )
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / T) of each next token, [B, L-1], in fp32.
+
+    The temperature matches the generator's processed log-probs, so on-policy ratios are 1.
+    """
+    logits = logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    # log_softmax at the target = target logit - logsumexp, without materialising the full log-softmax
+    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)

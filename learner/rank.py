@@ -1,0 +1,209 @@
+"""One DeepSpeed ZeRO learner rank: learner log-probs, the stabilized step, weight publishing.
+
+A plain class: `cluster/` runs one per Ray actor. Every rank of a group runs every collective method
+(`train_step`, `sft_step`, `state_dict_for_publish`) with its own share of the prompt groups.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from algorithms import registry
+from algorithms.advantages import ADVANTAGES
+from algorithms.aggregation import loss_denominator, policy_loss
+from algorithms.batch import PolicyBatch
+from algorithms.diagnostics import health_metrics
+from learner.batch import TrainBatch, token_logprobs
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """Everything a rank needs, as plain values (the job schema stays on the driver)."""
+
+    model_path: str
+    zero_stage: int = 2
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    stabilizer_name: str = "tis_seq"
+    stabilizer_config: Any = None
+    advantage: str = "grpo"
+    loss_aggregation: str = "token-mean"
+    constant_tokens: int | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    backend: str = "gloo"
+
+
+class LearnerRank:
+    """A ZeRO data-parallel rank of the policy."""
+
+    def __init__(self, spec: LearnerSpec, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        os.environ.update(
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+            WORLD_SIZE=str(world_size), LOCAL_RANK="0" if spec.backend == "gloo" else os.environ.get("LOCAL_RANK", "0"),
+        )
+        deepspeed.init_distributed(dist_backend=spec.backend)
+        torch.manual_seed(spec.seed)
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
+        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype)
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": spec.learning_rate, "weight_decay": spec.weight_decay, "torch_adam": True},
+            },
+            "zero_optimization": {"stage": spec.zero_stage},
+            "gradient_clipping": spec.grad_clip,
+            "bf16": {"enabled": spec.dtype == "bfloat16"},
+            "steps_per_print": 10**9,
+        }
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+        self.stabilizer = registry.build(spec.stabilizer_name, **_config_values(spec.stabilizer_config))
+        self.advantage_fn = ADVANTAGES[spec.advantage]
+        self.version = 0
+
+    # ---- the RL step -------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on this rank's groups; returns metrics averaged over ranks."""
+        start = time.perf_counter()
+        self.engine.train()
+        logprobs = self.log_probs(batch, grad=True)
+        advantages = self.advantage_fn(batch.rewards, batch.group_ids)
+        policy = PolicyBatch(logprobs, batch.behaviour_logprobs, advantages, batch.loss_mask)
+        decision = self.stabilizer.token_weights(policy)
+        metrics = {**health_metrics(policy), **decision.metrics}
+
+        denominator = self._all_reduce_sum(loss_denominator(decision.mask, self.spec.loss_aggregation, self.spec.constant_tokens))
+        loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
+        if not self._all_finite(loss, decision.weights):
+            self.engine.zero_grad()
+            return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan, batch=batch)
+
+        lr_scale = self.stabilizer.lr_scale(self._all_gather(policy.seq_log_ratio[policy.token_lengths > 0]))
+        # DeepSpeed averages gradients over ranks; each rank's loss is its share of the global sum.
+        self.engine.backward(loss * self.world_size)
+        grad_norm = self._step_with_lr_scale(lr_scale)
+        return self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm, batch=batch)
+
+    def sft_step(self, batch: TrainBatch, learning_rate: float) -> dict[str, float]:
+        """Supervised warm-up on demonstrations: token-mean cross-entropy of the completion tokens."""
+        self.engine.train()
+        logprobs = self.log_probs(batch, grad=True)
+        mask = batch.loss_mask.float()
+        denominator = self._all_reduce_sum(mask.sum())
+        loss = -(logprobs * mask).sum() / denominator.clamp(min=1)
+        self.engine.backward(loss * self.world_size)
+        grad_norm = self._step_with_lr_scale(learning_rate / self.spec.learning_rate)
+        metrics = {"sft/loss": loss.detach(), "sft/grad_norm": torch.tensor(grad_norm)}
+        return self._reduce_metrics(metrics)
+
+    def log_probs(self, batch: TrainBatch, grad: bool = False) -> Tensor:
+        """Learner log-probs of each next token at the generator's temperature, [B, L-1]."""
+        with torch.set_grad_enabled(grad):
+            logits = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            return token_logprobs(logits, batch.input_ids, self.spec.temperature)
+
+    def state_dict_for_publish(self) -> dict[str, Tensor]:
+        """Full fp32 weights in HF checkpoint names for the generators (a collective under ZeRO-3)."""
+        module = self.engine.module
+        if self.spec.zero_stage == 3:
+            import deepspeed
+
+            weights = {}
+            for name, param in module.named_parameters():
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    weights[name] = param.detach().float().clone()
+            return weights if self.rank == 0 else {}
+        if self.rank != 0:
+            return {}
+        return {name: tensor.detach().float().clone() for name, tensor in module.state_dict().items()}
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _step_with_lr_scale(self, lr_scale: float) -> float:
+        """optimizer.step at lr * lr_scale for this step only, then the base LR is restored."""
+        groups = self.optimizer.param_groups
+        base = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = group["lr"] * lr_scale
+        try:
+            self.engine.step()
+        finally:
+            for group, lr in zip(groups, base):
+                group["lr"] = lr
+        self.version += 1
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else math.nan
+
+    def _finish(self, metrics: dict[str, Tensor], start: float, *, skipped: bool, loss: Tensor, lr_scale: float,
+                grad_norm: float, batch: TrainBatch) -> dict[str, float]:
+        metrics = dict(metrics)
+        metrics["optim/loss"] = loss.detach()
+        metrics["optim/grad_norm"] = torch.tensor(grad_norm)
+        metrics["stability/lr_scale"] = torch.tensor(lr_scale)
+        metrics["stability/skipped_step"] = torch.tensor(float(skipped))
+        metrics["rollout/reward_mean"] = batch.rewards.mean()
+        metrics["rollout/response_len"] = batch.loss_mask.float().sum(1).mean()
+        metrics["time/learner_step_s"] = torch.tensor(time.perf_counter() - start)
+        metrics["perf/learner_tokens_per_s"] = batch.attention_mask.sum() / metrics["time/learner_step_s"]
+        return self._reduce_metrics(metrics)
+
+    def _reduce_metrics(self, metrics: dict[str, Tensor]) -> dict[str, float]:
+        names = sorted(metrics)
+        values = torch.stack([metrics[name].detach().float().reshape(()) for name in names])
+        if self.world_size > 1:
+            dist.all_reduce(values)
+            values /= self.world_size
+        return dict(zip(names, values.tolist()))
+
+    def _all_reduce_sum(self, value: Tensor) -> Tensor:
+        value = value.detach().float().clone()
+        if self.world_size > 1:
+            dist.all_reduce(value)
+        return value
+
+    def _all_finite(self, *tensors: Tensor) -> bool:
+        """Whether every rank's tensors are finite: a collective, so all ranks skip together."""
+        bad = torch.tensor(float(sum(int(not torch.isfinite(t.detach()).all()) for t in tensors)))
+        return self._all_reduce_sum(bad).item() == 0
+
+    def _all_gather(self, values: Tensor) -> Tensor:
+        """Concatenate a 1-D tensor of possibly different lengths from every rank."""
+        values = values.detach().float()
+        if self.world_size == 1:
+            return values
+        size = torch.tensor([values.numel()], dtype=torch.long)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size)
+        width = int(max(s.item() for s in sizes))
+        padded = torch.zeros(width)
+        padded[: values.numel()] = values
+        gathered = [torch.zeros(width) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded)
+        return torch.cat([g[: int(s.item())] for g, s in zip(gathered, sizes)])
+
+
+def _config_values(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    from dataclasses import asdict
+
+    return asdict(config)

@@ -1,0 +1,85 @@
+"""The lag bound and the ledger, without Ray: admission, stale drops, exactly-once accounting."""
+
+import json
+
+import pytest
+
+from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
+
+
+def _group(group_id, version):
+    completion = {"completion_ids": [1], "behaviour_logprobs": [-0.1], "text": "", "finish_reason": "stop", "reward": 1.0}
+    return ScoredGroup(group_id, f"p{group_id}", [5, 6], [completion], version, version, 0)
+
+
+def _issue(buffer, group_id, version):
+    buffer.issue(group_id, f"p{group_id}", version, 0)
+
+
+def test_synchronous_admission_waits_for_the_learner():
+    buffer = RolloutBuffer(max_lag=0, prompts_per_step=2, stale_policy="wait", ledger=Ledger())
+    assert buffer.can_issue(learner_version=0, learner_busy=False, generator_version=0)
+    _issue(buffer, 0, 0)
+    _issue(buffer, 1, 0)
+    # two groups queued fill step 0: a third would be trained at version 1 with version-0 weights
+    assert not buffer.can_issue(0, False, 0)
+    # while the learner trains, nothing may be sampled with the old weights
+    assert not buffer.can_issue(0, True, 0)
+    # once weights v1 are on the generator and the learner has finished, sampling resumes
+    buffer.add(_group(0, 0)), buffer.add(_group(1, 0))
+    buffer.mark_trained(buffer.take(0), 0)
+    assert buffer.can_issue(1, False, 1)
+
+
+def test_one_step_lag_lets_generation_overlap_training():
+    buffer = RolloutBuffer(max_lag=1, prompts_per_step=2, stale_policy="wait", ledger=Ledger())
+    # the learner trains step v0; a pair sampled now with v0 weights is trained at v1: lag 1
+    assert buffer.can_issue(0, True, 0)
+    for gid in range(2):
+        _issue(buffer, gid, 0)
+    assert not buffer.can_issue(0, True, 0)  # the next pair would train at v2: lag 2
+    assert buffer.can_issue(1, False, 1)  # ...unless it is sampled with the v1 weights
+
+
+def test_take_drops_stale_groups_anywhere_in_the_queue_and_records_why():
+    ledger = Ledger()
+    buffer = RolloutBuffer(max_lag=1, prompts_per_step=2, stale_policy="drop", ledger=ledger)
+    for gid, version in [(0, 3), (1, 1), (2, 3), (3, 2)]:
+        _issue(buffer, gid, version)
+        buffer.add(_group(gid, version))
+    batch = buffer.take(learner_version=3)
+    assert [g.group_id for g in batch] == [0, 2]
+    assert ledger.entries[1].status == "dropped" and "lag 2 > max_lag 1" in ledger.entries[1].reason
+    assert ledger.entries[3].status == "scored"  # lag 1 is allowed; it waits for the next step
+    buffer.mark_trained(batch, 3)
+    assert ledger.entries[0].lag == 0 and ledger.entries[0].trained_step == 3
+
+
+def test_drop_policy_bounds_how_far_generators_run_ahead():
+    buffer = RolloutBuffer(max_lag=0, prompts_per_step=2, stale_policy="drop", ledger=Ledger())
+    issued = 0
+    while buffer.can_issue(0, True, 0):
+        _issue(buffer, issued, 0)
+        issued += 1
+    assert issued == 2 * (0 + 2)
+
+
+def test_ledger_refuses_double_training_and_unknown_groups(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    ledger.issued(7, "p7", 0, 0)
+    ledger.scored(7)
+    ledger.trained(7, step=1, lag=1)
+    with pytest.raises(ValueError, match="already trained"):
+        ledger.trained(7, step=2, lag=2)
+    with pytest.raises(ValueError, match="never issued"):
+        ledger.scored(8)
+    with pytest.raises(ValueError, match="issued twice"):
+        ledger.issued(7, "p7", 0, 0)
+    ledger.close()
+    events = [json.loads(line)["event"] for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert events == ["issued", "scored", "trained"]
+
+
+def test_negative_max_lag_is_rejected():
+    with pytest.raises(ValueError, match="max_lag"):
+        RolloutBuffer(max_lag=-1, prompts_per_step=1, stale_policy="wait", ledger=Ledger())
