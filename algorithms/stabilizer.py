@@ -36,6 +36,10 @@ class Stabilizer:
         """Detached per-token weights [B, T], the loss mask and this stabilizer's metrics."""
         raise NotImplementedError
 
+    def global_metrics(self, log_w: Tensor) -> dict[str, Tensor]:
+        """Metrics of the whole global batch's sequence log-weights (all ranks), logged every step."""
+        return {}
+
     def lr_scale(self, log_w: Tensor) -> float:
         """Factor on the learning rate for this step, from the global batch's sequence log-weights."""
         return 1.0

@@ -91,13 +91,12 @@ class VCPO(Stabilizer):
         return self.config.use_baseline
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        result = sequence_tis_weights(batch, self.config.cap)
-        has_tokens = batch.mask.any(1)
-        if has_tokens.any():
-            log_w = batch.seq_log_ratio[has_tokens]
-            result.metrics["stability/ess_ratio"] = ess_ratio(log_w)
-            result.metrics["stability/ess_ratio_clipped"] = ess_ratio_clipped(log_w, self.config.cap)
-        return result
+        return sequence_tis_weights(batch, self.config.cap)
+
+    def global_metrics(self, log_w: Tensor) -> dict[str, Tensor]:
+        if log_w.numel() == 0:
+            return {}
+        return {"stability/ess_ratio_clipped": ess_ratio_clipped(log_w, self.config.cap)}
 
     def lr_scale(self, log_w: Tensor) -> float:
         if log_w.numel() == 0:

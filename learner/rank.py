@@ -20,8 +20,19 @@ from algorithms import registry
 from algorithms.advantages import ADVANTAGES
 from algorithms.aggregation import loss_denominator, policy_loss
 from algorithms.batch import PolicyBatch
-from algorithms.diagnostics import health_metrics
+from algorithms.diagnostics import chi2_seq, ess_ratio, health_metrics
 from learner.batch import TrainBatch, token_logprobs
+
+
+GLOBAL_METRICS = {"stability/ess_ratio", "stability/chi2_seq", "stability/ess_ratio_clipped", "stability/lr_scale",
+                  "stability/skipped_step"}
+
+
+def sequence_metrics(global_log_w: Tensor) -> dict[str, Tensor]:
+    """ESS ratio and sequence chi-square over the whole global batch (every rank's sequences)."""
+    if global_log_w.numel() == 0:
+        return {}
+    return {"stability/ess_ratio": ess_ratio(global_log_w), "stability/chi2_seq": chi2_seq(global_log_w)}
 
 
 @dataclass(frozen=True)
@@ -93,11 +104,14 @@ class LearnerRank:
 
         denominator = self._all_reduce_sum(loss_denominator(decision.mask, self.spec.loss_aggregation, self.spec.constant_tokens))
         loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
+        global_log_w = self._all_gather(policy.seq_log_ratio[policy.token_lengths > 0])
+        metrics.update(sequence_metrics(global_log_w))
+        metrics.update(self.stabilizer.global_metrics(global_log_w))
         if not self._all_finite(loss, decision.weights):
             self.engine.zero_grad()
             return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan, batch=batch)
 
-        lr_scale = self.stabilizer.lr_scale(self._all_gather(policy.seq_log_ratio[policy.token_lengths > 0]))
+        lr_scale = self.stabilizer.lr_scale(global_log_w)
         # DeepSpeed averages gradients over ranks; each rank's loss is its share of the global sum.
         self.engine.backward(loss * self.world_size)
         grad_norm = self._step_with_lr_scale(lr_scale)
@@ -156,7 +170,7 @@ class LearnerRank:
     def _finish(self, metrics: dict[str, Tensor], start: float, *, skipped: bool, loss: Tensor, lr_scale: float,
                 grad_norm: float, batch: TrainBatch) -> dict[str, float]:
         metrics = dict(metrics)
-        metrics["optim/loss"] = loss.detach()
+        metrics["optim/loss"] = loss.detach() * self.world_size  # a share of the global loss; ranks average
         metrics["optim/grad_norm"] = torch.tensor(grad_norm)
         metrics["stability/lr_scale"] = torch.tensor(lr_scale)
         metrics["stability/skipped_step"] = torch.tensor(float(skipped))
@@ -164,15 +178,23 @@ class LearnerRank:
         metrics["rollout/response_len"] = batch.loss_mask.float().sum(1).mean()
         metrics["time/learner_step_s"] = torch.tensor(time.perf_counter() - start)
         metrics["perf/learner_tokens_per_s"] = batch.attention_mask.sum() / metrics["time/learner_step_s"]
-        return self._reduce_metrics(metrics)
+        return self._reduce_metrics(metrics, token_weight=batch.loss_mask.sum())
 
-    def _reduce_metrics(self, metrics: dict[str, Tensor]) -> dict[str, float]:
+    def _reduce_metrics(self, metrics: dict[str, Tensor], token_weight: Tensor | None = None) -> dict[str, float]:
+        """Average over ranks: `stability/` token statistics weighted by each rank's loss tokens (so
+        they equal the global token mean), everything else plainly (ranks hold equal sample counts).
+        Sequence statistics computed from the gathered global batch are the same on every rank."""
         names = sorted(metrics)
         values = torch.stack([metrics[name].detach().float().reshape(()) for name in names])
-        if self.world_size > 1:
-            dist.all_reduce(values)
-            values /= self.world_size
-        return dict(zip(names, values.tolist()))
+        if self.world_size == 1:
+            return dict(zip(names, values.tolist()))
+        weights = torch.ones_like(values)
+        if token_weight is not None:
+            weighted = torch.tensor([n.startswith("stability/") and n not in GLOBAL_METRICS for n in names])
+            weights[weighted] = token_weight.float()
+        totals = torch.stack([values * weights, weights])
+        dist.all_reduce(totals)
+        return dict(zip(names, (totals[0] / totals[1]).tolist()))
 
     def _all_reduce_sum(self, value: Tensor) -> Tensor:
         value = value.detach().float().clone()

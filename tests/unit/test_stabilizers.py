@@ -112,7 +112,9 @@ def test_cispo_clips_but_keeps_gradient():
 def test_vcpo_base_loss_is_seq_tis_with_cap_8():
     out = _weights("vcpo", _batch([[3.0, 4.0], [1.5, 1.0]]))
     assert torch.allclose(out.weights, torch.tensor([[8.0, 8.0], [1.5, 1.5]]))
-    assert "stability/ess_ratio" in out.metrics and "stability/ess_ratio_clipped" in out.metrics
+    log_w = torch.log(torch.tensor([1.0, 1.0, 1.0, 9.0]))
+    clipped = registry.build("vcpo", cap=2.0).global_metrics(log_w)["stability/ess_ratio_clipped"]
+    assert clipped.item() == pytest.approx(25 / 7 / 4, rel=1e-6)
 
 
 def test_bapo_widens_bounds_until_positive_share_is_met():

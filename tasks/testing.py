@@ -1,0 +1,29 @@
+"""Misbehaving verifiers for the reward-worker tests (registered only when this module is imported)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from tasks.arithmetic import Arithmetic
+from tasks.base import Problem, register
+
+
+@register("faulty-arithmetic")
+class FaultyArithmetic(Arithmetic):
+    """Arithmetic whose verifier misbehaves when the completion asks it to."""
+
+    def problems(self, split: str, seed: int) -> Iterator[Problem]:
+        return super().problems(split, seed)
+
+    def score(self, problem: Problem, completion: str) -> float:
+        if "HANG" in completion:
+            time.sleep(3600)
+        if "RAISE" in completion:
+            raise RuntimeError("verifier bug")
+        if "NAN" in completion:
+            return float("nan")
+        if "HOG" in completion:
+            hog = bytearray(4 << 30)  # 4 GiB: beyond the memory limit
+            return float(len(hog))
+        return super().score(problem, completion)

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny models built offline, the environment the real stack needs, the gpu marker."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "stableasync" / "torch_extensions"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip_gpu)
+
+
+def arithmetic_corpus() -> list[str]:
+    from itertools import islice
+
+    from tasks.base import build_task
+    from tasks.config import ArithmeticConfig
+
+    task = build_task("arithmetic", ArithmeticConfig())
+    lines = []
+    for problem in islice(task.problems("corpus", 0), 300):
+        lines += [problem.question, task.demonstration(problem)]
+    return lines
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from learner.models import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arithmetic_corpus(), arch="qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from learner.models import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", arithmetic_corpus(), arch="llama"))

@@ -1,0 +1,116 @@
+"""The job file: every error at once with its field path, cross-field checks, no torch/ray import."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.job import Job, JobValidationError, dump_job, load_job, validate_job
+
+ROOT = Path(__file__).resolve().parents[2]
+MINIMAL = {"task": {"name": "arithmetic"}}
+
+
+def _errors(data):
+    with pytest.raises(JobValidationError) as info:
+        validate_job(data, "job.yaml")
+    return {e.path: e.message for e in info.value.errors}
+
+
+def test_minimal_job_gets_the_defaults():
+    job = validate_job(MINIMAL)
+    assert job.algorithm.stabilizer.name == "tis_seq" and job.algorithm.stabilizer.cap == 2.0
+    assert job.async_.max_lag == 1 and job.learner.zero_stage == 2
+
+
+def test_every_deploy_job_validates():
+    jobs = sorted((ROOT / "deploy" / "jobs").glob("*.yaml"))
+    assert jobs, "deploy/jobs holds the demo job"
+    for path in jobs:
+        load_job(path)
+
+
+def test_all_errors_at_once_with_field_paths():
+    errors = _errors({
+        "task": {"name": "arithmetic", "max_operand": "many"},
+        "learner": {"num_ranks": 0, "zero_stage": 5},
+        "async": {"max_lag": -1},
+        "algorithm": {"stabilizer": {"name": "tis_seq", "cap": 2.0, "capp": 3}},
+        "surprise": 1,
+    })
+    assert set(errors) >= {
+        "task.max_operand", "learner.num_ranks", "learner.zero_stage", "async.max_lag",
+        "algorithm.stabilizer.capp", "surprise",
+    }
+    assert "greater than or equal to 0" in errors["async.max_lag"]
+
+
+def test_unknown_stabilizer_names_the_choices():
+    errors = _errors({**MINIMAL, "algorithm": {"stabilizer": {"name": "magic"}}})
+    message = errors["algorithm.stabilizer"]
+    assert "magic" in message and "vcpo" in message and "m2po" in message
+
+
+def test_stabilizer_sections_carry_reference_defaults():
+    job = validate_job({**MINIMAL, "algorithm": {"stabilizer": {"name": "vcpo"}}})
+    assert job.algorithm.stabilizer.cap == 8.0 and job.algorithm.stabilizer.rho_on == 1.0
+
+
+def test_cross_field_checks():
+    errors = _errors({
+        **MINIMAL,
+        "learner": {"num_ranks": 2, "prompts_per_step": 3},
+        "algorithm": {"loss_aggregation": "constant"},
+        "generator": {"max_new_tokens": 600, "max_model_len": 512},
+        "cluster": {"num_cpus": 2},
+    })
+    assert "split evenly over 2 ranks" in errors["learner.prompts_per_step"]
+    assert "required" in errors["algorithm.constant_tokens"]
+    assert "no room for the prompt" in errors["generator.max_new_tokens"]
+    assert "needs 3 CPUs" in errors["cluster.num_cpus"]
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("task:\n  name: arithmetic\n learner: [\n")
+    with pytest.raises(JobValidationError) as info:
+        load_job(path)
+    assert info.value.errors[0].path.startswith("line ")
+
+
+def test_dry_run_round_trips(tmp_path):
+    job = validate_job({**MINIMAL, "async": {"max_lag": 4}})
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_job(job))
+    assert load_job(path) == job
+
+
+def test_schema_imports_no_torch_or_ray():
+    import subprocess
+    import sys
+
+    code = "import sys, cluster.job; print(' '.join(sorted(m.split('.')[0] for m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert not {"torch", "ray", "vllm", "deepspeed"} & set(out.split())
+
+
+leaf = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True), st.text(max_size=8))
+job_like = st.recursive(leaf, lambda inner: st.one_of(
+    st.lists(inner, max_size=3),
+    st.dictionaries(st.sampled_from(["task", "name", "learner", "async", "max_lag", "stabilizer", "algorithm",
+                                     "cap", "num_ranks", "generator", "model", "x"]), inner, max_size=4),
+), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(job_like)
+def test_fuzzed_job_files_either_validate_or_raise_a_job_error(data):
+    try:
+        job = validate_job(data)
+    except JobValidationError as error:
+        assert error.errors and all(e.path and e.message for e in error.errors)
+    else:
+        assert isinstance(job, Job)
+        yaml.safe_load(dump_job(job))
