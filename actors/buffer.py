@@ -72,14 +72,13 @@ class Ledger:
         self._record(group_id, "issued")
 
     def scored(self, group_id: int, score_errors: int = 0) -> None:
-        self._move(group_id, "scored", frm=("issued",)).score_errors = score_errors
+        self._move(group_id, "scored", ("issued",), score_errors=score_errors)
 
     def trained(self, group_id: int, step: int, lag: int) -> None:
-        entry = self._move(group_id, "trained", frm=("scored",))
-        entry.trained_step, entry.lag = step, lag
+        self._move(group_id, "trained", ("scored",), trained_step=step, lag=lag)
 
     def dropped(self, group_id: int, reason: str) -> None:
-        self._move(group_id, "dropped", frm=("issued", "scored")).reason = reason
+        self._move(group_id, "dropped", ("issued", "scored"), reason=reason)
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(entry.status for entry in self.entries.values()))
@@ -93,15 +92,17 @@ class Ledger:
             self._file.close()
             self._file = None
 
-    def _move(self, group_id: int, status: str, frm: tuple[str, ...]) -> LedgerEntry:
+    def _move(self, group_id: int, status: str, frm: tuple[str, ...], **fields: Any) -> None:
+        """Change a group's status (only along the allowed transitions), then record the event."""
         entry = self.entries.get(group_id)
         if entry is None:
             raise ValueError(f"group {group_id} was never issued")
         if entry.status not in frm:
             raise ValueError(f"group {group_id} cannot become {status}: it is already {entry.status}")
         entry.status = status  # type: ignore[assignment]
+        for name, value in fields.items():
+            setattr(entry, name, value)
         self._record(group_id, status)
-        return entry
 
     def _record(self, group_id: int, event: str) -> None:
         entry = self.entries[group_id]

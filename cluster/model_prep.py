@@ -38,10 +38,14 @@ def prepare_model(job: Job, task: Task) -> str:
 
 
 def task_corpus(task: Task, seed: int) -> list[str]:
-    """Questions and demonstrations the tiny tokenizer is trained on."""
-    lines = []
+    """Everything the tiny model reads: the rendered messages (instructions included) and demonstrations.
+
+    Text left out of the tokenizer's corpus is spelled byte by byte, which pushes the operands of
+    a question dozens of positions away from the answer and leaves a tiny model unable to use them.
+    """
+    lines = ["system", "user", "assistant"]  # the chat template's role names
     for problem in islice(task.problems("corpus", seed), CORPUS_PROBLEMS):
-        lines.append(problem.question)
+        lines.extend(message["content"] for message in task.messages(problem))
         lines.append(task.demonstration(problem))
     return lines
 

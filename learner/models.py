@@ -18,7 +18,12 @@ from pathlib import Path
 from typing import Literal
 
 MARKER = "stableasync-build.json"
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<answer>", "</answer>"]
+# Bump when a builder's output changes for the same parameters, so cached folders are rebuilt.
+BUILDER_VERSION = 2
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Ordinary added tokens, not special: generators decode with skip_special_tokens, which would strip
+# special ones from the text the verifier reads.
+ANSWER_TOKENS = ["<answer>", "</answer>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -61,7 +66,7 @@ def build_tiny_model(
     """A random-init causal LM and a byte-level BPE tokenizer (digits split, ChatML template) in `out_dir`."""
     lines = list(corpus)
     params = {
-        "arch": arch, "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
+        "builder_version": BUILDER_VERSION, "arch": arch, "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
         "num_kv_heads": num_kv_heads, "head_dim": head_dim, "intermediate_size": intermediate_size,
         "vocab_size": vocab_size, "max_position_embeddings": max_position_embeddings,
         "tie_word_embeddings": tie_word_embeddings, "seed": seed,
@@ -94,7 +99,7 @@ def build_tiny_model(
 
 
 def _train_tokenizer(lines: list[str], vocab_size: int):  # -> PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
@@ -105,6 +110,7 @@ def _train_tokenizer(lines: list[str], vocab_size: int):  # -> PreTrainedTokeniz
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(lines, trainer)
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in ANSWER_TOKENS])
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                       pad_token="<|endoftext|>", unk_token="<|endoftext|>")
     wrapped.chat_template = CHAT_TEMPLATE

@@ -76,8 +76,9 @@ def test_ledger_refuses_double_training_and_unknown_groups(tmp_path):
     with pytest.raises(ValueError, match="issued twice"):
         ledger.issued(7, "p7", 0, 0)
     ledger.close()
-    events = [json.loads(line)["event"] for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
-    assert events == ["issued", "scored", "trained"]
+    rows = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in rows] == ["issued", "scored", "trained"]
+    assert rows[-1]["lag"] == 1 and rows[-1]["trained_step"] == 1
 
 
 def test_negative_max_lag_is_rejected():
