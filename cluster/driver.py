@@ -91,6 +91,9 @@ class AsyncLoop:
     def __init__(self, job: Job, task: Task, learners: runtime.LearnerGroup, generators: list[Any],
                  ledger: Ledger, sink: MetricSink) -> None:
         self.job, self.task, self.learners, self.generators, self.sink = job, task, learners, generators, sink
+        sync = job.async_.weight_sync
+        self.publisher = (runtime.ObjectStorePublisher(learners, generators) if sync == "object_store"
+                          else runtime.CollectivePublisher(learners, generators, backend=sync))
         self.buffer = RolloutBuffer(job.async_.max_lag, job.learner.prompts_per_step, job.async_.stale_policy, ledger)
         self.problems: Iterator[Problem] = task.problems("train", job.seed)
         self.problem_of: dict[int, Problem] = {}
@@ -200,10 +203,8 @@ class AsyncLoop:
     def _sync_weights(self) -> float:
         """Publish the learner's weights; each generator loads them before its next request."""
         start = time.perf_counter()
-        weights = self.learners.publish()
-        for index, generator in enumerate(self.generators):
-            generator.update_weights.remote(weights, self.version)
-            self.weights_version[index] = self.version
+        self.publisher.publish(self.version)
+        self.weights_version = [self.version] * len(self.generators)
         return time.perf_counter() - start
 
     def _log_step(self, metrics: dict[str, float], lags: list[int], publish_s: float) -> None:

@@ -120,7 +120,10 @@ class AsyncSection(Section):
     stale_policy: Literal["wait", "drop"] = Field(
         "wait", description="wait: generators pause so nothing goes stale; drop: stale groups are dropped (ledger)"
     )
-    weight_sync: Literal["object_store", "nccl"] = "object_store"
+    weight_sync: Literal["object_store", "nccl", "gloo"] = Field(
+        "object_store",
+        description="object_store (CPU default); nccl: GPU broadcast from learner rank 0; gloo: the same broadcast on CPU",
+    )
 
 
 class ClusterSection(Section):
@@ -228,6 +231,14 @@ def cross_field_errors(job: Job, available_cpus: float | None = None, available_
         ))
     if job.async_.weight_sync == "nccl" and (generator.gpus_per_generator == 0 or learner.gpus_per_rank == 0):
         errors.append(JobError("async.weight_sync", "nccl needs GPUs on generators and learner ranks; use object_store"))
+    stabilizer = job.algorithm.stabilizer
+    if stabilizer.name == "vcpo" and stabilizer.use_baseline:
+        errors.append(JobError(
+            "algorithm.stabilizer.use_baseline",
+            "VCPO's off-policy optimal baseline needs exact per-sample gradient norms from the learner, "
+            "which are not implemented yet (issue #4); set use_baseline: false to run VCPO's ESS-scaled "
+            "LR and seq-TIS loss",
+        ))
     if job.model.path == "tiny" and job.model.tiny.num_heads % job.model.tiny.num_kv_heads:
         errors.append(JobError("model.tiny.num_kv_heads", "must divide num_heads"))
     cpus_needed = generator.num_generators * generator.cpus_per_generator + learner.num_ranks * learner.cpus_per_rank

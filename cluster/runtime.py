@@ -14,6 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.generator import Generator, GeneratorSpec
 from learner.batch import TrainBatch
 from learner.rank import LearnerRank, LearnerSpec
+from learner.weight_sync import CollectiveWeightSync, TensorSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,20 +55,73 @@ def cluster_resources() -> dict[str, float]:
 
 
 class LearnerActor(LearnerRank):
-    """A learner rank that publishes weights to the Ray object store (the CPU weight-sync path)."""
+    """A learner rank that publishes weights by either weight-sync path."""
+
+    weight_sync: CollectiveWeightSync | None = None
 
     def publish(self) -> list[Any]:
-        """Collective: every rank gathers; rank 0 returns [ObjectRef of the state dict]."""
+        """Object store: every rank gathers (ZeRO-3); rank 0 returns [ObjectRef of the state dict]."""
         weights = self.state_dict_for_publish()
         return [ray.put(weights)] if self.rank == 0 else []
+
+    def weight_specs(self) -> list[TensorSpec]:
+        return TensorSpec.of(self.state_dict_for_publish()) if self.rank == 0 else []
+
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+        if self.rank == 0:
+            self.weight_sync = CollectiveWeightSync(host, port, 0, world_size, backend)
+
+    def broadcast(self) -> int:
+        """Collective broadcast path: every rank gathers, rank 0 sends; returns bytes sent."""
+        weights = self.state_dict_for_publish()
+        return self.weight_sync.send(weights) if self.weight_sync is not None else 0
 
     def ready(self) -> int:
         return self.rank
 
 
 class GeneratorActor(Generator):
+    weight_sync: CollectiveWeightSync | None = None
+
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        self.weight_sync = CollectiveWeightSync(host, port, rank, world_size, backend)
+
+    def receive_weights(self, specs: list[TensorSpec], version: int) -> float:
+        assert self.weight_sync is not None, "join_weight_group first"
+        return self.update_weights(self.weight_sync.receive(specs), version)
+
     def ready(self) -> int:
         return self.index
+
+
+class ObjectStorePublisher:
+    """CPU default: rank 0 puts the weights in the object store once; every generator reads them."""
+
+    def __init__(self, learners: LearnerGroup, generators: list[Any]) -> None:
+        self.learners, self.generators = learners, generators
+
+    def publish(self, version: int) -> None:
+        weights = self.learners.publish()
+        for generator in self.generators:
+            generator.update_weights.remote(weights, version)  # runs after the generator's current call
+
+
+class CollectivePublisher:
+    """GPU path: learner rank 0 broadcasts over NCCL to every generator (a blocking collective)."""
+
+    def __init__(self, learners: LearnerGroup, generators: list[Any], backend: str = "nccl") -> None:
+        self.learners, self.generators = learners, generators
+        rank0 = learners.ranks[0]
+        host, port = ray.get(_free_address.options(num_cpus=0).remote())
+        world = 1 + len(generators)
+        self.specs = ray.get(rank0.weight_specs.remote())
+        ray.get([rank0.join_weight_group.remote(host, port, world, backend)]
+                + [g.join_weight_group.remote(host, port, i + 1, world, backend) for i, g in enumerate(generators)])
+
+    def publish(self, version: int) -> None:
+        sending = [rank.broadcast.remote() for rank in self.learners.ranks]
+        receiving = [g.receive_weights.remote(self.specs, version) for g in self.generators]
+        ray.get(sending + receiving)
 
 
 @ray.remote

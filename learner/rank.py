@@ -97,7 +97,7 @@ class LearnerRank:
         start = time.perf_counter()
         self.engine.train()
         logprobs = self.log_probs(batch, grad=True)
-        advantages = self.advantage_fn(batch.rewards, batch.group_ids)
+        advantages = self._advantages(batch, logprobs)
         policy = PolicyBatch(logprobs, batch.behaviour_logprobs, advantages, batch.loss_mask)
         decision = self.stabilizer.token_weights(policy)
         metrics = {**health_metrics(policy), **decision.metrics}
@@ -116,6 +116,17 @@ class LearnerRank:
         self.engine.backward(loss * self.world_size)
         grad_norm = self._step_with_lr_scale(lr_scale)
         return self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm, batch=batch)
+
+    def _advantages(self, batch: TrainBatch, logprobs: Tensor) -> Tensor:
+        """The stabilizer's own advantages (VCPO's baseline), else the job's estimator."""
+        if self.stabilizer.needs_grad_norms:
+            raise NotImplementedError(
+                f"{self.stabilizer.name} needs per-sample gradient norms, which this learner does not compute yet"
+            )
+        log_w = ((logprobs.detach() - batch.behaviour_logprobs) * batch.loss_mask).sum(dim=1)
+        lengths = batch.loss_mask.sum(dim=1).float()
+        own = self.stabilizer.advantages(batch.rewards, log_w, None, batch.group_ids, lengths)
+        return own if own is not None else self.advantage_fn(batch.rewards, batch.group_ids)
 
     def sft_step(self, batch: TrainBatch, learning_rate: float) -> dict[str, float]:
         """Supervised warm-up on demonstrations: token-mean cross-entropy of the completion tokens."""

@@ -30,6 +30,8 @@ def checked_score(task: Task, problem: Problem, completion: str) -> ScoreResult:
     """Score one completion, turning every verifier failure into a failed result."""
     try:
         reward = task.score(problem, completion)
+    except MemoryError:
+        return ScoreResult(0.0, "verifier ran out of memory")
     except Exception as error:  # noqa: BLE001 - any verifier bug is a failed sample, not a dead job
         return ScoreResult(0.0, f"raised {type(error).__name__}: {error}"[:300])
     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
@@ -62,11 +64,7 @@ def _worker_main(conn: Connection, task_name: str, task_config: Any, memory_limi
         if message is None:
             return
         problem, completion = message
-        try:
-            result = checked_score(task, problem, completion)
-        except MemoryError:
-            result = ScoreResult(0.0, "verifier ran out of memory")
-        conn.send(result)
+        conn.send(checked_score(task, problem, completion))
 
 
 class _Worker:

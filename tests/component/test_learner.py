@@ -85,3 +85,32 @@ def test_the_step_changed_the_weights(results, tiny_qwen2):
     after = results[(1, 2)]["weights"]
     assert results[(1, 2)]["metrics"]["optim/grad_norm"] > 0
     assert any(not torch.equal(before[name], after[name]) for name in after)
+
+
+def _stabilizer_main(rank: int, name: str, config: dict, model_path: str, port: int, out: str) -> None:
+    from algorithms import registry
+    from learner.batch import collate
+    from learner.rank import LearnerRank, LearnerSpec
+
+    stabilizer = registry.build(name, **config)
+    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, stabilizer_name=name,
+                       stabilizer_config=stabilizer.config, loss_aggregation="seq-mean-token-mean")
+    learner = LearnerRank(spec, 0, 1, "127.0.0.1", port)
+    torch.save(learner.train_step(collate(_batch_samples(), 0)), out)
+
+
+@pytest.mark.parametrize("name, config", [("vcpo", {"use_baseline": False}), ("m2po", {}), ("bapo", {})])
+def test_stabilizers_run_in_the_learner(tiny_qwen2, tmp_path, name, config):
+    from algorithms.vcpo import ess_lr_scale
+
+    out = tmp_path / f"{name}.pt"
+    mp.start_processes(_stabilizer_main, args=(name, config, tiny_qwen2, _free_port(), str(out)), nprocs=1,
+                       start_method="spawn", join=True)
+    metrics = torch.load(out, weights_only=True)
+    assert all(v == v for v in metrics.values()), metrics  # no NaN
+    assert metrics["stability/skipped_step"] == 0 and metrics["optim/grad_norm"] > 0
+    if name == "vcpo":  # behaviour log-probs are far off-policy here: the ESS rule shrinks the LR
+        assert metrics["stability/lr_scale"] == pytest.approx(ess_lr_scale(metrics["stability/ess_ratio"]), rel=1e-5)
+        assert metrics["stability/lr_scale"] < 1.0
+    if name == "m2po":
+        assert metrics["stability/m2_after"] <= 0.04 + 1e-6

@@ -82,6 +82,15 @@ def test_lagged_job_stays_within_max_lag(local_ray, tmp_path):
     assert counts["trained"] == len(trained) and set(counts) <= {"trained", "dropped"}
 
 
+def test_collective_weight_sync_path(local_ray, tmp_path):
+    """The NCCL publisher's code path, over gloo: learner rank 0 broadcasts to the generator."""
+    result = _run(tmp_path, max_lag=1, steps=3, **{"async": {"max_lag": 1, "weight_sync": "gloo"}})
+    trained = _trained(result.run_dir)
+    assert len(trained) == 3 * 2 and max(r["lag"] for r in trained) <= 1
+    # the generator tags samples with the version it received over the broadcast
+    assert max(r["trained_step"] - r["lag"] for r in trained) >= 1
+
+
 def test_bad_job_file_names_the_field_and_starts_nothing(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("task: {name: arithmetic}\nlearner: {num_ranks: two}\nasync: {max_lag: -3}\n"

@@ -1,0 +1,89 @@
+"""Collective weight broadcast from learner rank 0 to the generators over a dedicated process group.
+
+The GPU path (`backend="nccl"`): weights go GPU to GPU without the object store. The same class runs
+over gloo on CPU, which is how its logic is tested without a GPU. Tensors travel in flat buckets of
+at most `bucket_mb` per dtype, so a large model needs few collectives and bounded extra memory.
+The object-store path (the CPU default) needs none of this: see `cluster/runtime.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+SOURCE_RANK = 0
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one weight: what a receiver allocates before a broadcast."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @staticmethod
+    def of(weights: dict[str, Tensor]) -> list[TensorSpec]:
+        return [TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in sorted(weights.items())]
+
+
+def buckets(specs: list[TensorSpec], bucket_mb: int) -> list[list[TensorSpec]]:
+    """Consecutive same-dtype groups of at most `bucket_mb` (a larger tensor gets a bucket alone)."""
+    limit = bucket_mb << 20
+    out: list[list[TensorSpec]] = []
+    size = 0
+    for spec in specs:
+        nbytes = torch.Size(spec.shape).numel() * torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
+        if not out or out[-1][0].dtype != spec.dtype or size + nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(spec)
+        size += nbytes
+    return out
+
+
+class CollectiveWeightSync:
+    """One member of the weight group: rank 0 is the learner, ranks 1..N the generators."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "nccl",
+                 device: str | None = None, bucket_mb: int = 512, timeout_s: float = 600.0) -> None:
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == SOURCE_RANK, timeout=timeout)
+        prefixed = dist.PrefixStore("stableasync-weights", store)
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        elif backend == "gloo":
+            self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        else:
+            raise ValueError(f"unknown weight-sync backend {backend!r}; use nccl or gloo")
+        self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
+        self.rank, self.bucket_mb = rank, bucket_mb
+        self._store = store  # the group keeps using it
+
+    def send(self, weights: dict[str, Tensor]) -> int:
+        """Broadcast every tensor (rank 0 only); returns the bytes sent."""
+        if self.rank != SOURCE_RANK:
+            raise RuntimeError("only the learner (rank 0) sends weights")
+        sent = 0
+        for bucket in buckets(TensorSpec.of(weights), self.bucket_mb):
+            flat = torch.cat([weights[s.name].detach().reshape(-1).to(self.device) for s in bucket])
+            self.group.broadcast(flat, SOURCE_RANK).wait()
+            sent += flat.numel() * flat.element_size()
+        return sent
+
+    def receive(self, specs: list[TensorSpec]) -> dict[str, Tensor]:
+        """Receive the weights described by `specs` (generators), as tensors on this device."""
+        out: dict[str, Tensor] = {}
+        for bucket in buckets(sorted(specs, key=lambda s: s.name), self.bucket_mb):
+            sizes = [torch.Size(s.shape).numel() for s in bucket]
+            flat = torch.empty(sum(sizes), dtype=getattr(torch, bucket[0].dtype), device=self.device)
+            self.group.broadcast(flat, SOURCE_RANK).wait()
+            for spec, part in zip(bucket, torch.split(flat, sizes)):
+                out[spec.name] = part.view(spec.shape)
+        return out
