@@ -7,6 +7,7 @@ and task sections are generated from the stdlib config dataclasses in `algorithm
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import typing
 from pathlib import Path
@@ -266,11 +267,36 @@ def validate_job(data: Any, source: str = "job") -> Job:
     try:
         job = Job.model_validate(data)
     except ValidationError as error:
-        raise JobValidationError(source, _pydantic_errors(error)) from None
+        errors = _pydantic_errors(error)
+        raise JobValidationError(source, errors + _cross_field_errors_without(data, error, errors)) from None
     errors = cross_field_errors(job)
     if errors:
         raise JobValidationError(source, errors)
     return job
+
+
+def _cross_field_errors_without(data: dict, error: ValidationError, reported: list[JobError]) -> list[JobError]:
+    """Cross-field errors of the job with its invalid fields removed (defaults stand in for them),
+    so one pass reports both kinds; checks touching a field already reported are left out."""
+    pruned = copy.deepcopy(data)
+    for item in error.errors():
+        _delete(pruned, [part for part in item["loc"] if not isinstance(part, int)])
+    try:
+        job = Job.model_validate(pruned)
+    except ValidationError:
+        return []
+    seen = {e.path for e in reported}
+    return [e for e in cross_field_errors(job) if e.path not in seen]
+
+
+def _delete(data: Any, loc: list[Any]) -> None:
+    """Remove the value at `loc`; parts that are not keys (pydantic's union tags) are skipped."""
+    node, parent, last = data, None, None
+    for key in loc:
+        if isinstance(node, dict) and key in node:
+            parent, last, node = node, key, node[key]
+    if parent is not None:
+        del parent[last]
 
 
 def load_job(path: str | Path) -> Job:

@@ -77,6 +77,15 @@ def test_cross_field_checks():
     assert "needs 3 CPUs" in errors["cluster.num_cpus"]
 
 
+def test_field_and_cross_field_errors_come_in_one_pass():
+    errors = _errors({
+        "task": {"name": "countdown", "extra": 1},
+        "learner": {"num_ranks": 2, "prompts_per_step": 3},
+        "algorithm": {"stabilizer": {"name": "m2po", "tau": "small"}},
+    })
+    assert set(errors) == {"task.extra", "algorithm.stabilizer.tau", "learner.prompts_per_step"}
+
+
 def test_yaml_syntax_error_names_the_line(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("task:\n  name: arithmetic\n learner: [\n")
