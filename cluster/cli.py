@@ -9,14 +9,21 @@ import argparse
 import logging
 import sys
 
-from cluster.job import JobValidationError, dump_job, load_job
+from cluster.job import Job, JobValidationError, dump_job, load_job
+
+
+def _load(path: str) -> Job | None:
+    """The validated job, or None after printing every error (the caller exits 2, nothing started)."""
+    try:
+        return load_job(path)
+    except JobValidationError as error:
+        print(error, file=sys.stderr)
+        return None
 
 
 def _validate(args: argparse.Namespace) -> int:
-    try:
-        job = load_job(args.job)
-    except JobValidationError as error:
-        print(error, file=sys.stderr)
+    job = _load(args.job)
+    if job is None:
         return 2
     if args.dry_run:
         print(dump_job(job), end="")
@@ -27,10 +34,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    try:
-        job = load_job(args.job)
-    except JobValidationError as error:
-        print(error, file=sys.stderr)
+    job = _load(args.job)
+    if job is None:
         return 2
     from cluster.driver import train
 
