@@ -240,6 +240,10 @@ def cross_field_errors(job: Job, available_cpus: float | None = None, available_
             "which are not implemented yet (issue #4); set use_baseline: false to run VCPO's ESS-scaled "
             "LR and seq-TIS loss",
         ))
+    if job.checkpoint.every_steps:
+        errors.append(JobError("checkpoint.every_steps", "checkpoints are not implemented yet (issue #6); leave it 0"))
+    if job.eval.every_steps:
+        errors.append(JobError("eval.every_steps", "periodic evaluation is not implemented yet; leave it 0"))
     if job.model.path == "tiny" and job.model.tiny.num_heads % job.model.tiny.num_kv_heads:
         errors.append(JobError("model.tiny.num_kv_heads", "must divide num_heads"))
     cpus_needed = generator.num_generators * generator.cpus_per_generator + learner.num_ranks * learner.cpus_per_rank
