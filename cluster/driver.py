@@ -245,7 +245,8 @@ def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
     stabilizer = job.algorithm.stabilizer
     return LearnerSpec(
         model_path=model_path, zero_stage=job.learner.zero_stage, learning_rate=job.learner.learning_rate,
-        weight_decay=job.learner.weight_decay, grad_clip=job.learner.grad_clip,
+        weight_decay=job.learner.weight_decay, adam_eps=job.learner.adam_eps,
+        grad_clip=job.learner.grad_clip,
         temperature=job.generator.temperature, stabilizer_name=stabilizer.name,
         stabilizer_config=section_config(stabilizer, STABILIZER_CONFIGS), advantage=job.algorithm.advantage,
         loss_aggregation=job.algorithm.loss_aggregation, constant_tokens=job.algorithm.constant_tokens,

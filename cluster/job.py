@@ -102,6 +102,7 @@ class LearnerSection(Section):
     prompts_per_step: int = Field(8, gt=0, description="prompt groups per optimizer step, over all ranks")
     learning_rate: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon; larger values damp steps of near-zero gradients")
     grad_clip: float = Field(1.0, gt=0)
     cpus_per_rank: float = Field(1.0, gt=0)
     gpus_per_rank: float = Field(0.0, ge=0)

@@ -43,6 +43,7 @@ class LearnerSpec:
     zero_stage: int = 2
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
     temperature: float = 1.0
     stabilizer_name: str = "tis_seq"
@@ -76,7 +77,8 @@ class LearnerRank:
             "gradient_accumulation_steps": 1,
             "optimizer": {
                 "type": "AdamW",
-                "params": {"lr": spec.learning_rate, "weight_decay": spec.weight_decay, "torch_adam": True},
+                "params": {"lr": spec.learning_rate, "weight_decay": spec.weight_decay, "eps": spec.adam_eps,
+                           "torch_adam": True},
             },
             "zero_optimization": {"stage": spec.zero_stage},
             "gradient_clipping": spec.grad_clip,
