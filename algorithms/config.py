@@ -128,6 +128,10 @@ class VCPOConfig:
     )
     normalize_by_length: bool = _doc("divide the baseline weight by T_i^2", False)
     norm_by_std: bool = _doc("divide advantages by the group reward std (official scripts: yes)", True)
+    opob_impl: Literal["ghost", "per_sample_loop"] = _doc(
+        "how the learner gets per-sample gradient norms: ghost (one batched backward) or one backward per sample",
+        "ghost",
+    )
 
 
 STABILIZER_CONFIGS: dict[str, type] = {

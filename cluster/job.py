@@ -233,14 +233,6 @@ def cross_field_errors(job: Job, available_cpus: float | None = None, available_
         ))
     if job.async_.weight_sync == "nccl" and (generator.gpus_per_generator == 0 or learner.gpus_per_rank == 0):
         errors.append(JobError("async.weight_sync", "nccl needs GPUs on generators and learner ranks; use object_store"))
-    stabilizer = job.algorithm.stabilizer
-    if stabilizer.name == "vcpo" and stabilizer.use_baseline:
-        errors.append(JobError(
-            "algorithm.stabilizer.use_baseline",
-            "VCPO's off-policy optimal baseline needs exact per-sample gradient norms from the learner, "
-            "which are not implemented yet (issue #4); set use_baseline: false to run VCPO's ESS-scaled "
-            "LR and seq-TIS loss",
-        ))
     if job.checkpoint.every_steps:
         errors.append(JobError("checkpoint.every_steps", "checkpoints are not implemented yet (issue #6); leave it 0"))
     if job.eval.every_steps:

@@ -81,3 +81,15 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     targets = input_ids[:, 1:].unsqueeze(-1)
     # log_softmax at the target = target logit - logsumexp, without materialising the full log-softmax
     return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def sequence_logprob_grad(logits: Tensor, input_ids: Tensor, loss_mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """d/d logits of sum of masked `token_logprobs`, [B, L, V] fp32: (onehot(next) - softmax(logits / T)) / T.
+
+    Closed form, so a backward can start below the output layer (see learner/grad_norms.py).
+    """
+    scaled = logits[:, :-1].detach().float() / temperature
+    grad = torch.softmax(scaled, dim=-1).neg_()
+    grad.scatter_add_(-1, input_ids[:, 1:].unsqueeze(-1), torch.ones_like(grad[..., :1]))
+    grad.mul_((loss_mask.float() / temperature).unsqueeze(-1))
+    return torch.cat([grad, torch.zeros_like(grad[:, :1])], dim=1)

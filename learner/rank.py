@@ -6,9 +6,11 @@ A plain class: `cluster/` runs one per Ray actor. Every rank of a group runs eve
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +19,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from algorithms import registry
-from algorithms.advantages import ADVANTAGES
+from algorithms.advantages import ADVANTAGES, group_mean_advantages
 from algorithms.aggregation import loss_denominator, policy_loss
 from algorithms.batch import PolicyBatch
 from algorithms.diagnostics import chi2_seq, ess_ratio, health_metrics
-from learner.batch import TrainBatch, token_logprobs
+from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs
+from learner.grad_norms import GhostGradNorms, UncoveredParameters, per_sample_loop_norms
+
+log = logging.getLogger("stableasync.learner")
 
 
 GLOBAL_METRICS = {"stability/ess_ratio", "stability/chi2_seq", "stability/ess_ratio_clipped", "stability/lr_scale",
@@ -90,7 +95,20 @@ class LearnerRank:
         )
         self.stabilizer = registry.build(spec.stabilizer_name, **_config_values(spec.stabilizer_config))
         self.advantage_fn = ADVANTAGES[spec.advantage]
+        self.ghost_norms, self.grad_norm_fallback = self._ghost_norms()
         self.version = 0
+
+    def _ghost_norms(self) -> tuple[GhostGradNorms | None, bool]:
+        """The ghost-norm path when the stabilizer needs per-sample norms and every parameter has a rule;
+        otherwise the per-sample loop, announced (a silent 10x slowdown would look like a hang)."""
+        if not self.stabilizer.needs_grad_norms or getattr(self.stabilizer.config, "opob_impl", "ghost") != "ghost":
+            return None, False
+        try:
+            return GhostGradNorms(self.engine.module, self._gathered), False
+        except UncoveredParameters as error:
+            log.warning("learner rank %d: per-sample gradient norms fall back to one backward per sample: %s",
+                        self.rank, error)
+            return None, True
 
     # ---- the RL step -------------------------------------------------------------------------
 
@@ -98,11 +116,13 @@ class LearnerRank:
         """One optimizer step on this rank's groups; returns metrics averaged over ranks."""
         start = time.perf_counter()
         self.engine.train()
-        logprobs = self.log_probs(batch, grad=True)
-        advantages = self._advantages(batch, logprobs)
+        with self.ghost_norms.recording() if self.ghost_norms else nullcontext():
+            logits = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logprobs = token_logprobs(logits, batch.input_ids, self.spec.temperature)
+        advantages, baseline_metrics = self._advantages(batch, logits, logprobs)
         policy = PolicyBatch(logprobs, batch.behaviour_logprobs, advantages, batch.loss_mask)
         decision = self.stabilizer.token_weights(policy)
-        metrics = {**health_metrics(policy), **decision.metrics}
+        metrics = {**health_metrics(policy), **decision.metrics, **baseline_metrics}
 
         denominator = self._all_reduce_sum(loss_denominator(decision.mask, self.spec.loss_aggregation, self.spec.constant_tokens))
         loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
@@ -119,16 +139,59 @@ class LearnerRank:
         grad_norm = self._step_with_lr_scale(lr_scale)
         return self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm, batch=batch)
 
-    def _advantages(self, batch: TrainBatch, logprobs: Tensor) -> Tensor:
-        """The stabilizer's own advantages (VCPO's baseline), else the job's estimator."""
-        if self.stabilizer.needs_grad_norms:
-            raise NotImplementedError(
-                f"{self.stabilizer.name} needs per-sample gradient norms, which this learner does not compute yet"
-            )
+    def _advantages(self, batch: TrainBatch, logits: Tensor, logprobs: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The stabilizer's own advantages (VCPO's baseline), else the job's estimator; with baseline metrics."""
         log_w = ((logprobs.detach() - batch.behaviour_logprobs) * batch.loss_mask).sum(dim=1)
         lengths = batch.loss_mask.sum(dim=1).float()
-        own = self.stabilizer.advantages(batch.rewards, log_w, None, batch.group_ids, lengths)
-        return own if own is not None else self.advantage_fn(batch.rewards, batch.group_ids)
+        grad_sq_norms = self._grad_sq_norms(batch, logits) if self.stabilizer.needs_grad_norms else None
+        own = self.stabilizer.advantages(batch.rewards, log_w, grad_sq_norms, batch.group_ids, lengths)
+        if own is None:
+            return self.advantage_fn(batch.rewards, batch.group_ids), {}
+        if grad_sq_norms is None:
+            return own, {}
+        baseline = self.stabilizer.baseline(batch.rewards, log_w, grad_sq_norms, batch.group_ids, lengths)
+        group_mean = batch.rewards - group_mean_advantages(batch.rewards, batch.group_ids)
+        norms = self._all_gather(grad_sq_norms).sqrt()
+        return own, {
+            "opob/baseline_mean": baseline.mean(),
+            "opob/group_mean_baseline_mean": group_mean.mean(),
+            "opob/baseline_shift_abs": (baseline - group_mean).abs().mean(),
+            "opob/sample_grad_norm_mean": norms.mean(),
+            "opob/sample_grad_norm_median": norms.median(),
+            "opob/sample_grad_norm_max": norms.max(),
+            "opob/fallback_to_loop": torch.tensor(float(self.ghost_norms is None and self.grad_norm_fallback)),
+        }
+
+    def _grad_sq_norms(self, batch: TrainBatch, logits: Tensor) -> Tensor:
+        """||grad log pi(tau_i)||^2 of each of this rank's sequences; the graph stays for the loss backward."""
+        if self.ghost_norms is not None and self.spec.zero_stage == 3:
+            return self._ghost_norms_own_forward(batch)
+        if self.ghost_norms is not None:
+            return self.ghost_norms.squared_norms(
+                sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, self.spec.temperature))
+
+        def sample_logp(i: int) -> Tensor:  # the plain module: the engine's backward hooks stay out of it
+            row = batch.rows(torch.tensor([i]))
+            row_logits = self.engine.module(input_ids=row.input_ids, attention_mask=row.attention_mask).logits
+            return (token_logprobs(row_logits, row.input_ids, self.spec.temperature) * row.loss_mask).sum()
+
+        return per_sample_loop_norms(sample_logp, batch.size, [p for p in self.engine.module.parameters() if p.requires_grad])
+
+    def _ghost_norms_own_forward(self, batch: TrainBatch) -> Tensor:
+        """ZeRO-3: its module hooks gather and release parameters per backward and need each backward
+        to enter at the model's top, so the ghost pass gets a forward of its own (one extra forward)."""
+        with self.ghost_norms.recording():
+            logits = self.engine.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits_grad = sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, self.spec.temperature)
+        return self.ghost_norms.squared_norms(logits_grad, from_logits=True)
+
+    def _gathered(self, params: list[torch.nn.Parameter]):
+        """Whole parameters for a moment under ZeRO-3 (read-only); nothing to do otherwise."""
+        if self.spec.zero_stage != 3:
+            return nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
     def sft_step(self, batch: TrainBatch, learning_rate: float) -> dict[str, float]:
         """Supervised warm-up on demonstrations: token-mean cross-entropy of the completion tokens."""

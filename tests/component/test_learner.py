@@ -35,12 +35,16 @@ def _batch_samples():
     return samples
 
 
-def _rank_main(rank: int, world: int, stage: int, model_path: str, port: int, out: str) -> None:
+def _rank_main(rank: int, world: int, stage: int, model_path: str, port: int, out: str,
+               stabilizer: tuple[str, dict] = ("tis_seq", {"cap": 2.0})) -> None:
+    from algorithms import registry
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
 
+    name, config = stabilizer
     spec = LearnerSpec(model_path=model_path, zero_stage=stage, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
-                       stabilizer_name="tis_seq", stabilizer_config=TISConfig(cap=2.0), loss_aggregation="token-mean")
+                       stabilizer_name=name, stabilizer_config=registry.build(name, **config).config,
+                       loss_aggregation="token-mean")
     learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
     samples = _batch_samples()
     share = [s for s in samples if s["group_id"] % world == rank]  # whole groups per rank
@@ -56,10 +60,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run(world: int, stage: int, model_path: str, tmp_path: Path) -> dict:
-    out = tmp_path / f"w{world}-z{stage}.pt"
-    mp.start_processes(_rank_main, args=(world, stage, model_path, _free_port(), str(out)), nprocs=world,
-                       start_method="spawn", join=True)
+def _run(world: int, stage: int, model_path: str, tmp_path: Path, stabilizer: tuple[str, dict] | None = None) -> dict:
+    out = tmp_path / f"w{world}-z{stage}-{stabilizer and stabilizer[1].get('opob_impl')}.pt"
+    args = (world, stage, model_path, _free_port(), str(out)) + ((stabilizer,) if stabilizer else ())
+    mp.start_processes(_rank_main, args=args, nprocs=world, start_method="spawn", join=True)
     return torch.load(out, weights_only=True)
 
 
@@ -118,3 +122,26 @@ def test_stabilizers_run_in_the_learner(tiny_qwen2, tmp_path, name, config):
         assert metrics["stability/lr_scale"] < 1.0
     if name == "m2po":
         assert metrics["stability/m2_after"] <= 0.04 + 1e-6
+
+
+def _vcpo(impl: str) -> tuple[str, dict]:
+    return "vcpo", {"use_baseline": True, "opob_impl": impl}
+
+
+@pytest.mark.parametrize("model_name, world, stage",
+                         [("tiny_qwen2", 1, 2), ("tiny_qwen2", 1, 3), ("tiny_qwen2", 2, 2), ("tiny_qwen2", 2, 3),
+                          ("tiny_llama", 1, 2), ("tiny_llama", 2, 3)])
+def test_vcpo_ghost_norms_give_the_per_sample_loops_update(model_name, world, stage, request, tmp_path):
+    model = request.getfixturevalue(model_name)
+    ghost = _run(world, stage, model, tmp_path, _vcpo("ghost"))
+    loop = _run(world, stage, model, tmp_path, _vcpo("per_sample_loop"))
+    assert ghost["metrics"]["opob/fallback_to_loop"] == 0
+    for key in ("opob/sample_grad_norm_mean", "opob/sample_grad_norm_max", "opob/baseline_mean",
+                "opob/baseline_shift_abs", "optim/loss", "optim/grad_norm"):
+        assert ghost["metrics"][key] == pytest.approx(loop["metrics"][key], rel=1e-4), key
+    # the baseline really moved off the group mean, so a wrong norm would change the update
+    assert ghost["metrics"]["opob/baseline_shift_abs"] > 1e-3
+    # Adam's first step is Lipschitz in the gradient with constant lr / eps, so the update difference
+    # bounds nothing looser than: the two gradients agree within 1e-4 of the gradient norm.
+    update_gap = sum((ghost["weights"][n] - loop["weights"][n]).square().sum() for n in ghost["weights"]) ** 0.5
+    assert update_gap * ADAM_EPS / LEARNING_RATE <= 1e-4 * loop["metrics"]["optim/grad_norm"]

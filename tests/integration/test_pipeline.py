@@ -91,6 +91,18 @@ def test_collective_weight_sync_path(local_ray, tmp_path):
     assert max(r["trained_step"] - r["lag"] for r in trained) >= 1
 
 
+def test_vcpo_job_with_the_off_policy_baseline(local_ray, tmp_path):
+    """VCPO end to end: ghost per-sample gradient norms feed the baseline on 2 ZeRO-3 ranks."""
+    result = _run(tmp_path, max_lag=1, steps=3, algorithm={"stabilizer": {"name": "vcpo"}},
+                  learner={"zero_stage": 3})
+    metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [m for m in metrics if m["train/step"] > 0][-1]
+    assert last["opob/fallback_to_loop"] == 0
+    assert last["opob/sample_grad_norm_mean"] > 0 and last["opob/sample_grad_norm_max"] >= last["opob/sample_grad_norm_median"]
+    assert 0 < last["stability/lr_scale"] <= 1
+    assert len(_trained(result.run_dir)) == 3 * 2
+
+
 def test_bad_job_file_names_the_field_and_starts_nothing(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("task: {name: arithmetic}\nlearner: {num_ranks: two}\nasync: {max_lag: -3}\n"

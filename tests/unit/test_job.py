@@ -54,13 +54,14 @@ def test_unknown_stabilizer_names_the_choices():
 
 
 def test_stabilizer_sections_carry_reference_defaults():
-    job = validate_job({**MINIMAL, "algorithm": {"stabilizer": {"name": "vcpo", "use_baseline": False}}})
-    assert job.algorithm.stabilizer.cap == 8.0 and job.algorithm.stabilizer.rho_on == 1.0
+    job = validate_job({**MINIMAL, "algorithm": {"stabilizer": {"name": "vcpo"}}})
+    vcpo = job.algorithm.stabilizer
+    assert vcpo.cap == 8.0 and vcpo.rho_on == 1.0 and vcpo.use_baseline and vcpo.opob_impl == "ghost"
 
 
-def test_vcpo_baseline_is_refused_until_the_learner_computes_gradient_norms():
-    errors = _errors({**MINIMAL, "algorithm": {"stabilizer": {"name": "vcpo"}}})
-    assert "per-sample gradient norms" in errors["algorithm.stabilizer.use_baseline"]
+def test_vcpo_gradient_norm_path_is_a_closed_choice():
+    errors = _errors({**MINIMAL, "algorithm": {"stabilizer": {"name": "vcpo", "opob_impl": "vmap"}}})
+    assert "ghost" in errors["algorithm.stabilizer.opob_impl"]
 
 
 def test_cross_field_checks():
