@@ -1,0 +1,171 @@
+"""Learner step time and peak memory of `none`, `tis_seq` and VCPO (per-sample loop, ghost norms).
+
+    python -m benchmarks.learner_step [--sequences 64] [--tokens 512] [--rounds 3] [--job deploy/jobs/demo.yaml]
+
+One learner rank (DeepSpeed ZeRO-2 on gloo, the CPU stack) on the job's model, one full train_step
+(forward, per-sample norms where VCPO needs them, loss, backward, optimizer step) on `--sequences`
+sequences of `--tokens` tokens in groups of 8. Time: rounds interleave the configurations in one
+process; ratios to tis_seq use each one's fastest round (noise only adds time), the median beside it.
+Peak memory: each configuration in a fresh process, after a warm-up step and malloc_trim, the largest
+resident-set growth during one step (sampled every millisecond): activations, gradients and the
+per-sample-norm temporaries, not the model or optimizer state that every configuration holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "none": ("none", {}),
+    "tis_seq": ("tis_seq", {}),
+    "vcpo (per_sample_loop)": ("vcpo", {"opob_impl": "per_sample_loop"}),
+    "vcpo (ghost)": ("vcpo", {"opob_impl": "ghost"}),
+}
+GROUP_SIZE = 8
+PROMPT_TOKENS = 16
+
+
+def _model_path(job_file: str) -> str:
+    from cluster.job import load_job
+    from cluster.model_prep import prepare_model
+    from tasks.base import build_task
+
+    job = load_job(job_file)
+    return prepare_model(job, build_task(job.task.name, job.task))
+
+
+def _batch(sequences: int, tokens: int, vocab: int):
+    from learner.batch import collate
+
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(sequences):
+        completion = torch.randint(3, vocab, (tokens - PROMPT_TOKENS,), generator=gen).tolist()
+        samples.append(dict(
+            prompt_ids=torch.randint(3, vocab, (PROMPT_TOKENS,), generator=gen).tolist(),
+            completion_ids=completion,
+            behaviour_logprobs=(-6.0 + 0.3 * torch.randn(len(completion), generator=gen)).tolist(),
+            reward=float(torch.rand((), generator=gen) < 0.5), group_id=i // GROUP_SIZE, version=0,
+        ))
+    return collate(samples, 0)
+
+
+def _learner(model_path: str, name: str, config: dict[str, Any], port: int):
+    from algorithms import registry
+    from learner.rank import LearnerRank, LearnerSpec
+
+    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=1e-6, stabilizer_name=name,
+                       stabilizer_config=registry.build(name, **config).config, loss_aggregation="seq-mean-token-mean")
+    return LearnerRank(spec, 0, 1, "127.0.0.1", port)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_growth(step) -> int:
+    """Largest RSS growth while `step()` runs, from a baseline taken after returning freed memory."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = peak = _rss_bytes()
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _rss_bytes())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        step()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak, _rss_bytes()) - base
+
+
+def _memory_child(args: argparse.Namespace, label: str) -> None:
+    name, config = CONFIGS[label]
+    learner = _learner(args.model_path, name, config, args.port)
+    batch = _batch(args.sequences, args.tokens, args.vocab)
+    learner.train_step(batch)  # warm-up: optimizer state and allocator pools exist before measuring
+    print(json.dumps({"peak_bytes": _peak_growth(lambda: learner.train_step(batch))}))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=512, help="prompt plus completion tokens per sequence")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--job", default="deploy/jobs/demo.yaml", help="the job whose model is measured")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timings)")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
+    parser.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.memory_child:
+        _memory_child(args, args.memory_child)
+        return
+
+    from transformers import AutoConfig
+
+    model_path = _model_path(args.job)
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    batch = _batch(args.sequences, args.tokens, vocab)
+    port = _free_port()
+    learners = {label: _learner(model_path, name, config, port) for label, (name, config) in CONFIGS.items()}
+    for learner in learners.values():
+        learner.train_step(batch)  # warm-up
+    times: dict[str, list[float]] = {label: [] for label in CONFIGS}
+    for _ in range(args.rounds):
+        for label, learner in learners.items():
+            start = time.perf_counter()
+            learner.train_step(batch)
+            times[label].append(time.perf_counter() - start)
+
+    peaks = {}
+    for label in CONFIGS:
+        child = subprocess.run(
+            [sys.executable, "-m", "benchmarks.learner_step", "--memory-child", label, "--model-path", model_path,
+             "--vocab", str(vocab), "--port", str(_free_port()), "--sequences", str(args.sequences),
+             "--tokens", str(args.tokens), "--threads", str(args.threads)],
+            capture_output=True, text=True, check=True,
+        )
+        peaks[label] = json.loads(child.stdout.strip().splitlines()[-1])["peak_bytes"]
+
+    reference = "tis_seq"
+    print(f"model {model_path}; {args.sequences} sequences x {args.tokens} tokens; ZeRO-2, 1 rank, "
+          f"{args.threads} torch thread(s); {args.rounds} rounds")
+    print(f"{'configuration':<24} {'step s (min)':>12} {'x tis_seq':>10} {'median x':>9} {'peak MiB':>9} {'x tis_seq':>10}")
+    for label in CONFIGS:
+        best, median = min(times[label]), statistics.median(times[label])
+        print(f"{label:<24} {best:>12.3f} {best / min(times[reference]):>10.2f} "
+              f"{median / statistics.median(times[reference]):>9.2f} {peaks[label] / 2**20:>9.0f} "
+              f"{peaks[label] / peaks[reference]:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
