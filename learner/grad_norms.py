@@ -21,8 +21,10 @@ Reference (`per_sample_loop`): one backward per trajectory, as the official VCPO
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterator
 
 import torch
@@ -151,27 +153,47 @@ class GhostGradNorms:
         else:
             with self.gathered([head.weight]):
                 start, start_grad = hidden, (logits_grad.to(head.weight.dtype) @ head.weight).to(hidden.dtype)
-        output_grads = torch.autograd.grad(start, [out for _, _, out in body], grad_outputs=start_grad,
-                                           retain_graph=not from_logits, allow_unused=True)
         batch = logits_grad.shape[0]
-        factors: dict[int, list[_Factors]] = {}
-        direct: dict[int, Tensor] = {}
-        calls = [(head, hidden, logits_grad)] + [(m, x, g if g is not None else torch.zeros_like(out))
-                                                 for (m, x, out), g in zip(body, output_grads)]
-        for module, x, grad in calls:
-            for param, contribution in self._contributions(module, x.detach(), grad.float(), batch):
-                if isinstance(contribution, _Factors):
-                    factors.setdefault(id(param), []).append(contribution)
-                else:
-                    direct[id(param)] = direct.get(id(param), 0) + contribution
+        uses = Counter(id(p) for module, _, _ in records for p in _covered_parameters(module))
         total = torch.zeros(batch, dtype=torch.float32, device=logits_grad.device)
-        for vector in direct.values():
-            total += vector.square().sum(-1)
-        for parts in factors.values():
+        shared: dict[int, list[object]] = {}
+
+        def consume(module: nn.Module, x: Tensor, grad: Tensor) -> None:
+            """Add a call's contributions now (its gradients are freed after), or keep shared ones."""
+            for param, contribution in self._contributions(module, x.detach(), grad.float(), batch):
+                if uses[id(param)] > 1:
+                    shared.setdefault(id(param), []).append(contribution)
+                elif isinstance(contribution, _Factors):
+                    total.add_(_inner(contribution, contribution))
+                else:
+                    total.add_(contribution.square().sum(-1))
+
+        reached: set[int] = set()
+
+        def on_grad(index: int, module: nn.Module, x: Tensor, grad: Tensor) -> None:
+            reached.add(index)
+            consume(module, x, grad)
+
+        consume(head, hidden, logits_grad)
+        handles = [out.register_hook(partial(on_grad, i, m, x)) for i, (m, x, out) in enumerate(body)]
+        try:
+            # Asking only for the first layer's output runs the whole backward below `start` while each
+            # layer's hook consumes its gradient at once: one layer's output gradient alive at a time.
+            torch.autograd.grad(start, [body[0][2]], grad_outputs=start_grad, retain_graph=not from_logits)
+        finally:
+            for handle in handles:
+                handle.remove()
+        missed = [type(body[i][0]).__name__ for i in range(len(body)) if i not in reached]
+        if missed:
+            raise UncoveredParameters(f"no gradient reached the outputs of {missed[:5]} on the way to the first layer")
+        for parts in shared.values():
+            if any(not isinstance(part, _Factors) for part in parts):
+                total.add_(sum(parts).square().sum(-1))
+                continue
             for j, p in enumerate(parts):
-                total += _inner(p, p)
+                total.add_(_inner(p, p))
                 for q in parts[j + 1:]:
-                    total += 2 * _inner(p, q)
+                    total.add_(2 * _inner(p, q))
         return total
 
     @staticmethod
