@@ -54,6 +54,7 @@ class LedgerEntry:
     lag: int | None = None
     reason: str | None = None
     score_errors: int = 0
+    reissues: int = 0
     history: list[str] = field(default_factory=list)
 
 
@@ -70,6 +71,13 @@ class Ledger:
             raise ValueError(f"group {group_id} issued twice")
         self.entries[group_id] = LedgerEntry(group_id, problem_id, version, generator_index)
         self._record(group_id, "issued")
+
+    def reissued(self, group_id: int, version: int, generator_index: int, reason: str) -> None:
+        """An in-flight group whose generator failed is sent again (same group, fresh samples)."""
+        entry = self.entries.get(group_id)
+        reissues = entry.reissues + 1 if entry is not None else 0
+        self._move(group_id, "issued", ("issued",), issued_version=version, generator_index=generator_index,
+                   reason=reason, reissues=reissues, event="reissued")
 
     def scored(self, group_id: int, score_errors: int = 0) -> None:
         self._move(group_id, "scored", ("issued",), score_errors=score_errors)
@@ -92,7 +100,7 @@ class Ledger:
             self._file.close()
             self._file = None
 
-    def _move(self, group_id: int, status: str, frm: tuple[str, ...], **fields: Any) -> None:
+    def _move(self, group_id: int, status: str, frm: tuple[str, ...], event: str | None = None, **fields: Any) -> None:
         """Change a group's status (only along the allowed transitions), then record the event."""
         entry = self.entries.get(group_id)
         if entry is None:
@@ -102,7 +110,7 @@ class Ledger:
         entry.status = status  # type: ignore[assignment]
         for name, value in fields.items():
             setattr(entry, name, value)
-        self._record(group_id, status)
+        self._record(group_id, event or status)
 
     def _record(self, group_id: int, event: str) -> None:
         entry = self.entries[group_id]
@@ -147,6 +155,10 @@ class RolloutBuffer:
         self.in_flight -= 1
         self.ledger.scored(group.group_id, score_errors)
         self.ready.append(group)
+
+    def reissue(self, group_id: int, version: int, generator_index: int, reason: str) -> None:
+        """An in-flight group goes out again after its generator failed; it stays in flight."""
+        self.ledger.reissued(group_id, version, generator_index, reason)
 
     def lost(self, group_id: int, reason: str) -> None:
         """A group that will never arrive (its generator failed)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ class GeneratedGroup:
     version_start: int = 0
     version_end: int = 0
     generator_index: int = 0
+    incarnation: str = ""  # changes when the generator's process is restarted
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -67,6 +69,7 @@ class Generator:
         from vllm import LLM
 
         self.spec, self.index, self.version = spec, index, 0
+        self.incarnation = uuid.uuid4().hex  # a restarted actor gets a new one: the driver can tell
         self.llm = LLM(
             model=spec.model_path,
             distributed_executor_backend="uni",
@@ -99,7 +102,8 @@ class Generator:
         groups = []
         for request, prompt, output in zip(requests, prompts, outputs):
             group = GeneratedGroup(request.group_id, request.problem_id, list(prompt["prompt_token_ids"]),
-                                   version_start=version, version_end=self.version, generator_index=self.index)
+                                   version_start=version, version_end=self.version, generator_index=self.index,
+                                   incarnation=self.incarnation)
             for completion in output.outputs:
                 ids = list(completion.token_ids)
                 logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
@@ -122,6 +126,10 @@ class Generator:
         self.llm.reset_prefix_cache()
         self.version = version
         return time.perf_counter() - start
+
+    def process_id(self) -> int:
+        """This generator's OS process (operators and fault tests kill it to check recovery)."""
+        return os.getpid()
 
     def throughput(self) -> dict[str, float]:
         """Tokens generated and seconds spent generating since start."""

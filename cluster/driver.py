@@ -4,6 +4,9 @@ The loop keeps every generator busy as long as the rollout buffer admits more gr
 bound, starts a learner step whenever a batch of fresh groups is ready, and after each step publishes
 the new weights; a generator picks them up before its next request (Ray runs an actor's calls in
 order), so it never restarts and never waits for the learner unless the lag bound says so.
+
+A generator whose process dies is restarted by Ray (`generator.max_restarts`); the loop sends it the
+latest weights first, then issues its in-flight groups again (the ledger records each reissue).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 import torch
 
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
@@ -37,6 +41,7 @@ from tasks.config import TASK_CONFIGS
 from tasks.scoring import ScorePool
 
 log = logging.getLogger("stableasync")
+GENERATOR_RESTART_TIMEOUT_S = 600.0  # vLLM start on a busy node, model load included
 
 
 @dataclass
@@ -67,7 +72,8 @@ def train(job: Job) -> RunResult:
     learners = runtime.LearnerGroup(_learner_spec(job, model_path), job.learner.num_ranks,
                                     job.learner.cpus_per_rank, job.learner.gpus_per_rank)
     generators = runtime.start_generators(_generator_spec(job, model_path), job.generator.num_generators,
-                                          job.generator.cpus_per_generator, job.generator.gpus_per_generator)
+                                          job.generator.cpus_per_generator, job.generator.gpus_per_generator,
+                                          job.generator.max_restarts, name_prefix=run_dir.name)
     ledger = Ledger(run_dir / "ledger.jsonl")
     try:
         if job.model.sft_warmup.steps:
@@ -81,7 +87,8 @@ def train(job: Job) -> RunResult:
         for generator in generators:
             ray.kill(generator)
     counts = ledger.counts()
-    (run_dir / "summary.json").write_text(json.dumps({"steps": job.learner.steps, "ledger": counts, "rewards": rewards}))
+    summary = {"steps": job.learner.steps, "ledger": counts, "rewards": rewards, "generator_restarts": sum(loop.restarts)}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
     return RunResult(run_dir, job.learner.steps, counts, rewards)
 
 
@@ -103,6 +110,9 @@ class AsyncLoop:
         self.version = 0  # learner optimizer steps taken
         self.weights_version = [0] * len(generators)  # version each generator will sample with next
         self.generating: dict[ray.ObjectRef, int] = {}  # generate call -> generator index
+        self.requests_of: dict[ray.ObjectRef, tuple[list[GenerationRequest], int]] = {}  # -> (requests, weights version)
+        self.incarnations: list[str | None] = [None] * len(generators)
+        self.restarts = [0] * len(generators)
         self.learner_refs: list[ray.ObjectRef] = []
         self.training: list[ScoredGroup] = []
         self.step_started = 0.0
@@ -120,8 +130,13 @@ class AsyncLoop:
             self.scorer.close()
         for ref in list(self.generating):  # let in-flight generation finish so the ledger can close it
             del self.generating[ref]
-            for group in ray.get(ref):
-                self.buffer.lost(group.group_id, "run finished before this group was trained")
+            requests, _ = self.requests_of.pop(ref)
+            try:
+                ray.get(ref)
+            except RayActorError:
+                pass
+            for request in requests:
+                self.buffer.lost(request.group_id, "run finished before this group was trained")
         for group in self.buffer.ready:
             self.buffer.ledger.dropped(group.group_id, "run finished before this group was trained")
         return self.rewards
@@ -139,7 +154,12 @@ class AsyncLoop:
             ):
                 requests.append(self._new_request(index))
             if requests:
-                self.generating[generator.generate.remote(requests)] = index
+                self._send(index, requests)
+
+    def _send(self, index: int, requests: list[GenerationRequest]) -> None:
+        ref = self.generators[index].generate.remote(requests)
+        self.generating[ref] = index
+        self.requests_of[ref] = (requests, self.weights_version[index])
 
     def _new_request(self, generator_index: int) -> GenerationRequest:
         problem = next(self.problems)
@@ -166,9 +186,7 @@ class AsyncLoop:
 
     def _handle(self, ref: ray.ObjectRef) -> None:
         if ref in self.generating:
-            del self.generating[ref]
-            for group in ray.get(ref):
-                self._score_and_buffer(group)
+            self._handle_generation(ref)
             return
         metrics = ray.get(self.learner_refs)[0]
         self.learner_refs = []
@@ -177,6 +195,57 @@ class AsyncLoop:
         self.version += 1
         sync_s = self._sync_weights()
         self._log_step(metrics, lags, sync_s)
+
+    def _handle_generation(self, ref: ray.ObjectRef) -> None:
+        index = self.generating.pop(ref)
+        requests, weights_version = self.requests_of.pop(ref)
+        try:
+            groups = ray.get(ref)
+        except RayActorError as error:
+            self._restarted(index, f"generator {index} died during generation ({type(error).__name__})")
+            self._reissue(index, requests, f"generator {index} died during generation")
+            return
+        if groups and groups[0].incarnation != self.incarnations[index]:
+            if self.incarnations[index] is not None:  # restarted while idle: only its first call can tell
+                self._restarted(index, f"generator {index} was restarted between calls")
+                if any(g.version_start < weights_version for g in groups):
+                    self._reissue(index, requests, f"generator {index} sampled with its initial weights after a restart")
+                    return
+            self.incarnations[index] = groups[0].incarnation
+        for group in groups:
+            self._score_and_buffer(group)
+
+    def _restarted(self, index: int, reason: str) -> None:
+        """Count a generator restart (fail the job past max_restarts) and give it the latest weights."""
+        self.restarts[index] += 1
+        limit = self.job.generator.max_restarts
+        if self.restarts[index] > limit:
+            raise RuntimeError(f"{reason}; it has died {self.restarts[index]} times, more than "
+                               f"generator.max_restarts = {limit}")
+        log.warning("%s; restart %d of %d: waiting for it, then weights version %d, then its groups again",
+                    reason, self.restarts[index], limit, self.version)
+        self._wait_until_back(index, reason)
+        self.weights_version[index] = self.publisher.restore(index)
+        self.incarnations[index] = None  # learnt again from its next result
+
+    def _wait_until_back(self, index: int, reason: str) -> None:
+        """Block until Ray has restarted the generator (calls sent earlier fail as 'unavailable')."""
+        deadline = time.monotonic() + GENERATOR_RESTART_TIMEOUT_S
+        while True:
+            try:
+                ray.get(self.generators[index].ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                return
+            except ActorDiedError as error:
+                raise RuntimeError(f"{reason}, and Ray could not restart it: {error}") from error
+            except (RayActorError, GetTimeoutError) as error:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{reason}, and it was not back within {GENERATOR_RESTART_TIMEOUT_S:g} s") from error
+                time.sleep(0.5)
+
+    def _reissue(self, index: int, requests: list[GenerationRequest], reason: str) -> None:
+        for request in requests:
+            self.buffer.reissue(request.group_id, self.weights_version[index], index, reason)
+        self._send(index, requests)
 
     # ---- pieces -----------------------------------------------------------------------------------
 
@@ -210,7 +279,10 @@ class AsyncLoop:
     def _log_step(self, metrics: dict[str, float], lags: list[int], publish_s: float) -> None:
         stats = lag_stats(torch.tensor(lags), self.job.async_.max_lag)
         step_s = time.perf_counter() - self.step_started
-        throughput = ray.get([g.throughput.remote() for g in self.generators])
+        try:
+            throughput = ray.get([g.throughput.remote() for g in self.generators])
+        except RayActorError:  # a generator died since; its next result will say so
+            throughput = []
         tokens = sum(t["generated_tokens"] for t in throughput)
         gen_s = max(sum(t["generate_s"] for t in throughput), 1e-9)
         row = {
@@ -220,7 +292,8 @@ class AsyncLoop:
             "async/lag": [int(c) for c in stats["lag_hist"].tolist()],
             "async/buffered_groups": len(self.buffer.ready),
             "perf/weight_sync_s": publish_s,
-            "perf/gen_tokens_per_s": tokens / gen_s * len(self.generators),
+            "perf/gen_tokens_per_s": tokens / gen_s * len(self.generators) if throughput else math.nan,
+            "fault/generator_restarts": sum(self.restarts),
             "time/step_s": step_s,
         }
         self.rewards.append(metrics.get("rollout/reward_mean", math.nan))

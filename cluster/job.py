@@ -91,6 +91,9 @@ class GeneratorSection(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_model_len: int = Field(512, gt=0, description="prompt plus response tokens the engine accepts")
     kv_cache_mb: int = Field(64, gt=0, description="vLLM KV cache size; uncapped it takes most of RAM on CPU")
+    max_restarts: int = Field(
+        3, ge=0, description="times a dead generator process is restarted; its in-flight groups are issued again"
+    )
     cpus_per_generator: float = Field(1.0, gt=0)
     gpus_per_generator: float = Field(0.0, ge=0)
 

@@ -99,11 +99,20 @@ class ObjectStorePublisher:
 
     def __init__(self, learners: LearnerGroup, generators: list[Any]) -> None:
         self.learners, self.generators = learners, generators
+        self.latest: tuple[ray.ObjectRef, int] | None = None
 
     def publish(self, version: int) -> None:
         weights = self.learners.publish()
+        self.latest = (weights, version)
         for generator in self.generators:
             generator.update_weights.remote(weights, version)  # runs after the generator's current call
+
+    def restore(self, index: int) -> int:
+        """A restarted generator gets the latest weights before anything else it is sent; their version."""
+        assert self.latest is not None, "publish first"
+        weights, version = self.latest
+        self.generators[index].update_weights.remote(weights, version)
+        return version
 
 
 class CollectivePublisher:
@@ -117,6 +126,12 @@ class CollectivePublisher:
         self.specs = ray.get(rank0.weight_specs.remote())
         ray.get([rank0.join_weight_group.remote(host, port, world, backend)]
                 + [g.join_weight_group.remote(host, port, i + 1, world, backend) for i, g in enumerate(generators)])
+
+    def restore(self, index: int) -> int:
+        raise RuntimeError(
+            f"generator {index} was restarted, but a collective weight group cannot take a new member; "
+            "use async.weight_sync: object_store for jobs whose generators must survive restarts"
+        )
 
     def publish(self, version: int) -> None:
         sending = [rank.broadcast.remote() for rank in self.learners.ranks]
@@ -170,11 +185,15 @@ class LearnerGroup:
         remove_placement_group(self.placement)
 
 
-def start_generators(spec: GeneratorSpec, count: int, cpus: float, gpus: float) -> list[Any]:
+def start_generators(spec: GeneratorSpec, count: int, cpus: float, gpus: float, max_restarts: int = 0,
+                     name_prefix: str | None = None) -> list[Any]:
+    """Generator actors named `{name_prefix}-generator-{i}`; Ray restarts a dead one up to `max_restarts`
+    times, and its failed call raises (no task retries) so the driver reissues the groups with fresh weights."""
     remote_cls = ray.remote(GeneratorActor)
     generators = [
         remote_cls.options(
-            num_cpus=cpus, num_gpus=gpus,
+            num_cpus=cpus, num_gpus=gpus, max_restarts=max_restarts, max_task_retries=0,
+            name=f"{name_prefix}-generator-{index}" if name_prefix else None,
             runtime_env={"env_vars": {**actor_env(), "OMP_NUM_THREADS": str(max(1, int(cpus)))}},
         ).remote(spec, index)
         for index in range(count)

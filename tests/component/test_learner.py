@@ -145,3 +145,28 @@ def test_vcpo_ghost_norms_give_the_per_sample_loops_update(model_name, world, st
     # bounds nothing looser than: the two gradients agree within 1e-4 of the gradient norm.
     update_gap = sum((ghost["weights"][n] - loop["weights"][n]).square().sum() for n in ghost["weights"]) ** 0.5
     assert update_gap * ADAM_EPS / LEARNING_RATE <= 1e-4 * loop["metrics"]["optim/grad_norm"]
+
+
+def _nonfinite_main(rank: int, model_path: str, port: int, out: str) -> None:
+    from learner.batch import collate
+    from learner.rank import LearnerRank, LearnerSpec
+
+    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, stabilizer_name="tis_seq",
+                       stabilizer_config=TISConfig(cap=2.0))
+    learner = LearnerRank(spec, 0, 1, "127.0.0.1", port)
+    samples = _batch_samples()
+    samples[5]["behaviour_logprobs"][0] = float("nan")  # a corrupt rollout from a generator
+    before = learner.state_dict_for_publish()
+    metrics = learner.train_step(collate(samples, 0))
+    after = learner.state_dict_for_publish()
+    torch.save({"metrics": metrics, "changed": [n for n in before if not torch.equal(before[n], after[n])],
+                "version": learner.version}, out)
+
+
+def test_a_non_finite_rollout_skips_the_step_and_keeps_the_weights(tiny_qwen2, tmp_path):
+    out = tmp_path / "nonfinite.pt"
+    mp.start_processes(_nonfinite_main, args=(tiny_qwen2, _free_port(), str(out)), nprocs=1, start_method="spawn",
+                       join=True)
+    result = torch.load(out, weights_only=True)
+    assert result["metrics"]["stability/skipped_step"] == 1
+    assert result["changed"] == [] and result["version"] == 0

@@ -103,6 +103,62 @@ def test_vcpo_job_with_the_off_policy_baseline(local_ray, tmp_path):
     assert len(_trained(result.run_dir)) == 3 * 2
 
 
+def _kill_generator_after_first_step(run_dir: Path, actor_name: str, killed: list[int]) -> None:
+    """Test thread: SIGKILL the generator's process once the learner has taken a step."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            generator = ray.get_actor(actor_name, namespace="stableasync-tests")
+            break
+        except ValueError:
+            time.sleep(0.2)
+    pid = ray.get(generator.process_id.remote())
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and any(json.loads(line)["train/step"] >= 1 for line in metrics.read_text().splitlines()):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        time.sleep(0.05)
+
+
+def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path):
+    import threading
+
+    job = _job(tmp_path, max_lag=2, steps=5, logging={"run_name": "killed-generator"},
+               generator={"max_restarts": 2})
+    run_dir = tmp_path / "runs" / "killed-generator"
+    killed: list[int] = []
+    killer = threading.Thread(target=_kill_generator_after_first_step,
+                              args=(run_dir, "killed-generator-generator-0", killed), daemon=True)
+    killer.start()
+    from cluster.driver import train
+
+    result = train(validate_job(job))
+    killer.join(timeout=5)
+    assert killed, "the generator was killed during the run"
+    assert json.loads((run_dir / "summary.json").read_text())["generator_restarts"] == 1
+    rows = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    final: dict[int, list[str]] = {}
+    for row in rows:
+        if row["event"] in ("trained", "dropped"):
+            final.setdefault(row["group_id"], []).append(row["event"])
+    issued = {r["group_id"] for r in rows if r["event"] == "issued"}
+    assert set(final) == issued, "every issued group ends trained or dropped"
+    assert all(len(events) == 1 for events in final.values()), "no group ends twice"
+    assert sum(events == ["trained"] for events in final.values()) == 5 * 2
+    for row in rows:
+        if row["event"] == "dropped":
+            assert row["reason"], row
+    reissued = [r for r in rows if r["event"] == "reissued"]
+    assert all("generator 0" in r["reason"] for r in reissued)
+    assert result.ledger_counts["trained"] == 5 * 2
+
+
 def test_bad_job_file_names_the_field_and_starts_nothing(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("task: {name: arithmetic}\nlearner: {num_ranks: two}\nasync: {max_lag: -3}\n"

@@ -81,6 +81,24 @@ def test_ledger_refuses_double_training_and_unknown_groups(tmp_path):
     assert rows[-1]["lag"] == 1 and rows[-1]["trained_step"] == 1
 
 
+def test_a_reissued_group_stays_in_flight_and_is_trained_once(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    buffer = RolloutBuffer(max_lag=1, prompts_per_step=1, stale_policy="wait", ledger=ledger)
+    _issue(buffer, 3, 0)
+    buffer.reissue(3, version=2, generator_index=1, reason="generator 0 died during generation")
+    assert buffer.in_flight == 1 and ledger.unresolved() == [3]
+    buffer.add(_group(3, 2))
+    groups = buffer.take(learner_version=2)
+    buffer.mark_trained(groups, 2)
+    with pytest.raises(ValueError, match="already trained"):
+        ledger.reissued(3, 2, 0, "too late")
+    ledger.close()
+    rows = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in rows] == ["issued", "reissued", "scored", "trained"]
+    assert rows[1]["reason"] == "generator 0 died during generation" and rows[1]["generator_index"] == 1
+    assert rows[-1]["reissues"] == 1 and rows[-1]["lag"] == 0
+
+
 def test_negative_max_lag_is_rejected():
     with pytest.raises(ValueError, match="max_lag"):
         RolloutBuffer(max_lag=-1, prompts_per_step=1, stale_policy="wait", ledger=Ledger())

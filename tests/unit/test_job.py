@@ -134,3 +134,4 @@ def test_fuzzed_job_files_either_validate_or_raise_a_job_error(data):
     else:
         assert isinstance(job, Job)
         yaml.safe_load(dump_job(job))
+
