@@ -64,7 +64,24 @@ class Ledger:
     def __init__(self, path: Path | None = None) -> None:
         self.entries: dict[int, LedgerEntry] = {}
         self.path = path
+        self.lines = 0  # events written: a checkpoint records it, a resume cuts the file back to it
         self._file = path.open("a") if path is not None else None
+
+    @classmethod
+    def resume(cls, path: Path, lines: int) -> Ledger:
+        """The ledger as it was after its first `lines` events; later events move to a side file."""
+        kept = keep_first_lines(path, lines)
+        ledger = cls.__new__(cls)
+        ledger.entries, ledger.path, ledger.lines = {}, path, len(kept)
+        fields = set(LedgerEntry.__dataclass_fields__) - {"history"}
+        for line in kept:
+            row = json.loads(line)
+            entry = ledger.entries.setdefault(row["group_id"], LedgerEntry(**{k: row[k] for k in fields if k in row}))
+            for name in fields & set(row):
+                setattr(entry, name, row[name])
+            entry.history.append(row["event"])
+        ledger._file = path.open("a")
+        return ledger
 
     def issued(self, group_id: int, problem_id: str, version: int, generator_index: int) -> None:
         if group_id in self.entries:
@@ -119,6 +136,19 @@ class Ledger:
             row = {k: v for k, v in asdict(entry).items() if k != "history"}
             self._file.write(json.dumps({"event": event, **row}) + "\n")
             self._file.flush()
+        self.lines += 1
+
+
+def keep_first_lines(path: Path, lines: int) -> list[str]:
+    """Cut a JSONL file back to its first `lines` lines; the rest go to `<name>.after-<lines>.jsonl`."""
+    text = path.read_text().splitlines() if path.exists() else []
+    if len(text) < lines:
+        raise ValueError(f"{path} has {len(text)} lines, fewer than the {lines} the checkpoint recorded")
+    kept, later = text[:lines], text[lines:]
+    if later:
+        path.with_name(f"{path.stem}.after-{lines}.jsonl").write_text("\n".join(later) + "\n")
+    path.write_text("".join(line + "\n" for line in kept))
+    return kept
 
 
 class RolloutBuffer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from cluster.job import Job, JobValidationError, dump_job, load_job
 
@@ -34,12 +35,16 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    job = _load(args.job)
+    if (args.job is None) == (args.resume is None):
+        print("give a job file, or --resume RUN_DIR (its job.yaml is used)", file=sys.stderr)
+        return 2
+    resume_dir = Path(args.resume) if args.resume else None
+    job = _load(str(resume_dir / "job.yaml") if resume_dir else args.job)
     if job is None:
         return 2
     from cluster.driver import train
 
-    result = train(job)
+    result = train(job, resume_dir)
     print(f"run directory: {result.run_dir}")
     print(f"ledger: {result.ledger_counts}")
     return 0
@@ -59,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stableasync", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="run a job on the current Ray cluster (local by default)")
-    train.add_argument("job")
+    train.add_argument("job", nargs="?")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     train.set_defaults(run=_train)
     validate = commands.add_parser("validate", help="check a job file; every error with its field path")
     validate.add_argument("job")

@@ -15,9 +15,10 @@ import json
 import logging
 import math
 import random
+import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 import torch
 
-from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
+from actors.buffer import Ledger, RolloutBuffer, ScoredGroup, keep_first_lines
 from actors.generator import GeneratedGroup, GenerationRequest, GeneratorSpec
 from algorithms.config import STABILIZER_CONFIGS
 from algorithms.diagnostics import lag_stats
@@ -41,6 +42,7 @@ from tasks.config import TASK_CONFIGS
 from tasks.scoring import ScorePool
 
 log = logging.getLogger("stableasync")
+CHECKPOINTS = "checkpoints"
 GENERATOR_RESTART_TIMEOUT_S = 600.0  # vLLM start on a busy node, model load included
 
 
@@ -60,25 +62,38 @@ def create_run_dir(job: Job) -> Path:
     return run_dir
 
 
-def train(job: Job) -> RunResult:
-    """Run one job to its last step; returns where its records are."""
-    run_dir = create_run_dir(job)
+def train(job: Job, resume_dir: Path | None = None) -> RunResult:
+    """Run one job to its last step, or resume `resume_dir` from its latest checkpoint; returns where its
+    records are."""
+    checkpoint = latest_checkpoint(resume_dir) if resume_dir is not None else None
+    if resume_dir is not None and checkpoint is None:
+        raise FileNotFoundError(f"no complete checkpoint under {resume_dir / CHECKPOINTS}")
+    run_dir = resume_dir if resume_dir is not None else create_run_dir(job)
+    state = json.loads((checkpoint / "driver.json").read_text()) if checkpoint else None
+    if state is not None:
+        keep_first_lines(run_dir / "metrics.jsonl", state["metrics_lines"])
     task = build_task(job.task.name, section_config(job.task, TASK_CONFIGS))
     model_path = prepare_model(job, task)
     runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace)
     _check_resources(job)
-    sink = MetricSink(run_dir, run_dir.name, job.model_dump(mode="json", by_alias=True), job.logging.wandb.mode,
-                      job.logging.wandb.project, job.logging.wandb.entity, job.logging.progress_bar, job.learner.steps)
+    sink = MetricSink(run_dir, run_dir.name + ("-resumed" if checkpoint else ""), job.model_dump(mode="json", by_alias=True),
+                      job.logging.wandb.mode, job.logging.wandb.project, job.logging.wandb.entity,
+                      job.logging.progress_bar, job.learner.steps)
     learners = runtime.LearnerGroup(_learner_spec(job, model_path), job.learner.num_ranks,
                                     job.learner.cpus_per_rank, job.learner.gpus_per_rank)
     generators = runtime.start_generators(_generator_spec(job, model_path), job.generator.num_generators,
                                           job.generator.cpus_per_generator, job.generator.gpus_per_generator,
                                           job.generator.max_restarts, name_prefix=run_dir.name)
-    ledger = Ledger(run_dir / "ledger.jsonl")
+    ledger = Ledger.resume(run_dir / "ledger.jsonl", state["ledger_lines"]) if state else Ledger(run_dir / "ledger.jsonl")
     try:
-        if job.model.sft_warmup.steps:
+        if checkpoint is not None:
+            learners.load_checkpoint(str(checkpoint / "learner"), "state")
+            log.info("resumed %s from %s (policy version %d)", run_dir, checkpoint.name, state["version"])
+        elif job.model.sft_warmup.steps:
             _sft_warmup(job, task, model_path, learners, sink)
-        loop = AsyncLoop(job, task, learners, generators, ledger, sink)
+        loop = AsyncLoop(job, task, learners, generators, ledger, sink, run_dir)
+        if state is not None:
+            loop.restore(state)
         rewards = loop.run()
     finally:
         ledger.close()
@@ -92,18 +107,27 @@ def train(job: Job) -> RunResult:
     return RunResult(run_dir, job.learner.steps, counts, rewards)
 
 
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint (`step-NNNNNN`; half-written ones are `.step-NNNNNN.tmp`)."""
+    done = sorted(p for p in (run_dir / CHECKPOINTS).glob("step-*") if p.is_dir() and (p / "driver.json").exists())
+    return done[-1] if done else None
+
+
 class AsyncLoop:
     """Generators, scorer, buffer and learner, driven by completions (`ray.wait`)."""
 
     def __init__(self, job: Job, task: Task, learners: runtime.LearnerGroup, generators: list[Any],
-                 ledger: Ledger, sink: MetricSink) -> None:
+                 ledger: Ledger, sink: MetricSink, run_dir: Path) -> None:
         self.job, self.task, self.learners, self.generators, self.sink = job, task, learners, generators, sink
+        self.run_dir = run_dir
         sync = job.async_.weight_sync
         self.publisher = (runtime.ObjectStorePublisher(learners, generators) if sync == "object_store"
                           else runtime.CollectivePublisher(learners, generators, backend=sync))
         self.buffer = RolloutBuffer(job.async_.max_lag, job.learner.prompts_per_step, job.async_.stale_policy, ledger)
         self.problems: Iterator[Problem] = task.problems("train", job.seed)
         self.problem_of: dict[int, Problem] = {}
+        self.problems_drawn = 0
+        self.resumed_requests: list[GenerationRequest] = []
         self.scorer = ScorePool(job.task.name, section_config(job.task, TASK_CONFIGS), max_workers=1)
         self.rng = random.Random(job.seed)
         self.next_group_id = 0
@@ -120,7 +144,8 @@ class AsyncLoop:
         self.rewards: list[float] = []
 
     def run(self) -> list[float]:
-        self._sync_weights()  # generators start from the learner's weights (after any warm-up)
+        self._sync_weights()  # generators start from the learner's weights (after any warm-up or resume)
+        self._reissue_resumed()
         try:
             while self.version < self.job.learner.steps:
                 self._issue_generation()
@@ -163,6 +188,7 @@ class AsyncLoop:
 
     def _new_request(self, generator_index: int) -> GenerationRequest:
         problem = next(self.problems)
+        self.problems_drawn += 1
         group_id, self.next_group_id = self.next_group_id, self.next_group_id + 1
         self.problem_of[group_id] = problem
         self.buffer.issue(group_id, problem.problem_id, self.weights_version[generator_index], generator_index)
@@ -195,6 +221,9 @@ class AsyncLoop:
         self.version += 1
         sync_s = self._sync_weights()
         self._log_step(metrics, lags, sync_s)
+        every = self.job.checkpoint.every_steps
+        if every and (self.version % every == 0 or self.version == self.job.learner.steps):
+            self._checkpoint()
 
     def _handle_generation(self, ref: ray.ObjectRef) -> None:
         index = self.generating.pop(ref)
@@ -246,6 +275,58 @@ class AsyncLoop:
         for request in requests:
             self.buffer.reissue(request.group_id, self.weights_version[index], index, reason)
         self._send(index, requests)
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+
+    def _checkpoint(self) -> None:
+        """Learner state, then the driver's (cursor, RNG, buffered and in-flight groups, ledger and metric
+        offsets) into a temporary folder, renamed into place only when complete; the oldest are pruned."""
+        root = self.run_dir / CHECKPOINTS
+        name = f"step-{self.version:06d}"
+        partial = root / f".{name}.tmp"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        self.learners.save_checkpoint(str(partial / "learner"), "state")
+        (partial / "driver.json").write_text(json.dumps(self._state()))
+        partial.rename(root / name)
+        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-self.job.checkpoint.keep]:
+            shutil.rmtree(old)
+
+    def _state(self) -> dict[str, Any]:
+        in_flight = [request for requests, _ in self.requests_of.values() for request in requests]
+        return {
+            "version": self.version, "next_group_id": self.next_group_id, "problems_drawn": self.problems_drawn,
+            "rng": [self.rng.getstate()[0], list(self.rng.getstate()[1]), self.rng.getstate()[2]],
+            "ready": [asdict(group) for group in self.buffer.ready],
+            "in_flight": [{"request": asdict(r), "problem": asdict(self.problem_of[r.group_id])} for r in in_flight],
+            "rewards": self.rewards, "restarts": self.restarts,
+            "ledger_lines": self.buffer.ledger.lines, "metrics_lines": self.sink.lines,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's driver state (the learner is restored separately)."""
+        self.version, self.next_group_id = state["version"], state["next_group_id"]
+        for _ in range(state["problems_drawn"]):
+            next(self.problems)
+        self.problems_drawn = state["problems_drawn"]
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.buffer.ready.extend(ScoredGroup(**group) for group in state["ready"])
+        self.rewards, self.restarts = list(state["rewards"]), list(state["restarts"])
+        for item in state["in_flight"]:
+            request = GenerationRequest(**item["request"])
+            self.problem_of[request.group_id] = Problem(**item["problem"])
+            self.resumed_requests.append(request)
+
+    def _reissue_resumed(self) -> None:
+        """Groups that were being generated at the checkpoint go out again, spread over the generators."""
+        size = self.job.generator.prompts_per_request
+        requests, self.resumed_requests = self.resumed_requests, []
+        for n, start in enumerate(range(0, len(requests), size)):
+            index = n % len(self.generators)
+            chunk = requests[start:start + size]
+            self.buffer.in_flight += len(chunk)
+            self._reissue(index, chunk, f"resumed from the checkpoint at step {self.version}")
 
     # ---- pieces -----------------------------------------------------------------------------------
 

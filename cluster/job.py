@@ -151,7 +151,7 @@ class LoggingSection(Section):
 
 
 class CheckpointSection(Section):
-    every_steps: int = Field(0, ge=0, description="0: no periodic checkpoints")
+    every_steps: int = Field(0, ge=0, description="checkpoint every N steps and at the last; 0: none")
     keep: int = Field(2, gt=0)
 
 
@@ -236,8 +236,6 @@ def cross_field_errors(job: Job, available_cpus: float | None = None, available_
         ))
     if job.async_.weight_sync == "nccl" and (generator.gpus_per_generator == 0 or learner.gpus_per_rank == 0):
         errors.append(JobError("async.weight_sync", "nccl needs GPUs on generators and learner ranks; use object_store"))
-    if job.checkpoint.every_steps:
-        errors.append(JobError("checkpoint.every_steps", "checkpoints are not implemented yet (issue #6); leave it 0"))
     if job.eval.every_steps:
         errors.append(JobError("eval.every_steps", "periodic evaluation is not implemented yet; leave it 0"))
     if job.model.path == "tiny" and job.model.tiny.num_heads % job.model.tiny.num_kv_heads:

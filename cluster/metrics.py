@@ -31,6 +31,8 @@ class MetricSink:
                  total_steps: int | None = None) -> None:
         self.run_dir = run_dir
         self._jsonl = (run_dir / "metrics.jsonl").open("a")
+        with (run_dir / "metrics.jsonl").open() as rows:
+            self.lines = sum(1 for _ in rows)  # rows so far (a resumed run has some)
         self._progress = progress_bar
         self._total = total_steps
         self._started = time.monotonic()
@@ -57,6 +59,7 @@ class MetricSink:
         row = {"train/step": step, "time/wall_s": round(time.monotonic() - self._started, 3), **metrics}
         self._jsonl.write(json.dumps(_jsonable(row)) + "\n")
         self._jsonl.flush()
+        self.lines += 1
         if self._wandb is not None:
             try:
                 self._wandb.log(_for_wandb(row))

@@ -179,6 +179,13 @@ class LearnerGroup:
         """The object-store reference of the full weights (all ranks take part in the gather)."""
         return ray.get([rank.publish.remote() for rank in self.ranks])[0][0]
 
+    def save_checkpoint(self, directory: str, tag: str) -> None:
+        """Every rank writes its part (ZeRO shards) under `directory` (shared storage across nodes)."""
+        ray.get([rank.save_checkpoint.remote(directory, tag) for rank in self.ranks])
+
+    def load_checkpoint(self, directory: str, tag: str) -> int:
+        return ray.get([rank.load_checkpoint.remote(directory, tag) for rank in self.ranks])[0]
+
     def shutdown(self) -> None:
         for rank in self.ranks:
             ray.kill(rank)

@@ -12,6 +12,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -225,6 +226,26 @@ class LearnerRank:
         if self.rank != 0:
             return {}
         return {name: tensor.detach().float().clone() for name, tensor in module.state_dict().items()}
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str, tag: str) -> None:
+        """Model, optimizer (each rank its ZeRO shard), policy version and RNG state; a collective."""
+        client_state = {"version": self.version, "torch_rng": torch.get_rng_state()}
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
+
+    def load_checkpoint(self, directory: str, tag: str) -> int:
+        """Restore what `save_checkpoint` wrote; returns the policy version. A collective."""
+        path = Path(directory) / tag
+        if path.stat().st_uid != os.getuid():  # DeepSpeed unpickles its checkpoint files
+            raise PermissionError(f"refusing to load checkpoint {path}: it belongs to another user")
+        loaded, client_state = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
+                                                            load_lr_scheduler_states=True)
+        if loaded is None:
+            raise FileNotFoundError(f"learner rank {self.rank}: no checkpoint in {path}")
+        self.version = int(client_state["version"])
+        torch.set_rng_state(client_state["torch_rng"])
+        return self.version
 
     # ---- helpers -----------------------------------------------------------------------------
 

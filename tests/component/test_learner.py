@@ -170,3 +170,40 @@ def test_a_non_finite_rollout_skips_the_step_and_keeps_the_weights(tiny_qwen2, t
     result = torch.load(out, weights_only=True)
     assert result["metrics"]["stability/skipped_step"] == 1
     assert result["changed"] == [] and result["version"] == 0
+
+
+def _checkpoint_main(rank: int, world: int, model_path: str, port: int, folder: str, out: str) -> None:
+    """Step, checkpoint, step again; then a fresh rank loads the checkpoint and repeats the second step."""
+    from learner.batch import collate
+    from learner.rank import LearnerRank, LearnerSpec
+
+    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
+                       stabilizer_name="tis_seq", stabilizer_config=TISConfig(cap=2.0))
+    samples = _batch_samples()
+    share = collate([s for s in samples if s["group_id"] % world == rank], 0)
+    first = LearnerRank(spec, rank, world, "127.0.0.1", port)
+    first.train_step(share)
+    first.save_checkpoint(folder, "step-1")
+    continued = first.train_step(share)
+    weights = first.state_dict_for_publish()
+    del first
+    resumed = LearnerRank(spec, rank, world, "127.0.0.1", port)
+    version = resumed.load_checkpoint(folder, "step-1")
+    repeated = resumed.train_step(share)
+    resumed_weights = resumed.state_dict_for_publish()
+    if rank == 0:
+        torch.save({"version": version, "continued": continued, "repeated": repeated, "weights": weights,
+                    "resumed_weights": resumed_weights, "resumed_version": resumed.version}, out)
+
+
+def test_a_checkpoint_resumes_the_same_trajectory(tiny_qwen2, tmp_path):
+    """Two ranks: the step after loading equals the step after saving (Adam moments restored too)."""
+    out = tmp_path / "checkpoint.pt"
+    mp.start_processes(_checkpoint_main, args=(2, tiny_qwen2, _free_port(), str(tmp_path / "ckpt"), str(out)),
+                       nprocs=2, start_method="spawn", join=True)
+    result = torch.load(out, weights_only=True)
+    assert result["version"] == 1 and result["resumed_version"] == 2
+    for key in ("optim/loss", "optim/grad_norm"):
+        assert result["repeated"][key] == pytest.approx(result["continued"][key], rel=1e-5), key
+    for name, tensor in result["weights"].items():
+        assert torch.equal(tensor, result["resumed_weights"][name]), name

@@ -169,3 +169,35 @@ def test_bad_job_file_names_the_field_and_starts_nothing(tmp_path, capsys):
     assert "learner.num_ranks" in err and "async.max_lag" in err
     assert not (tmp_path / "runs").exists()
     assert ray.is_initialized() == was_running
+
+
+def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, tmp_path):
+    """A run checkpoints at steps 2 and 4; losing step 4 (a crash after step 2), `--resume` goes on from
+    step 2: the ledger and metrics are cut back there, in-flight groups are issued again, and the
+    finished run trains each step's groups exactly once."""
+    import shutil
+
+    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "resumed"}, checkpoint={"every_steps": 2})
+    run_dir = tmp_path / "runs" / "resumed"
+    from cluster.driver import train
+
+    train(validate_job(job))
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["step-000002", "step-000004"]
+    shutil.rmtree(run_dir / "checkpoints" / "step-000004")  # the crash: only step 2 survived
+
+    assert cli_main(["train", "--resume", str(run_dir)]) == 0
+    rows = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    ends: dict[int, list[str]] = {}
+    for row in rows:
+        if row["event"] in ("trained", "dropped"):
+            ends.setdefault(row["group_id"], []).append(row["event"])
+    assert {r["group_id"] for r in rows if r["event"] == "issued"} == set(ends)
+    assert all(len(events) == 1 for events in ends.values()), "no group ends twice"
+    trained_steps = sorted(r["trained_step"] for r in rows if r["event"] == "trained")
+    assert trained_steps == [0, 0, 1, 1, 2, 2, 3, 3], "each step trained its prompts_per_step groups once"
+    assert (run_dir / "ledger.after-{}.jsonl".format(
+        json.loads((run_dir / "checkpoints" / "step-000002" / "driver.json").read_text())["ledger_lines"])).exists()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["train/step"] for m in metrics if m["train/step"] > 0] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
