@@ -42,9 +42,9 @@ def _train(args: argparse.Namespace) -> int:
     job = _load(str(resume_dir / "job.yaml") if resume_dir else args.job)
     if job is None:
         return 2
-    from cluster.driver import train
+    from cluster.driver import run_job
 
-    result = train(job, resume_dir)
+    result = run_job(job, resume_dir)
     print(f"run directory: {result.run_dir}")
     print(f"ledger: {result.ledger_counts}")
     return 0

@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import random
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,7 @@ from actors.generator import GeneratedGroup, GenerationRequest, GeneratorSpec
 from algorithms.config import STABILIZER_CONFIGS
 from algorithms.diagnostics import lag_stats
 from cluster import runtime
+from cluster.checkpoints import CHECKPOINTS, readable_checkpoints, restore_learners, write_checkpoint
 from cluster.job import Job, dump_job, section_config
 from cluster.metrics import MetricSink
 from cluster.model_prep import prepare_model, sft_samples
@@ -42,7 +42,6 @@ from tasks.config import TASK_CONFIGS
 from tasks.scoring import ScorePool
 
 log = logging.getLogger("stableasync")
-CHECKPOINTS = "checkpoints"
 GENERATOR_RESTART_TIMEOUT_S = 600.0  # vLLM start on a busy node, model load included
 
 
@@ -62,55 +61,89 @@ def create_run_dir(job: Job) -> Path:
     return run_dir
 
 
-def train(job: Job, resume_dir: Path | None = None) -> RunResult:
-    """Run one job to its last step, or resume `resume_dir` from its latest checkpoint; returns where its
-    records are."""
-    checkpoint = latest_checkpoint(resume_dir) if resume_dir is not None else None
-    if resume_dir is not None and checkpoint is None:
-        raise FileNotFoundError(f"no complete checkpoint under {resume_dir / CHECKPOINTS}")
+class LearnerCrashed(RuntimeError):
+    """A learner rank died: the job can go on from its latest checkpoint."""
+
+
+class NumericalFailure(RuntimeError):
+    """Too many steps in a row were skipped for non-finite values: stop, with a checkpoint to resume from."""
+
+
+@dataclass
+class SkipStreak:
+    """Consecutive skipped steps; `record` says when the limit is reached (a finite step resets it)."""
+
+    limit: int
+    count: int = 0
+
+    def record(self, skipped: bool) -> bool:
+        self.count = self.count + 1 if skipped else 0
+        return self.count >= self.limit
+
+
+def run_job(job: Job, resume_dir: Path | None = None) -> RunResult:
+    """`train`, resumed from the latest checkpoint after a learner crash, at most `learner.max_restarts` times."""
+    attempt = 0
+    while True:
+        try:
+            return train(job, resume_dir, attempt)
+        except LearnerCrashed as crash:
+            run_dir = Path(crash.args[1])
+            attempt += 1
+            if attempt > job.learner.max_restarts or not readable_checkpoints(run_dir):
+                raise RuntimeError(f"{crash.args[0]}; not resuming: attempt {attempt} of "
+                                   f"learner.max_restarts = {job.learner.max_restarts}, checkpoints in "
+                                   f"{run_dir / CHECKPOINTS}: {len(readable_checkpoints(run_dir))}") from crash
+            log.warning("%s; resuming %s from its latest checkpoint (restart %d of %d)", crash.args[0], run_dir,
+                        attempt, job.learner.max_restarts)
+            resume_dir = run_dir
+
+
+def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResult:
+    """Run one job to its last step, or resume `resume_dir` from its newest usable checkpoint."""
+    candidates = readable_checkpoints(resume_dir) if resume_dir is not None else []
+    if resume_dir is not None and not candidates:
+        raise FileNotFoundError(f"no usable checkpoint under {resume_dir / CHECKPOINTS}")
     run_dir = resume_dir if resume_dir is not None else create_run_dir(job)
-    state = json.loads((checkpoint / "driver.json").read_text()) if checkpoint else None
-    if state is not None:
-        keep_first_lines(run_dir / "metrics.jsonl", state["metrics_lines"])
     task = build_task(job.task.name, section_config(job.task, TASK_CONFIGS))
     model_path = prepare_model(job, task)
     runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace)
     _check_resources(job)
-    sink = MetricSink(run_dir, run_dir.name + ("-resumed" if checkpoint else ""), job.model_dump(mode="json", by_alias=True),
-                      job.logging.wandb.mode, job.logging.wandb.project, job.logging.wandb.entity,
-                      job.logging.progress_bar, job.learner.steps)
+    names = run_dir.name + (f"-restart{attempt}" if attempt else "")
     learners = runtime.LearnerGroup(_learner_spec(job, model_path), job.learner.num_ranks,
-                                    job.learner.cpus_per_rank, job.learner.gpus_per_rank)
+                                    job.learner.cpus_per_rank, job.learner.gpus_per_rank, name_prefix=names)
     generators = runtime.start_generators(_generator_spec(job, model_path), job.generator.num_generators,
                                           job.generator.cpus_per_generator, job.generator.gpus_per_generator,
-                                          job.generator.max_restarts, name_prefix=run_dir.name)
-    ledger = Ledger.resume(run_dir / "ledger.jsonl", state["ledger_lines"]) if state else Ledger(run_dir / "ledger.jsonl")
+                                          job.generator.max_restarts, name_prefix=names)
+    ledger = sink = None
     try:
-        if checkpoint is not None:
-            learners.load_checkpoint(str(checkpoint / "learner"), "state")
-            log.info("resumed %s from %s (policy version %d)", run_dir, checkpoint.name, state["version"])
-        elif job.model.sft_warmup.steps:
+        state = None
+        if candidates:
+            checkpoint, state = restore_learners(learners.load_checkpoint, candidates)
+            log.info("resuming %s from %s (policy version %d)", run_dir, checkpoint.name, state["version"])
+            keep_first_lines(run_dir / "metrics.jsonl", state["metrics_lines"])
+        ledger = Ledger.resume(run_dir / "ledger.jsonl", state["ledger_lines"]) if state else Ledger(run_dir / "ledger.jsonl")
+        sink = MetricSink(run_dir, names + ("-resumed" if state else ""), job.model_dump(mode="json", by_alias=True),
+                          job.logging.wandb.mode, job.logging.wandb.project, job.logging.wandb.entity,
+                          job.logging.progress_bar, job.learner.steps)
+        if state is None and job.model.sft_warmup.steps:
             _sft_warmup(job, task, model_path, learners, sink)
         loop = AsyncLoop(job, task, learners, generators, ledger, sink, run_dir)
         if state is not None:
             loop.restore(state)
         rewards = loop.run()
     finally:
-        ledger.close()
-        sink.close()
+        for closing in (ledger, sink):
+            if closing is not None:
+                closing.close()
         learners.shutdown()
         for generator in generators:
             ray.kill(generator)
     counts = ledger.counts()
-    summary = {"steps": job.learner.steps, "ledger": counts, "rewards": rewards, "generator_restarts": sum(loop.restarts)}
+    summary = {"steps": job.learner.steps, "ledger": counts, "rewards": rewards, "generator_restarts": sum(loop.restarts),
+               "learner_restarts": attempt}
     (run_dir / "summary.json").write_text(json.dumps(summary))
     return RunResult(run_dir, job.learner.steps, counts, rewards)
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint (`step-NNNNNN`; half-written ones are `.step-NNNNNN.tmp`)."""
-    done = sorted(p for p in (run_dir / CHECKPOINTS).glob("step-*") if p.is_dir() and (p / "driver.json").exists())
-    return done[-1] if done else None
 
 
 class AsyncLoop:
@@ -142,6 +175,7 @@ class AsyncLoop:
         self.step_started = 0.0
         self.pad_id = 0
         self.rewards: list[float] = []
+        self.skips = SkipStreak(job.learner.max_skipped_steps_in_a_row)
 
     def run(self) -> list[float]:
         self._sync_weights()  # generators start from the learner's weights (after any warm-up or resume)
@@ -214,7 +248,11 @@ class AsyncLoop:
         if ref in self.generating:
             self._handle_generation(ref)
             return
-        metrics = ray.get(self.learner_refs)[0]
+        try:
+            metrics = ray.get(self.learner_refs)[0]
+        except RayActorError as error:
+            raise LearnerCrashed(f"a learner rank died during step {self.version + 1} ({type(error).__name__})",
+                                 str(self.run_dir)) from error
         self.learner_refs = []
         self.buffer.mark_trained(self.training, self.version)
         lags = [self.version - g.version_start for g in self.training for _ in g.completions]
@@ -224,6 +262,21 @@ class AsyncLoop:
         every = self.job.checkpoint.every_steps
         if every and (self.version % every == 0 or self.version == self.job.learner.steps):
             self._checkpoint()
+        self._check_skipped(metrics.get("stability/skipped_step", 0.0) > 0)
+
+    def _check_skipped(self, skipped: bool) -> None:
+        """Alert on every skipped step; stop with a checkpoint after too many in a row."""
+        stop = self.skips.record(skipped)
+        if skipped:
+            self.sink.alert("learner step skipped", f"step {self.version}: non-finite loss or importance weights on a "
+                            f"learner rank; weights unchanged ({self.skips.count} in a row)")
+        if stop:
+            path = self._checkpoint()
+            raise NumericalFailure(
+                f"{self.skips.count} steps in a row had non-finite loss or importance weights "
+                f"(learner.max_skipped_steps_in_a_row = {self.skips.limit}); checkpoint at {path}. Fix the cause "
+                f"(learning rate, data, stabilizer), then: stableasync train --resume {self.run_dir}"
+            )
 
     def _handle_generation(self, ref: ray.ObjectRef) -> None:
         index = self.generating.pop(ref)
@@ -278,19 +331,13 @@ class AsyncLoop:
 
     # ---- checkpoints --------------------------------------------------------------------------------
 
-    def _checkpoint(self) -> None:
-        """Learner state, then the driver's (cursor, RNG, buffered and in-flight groups, ledger and metric
-        offsets) into a temporary folder, renamed into place only when complete; the oldest are pruned."""
-        root = self.run_dir / CHECKPOINTS
-        name = f"step-{self.version:06d}"
-        partial = root / f".{name}.tmp"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        self.learners.save_checkpoint(str(partial / "learner"), "state")
-        (partial / "driver.json").write_text(json.dumps(self._state()))
-        partial.rename(root / name)
-        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-self.job.checkpoint.keep]:
-            shutil.rmtree(old)
+    def _checkpoint(self) -> Path:
+        try:
+            return write_checkpoint(self.run_dir, self.version, self.job.checkpoint.keep,
+                                    self.learners.save_checkpoint, self._state())
+        except RayActorError as error:  # the half-written folder stays a .tmp that resume ignores
+            raise LearnerCrashed(f"a learner rank died while checkpointing step {self.version}",
+                                 str(self.run_dir)) from error
 
     def _state(self) -> dict[str, Any]:
         in_flight = [request for requests, _ in self.requests_of.values() for request in requests]
@@ -353,7 +400,11 @@ class AsyncLoop:
     def _sync_weights(self) -> float:
         """Publish the learner's weights; each generator loads them before its next request."""
         start = time.perf_counter()
-        self.publisher.publish(self.version)
+        try:
+            self.publisher.publish(self.version)
+        except RayActorError as error:
+            raise LearnerCrashed(f"a learner rank died while publishing weights ({type(error).__name__})",
+                                 str(self.run_dir)) from error
         self.weights_version = [self.version] * len(self.generators)
         return time.perf_counter() - start
 

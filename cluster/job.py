@@ -107,6 +107,12 @@ class LearnerSection(Section):
     weight_decay: float = Field(0.0, ge=0)
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon; larger values damp steps of near-zero gradients")
     grad_clip: float = Field(1.0, gt=0)
+    max_restarts: int = Field(
+        2, ge=0, description="times the job resumes by itself from its latest checkpoint after a learner rank dies"
+    )
+    max_skipped_steps_in_a_row: int = Field(
+        5, gt=0, description="consecutive steps skipped for non-finite values before the job stops (with a checkpoint)"
+    )
     cpus_per_rank: float = Field(1.0, gt=0)
     gpus_per_rank: float = Field(0.0, ge=0)
 

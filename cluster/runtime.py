@@ -79,6 +79,9 @@ class LearnerActor(LearnerRank):
     def ready(self) -> int:
         return self.rank
 
+    def process_id(self) -> int:
+        return os.getpid()
+
 
 class GeneratorActor(Generator):
     weight_sync: CollectiveWeightSync | None = None
@@ -149,7 +152,8 @@ def _free_address() -> tuple[str, int]:
 class LearnerGroup:
     """R learner ranks in one placement group; every call goes to all ranks (they are collectives)."""
 
-    def __init__(self, spec: LearnerSpec, num_ranks: int, cpus_per_rank: float, gpus_per_rank: float) -> None:
+    def __init__(self, spec: LearnerSpec, num_ranks: int, cpus_per_rank: float, gpus_per_rank: float,
+                 name_prefix: str | None = None) -> None:
         bundles = [{"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})} for _ in range(num_ranks)]
         self.placement = placement_group(bundles, strategy="PACK")
         ray.get(self.placement.ready())
@@ -160,6 +164,7 @@ class LearnerGroup:
         self.ranks = [
             remote_cls.options(
                 num_cpus=cpus_per_rank, num_gpus=gpus_per_rank, scheduling_strategy=self._in_bundle(rank),
+                name=f"{name_prefix}-learner-{rank}" if name_prefix else None,
                 runtime_env={"env_vars": {**actor_env(), "OMP_NUM_THREADS": str(max(1, int(cpus_per_rank)))}},
             ).remote(spec, rank, num_ranks, master_addr, master_port)
             for rank in range(num_ranks)

@@ -103,8 +103,8 @@ def test_vcpo_job_with_the_off_policy_baseline(local_ray, tmp_path):
     assert len(_trained(result.run_dir)) == 3 * 2
 
 
-def _kill_generator_after_first_step(run_dir: Path, actor_name: str, killed: list[int]) -> None:
-    """Test thread: SIGKILL the generator's process once the learner has taken a step."""
+def _kill_after_step(run_dir: Path, actor_name: str, killed: list[int], step: int = 1) -> None:
+    """Test thread: SIGKILL an actor's process once the learner has taken `step` steps."""
     import os
     import signal
     import time
@@ -119,11 +119,27 @@ def _kill_generator_after_first_step(run_dir: Path, actor_name: str, killed: lis
     pid = ray.get(generator.process_id.remote())
     metrics = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if metrics.exists() and any(json.loads(line)["train/step"] >= 1 for line in metrics.read_text().splitlines()):
+        if metrics.exists() and any(json.loads(line)["train/step"] >= step for line in metrics.read_text().splitlines()):
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
             return
         time.sleep(0.05)
+
+
+def _assert_each_group_ends_once(run_dir: Path, steps: int, prompts_per_step: int = 2) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    ends: dict[int, list[str]] = {}
+    for row in rows:
+        if row["event"] in ("trained", "dropped"):
+            ends.setdefault(row["group_id"], []).append(row["event"])
+            assert row["event"] == "trained" or row["reason"], row
+    assert {r["group_id"] for r in rows if r["event"] == "issued"} == set(ends), "every issued group ends"
+    assert all(len(events) == 1 for events in ends.values()), "no group ends twice"
+    trained_steps = sorted(r["trained_step"] for r in rows if r["event"] == "trained")
+    assert trained_steps == sorted(list(range(steps)) * prompts_per_step), "each step trained its groups once"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["train/step"] for m in metrics if m["train/step"] > 0] == list(range(1, steps + 1))
+    return rows
 
 
 def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path):
@@ -133,7 +149,7 @@ def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path):
                generator={"max_restarts": 2})
     run_dir = tmp_path / "runs" / "killed-generator"
     killed: list[int] = []
-    killer = threading.Thread(target=_kill_generator_after_first_step,
+    killer = threading.Thread(target=_kill_after_step,
                               args=(run_dir, "killed-generator-generator-0", killed), daemon=True)
     killer.start()
     from cluster.driver import train
@@ -142,18 +158,7 @@ def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path):
     killer.join(timeout=5)
     assert killed, "the generator was killed during the run"
     assert json.loads((run_dir / "summary.json").read_text())["generator_restarts"] == 1
-    rows = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
-    final: dict[int, list[str]] = {}
-    for row in rows:
-        if row["event"] in ("trained", "dropped"):
-            final.setdefault(row["group_id"], []).append(row["event"])
-    issued = {r["group_id"] for r in rows if r["event"] == "issued"}
-    assert set(final) == issued, "every issued group ends trained or dropped"
-    assert all(len(events) == 1 for events in final.values()), "no group ends twice"
-    assert sum(events == ["trained"] for events in final.values()) == 5 * 2
-    for row in rows:
-        if row["event"] == "dropped":
-            assert row["reason"], row
+    rows = _assert_each_group_ends_once(run_dir, steps=5)
     reissued = [r for r in rows if r["event"] == "reissued"]
     assert all("generator 0" in r["reason"] for r in reissued)
     assert result.ledger_counts["trained"] == 5 * 2
@@ -172,11 +177,9 @@ def test_bad_job_file_names_the_field_and_starts_nothing(tmp_path, capsys):
 
 
 def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, tmp_path):
-    """A run checkpoints at steps 2 and 4; losing step 4 (a crash after step 2), `--resume` goes on from
-    step 2: the ledger and metrics are cut back there, in-flight groups are issued again, and the
-    finished run trains each step's groups exactly once."""
-    import shutil
-
+    """A run checkpoints at steps 2 and 4; with step 4's checkpoint damaged (a crash while it was
+    being replaced), `--resume` falls back to step 2: the ledger and metrics are cut back there,
+    in-flight groups are issued again, and every step's groups are trained exactly once."""
     job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "resumed"}, checkpoint={"every_steps": 2})
     run_dir = tmp_path / "runs" / "resumed"
     from cluster.driver import train
@@ -184,20 +187,30 @@ def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, 
     train(validate_job(job))
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["step-000002", "step-000004"]
-    shutil.rmtree(run_dir / "checkpoints" / "step-000004")  # the crash: only step 2 survived
+    (run_dir / "checkpoints" / "step-000004" / "driver.json").write_text('{"version": 4, "trunc')
 
     assert cli_main(["train", "--resume", str(run_dir)]) == 0
-    rows = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
-    ends: dict[int, list[str]] = {}
-    for row in rows:
-        if row["event"] in ("trained", "dropped"):
-            ends.setdefault(row["group_id"], []).append(row["event"])
-    assert {r["group_id"] for r in rows if r["event"] == "issued"} == set(ends)
-    assert all(len(events) == 1 for events in ends.values()), "no group ends twice"
-    trained_steps = sorted(r["trained_step"] for r in rows if r["event"] == "trained")
-    assert trained_steps == [0, 0, 1, 1, 2, 2, 3, 3], "each step trained its prompts_per_step groups once"
-    assert (run_dir / "ledger.after-{}.jsonl".format(
-        json.loads((run_dir / "checkpoints" / "step-000002" / "driver.json").read_text())["ledger_lines"])).exists()
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["train/step"] for m in metrics if m["train/step"] > 0] == [1, 2, 3, 4]
+    _assert_each_group_ends_once(run_dir, steps=4)
+    cut = json.loads((run_dir / "checkpoints" / "step-000002" / "driver.json").read_text())["ledger_lines"]
+    assert (run_dir / f"ledger.after-{cut}.jsonl").exists()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    assert json.loads((run_dir / "checkpoints" / "step-000004" / "driver.json").read_text())["version"] == 4
+
+
+def test_killed_learner_resumes_from_its_checkpoint_by_itself(local_ray, tmp_path):
+    import threading
+
+    from cluster.driver import run_job
+
+    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "killed-learner"}, checkpoint={"every_steps": 1},
+               learner={"num_ranks": 1, "max_restarts": 1})
+    run_dir = tmp_path / "runs" / "killed-learner"
+    killed: list[int] = []
+    killer = threading.Thread(target=_kill_after_step, args=(run_dir, "killed-learner-learner-0", killed, 2),
+                              daemon=True)
+    killer.start()
+    result = run_job(validate_job(job))
+    killer.join(timeout=5)
+    assert killed, "the learner was killed during the run"
+    assert json.loads((result.run_dir / "summary.json").read_text())["learner_restarts"] == 1
+    _assert_each_group_ends_once(run_dir, steps=4)

@@ -102,3 +102,11 @@ def test_a_reissued_group_stays_in_flight_and_is_trained_once(tmp_path):
 def test_negative_max_lag_is_rejected():
     with pytest.raises(ValueError, match="max_lag"):
         RolloutBuffer(max_lag=-1, prompts_per_step=1, stale_policy="wait", ledger=Ledger())
+
+
+def test_skip_streak_counts_only_consecutive_skips():
+    from cluster.driver import SkipStreak
+
+    streak = SkipStreak(limit=3)
+    assert [streak.record(s) for s in (True, True, False, True, True)] == [False] * 5
+    assert streak.record(True) and streak.count == 3

@@ -1,0 +1,78 @@
+"""Run checkpoints on disk: atomic writes, pruning, and choosing one to resume from.
+
+`runs/<run>/checkpoints/step-NNNNNN/` holds `learner/` (every rank's DeepSpeed state) and
+`driver.json` (the driver's state). A checkpoint is written as `.step-NNNNNN.tmp` and renamed when
+complete, so a crash mid-write leaves no folder that looks usable. Resuming takes the newest one
+that reads back, and falls back to older ones (loudly) when the newest is damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("stableasync")
+
+CHECKPOINTS = "checkpoints"
+LEARNER = "learner"
+TAG = "state"
+DRIVER_KEYS = {"version", "next_group_id", "problems_drawn", "rng", "ready", "in_flight", "rewards", "restarts",
+               "ledger_lines", "metrics_lines"}
+
+
+def write_checkpoint(run_dir: Path, version: int, keep: int, save_learners: Callable[[str, str], None],
+                     driver_state: dict[str, Any]) -> Path:
+    """Write step `version` atomically (learner ranks first, then the driver), keep the newest `keep`."""
+    root = run_dir / CHECKPOINTS
+    name = f"step-{version:06d}"
+    partial, final = root / f".{name}.tmp", root / name
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_learners(str(partial / LEARNER), TAG)
+    (partial / "driver.json").write_text(json.dumps(driver_state))
+    if final.exists():  # a damaged one from before a resume: set aside, replace, then delete
+        stale = root / f".{name}.replaced"
+        shutil.rmtree(stale, ignore_errors=True)
+        final.rename(stale)
+        partial.rename(final)
+        shutil.rmtree(stale)
+    else:
+        partial.rename(final)
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def readable_checkpoints(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Complete checkpoints whose driver state reads back, newest first; damaged ones are skipped loudly."""
+    usable = []
+    for path in sorted((p for p in (run_dir / CHECKPOINTS).glob("step-*") if p.is_dir()), reverse=True):
+        try:
+            state = json.loads((path / "driver.json").read_text())
+            missing = DRIVER_KEYS - set(state)
+            if missing:
+                raise ValueError(f"driver.json lacks {sorted(missing)}")
+        except (OSError, ValueError) as error:
+            log.warning("checkpoint %s is unusable (%s); trying an older one", path, error)
+            continue
+        usable.append((path, state))
+    return usable
+
+
+def restore_learners(load: Callable[[str, str], int], candidates: list[tuple[Path, dict[str, Any]]]
+                     ) -> tuple[Path, dict[str, Any]]:
+    """Load the newest candidate the learner ranks accept; an older one when the newest fails."""
+    errors = []
+    for path, state in candidates:
+        try:
+            load(str(path / LEARNER), TAG)
+            return path, state
+        except Exception as error:  # noqa: BLE001 - any failure to load means: try the next one
+            log.warning("learner state in %s did not load (%s); trying an older checkpoint", path,
+                        str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__)
+            errors.append(f"{path.name}: {type(error).__name__}")
+    raise RuntimeError(f"no checkpoint could be restored ({'; '.join(errors) or 'none found'})")
