@@ -139,6 +139,23 @@ class Ledger:
         self.lines += 1
 
 
+def audit_ledger(rows: list[dict[str, Any]]) -> list[str]:
+    """What is wrong with a finished run's ledger events: a group that never ended, ended twice, or was
+    dropped without a reason. Empty when every issued group was trained or dropped exactly once."""
+    issued = {row["group_id"] for row in rows if row["event"] == "issued"}
+    ends: dict[int, list[str]] = {}
+    problems = []
+    for row in rows:
+        if row["event"] in ("trained", "dropped"):
+            ends.setdefault(row["group_id"], []).append(row["event"])
+            if row["event"] == "dropped" and not row.get("reason"):
+                problems.append(f"group {row['group_id']} dropped without a reason")
+    problems += [f"group {gid} was issued but never trained or dropped" for gid in sorted(issued - set(ends))]
+    problems += [f"group {gid} ended {len(e)} times: {e}" for gid, e in sorted(ends.items()) if len(e) > 1]
+    problems += [f"group {gid} ended but was never issued" for gid in sorted(set(ends) - issued)]
+    return problems
+
+
 def keep_first_lines(path: Path, lines: int) -> list[str]:
     """Cut a JSONL file back to its first `lines` lines; the rest go to `<name>.after-<lines>.jsonl`."""
     text = path.read_text().splitlines() if path.exists() else []

@@ -50,6 +50,15 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    job = _load(args.job)
+    if job is None:
+        return 2
+    from cluster.soak import soak
+
+    return soak(job, args.steps, args.kill_every_s)
+
+
 def _prepare_model(args: argparse.Namespace) -> int:
     from learner.models import KNOWN_MODELS
 
@@ -71,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("job")
     validate.add_argument("--dry-run", action="store_true", help="print the resolved job")
     validate.set_defaults(run=_validate)
+    soak = commands.add_parser("soak", help="a long run with generators killed every so often; audits the ledger")
+    soak.add_argument("job")
+    soak.add_argument("--steps", type=int, default=6000, help="learner steps (about 0.25 s each for the demo on 2 cores)")
+    soak.add_argument("--kill-every-s", type=float, default=120.0, help="seconds between generator kills (+-25%%)")
+    soak.set_defaults(run=_soak)
     prepare = commands.add_parser("prepare-model", help="build a known model offline into the cache")
     prepare.add_argument("name")
     prepare.set_defaults(run=_prepare_model)

@@ -110,3 +110,17 @@ def test_skip_streak_counts_only_consecutive_skips():
     streak = SkipStreak(limit=3)
     assert [streak.record(s) for s in (True, True, False, True, True)] == [False] * 5
     assert streak.record(True) and streak.count == 3
+
+
+def test_ledger_audit_names_every_kind_of_gap():
+    from actors.buffer import audit_ledger
+
+    rows = [{"event": "issued", "group_id": g} for g in (1, 2, 3, 4)]
+    rows += [{"event": "trained", "group_id": 1}, {"event": "dropped", "group_id": 2, "reason": ""},
+             {"event": "trained", "group_id": 4}, {"event": "dropped", "group_id": 4, "reason": "stale"},
+             {"event": "trained", "group_id": 9}]
+    assert audit_ledger(rows) == ["group 2 dropped without a reason", "group 3 was issued but never trained or dropped",
+                                  "group 4 ended 2 times: ['trained', 'dropped']", "group 9 ended but was never issued"]
+    assert audit_ledger(rows[:5]) == ["group 2 was issued but never trained or dropped",
+                                      "group 3 was issued but never trained or dropped",
+                                      "group 4 was issued but never trained or dropped"]
