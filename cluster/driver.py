@@ -62,7 +62,11 @@ def create_run_dir(job: Job) -> Path:
 
 
 class LearnerCrashed(RuntimeError):
-    """A learner rank died: the job can go on from its latest checkpoint."""
+    """A learner rank died: the job can go on from its latest checkpoint in `run_dir`."""
+
+    def __init__(self, message: str, run_dir: Path) -> None:
+        super().__init__(message)
+        self.run_dir = run_dir
 
 
 class NumericalFailure(RuntimeError):
@@ -88,15 +92,16 @@ def run_job(job: Job, resume_dir: Path | None = None) -> RunResult:
         try:
             return train(job, resume_dir, attempt)
         except LearnerCrashed as crash:
-            run_dir = Path(crash.args[1])
             attempt += 1
-            if attempt > job.learner.max_restarts or not readable_checkpoints(run_dir):
-                raise RuntimeError(f"{crash.args[0]}; not resuming: attempt {attempt} of "
-                                   f"learner.max_restarts = {job.learner.max_restarts}, checkpoints in "
-                                   f"{run_dir / CHECKPOINTS}: {len(readable_checkpoints(run_dir))}") from crash
-            log.warning("%s; resuming %s from its latest checkpoint (restart %d of %d)", crash.args[0], run_dir,
+            if attempt > job.learner.max_restarts:
+                raise RuntimeError(f"{crash}; not resuming: {attempt - 1} restarts already "
+                                   f"(learner.max_restarts = {job.learner.max_restarts})") from crash
+            if not readable_checkpoints(crash.run_dir):
+                raise RuntimeError(f"{crash}; not resuming: no usable checkpoint in {crash.run_dir / CHECKPOINTS} "
+                                   "(set checkpoint.every_steps)") from crash
+            log.warning("%s; resuming %s from its latest checkpoint (restart %d of %d)", crash, crash.run_dir,
                         attempt, job.learner.max_restarts)
-            resume_dir = run_dir
+            resume_dir = crash.run_dir
 
 
 def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResult:
@@ -252,7 +257,7 @@ class AsyncLoop:
             metrics = ray.get(self.learner_refs)[0]
         except RayActorError as error:
             raise LearnerCrashed(f"a learner rank died during step {self.version + 1} ({type(error).__name__})",
-                                 str(self.run_dir)) from error
+                                 self.run_dir) from error
         self.learner_refs = []
         self.buffer.mark_trained(self.training, self.version)
         lags = [self.version - g.version_start for g in self.training for _ in g.completions]
@@ -337,7 +342,7 @@ class AsyncLoop:
                                     self.learners.save_checkpoint, self._state())
         except RayActorError as error:  # the half-written folder stays a .tmp that resume ignores
             raise LearnerCrashed(f"a learner rank died while checkpointing step {self.version}",
-                                 str(self.run_dir)) from error
+                                 self.run_dir) from error
 
     def _state(self) -> dict[str, Any]:
         in_flight = [request for requests, _ in self.requests_of.values() for request in requests]
@@ -404,7 +409,7 @@ class AsyncLoop:
             self.publisher.publish(self.version)
         except RayActorError as error:
             raise LearnerCrashed(f"a learner rank died while publishing weights ({type(error).__name__})",
-                                 str(self.run_dir)) from error
+                                 self.run_dir) from error
         self.weights_version = [self.version] * len(self.generators)
         return time.perf_counter() - start
 

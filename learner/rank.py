@@ -118,7 +118,7 @@ class LearnerRank:
         start = time.perf_counter()
         self.engine.train()
         with self.ghost_norms.recording() if self.ghost_norms else nullcontext():
-            logits = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            logits = self._logits(batch)
         logprobs = token_logprobs(logits, batch.input_ids, self.spec.temperature)
         advantages, baseline_metrics = self._advantages(batch, logits, logprobs)
         policy = PolicyBatch(logprobs, batch.behaviour_logprobs, advantages, batch.loss_mask)
@@ -173,7 +173,7 @@ class LearnerRank:
 
         def sample_logp(i: int) -> Tensor:  # the plain module: the engine's backward hooks stay out of it
             row = batch.rows(torch.tensor([i]))
-            row_logits = self.engine.module(input_ids=row.input_ids, attention_mask=row.attention_mask).logits
+            row_logits = self._logits(row, plain=True)
             return (token_logprobs(row_logits, row.input_ids, self.spec.temperature) * row.loss_mask).sum()
 
         return per_sample_loop_norms(sample_logp, batch.size, [p for p in self.engine.module.parameters() if p.requires_grad])
@@ -182,7 +182,7 @@ class LearnerRank:
         """ZeRO-3: its module hooks gather and release parameters per backward and need each backward
         to enter at the model's top, so the ghost pass gets a forward of its own (one extra forward)."""
         with self.ghost_norms.recording():
-            logits = self.engine.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            logits = self._logits(batch, plain=True)
         logits_grad = sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, self.spec.temperature)
         return self.ghost_norms.squared_norms(logits_grad, from_logits=True)
 
@@ -209,8 +209,12 @@ class LearnerRank:
     def log_probs(self, batch: TrainBatch, grad: bool = False) -> Tensor:
         """Learner log-probs of each next token at the generator's temperature, [B, L-1]."""
         with torch.set_grad_enabled(grad):
-            logits = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            return token_logprobs(logits, batch.input_ids, self.spec.temperature)
+            return token_logprobs(self._logits(batch), batch.input_ids, self.spec.temperature)
+
+    def _logits(self, batch: TrainBatch, plain: bool = False) -> Tensor:
+        """[B, L, V] logits; `plain` runs the bare module, outside the engine's backward bookkeeping."""
+        model = self.engine.module if plain else self.engine
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
 
     def state_dict_for_publish(self) -> dict[str, Tensor]:
         """Full fp32 weights in HF checkpoint names for the generators (a collective under ZeRO-3)."""
