@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -153,10 +154,18 @@ class LearnerGroup:
     """R learner ranks in one placement group; every call goes to all ranks (they are collectives)."""
 
     def __init__(self, spec: LearnerSpec, num_ranks: int, cpus_per_rank: float, gpus_per_rank: float,
-                 name_prefix: str | None = None) -> None:
+                 name_prefix: str | None = None, placement_timeout_s: float = 600.0) -> None:
         bundles = [{"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})} for _ in range(num_ranks)]
         self.placement = placement_group(bundles, strategy="PACK")
-        ray.get(self.placement.ready())
+        try:
+            ray.get(self.placement.ready(), timeout=placement_timeout_s)
+        except GetTimeoutError:
+            remove_placement_group(self.placement)
+            raise RuntimeError(
+                f"the learner's {num_ranks} rank(s) of {bundles[0]} could not be placed within "
+                f"{placement_timeout_s:g} s; the cluster has {ray.available_resources()} free of "
+                f"{ray.cluster_resources()} (learner.cpus_per_rank, learner.gpus_per_rank, learner.num_ranks)"
+            ) from None
         master_addr, master_port = ray.get(
             _free_address.options(scheduling_strategy=self._in_bundle(0), num_cpus=0).remote()
         )

@@ -165,6 +165,15 @@ def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path):
     assert result.ledger_counts["trained"] == 5 * 2
 
 
+def test_a_learner_the_cluster_cannot_place_fails_with_the_resources_named(local_ray):
+    from cluster.runtime import LearnerGroup
+    from learner.rank import LearnerSpec
+
+    with pytest.raises(RuntimeError, match=r"could not be placed within 2 s.*learner.cpus_per_rank"):
+        LearnerGroup(LearnerSpec(model_path="unused"), 1, 64.0, 0.0, placement_timeout_s=2)
+    assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"), "nothing left reserved"
+
+
 def test_bad_job_file_names_the_field_and_starts_nothing(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("task: {name: arithmetic}\nlearner: {num_ranks: two}\nasync: {max_lag: -3}\n"
