@@ -71,16 +71,15 @@ class Ledger:
     def resume(cls, path: Path, lines: int) -> Ledger:
         """The ledger as it was after its first `lines` events; later events move to a side file."""
         kept = keep_first_lines(path, lines)
-        ledger = cls.__new__(cls)
-        ledger.entries, ledger.path, ledger.lines = {}, path, len(kept)
+        ledger = cls(path)
         fields = set(LedgerEntry.__dataclass_fields__) - {"history"}
-        for line in kept:
+        for line in kept:  # each row holds the whole entry after its event
             row = json.loads(line)
-            entry = ledger.entries.setdefault(row["group_id"], LedgerEntry(**{k: row[k] for k in fields if k in row}))
-            for name in fields & set(row):
-                setattr(entry, name, row[name])
-            entry.history.append(row["event"])
-        ledger._file = path.open("a")
+            entry = LedgerEntry(**{name: row[name] for name in fields & set(row)})
+            previous = ledger.entries.get(entry.group_id)
+            entry.history = (previous.history if previous else []) + [row["event"]]
+            ledger.entries[entry.group_id] = entry
+        ledger.lines = len(kept)
         return ledger
 
     def issued(self, group_id: int, problem_id: str, version: int, generator_index: int) -> None:

@@ -61,6 +61,15 @@ def create_run_dir(job: Job) -> Path:
     return run_dir
 
 
+@dataclass
+class Generation:
+    """One generate call in flight: which generator, the groups it was sent, the weights it should use."""
+
+    index: int
+    requests: list[GenerationRequest]
+    weights_version: int
+
+
 class LearnerCrashed(RuntimeError):
     """A learner rank died: the job can go on from its latest checkpoint in `run_dir`."""
 
@@ -171,8 +180,7 @@ class AsyncLoop:
         self.next_group_id = 0
         self.version = 0  # learner optimizer steps taken
         self.weights_version = [0] * len(generators)  # version each generator will sample with next
-        self.generating: dict[ray.ObjectRef, int] = {}  # generate call -> generator index
-        self.requests_of: dict[ray.ObjectRef, tuple[list[GenerationRequest], int]] = {}  # -> (requests, weights version)
+        self.generating: dict[ray.ObjectRef, Generation] = {}  # generate call -> what it was asked
         self.incarnations: list[str | None] = [None] * len(generators)
         self.restarts = [0] * len(generators)
         self.learner_refs: list[ray.ObjectRef] = []
@@ -193,13 +201,12 @@ class AsyncLoop:
         finally:
             self.scorer.close()
         for ref in list(self.generating):  # let in-flight generation finish so the ledger can close it
-            del self.generating[ref]
-            requests, _ = self.requests_of.pop(ref)
+            call = self.generating.pop(ref)
             try:
                 ray.get(ref)
             except RayActorError:
                 pass
-            for request in requests:
+            for request in call.requests:
                 self.buffer.lost(request.group_id, "run finished before this group was trained")
         for group in self.buffer.ready:
             self.buffer.ledger.dropped(group.group_id, "run finished before this group was trained")
@@ -208,7 +215,7 @@ class AsyncLoop:
     # ---- one turn of the loop ------------------------------------------------------------------
 
     def _issue_generation(self) -> None:
-        busy = set(self.generating.values())
+        busy = {call.index for call in self.generating.values()}
         for index, generator in enumerate(self.generators):
             if index in busy:
                 continue
@@ -222,8 +229,7 @@ class AsyncLoop:
 
     def _send(self, index: int, requests: list[GenerationRequest]) -> None:
         ref = self.generators[index].generate.remote(requests)
-        self.generating[ref] = index
-        self.requests_of[ref] = (requests, self.weights_version[index])
+        self.generating[ref] = Generation(index, requests, self.weights_version[index])
 
     def _new_request(self, generator_index: int) -> GenerationRequest:
         problem = next(self.problems)
@@ -284,19 +290,20 @@ class AsyncLoop:
             )
 
     def _handle_generation(self, ref: ray.ObjectRef) -> None:
-        index = self.generating.pop(ref)
-        requests, weights_version = self.requests_of.pop(ref)
+        call = self.generating.pop(ref)
+        index = call.index
         try:
             groups = ray.get(ref)
         except RayActorError as error:
             self._restarted(index, f"generator {index} died during generation ({type(error).__name__})")
-            self._reissue(index, requests, f"generator {index} died during generation")
+            self._reissue(index, call.requests, f"generator {index} died during generation")
             return
         if groups and groups[0].incarnation != self.incarnations[index]:
             if self.incarnations[index] is not None:  # restarted while idle: only its first call can tell
                 self._restarted(index, f"generator {index} was restarted between calls")
-                if any(g.version_start < weights_version for g in groups):
-                    self._reissue(index, requests, f"generator {index} sampled with its initial weights after a restart")
+                if any(g.version_start < call.weights_version for g in groups):
+                    self._reissue(index, call.requests,
+                                  f"generator {index} sampled with its initial weights after a restart")
                     return
             self.incarnations[index] = groups[0].incarnation
         for group in groups:
@@ -345,10 +352,11 @@ class AsyncLoop:
                                  self.run_dir) from error
 
     def _state(self) -> dict[str, Any]:
-        in_flight = [request for requests, _ in self.requests_of.values() for request in requests]
+        rng_version, rng_internal, rng_gauss = self.rng.getstate()
+        in_flight = [request for call in self.generating.values() for request in call.requests]
         return {
             "version": self.version, "next_group_id": self.next_group_id, "problems_drawn": self.problems_drawn,
-            "rng": [self.rng.getstate()[0], list(self.rng.getstate()[1]), self.rng.getstate()[2]],
+            "rng": [rng_version, list(rng_internal), rng_gauss],
             "ready": [asdict(group) for group in self.buffer.ready],
             "in_flight": [{"request": asdict(r), "problem": asdict(self.problem_of[r.group_id])} for r in in_flight],
             "rewards": self.rewards, "restarts": self.restarts,

@@ -22,7 +22,7 @@ Reference (`per_sample_loop`): one backward per trajectory, as the official VCPO
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator
@@ -103,15 +103,12 @@ def _covered_parameters(module: nn.Module) -> list[nn.Parameter]:
 class GhostGradNorms:
     """Per-sample squared gradient norms of a HF causal LM from one batched backward."""
 
-    def __init__(self, model: nn.Module,
-                 gathered: Callable[[list[nn.Parameter]], AbstractContextManager] = lambda params: nullcontext()) -> None:
-        """`gathered(params)` makes sharded parameters whole for a moment (ZeRO-3); plain models need nothing."""
+    def __init__(self, model: nn.Module) -> None:
         self.output_layer = model.get_output_embeddings()
         if not isinstance(self.output_layer, nn.Linear):
             raise UncoveredParameters(f"output layer {type(self.output_layer).__name__} is not a linear layer")
-        self.gathered = gathered
-        self.modules = [(name, m) for name, m in model.named_modules() if _covered_parameters(m)]
-        owned = {id(p) for _, m in self.modules for p in _covered_parameters(m)}
+        self.modules = [m for m in model.modules() if _covered_parameters(m)]
+        owned = {id(p) for m in self.modules for p in _covered_parameters(m)}
         missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
         if missing:
             raise UncoveredParameters(f"no ghost-norm rule for parameters {missing[:5]}"
@@ -127,7 +124,7 @@ class GhostGradNorms:
             if torch.is_grad_enabled() and output.requires_grad:
                 self._records.append((module, inputs[0], output))
 
-        handles = [m.register_forward_hook(keep) for _, m in self.modules]
+        handles = [m.register_forward_hook(keep) for m in self.modules]
         try:
             yield
         finally:
@@ -138,9 +135,10 @@ class GhostGradNorms:
         """||grad_theta log pi(tau_i)||^2 for each sample, [B] fp32, given d(sum_i log pi(tau_i))/d logits
         ([B, L, V], e.g. `sequence_logprob_grad`).
 
-        By default the backward starts below the output layer and the forward graph stays for the loss
-        backward. `from_logits` starts at the logits and frees the graph: for a forward of its own
-        under ZeRO-3, whose per-module backward hooks expect every backward to enter at the top.
+        By default the backward starts below the output layer (which needs its whole weight, so not
+        under ZeRO-3) and the forward graph stays for the loss backward. `from_logits` starts at the
+        logits and frees the graph: for a forward of its own under ZeRO-3, whose per-module backward
+        hooks expect every backward to enter at the top.
         """
         records, self._records = self._records, []
         heads = [r for r in records if r[0] is self.output_layer]
@@ -151,8 +149,7 @@ class GhostGradNorms:
         if from_logits:
             start, start_grad = logits, logits_grad.to(logits.dtype)
         else:
-            with self.gathered([head.weight]):
-                start, start_grad = hidden, (logits_grad.to(head.weight.dtype) @ head.weight).to(hidden.dtype)
+            start, start_grad = hidden, (logits_grad.to(head.weight.dtype) @ head.weight).to(hidden.dtype)
         batch = logits_grad.shape[0]
         uses = Counter(id(p) for module, _, _ in records for p in _covered_parameters(module))
         total = torch.zeros(batch, dtype=torch.float32, device=logits_grad.device)

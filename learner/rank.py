@@ -105,7 +105,7 @@ class LearnerRank:
         if not self.stabilizer.needs_grad_norms or getattr(self.stabilizer.config, "opob_impl", "ghost") != "ghost":
             return None, False
         try:
-            return GhostGradNorms(self.engine.module, self._gathered), False
+            return GhostGradNorms(self.engine.module), False
         except UncoveredParameters as error:
             log.warning("learner rank %d: per-sample gradient norms fall back to one backward per sample: %s",
                         self.rank, error)
@@ -117,7 +117,9 @@ class LearnerRank:
         """One optimizer step on this rank's groups; returns metrics averaged over ranks."""
         start = time.perf_counter()
         self.engine.train()
-        with self.ghost_norms.recording() if self.ghost_norms else nullcontext():
+        # ZeRO-3 takes its norms from a forward of its own (_ghost_norms_own_forward), not this one
+        record = self.ghost_norms is not None and self.spec.zero_stage != 3
+        with self.ghost_norms.recording() if record else nullcontext():
             logits = self._logits(batch)
         logprobs = token_logprobs(logits, batch.input_ids, self.spec.temperature)
         advantages, baseline_metrics = self._advantages(batch, logits, logprobs)
@@ -160,7 +162,7 @@ class LearnerRank:
             "opob/sample_grad_norm_mean": norms.mean(),
             "opob/sample_grad_norm_median": norms.median(),
             "opob/sample_grad_norm_max": norms.max(),
-            "opob/fallback_to_loop": torch.tensor(float(self.ghost_norms is None and self.grad_norm_fallback)),
+            "opob/fallback_to_loop": torch.tensor(float(self.grad_norm_fallback)),
         }
 
     def _grad_sq_norms(self, batch: TrainBatch, logits: Tensor) -> Tensor:
@@ -185,14 +187,6 @@ class LearnerRank:
             logits = self._logits(batch, plain=True)
         logits_grad = sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, self.spec.temperature)
         return self.ghost_norms.squared_norms(logits_grad, from_logits=True)
-
-    def _gathered(self, params: list[torch.nn.Parameter]):
-        """Whole parameters for a moment under ZeRO-3 (read-only); nothing to do otherwise."""
-        if self.spec.zero_stage != 3:
-            return nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
     def sft_step(self, batch: TrainBatch, learning_rate: float) -> dict[str, float]:
         """Supervised warm-up on demonstrations: token-mean cross-entropy of the completion tokens."""
