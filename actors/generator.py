@@ -50,6 +50,7 @@ class GeneratedGroup:
     version_end: int = 0
     generator_index: int = 0
     incarnation: str = ""  # changes when the generator's process is restarted
+    generate_s: float = 0.0  # seconds of the generate call that produced it (shared by the call's groups)
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -82,8 +83,6 @@ class Generator:
             seed=spec.seed + index,
         )
         self.tokenizer = self.llm.get_tokenizer()
-        self.generated_tokens = 0
-        self.generate_s = 0.0
 
     def generate(self, requests: list[GenerationRequest]) -> list[GeneratedGroup]:
         """Sample `samples_per_prompt` responses for every request, with processed log-probs."""
@@ -111,9 +110,11 @@ class Generator:
                     "completion_ids": ids, "behaviour_logprobs": logprobs,
                     "text": completion.text, "finish_reason": completion.finish_reason,
                 })
-                self.generated_tokens += len(ids)
             groups.append(group)
-        self.generate_s += time.perf_counter() - start
+        # The timing travels with the result: asking the actor later would queue behind its next call.
+        generate_s = time.perf_counter() - start
+        for group in groups:
+            group.generate_s = generate_s
         return groups
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
@@ -130,7 +131,3 @@ class Generator:
     def process_id(self) -> int:
         """This generator's OS process (operators and fault tests kill it to check recovery)."""
         return os.getpid()
-
-    def throughput(self) -> dict[str, float]:
-        """Tokens generated and seconds spent generating since start."""
-        return {"generated_tokens": float(self.generated_tokens), "generate_s": self.generate_s}

@@ -1,4 +1,4 @@
-"""`stableasync`: train, validate and prepare-model.
+"""`stableasync`: train, validate, submit (status, logs, stop), soak and prepare-model.
 
 Validation imports no torch or ray, so `stableasync validate` answers in well under a second.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -59,6 +60,84 @@ def _soak(args: argparse.Namespace) -> int:
     return soak(job, args.steps, args.kill_every_s)
 
 
+def _jobs_api(args: argparse.Namespace) -> tuple[str, str | None] | None:
+    """The Jobs API address and auth token of a cluster command, or None after saying what is missing."""
+    from cluster.submit import SubmitError, find_token
+
+    address = args.address or os.environ.get("RAY_API_SERVER_ADDRESS")
+    if not address:
+        print("give --address http://HEAD:8265 (or set RAY_API_SERVER_ADDRESS)", file=sys.stderr)
+        return None
+    try:
+        return address, None if args.no_auth else find_token(args.token_file)
+    except SubmitError as error:
+        print(error, file=sys.stderr)
+        return None
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from cluster.submit import SubmitError, submit, wait
+
+    job = _load(args.job)
+    api = _jobs_api(args) if job is not None else None
+    if job is None or api is None:
+        return 2
+    try:
+        submission = submit(job, *api, run_dir=args.run_dir)
+        print(f"submitted {submission.submission_id}; run directory on the head node: {submission.run_dir}")
+        print(f"  stableasync status {submission.submission_id} --address {api[0]}")
+        print(f"  stableasync logs {submission.submission_id} --address {api[0]} --follow")
+        if args.wait:
+            status = wait(*api, submission.submission_id, args.timeout_s)
+            print(f"{submission.submission_id}: {status}")
+            return 0 if status == "SUCCEEDED" else 1
+    except SubmitError as error:
+        print(error, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cluster_job(args: argparse.Namespace) -> int:
+    """status, logs and stop of a submitted job."""
+    from cluster.submit import SubmitError, client
+
+    api = _jobs_api(args)
+    if api is None:
+        return 2
+    try:
+        jobs = client(*api)
+        if args.command == "status":
+            info = jobs.get_job_info(args.submission_id)
+            print(f"{args.submission_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
+        elif args.command == "stop":
+            stopped = jobs.stop_job(args.submission_id)
+            print(f"{args.submission_id}: {'stopping' if stopped else 'already ended'}")
+        elif args.follow:
+            import asyncio
+
+            async def tail() -> None:
+                async for lines in jobs.tail_job_logs(args.submission_id):
+                    print(lines, end="", flush=True)
+
+            asyncio.run(tail())
+        else:
+            print(jobs.get_job_logs(args.submission_id), end="")
+    except SubmitError as error:
+        print(error, file=sys.stderr)
+        return 1
+    except Exception as error:  # noqa: BLE001 - an unknown id or an unreachable cluster: say which
+        print(f"{args.submission_id}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", help="the Ray Jobs API, http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS)")
+    parser.add_argument("--token-file", help="the cluster's auth token (default: $RAY_AUTH_TOKEN, "
+                        "$RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)")
+    parser.add_argument("--no-auth", action="store_true", help="for a cluster without token authentication")
+
+
 def _prepare_model(args: argparse.Namespace) -> int:
     from learner.models import KNOWN_MODELS
 
@@ -85,6 +164,21 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--steps", type=int, default=6000, help="learner steps (about 0.25 s each for the demo on 2 cores)")
     soak.add_argument("--kill-every-s", type=float, default=120.0, help="seconds between generator kills (+-25%%)")
     soak.set_defaults(run=_soak)
+    submit = commands.add_parser("submit", help="run a job on a remote Ray cluster (Ray Jobs API, token auth)")
+    submit.add_argument("job")
+    _add_cluster_options(submit)
+    submit.add_argument("--run-dir", default="~/stableasync/runs", help="parent of the run directory on the head node")
+    submit.add_argument("--wait", action="store_true", help="block until the job ends; exit 0 only if it succeeded")
+    submit.add_argument("--timeout-s", type=float, default=24 * 3600.0, help="how long --wait waits")
+    submit.set_defaults(run=_submit)
+    for name, text in (("status", "a submitted job's status"), ("logs", "a submitted job's driver log"),
+                       ("stop", "stop a submitted job")):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("submission_id")
+        _add_cluster_options(command)
+        if name == "logs":
+            command.add_argument("--follow", action="store_true", help="stream the log until the job ends")
+        command.set_defaults(run=_cluster_job)
     prepare = commands.add_parser("prepare-model", help="build a known model offline into the cache")
     prepare.add_argument("name")
     prepare.set_defaults(run=_prepare_model)

@@ -7,16 +7,21 @@ order), so it never restarts and never waits for the learner unless the lag boun
 
 A generator whose process dies is restarted by Ray (`generator.max_restarts`); the loop sends it the
 latest weights first, then issues its in-flight groups again (the ledger records each reissue).
+
+Elastic jobs (`generator.max_generators`) follow the cluster instead: a generator is started on every
+free unit of `cluster.generator_resource` (a node the autoscaler added) and joins once it has the
+latest weights; one whose node went away leaves, and its in-flight groups go to the others.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -43,6 +48,7 @@ from tasks.scoring import ScorePool
 
 log = logging.getLogger("stableasync")
 GENERATOR_RESTART_TIMEOUT_S = 600.0  # vLLM start on a busy node, model load included
+SCALE_CHECK_S = 2.0  # how often an elastic job looks for free generator resources
 
 
 @dataclass
@@ -55,7 +61,7 @@ class RunResult:
 
 def create_run_dir(job: Job) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(job.logging.run_dir) / (job.logging.run_name or f"{job.name}-{stamp}")
+    run_dir = Path(job.logging.run_dir).expanduser() / (job.logging.run_name or f"{job.name}-{stamp}")
     run_dir.mkdir(parents=True, exist_ok=False)
     (run_dir / "job.yaml").write_text(dump_job(job))
     return run_dir
@@ -125,11 +131,14 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResu
     _check_resources(job)
     names = run_dir.name + (f"-restart{attempt}" if attempt else "")
     learners = runtime.LearnerGroup(_learner_spec(job, model_path), job.learner.num_ranks,
-                                    job.learner.cpus_per_rank, job.learner.gpus_per_rank, name_prefix=names)
-    generators = runtime.start_generators(_generator_spec(job, model_path), job.generator.num_generators,
-                                          job.generator.cpus_per_generator, job.generator.gpus_per_generator,
-                                          job.generator.max_restarts, name_prefix=names)
-    ledger = sink = None
+                                    job.learner.cpus_per_rank, job.learner.gpus_per_rank, name_prefix=names,
+                                    placement_timeout_s=job.cluster.placement_timeout_s,
+                                    node_resource=job.cluster.learner_resource)
+    start_generator = _generator_starter(job, model_path, names)
+    generators = {index: start_generator(index) for index in range(job.generator.num_generators)}
+    ray.get([g.ready.remote() for g in generators.values()])
+    placement = _placement(learners, generators)
+    ledger = sink = loop = None
     try:
         state = None
         if candidates:
@@ -142,7 +151,8 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResu
                           job.logging.progress_bar, job.learner.steps)
         if state is None and job.model.sft_warmup.steps:
             _sft_warmup(job, task, model_path, learners, sink)
-        loop = AsyncLoop(job, task, learners, generators, ledger, sink, run_dir)
+        loop = AsyncLoop(job, task, learners, generators, ledger, sink, run_dir, start_generator,
+                         placement["generator_nodes"])
         if state is not None:
             loop.restore(state)
         rewards = loop.run()
@@ -151,11 +161,13 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResu
             if closing is not None:
                 closing.close()
         learners.shutdown()
-        for generator in generators:
+        started = [actor for _, actor in loop.starting.values()] + list(loop.generators.values()) if loop else []
+        for generator in [*generators.values(), *started]:
             ray.kill(generator)
     counts = ledger.counts()
-    summary = {"steps": job.learner.steps, "ledger": counts, "rewards": rewards, "generator_restarts": sum(loop.restarts),
-               "learner_restarts": attempt}
+    summary = {"steps": job.learner.steps, "ledger": counts, "rewards": rewards,
+               "generator_restarts": sum(loop.restarts.values()), "learner_restarts": attempt,
+               "generators": {"joined": loop.joined, "left": loop.left, **placement}}  # nodes by Ray node id
     (run_dir / "summary.json").write_text(json.dumps(summary))
     return RunResult(run_dir, job.learner.steps, counts, rewards)
 
@@ -163,13 +175,17 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResu
 class AsyncLoop:
     """Generators, scorer, buffer and learner, driven by completions (`ray.wait`)."""
 
-    def __init__(self, job: Job, task: Task, learners: runtime.LearnerGroup, generators: list[Any],
-                 ledger: Ledger, sink: MetricSink, run_dir: Path) -> None:
-        self.job, self.task, self.learners, self.generators, self.sink = job, task, learners, generators, sink
+    def __init__(self, job: Job, task: Task, learners: runtime.LearnerGroup, generators: dict[int, Any],
+                 ledger: Ledger, sink: MetricSink, run_dir: Path, start_generator: Callable[[int], Any],
+                 generator_nodes: dict[str, str]) -> None:
+        self.job, self.task, self.learners, self.sink = job, task, learners, sink
+        self.generators = dict(generators)  # index -> actor; elastic jobs add and remove members
         self.run_dir = run_dir
+        self.start_generator = start_generator
+        self.elastic = job.generator.max_generators is not None
         sync = job.async_.weight_sync
-        self.publisher = (runtime.ObjectStorePublisher(learners, generators) if sync == "object_store"
-                          else runtime.CollectivePublisher(learners, generators, backend=sync))
+        self.publisher = (runtime.ObjectStorePublisher(learners, self.generators) if sync == "object_store"
+                          else runtime.CollectivePublisher(learners, self.generators, backend=sync))
         self.buffer = RolloutBuffer(job.async_.max_lag, job.learner.prompts_per_step, job.async_.stale_policy, ledger)
         self.problems: Iterator[Problem] = task.problems("train", job.seed)
         self.problem_of: dict[int, Problem] = {}
@@ -179,10 +195,18 @@ class AsyncLoop:
         self.rng = random.Random(job.seed)
         self.next_group_id = 0
         self.version = 0  # learner optimizer steps taken
-        self.weights_version = [0] * len(generators)  # version each generator will sample with next
+        self.weights_version = {index: 0 for index in generators}  # version each generator samples with next
         self.generating: dict[ray.ObjectRef, Generation] = {}  # generate call -> what it was asked
-        self.incarnations: list[str | None] = [None] * len(generators)
-        self.restarts = [0] * len(generators)
+        self.incarnations: dict[int, str | None] = {index: None for index in generators}
+        self.restarts = {index: 0 for index in generators}
+        self.starting: dict[ray.ObjectRef, tuple[int, Any]] = {}  # elastic newcomers: ready call -> (index, actor)
+        self.orphans: list[tuple[GenerationRequest, str]] = []  # groups of generators that left, with why
+        self.next_generator_index = max(generators, default=-1) + 1
+        self.next_scale_check = 0.0
+        self.alone_since: float | None = None
+        self.joined = self.left = 0
+        self.generated_tokens, self.generate_s = 0, 0.0  # over every generate call of this run
+        self.generator_nodes = generator_nodes  # index (str) -> Ray node id, newcomers added as they join
         self.learner_refs: list[ray.ObjectRef] = []
         self.training: list[ScoredGroup] = []
         self.step_started = 0.0
@@ -195,6 +219,7 @@ class AsyncLoop:
         self._reissue_resumed()
         try:
             while self.version < self.job.learner.steps:
+                self._scale_generators()
                 self._issue_generation()
                 self._start_learner_step()
                 self._handle(self._wait_one())
@@ -208,6 +233,8 @@ class AsyncLoop:
                 pass
             for request in call.requests:
                 self.buffer.lost(request.group_id, "run finished before this group was trained")
+        for request, reason in self.orphans:
+            self.buffer.lost(request.group_id, f"run finished before this group was issued again ({reason})")
         for group in self.buffer.ready:
             self.buffer.ledger.dropped(group.group_id, "run finished before this group was trained")
         return self.rewards
@@ -216,8 +243,15 @@ class AsyncLoop:
 
     def _issue_generation(self) -> None:
         busy = {call.index for call in self.generating.values()}
-        for index, generator in enumerate(self.generators):
+        for index in self.generators:
             if index in busy:
+                continue
+            if self.orphans:  # groups of a generator that left go first, to whoever is free
+                adopted, self.orphans = self.orphans[:self.job.generator.prompts_per_request], \
+                    self.orphans[self.job.generator.prompts_per_request:]
+                for request, reason in adopted:
+                    self.buffer.reissue(request.group_id, self.weights_version[index], index, reason)
+                self._send(index, [request for request, _ in adopted])
                 continue
             requests = []
             while len(requests) < self.job.generator.prompts_per_request and self.buffer.can_issue(
@@ -248,16 +282,30 @@ class AsyncLoop:
         self.training, self.step_started = groups, time.perf_counter()
         self.learner_refs = self.learners.train_step(self._shards(groups))
 
-    def _wait_one(self) -> ray.ObjectRef:
-        pending = list(self.generating) + self.learner_refs[:1]
-        if not pending:
+    def _wait_one(self) -> ray.ObjectRef | None:
+        """The next finished call; None when an elastic job should look at the cluster again first."""
+        pending = list(self.generating) + self.learner_refs[:1] + list(self.starting)
+        if not pending and not self.elastic:
             raise RuntimeError("nothing to wait for: the buffer admits no generation and no batch is ready")
-        ready, _ = ray.wait(pending, num_returns=1)
-        return ready[0]
+        if not pending:  # every generator left: wait for a node to come back, for a while
+            self.alone_since = self.alone_since or time.monotonic()
+            if time.monotonic() - self.alone_since > GENERATOR_RESTART_TIMEOUT_S:
+                raise RuntimeError(f"no generator for {GENERATOR_RESTART_TIMEOUT_S:g} s: no node offers a free "
+                                   f"{self.job.cluster.generator_resource!r} unit (cluster.generator_resource)")
+            time.sleep(SCALE_CHECK_S)
+            return None
+        self.alone_since = None
+        ready, _ = ray.wait(pending, num_returns=1, timeout=SCALE_CHECK_S if self.elastic else None)
+        return ready[0] if ready else None
 
-    def _handle(self, ref: ray.ObjectRef) -> None:
+    def _handle(self, ref: ray.ObjectRef | None) -> None:
+        if ref is None:
+            return
         if ref in self.generating:
             self._handle_generation(ref)
+            return
+        if ref in self.starting:
+            self._join(ref)
             return
         try:
             metrics = ray.get(self.learner_refs)[0]
@@ -295,6 +343,9 @@ class AsyncLoop:
         try:
             groups = ray.get(ref)
         except RayActorError as error:
+            if self.elastic:
+                self._leave(index, call.requests, f"generator {index} left during generation ({type(error).__name__})")
+                return
             self._restarted(index, f"generator {index} died during generation ({type(error).__name__})")
             self._reissue(index, call.requests, f"generator {index} died during generation")
             return
@@ -306,6 +357,9 @@ class AsyncLoop:
                                   f"generator {index} sampled with its initial weights after a restart")
                     return
             self.incarnations[index] = groups[0].incarnation
+        if groups:
+            self.generate_s += groups[0].generate_s
+            self.generated_tokens += sum(len(c["completion_ids"]) for g in groups for c in g.completions)
         for group in groups:
             self._score_and_buffer(group)
 
@@ -321,6 +375,46 @@ class AsyncLoop:
         self._wait_until_back(index, reason)
         self.weights_version[index] = self.publisher.restore(index)
         self.incarnations[index] = None  # learnt again from its next result
+
+    # ---- elastic generators ----------------------------------------------------------------------------
+
+    def _scale_generators(self) -> None:
+        """Start a generator on every free unit of the generator resource, up to generator.max_generators."""
+        if not self.elastic or time.monotonic() < self.next_scale_check:
+            return
+        self.next_scale_check = time.monotonic() + SCALE_CHECK_S
+        free = ray.available_resources().get(self.job.cluster.generator_resource, 0.0)
+        for _ in range(generators_to_start(free, len(self.generators), len(self.starting),
+                                           self.job.generator.max_generators)):
+            index, self.next_generator_index = self.next_generator_index, self.next_generator_index + 1
+            actor = self.start_generator(index)
+            self.starting[actor.ready.remote()] = (index, actor)
+            log.info("generator %d starting on a free %r unit", index, self.job.cluster.generator_resource)
+
+    def _join(self, ref: ray.ObjectRef) -> None:
+        """A started generator becomes a member once it holds the latest weights (sent before any request)."""
+        index, actor = self.starting.pop(ref)
+        try:
+            ray.get(ref)
+        except RayActorError as error:
+            log.warning("generator %d failed to start (%s); trying again when resources are free", index,
+                        type(error).__name__)
+            return
+        self.generators[index], self.incarnations[index], self.restarts[index] = actor, None, 0
+        self.weights_version[index] = self.publisher.restore(index)
+        self.generator_nodes[str(index)] = ray.get(actor.node_id.remote())
+        self.joined += 1
+        log.info("generator %d joined with weights version %d (%d generators)", index, self.weights_version[index],
+                 len(self.generators))
+
+    def _leave(self, index: int, requests: list[GenerationRequest], reason: str) -> None:
+        """A generator that died (its node left) stops being a member; its groups wait for another one."""
+        for generator_map in (self.generators, self.weights_version, self.incarnations):
+            generator_map.pop(index, None)
+        self.orphans += [(request, reason) for request in requests]
+        self.left += 1
+        log.warning("%s; %d generators left, %d of its groups issued again to others", reason, len(self.generators),
+                    len(requests))
 
     def _wait_until_back(self, index: int, reason: str) -> None:
         """Block until Ray has restarted the generator (calls sent earlier fail as 'unavailable')."""
@@ -354,12 +448,13 @@ class AsyncLoop:
     def _state(self) -> dict[str, Any]:
         rng_version, rng_internal, rng_gauss = self.rng.getstate()
         in_flight = [request for call in self.generating.values() for request in call.requests]
+        in_flight += [request for request, _ in self.orphans]
         return {
             "version": self.version, "next_group_id": self.next_group_id, "problems_drawn": self.problems_drawn,
             "rng": [rng_version, list(rng_internal), rng_gauss],
             "ready": [asdict(group) for group in self.buffer.ready],
             "in_flight": [{"request": asdict(r), "problem": asdict(self.problem_of[r.group_id])} for r in in_flight],
-            "rewards": self.rewards, "restarts": self.restarts,
+            "rewards": self.rewards, "restarts": sorted(self.restarts.items()),
             "ledger_lines": self.buffer.ledger.lines, "metrics_lines": self.sink.lines,
         }
 
@@ -372,7 +467,8 @@ class AsyncLoop:
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self.buffer.ready.extend(ScoredGroup(**group) for group in state["ready"])
-        self.rewards, self.restarts = list(state["rewards"]), list(state["restarts"])
+        self.rewards = list(state["rewards"])
+        self.restarts.update({index: count for index, count in state["restarts"] if index in self.restarts})
         for item in state["in_flight"]:
             request = GenerationRequest(**item["request"])
             self.problem_of[request.group_id] = Problem(**item["problem"])
@@ -382,8 +478,9 @@ class AsyncLoop:
         """Groups that were being generated at the checkpoint go out again, spread over the generators."""
         size = self.job.generator.prompts_per_request
         requests, self.resumed_requests = self.resumed_requests, []
+        indices = list(self.generators)
         for n, start in enumerate(range(0, len(requests), size)):
-            index = n % len(self.generators)
+            index = indices[n % len(indices)]
             chunk = requests[start:start + size]
             self.buffer.in_flight += len(chunk)
             self._reissue(index, chunk, f"resumed from the checkpoint at step {self.version}")
@@ -418,18 +515,12 @@ class AsyncLoop:
         except RayActorError as error:
             raise LearnerCrashed(f"a learner rank died while publishing weights ({type(error).__name__})",
                                  self.run_dir) from error
-        self.weights_version = [self.version] * len(self.generators)
+        self.weights_version = {index: self.version for index in self.generators}
         return time.perf_counter() - start
 
     def _log_step(self, metrics: dict[str, float], lags: list[int], publish_s: float) -> None:
         stats = lag_stats(torch.tensor(lags), self.job.async_.max_lag)
         step_s = time.perf_counter() - self.step_started
-        try:
-            throughput = ray.get([g.throughput.remote() for g in self.generators])
-        except RayActorError:  # a generator died since; its next result will say so
-            throughput = []
-        tokens = sum(t["generated_tokens"] for t in throughput)
-        gen_s = max(sum(t["generate_s"] for t in throughput), 1e-9)
         row = {
             **metrics,
             "async/lag_mean": float(stats["lag_mean"]),
@@ -437,8 +528,11 @@ class AsyncLoop:
             "async/lag": [int(c) for c in stats["lag_hist"].tolist()],
             "async/buffered_groups": len(self.buffer.ready),
             "perf/weight_sync_s": publish_s,
-            "perf/gen_tokens_per_s": tokens / gen_s * len(self.generators) if throughput else math.nan,
-            "fault/generator_restarts": sum(self.restarts),
+            # one generator's mean rate over all calls so far, times the generators running now
+            "perf/gen_tokens_per_s": (self.generated_tokens / self.generate_s * len(self.generators)
+                                      if self.generate_s else math.nan),
+            "fault/generator_restarts": sum(self.restarts.values()),
+            "async/num_generators": len(self.generators),
             "time/step_s": step_s,
         }
         self.rewards.append(metrics.get("rollout/reward_mean", math.nan))
@@ -457,6 +551,31 @@ def _sft_warmup(job: Job, task: Task, model_path: str, learners: runtime.Learner
         shards = [collate(samples[r * per_rank:(r + 1) * per_rank], 0) for r in range(ranks)]
         metrics = learners.sft_step(shards, warmup.learning_rate)
         sink.log(-warmup.steps + step, metrics)
+
+
+def generators_to_start(free_units: float, members: int, starting: int, max_generators: int) -> int:
+    """How many generators an elastic job starts now. None while others are still starting: a unit Ray
+    has not yet handed to a starting actor still looks free, and must not be counted twice."""
+    if starting:
+        return 0
+    return max(0, min(int(free_units), max_generators - members))
+
+
+def _generator_starter(job: Job, model_path: str, name_prefix: str) -> Callable[[int], Any]:
+    """Starts generator `index` of this job (its engine loads in the background)."""
+    spec, g = _generator_spec(job, model_path), job.generator
+    # Elastic members are not restarted in place: a dead one leaves, and a new one joins on a free unit.
+    max_restarts = 0 if g.max_generators is not None else g.max_restarts
+    return functools.partial(runtime.start_generator, spec, cpus=g.cpus_per_generator, gpus=g.gpus_per_generator,
+                             max_restarts=max_restarts, name_prefix=name_prefix,
+                             node_resource=job.cluster.generator_resource)
+
+
+def _placement(learners: runtime.LearnerGroup, generators: dict[int, Any]) -> dict[str, Any]:
+    """The Ray node id of every learner rank and generator at the start (the run's summary records it)."""
+    nodes = ray.get([rank.node_id.remote() for rank in learners.ranks] + [g.node_id.remote() for g in generators.values()])
+    return {"learner_nodes": nodes[:len(learners.ranks)],
+            "generator_nodes": dict(zip(map(str, generators), nodes[len(learners.ranks):]))}
 
 
 def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
@@ -485,6 +604,6 @@ def _check_resources(job: Job) -> None:
     from cluster.job import JobValidationError, cross_field_errors
 
     resources = runtime.cluster_resources()
-    errors = cross_field_errors(job, resources.get("CPU", 0.0), resources.get("GPU", 0.0))
+    errors = cross_field_errors(job, resources)
     if errors:
         raise JobValidationError("cluster", errors)

@@ -94,6 +94,12 @@ class GeneratorSection(Section):
     max_restarts: int = Field(
         3, ge=0, description="times a dead generator process is restarted; its in-flight groups are issued again"
     )
+    max_generators: int | None = Field(
+        None, gt=0,
+        description="elastic: while the job runs, start a generator on every free unit of cluster.generator_resource "
+        "(nodes the autoscaler adds) up to this many, and carry on without generators whose node left; "
+        "none keeps num_generators fixed",
+    )
     cpus_per_generator: float = Field(1.0, gt=0)
     gpus_per_generator: float = Field(0.0, ge=0)
 
@@ -141,6 +147,17 @@ class ClusterSection(Section):
     address: str | None = Field(None, description="Ray address; none starts a local cluster")
     num_cpus: int | None = Field(None, gt=0, description="logical CPUs of the local cluster")
     namespace: str = "stableasync"
+    generator_resource: str | None = Field(
+        None, description="custom node resource every generator takes one unit of ('generator' on the deploy "
+        "YAMLs' generator nodes); none: any node with the CPUs/GPUs"
+    )
+    learner_resource: str | None = Field(
+        None, description="custom node resource every learner rank takes one unit of ('learner' on the deploy "
+        "YAMLs' learner nodes); none: any node"
+    )
+    placement_timeout_s: float = Field(
+        600.0, gt=0, description="how long the learner's placement group may wait for resources before the job fails"
+    )
 
 
 class WandbSection(Section):
@@ -223,9 +240,14 @@ def _user_path(loc: list[str]) -> list[str]:
     return cleaned
 
 
-def cross_field_errors(job: Job, available_cpus: float | None = None, available_gpus: float | None = None) -> list[JobError]:
-    """Checks that span fields: sizes divisible, resources satisfiable, options consistent."""
+def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = None) -> list[JobError]:
+    """Checks that span fields: sizes divisible, resources satisfiable, options consistent.
+
+    `cluster_resources` (Ray's totals) adds the checks against the cluster the job is about to start on.
+    """
     errors: list[JobError] = []
+    available_cpus = cluster_resources.get("CPU", 0.0) if cluster_resources is not None else None
+    available_gpus = cluster_resources.get("GPU", 0.0) if cluster_resources is not None else None
     learner, generator = job.learner, job.generator
     if learner.prompts_per_step % learner.num_ranks:
         errors.append(JobError(
@@ -242,6 +264,17 @@ def cross_field_errors(job: Job, available_cpus: float | None = None, available_
         ))
     if job.async_.weight_sync == "nccl" and (generator.gpus_per_generator == 0 or learner.gpus_per_rank == 0):
         errors.append(JobError("async.weight_sync", "nccl needs GPUs on generators and learner ranks; use object_store"))
+    if generator.max_generators is not None:
+        if job.cluster.generator_resource is None:
+            errors.append(JobError("cluster.generator_resource",
+                                   "required when generator.max_generators is set: elastic generators follow the "
+                                   "nodes that offer this resource"))
+        if generator.max_generators < generator.num_generators:
+            errors.append(JobError("generator.max_generators",
+                                   f"{generator.max_generators} is fewer than num_generators {generator.num_generators}"))
+        if job.async_.weight_sync != "object_store":
+            errors.append(JobError("async.weight_sync", "elastic generators (generator.max_generators) need "
+                                   "object_store: a collective weight group cannot take new members"))
     if job.eval.every_steps:
         errors.append(JobError("eval.every_steps", "periodic evaluation is not implemented yet; leave it 0"))
     if job.model.path == "tiny" and job.model.tiny.num_heads % job.model.tiny.num_kv_heads:
@@ -261,6 +294,15 @@ def cross_field_errors(job: Job, available_cpus: float | None = None, available_
             "generator.gpus_per_generator",
             f"the job needs {gpus_needed:g} GPUs but the cluster has {available_gpus:g}",
         ))
+    if cluster_resources is not None:
+        for field, resource, count in (("cluster.generator_resource", job.cluster.generator_resource, generator.num_generators),
+                                       ("cluster.learner_resource", job.cluster.learner_resource, learner.num_ranks)):
+            units = cluster_resources.get(resource, 0.0) if resource else None
+            if units is not None and units < count:
+                errors.append(JobError(
+                    field, f"the job starts {count} actor(s) on nodes with resource {resource!r}, but the cluster "
+                    f"offers {units:g} unit(s) of it (add such nodes, or start with fewer)",
+                ))
     return errors
 
 

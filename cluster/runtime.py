@@ -38,10 +38,12 @@ def actor_env() -> dict[str, str]:
 
 
 def connect(address: str | None, num_cpus: int | None, namespace: str) -> None:
-    """Join the cluster at `address`, or start a small local one (no dashboard, no prestarted workers)."""
+    """Join the cluster at `address` (or the one a submitted Ray job runs in, from RAY_ADDRESS), or start a
+    small local one (no dashboard, no prestarted workers)."""
     if ray.is_initialized():
         return
     runtime_env = {"env_vars": actor_env()}
+    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
         return
@@ -83,6 +85,9 @@ class LearnerActor(LearnerRank):
     def process_id(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
 
 class GeneratorActor(Generator):
     weight_sync: CollectiveWeightSync | None = None
@@ -97,22 +102,26 @@ class GeneratorActor(Generator):
     def ready(self) -> int:
         return self.index
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
 
 class ObjectStorePublisher:
     """CPU default: rank 0 puts the weights in the object store once; every generator reads them."""
 
-    def __init__(self, learners: LearnerGroup, generators: list[Any]) -> None:
-        self.learners, self.generators = learners, generators
+    def __init__(self, learners: LearnerGroup, generators: dict[int, Any]) -> None:
+        self.learners, self.generators = learners, generators  # the driver's live map: members come and go
         self.latest: tuple[ray.ObjectRef, int] | None = None
 
     def publish(self, version: int) -> None:
         weights = self.learners.publish()
         self.latest = (weights, version)
-        for generator in self.generators:
+        for generator in self.generators.values():
             generator.update_weights.remote(weights, version)  # runs after the generator's current call
 
     def restore(self, index: int) -> int:
-        """A restarted generator gets the latest weights before anything else it is sent; their version."""
+        """A restarted or newly joined generator gets the latest weights before anything else it is sent;
+        their version."""
         assert self.latest is not None, "publish first"
         weights, version = self.latest
         self.generators[index].update_weights.remote(weights, version)
@@ -122,14 +131,15 @@ class ObjectStorePublisher:
 class CollectivePublisher:
     """GPU path: learner rank 0 broadcasts over NCCL to every generator (a blocking collective)."""
 
-    def __init__(self, learners: LearnerGroup, generators: list[Any], backend: str = "nccl") -> None:
-        self.learners, self.generators = learners, generators
+    def __init__(self, learners: LearnerGroup, generators: dict[int, Any], backend: str = "nccl") -> None:
+        self.learners, self.generators = learners, dict(generators)  # fixed membership
         rank0 = learners.ranks[0]
         host, port = ray.get(_free_address.options(num_cpus=0).remote())
         world = 1 + len(generators)
         self.specs = ray.get(rank0.weight_specs.remote())
         ray.get([rank0.join_weight_group.remote(host, port, world, backend)]
-                + [g.join_weight_group.remote(host, port, i + 1, world, backend) for i, g in enumerate(generators)])
+                + [g.join_weight_group.remote(host, port, i + 1, world, backend)
+                   for i, g in enumerate(self.generators.values())])
 
     def restore(self, index: int) -> int:
         raise RuntimeError(
@@ -139,7 +149,7 @@ class CollectivePublisher:
 
     def publish(self, version: int) -> None:
         sending = [rank.broadcast.remote() for rank in self.learners.ranks]
-        receiving = [g.receive_weights.remote(self.specs, version) for g in self.generators]
+        receiving = [g.receive_weights.remote(self.specs, version) for g in self.generators.values()]
         ray.get(sending + receiving)
 
 
@@ -154,8 +164,11 @@ class LearnerGroup:
     """R learner ranks in one placement group; every call goes to all ranks (they are collectives)."""
 
     def __init__(self, spec: LearnerSpec, num_ranks: int, cpus_per_rank: float, gpus_per_rank: float,
-                 name_prefix: str | None = None, placement_timeout_s: float = 600.0) -> None:
-        bundles = [{"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})} for _ in range(num_ranks)]
+                 name_prefix: str | None = None, placement_timeout_s: float = 600.0,
+                 node_resource: str | None = None) -> None:
+        bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {}),
+                  **({node_resource: 1.0} if node_resource else {})}
+        bundles = [dict(bundle) for _ in range(num_ranks)]
         self.placement = placement_group(bundles, strategy="PACK")
         try:
             ray.get(self.placement.ready(), timeout=placement_timeout_s)
@@ -164,7 +177,8 @@ class LearnerGroup:
             raise RuntimeError(
                 f"the learner's {num_ranks} rank(s) of {bundles[0]} could not be placed within "
                 f"{placement_timeout_s:g} s; the cluster has {ray.available_resources()} free of "
-                f"{ray.cluster_resources()} (learner.cpus_per_rank, learner.gpus_per_rank, learner.num_ranks)"
+                f"{ray.cluster_resources()} (learner.cpus_per_rank, learner.gpus_per_rank, learner.num_ranks, "
+                "cluster.learner_resource)"
             ) from None
         master_addr, master_port = ray.get(
             _free_address.options(scheduling_strategy=self._in_bundle(0), num_cpus=0).remote()
@@ -206,18 +220,17 @@ class LearnerGroup:
         remove_placement_group(self.placement)
 
 
-def start_generators(spec: GeneratorSpec, count: int, cpus: float, gpus: float, max_restarts: int = 0,
-                     name_prefix: str | None = None) -> list[Any]:
-    """Generator actors named `{name_prefix}-generator-{i}`; Ray restarts a dead one up to `max_restarts`
-    times, and its failed call raises (no task retries) so the driver reissues the groups with fresh weights."""
-    remote_cls = ray.remote(GeneratorActor)
-    generators = [
-        remote_cls.options(
-            num_cpus=cpus, num_gpus=gpus, max_restarts=max_restarts, max_task_retries=0,
-            name=f"{name_prefix}-generator-{index}" if name_prefix else None,
-            runtime_env={"env_vars": {**actor_env(), "OMP_NUM_THREADS": str(max(1, int(cpus)))}},
-        ).remote(spec, index)
-        for index in range(count)
-    ]
-    ray.get([g.ready.remote() for g in generators])
-    return generators
+def start_generator(spec: GeneratorSpec, index: int, cpus: float, gpus: float, max_restarts: int = 0,
+                    name_prefix: str | None = None, node_resource: str | None = None) -> Any:
+    """Generator actor `{name_prefix}-generator-{index}`, placed on a node offering `node_resource` if given.
+
+    Returns at once: the engine starts in the background (`ready.remote()` says when). Ray restarts a dead
+    one up to `max_restarts` times, and its failed call raises (no task retries) so the driver reissues the
+    groups with fresh weights."""
+    return ray.remote(GeneratorActor).options(
+        num_cpus=cpus, num_gpus=gpus, max_restarts=max_restarts, max_task_retries=0,
+        resources={node_resource: 1.0} if node_resource else {},
+        name=f"{name_prefix}-generator-{index}" if name_prefix else None,
+        runtime_env={"env_vars": {**actor_env(), "OMP_NUM_THREADS": str(max(1, int(cpus)))}},
+    ).remote(spec, index)
+

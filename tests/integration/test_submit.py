@@ -1,0 +1,147 @@
+"""`stableasync submit` against a real Ray head on loopback with token authentication.
+
+The head is `ray start --head --block` in its own process group (dashboard and Jobs API bound to
+127.0.0.1, RAY_AUTH_MODE=token); the jobs are tiny but real: vLLM generator, DeepSpeed learner, W&B offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.dashboard.modules.job.sdk")
+pytest.importorskip("aiohttp_cors", reason="the Jobs API needs the ray[default] extra")
+
+from actors.buffer import audit_ledger  # noqa: E402
+from cluster.cli import main as cli_main  # noqa: E402
+from cluster.job import validate_job  # noqa: E402
+from cluster.submit import SubmitError, submit  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def token_head(tmp_path_factory):
+    """A head node with token auth; yields (jobs API address, token file). Stopped with its process group."""
+    root = tmp_path_factory.mktemp("head")
+    token = secrets.token_hex(32)
+    token_file = root / "auth_token"
+    token_file.write_text(token)
+    api = f"http://127.0.0.1:{_free_port()}"
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # the job's `python` is this venv's
+           "STABLEASYNC_CACHE": str(root / "cache")}
+    env.pop("RAY_ADDRESS", None)
+    head = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+         f"--port={_free_port()}", "--dashboard-host", "127.0.0.1", f"--dashboard-port={api.rsplit(':', 1)[1]}",
+         "--num-cpus", "4", "--object-store-memory", str(300 << 20), "--disable-usage-stats"],
+        env=env, start_new_session=True, stdout=open(root / "head.log", "w"), stderr=subprocess.STDOUT,
+    )
+    try:
+        _wait_for_api(api, token, head, root / "head.log")
+        yield api, token_file
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        time.sleep(2)  # let raylet children exit before the next module starts its cluster
+        try:
+            os.killpg(head.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_for_api(api: str, token: str, head: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> None:
+    from cluster.submit import client
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if head.poll() is not None:
+            raise RuntimeError(f"ray start exited with {head.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            client(api, token).list_jobs()
+            return
+        except Exception:  # noqa: BLE001 - not up yet
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Jobs API at {api} did not come up:\n{log.read_text()[-3000:]}") from None
+            time.sleep(1)
+
+
+def _job(tmp_path: Path, name: str, stabilizer: dict) -> Path:
+    job = {
+        "name": name,
+        "model": {"path": "tiny", "sft_warmup": {"steps": 2, "prompts_per_step": 8}},
+        "task": {"name": "arithmetic"},
+        "generator": {"num_generators": 1, "samples_per_prompt": 4, "prompts_per_request": 2,
+                      "max_new_tokens": 8, "max_model_len": 96},
+        "learner": {"num_ranks": 1, "steps": 3, "prompts_per_step": 2, "learning_rate": 1e-3},
+        "algorithm": {"stabilizer": stabilizer},
+        "async": {"max_lag": 1},
+        "logging": {"wandb": {"mode": "offline"}, "progress_bar": False},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_a_submission_without_the_token_or_with_a_wrong_one_is_refused(token_head, tmp_path, capsys):
+    api, token_file = token_head
+    job = validate_job(yaml.safe_load(_job(tmp_path, "refused", {"name": "tis_seq"}).read_text()))
+    for token in (None, "not-the-token"):
+        with pytest.raises(SubmitError, match="Authentication|Forbidden|Unauthorized"):
+            submit(job, api, token, run_dir=str(tmp_path / "runs"))
+    assert cli_main(["submit", str(tmp_path / "refused.yaml"), "--address", api, "--no-auth"]) == 1
+    assert "Authentication" in capsys.readouterr().err
+    wrong = tmp_path / "wrong_token"
+    wrong.write_text("0" * 64)
+    assert cli_main(["status", "anything", "--address", api, "--token-file", str(wrong)]) == 1
+    assert not (tmp_path / "runs").exists(), "nothing ran"
+    # the right token is accepted by the same API
+    assert cli_main(["status", "no-such-job", "--address", api, "--token-file", str(token_file)]) == 1
+    assert "no-such-job" in capsys.readouterr().err
+
+
+def test_two_jobs_at_once_each_with_its_own_stabilizer_run_dir_and_wandb_run(token_head, tmp_path, capsys):
+    api, token_file = token_head
+    from cluster.submit import client, wait
+
+    token = token_file.read_text()
+    runs = tmp_path / "runs"
+    ids = {}
+    for name, stabilizer in (("tis", {"name": "tis_seq"}), ("m2po", {"name": "m2po"})):
+        assert cli_main(["submit", str(_job(tmp_path, name, stabilizer)), "--address", api,
+                         "--token-file", str(token_file), "--run-dir", str(runs)]) == 0
+        out = capsys.readouterr().out
+        ids[name] = out.split()[1].rstrip(";")
+    statuses = {name: wait(api, token, submission_id, timeout_s=540) for name, submission_id in ids.items()}
+    jobs = client(api, token)
+    assert statuses == {"tis": "SUCCEEDED", "m2po": "SUCCEEDED"}, {
+        name: jobs.get_job_logs(i)[-3000:] for name, i in ids.items()}
+    for name, stabilizer in (("tis", "tis_seq"), ("m2po", "m2po")):
+        run_dir = runs / ids[name]
+        assert yaml.safe_load((run_dir / "job.yaml").read_text())["algorithm"]["stabilizer"]["name"] == stabilizer
+        rows = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+        assert audit_ledger(rows) == []
+        assert sum(r["event"] == "trained" for r in rows) == 3 * 2
+        assert len(list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+    assert cli_main(["status", ids["tis"], "--address", api, "--token-file", str(token_file)]) == 0
+    assert "SUCCEEDED" in capsys.readouterr().out
+    assert cli_main(["logs", ids["m2po"], "--address", api, "--token-file", str(token_file)]) == 0
+    assert "ledger:" in capsys.readouterr().out
