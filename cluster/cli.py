@@ -1,4 +1,4 @@
-"""`stableasync`: train, validate, submit (status, logs, stop), soak and prepare-model.
+"""`stableasync`: train, validate, submit (status, logs, stop), soak, simulate and prepare-model.
 
 Validation imports no torch or ray, so `stableasync validate` answers in well under a second.
 """
@@ -138,6 +138,17 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-auth", action="store_true", help="for a cluster without token authentication")
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from cluster import simulate
+
+    if args.calibrate and args.paper:
+        print("give --calibrate RUN_DIR or --paper, not both", file=sys.stderr)
+        return 2
+    overrides = {name: value for name, value in vars(args).items()
+                 if name in simulate.CONFIG_FIELDS and value is not None}
+    return simulate.run_cli(args.calibrate, args.paper, overrides)
+
+
 def _prepare_model(args: argparse.Namespace) -> int:
     from learner.models import KNOWN_MODELS
 
@@ -179,6 +190,28 @@ def main(argv: list[str] | None = None) -> int:
         if name == "logs":
             command.add_argument("--follow", action="store_true", help="stream the log until the job ends")
         command.set_defaults(run=_cluster_job)
+    simulate = commands.add_parser("simulate", help="predict step time, utilisation and lag of an async setting "
+                                   "(a discrete-event model; no Ray, no GPU)")
+    simulate.add_argument("--calibrate", metavar="RUN_DIR", help="derive the costs from a finished run, then print "
+                          "predicted vs measured step time (flags below then ask 'what if')")
+    simulate.add_argument("--paper", action="store_true", help="the VCPO paper's setting beside its reported speedup")
+    for flag, kind, text in (
+        ("generators", int, "generator GPUs (G)"), ("learners", int, "learner GPUs (L)"),
+        ("max-lag", int, "0 is synchronous"), ("stale-policy", str, "wait or drop"),
+        ("samples-per-prompt", int, "responses per prompt group"),
+        ("prompts-per-request", int, "groups per generate call"),
+        ("prompts-per-step", int, "groups per learner step"), ("steps", int, "learner steps to simulate"),
+        ("response-len-mean", float, "tokens"), ("response-len-cv", float, "0: every response the mean length"),
+        ("max-response-len", int, "tokens"), ("prompt-len", float, "tokens per sample (learner cost)"),
+        ("gen-tokens-per-s", float, "per generator GPU"),
+        ("gen-decode-step-s", float, "per decode step of the longest response"),
+        ("gen-call-overhead-s", float, "per generate call"), ("learner-tokens-per-s", float, "per learner GPU"),
+        ("learner-overhead-s", float, "per learner step"), ("sync-fixed-s", float, "per weight publish"),
+        ("weight-bytes", float, "bytes published per step"), ("sync-bytes-per-s", float, "publish bandwidth"),
+        ("seed", int, "seed of the response lengths"),
+    ):
+        simulate.add_argument(f"--{flag}", type=kind, help=text)
+    simulate.set_defaults(run=_simulate)
     prepare = commands.add_parser("prepare-model", help="build a known model offline into the cache")
     prepare.add_argument("name")
     prepare.set_defaults(run=_prepare_model)
