@@ -148,7 +148,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResu
         ledger = Ledger.resume(run_dir / "ledger.jsonl", state["ledger_lines"]) if state else Ledger(run_dir / "ledger.jsonl")
         sink = MetricSink(run_dir, names + ("-resumed" if state else ""), job.model_dump(mode="json", by_alias=True),
                           job.logging.wandb.mode, job.logging.wandb.project, job.logging.wandb.entity,
-                          job.logging.progress_bar, job.learner.steps)
+                          job.logging.progress_bar, job.learner.steps, alerts=job.logging.alerts)
         if state is None and job.model.sft_warmup.steps:
             _sft_warmup(job, task, model_path, learners, sink)
         loop = AsyncLoop(job, task, learners, generators, ledger, sink, run_dir, start_generator,

@@ -166,11 +166,33 @@ class WandbSection(Section):
     entity: str | None = None
 
 
+class AlertsSection(Section):
+    """Stability alerts (log line, W&B alert when online) on RL steps: each rule alerts once when its
+    condition starts and again only after it has cleared. A null threshold turns its rule off."""
+
+    ess_ratio_below: float | None = Field(
+        0.1, ge=0, le=1, description="ESS collapse: stability/ess_ratio below this (or NaN) for ess_collapse_steps "
+        "steps in a row; null: no ESS alert"
+    )
+    ess_collapse_steps: int = Field(3, gt=0, description="consecutive low-ESS steps that make a collapse")
+    grad_norm_above: float | None = Field(
+        None, gt=0, description="gradient-norm spike: optim/grad_norm above this absolute value; null: no absolute limit"
+    )
+    grad_norm_spike_factor: float | None = Field(
+        10.0, gt=1, description="gradient-norm spike: optim/grad_norm above this times the median of the previous "
+        "grad_norm_window_steps steps; null: no relative rule (a NaN norm is a spike while either rule is on)"
+    )
+    grad_norm_window_steps: int = Field(
+        20, gt=0, description="steps in the running median of the relative rule; it applies once that many are seen"
+    )
+
+
 class LoggingSection(Section):
     run_dir: str = Field("runs", description="parent folder of this job's run directory")
     run_name: str | None = None
     wandb: WandbSection = WandbSection()
     progress_bar: bool = True
+    alerts: AlertsSection = AlertsSection()
 
 
 class CheckpointSection(Section):

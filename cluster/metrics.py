@@ -13,7 +13,83 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cluster.alerts import AlertThresholds, StabilityAlerts
+
 log = logging.getLogger("stableasync")
+
+STEP_KEY = "train/step"  # the x-axis of every W&B chart: the policy version (negative during the SFT warm-up)
+WALL_KEY = "time/wall_s"
+
+# Every key the project logs, with what it means. The W&B workspace (deploy/wandb/workspace.yaml) may
+# only plot these, and tests/unit/test_metrics.py checks this table against the keys in the source.
+KNOWN_METRICS: dict[str, str] = {
+    STEP_KEY: "policy version after this step (optimizer steps); the SFT warm-up's N steps are -N..-1",
+    "rollout/reward_mean": "mean reward of the step's trained samples",
+    "rollout/response_len": "mean completion length of the step's trained samples (tokens)",
+    "stability/ess_ratio": "effective sample size / samples of the sequence importance weights (1: on-policy)",
+    "stability/ess_ratio_clipped": "ESS ratio of the capped sequence weights (VCPO)",
+    "stability/lr_scale": "learning-rate multiplier of this step (VCPO's ESS rule; 0 on a skipped step)",
+    "stability/kl_k1": "k1 estimate of KL(behaviour || learner) per token",
+    "stability/kl_k3": "k3 estimate of KL(behaviour || learner) per token (non-negative, low variance)",
+    "stability/chi2_token": "chi-square divergence of the token importance ratios",
+    "stability/chi2_seq": "chi-square divergence of the sequence importance weights",
+    "stability/m2": "mean squared token log-ratio (M2PO's second moment)",
+    "stability/m2_after": "M2PO's second moment after masking or clipping",
+    "stability/clip_frac": "fraction of loss tokens whose weight was clipped",
+    "stability/clip_low": "lower clip bound of the ratio this step (BAPO, M2PO adaptive clip)",
+    "stability/clip_high": "upper clip bound of the ratio this step (BAPO, M2PO adaptive clip)",
+    "stability/positive_share": "positive-advantage tokens' share of the clipped objective (BAPO)",
+    "stability/mask_frac": "fraction of loss tokens masked out by the stabilizer",
+    "stability/seq_mask_frac": "fraction of sequences with at least one masked token",
+    "stability/is_weight_mean": "mean token importance weight after the stabilizer",
+    "stability/is_weight_max": "largest token importance weight after the stabilizer",
+    "stability/skipped_step": "1 if the step was skipped for non-finite loss or weights, else 0",
+    "optim/loss": "policy loss of the step",
+    "optim/grad_norm": "global gradient norm before clipping (NaN on a skipped step)",
+    "opob/baseline_mean": "mean of VCPO's off-policy optimal baseline",
+    "opob/group_mean_baseline_mean": "mean of the plain group-mean baseline, for comparison",
+    "opob/baseline_shift_abs": "mean |optimal baseline - group-mean baseline|",
+    "opob/sample_grad_norm_mean": "mean per-sample gradient norm (feeds the optimal baseline)",
+    "opob/sample_grad_norm_median": "median per-sample gradient norm",
+    "opob/sample_grad_norm_max": "largest per-sample gradient norm",
+    "opob/fallback_to_loop": "1 if per-sample norms fell back to the slow per-sample loop",
+    "async/lag": "histogram of trained samples' lag (bin k counts samples k versions old)",
+    "async/lag_mean": "mean lag of the trained samples (policy versions)",
+    "async/lag_max": "largest lag among the trained samples (policy versions)",
+    "async/buffered_groups": "scored prompt groups waiting in the rollout buffer after the step",
+    "async/num_generators": "generators running when the step is logged (elastic jobs gain and lose them)",
+    "perf/gen_tokens_per_s": "generated tokens per second over all generators",
+    "perf/learner_tokens_per_s": "tokens (prompt and completion) the learner processed per second",
+    "perf/weight_sync_s": "seconds to publish the new weights to the generators",
+    "fault/generator_restarts": "generator restarts so far in this run",
+    "time/step_s": "seconds from starting the learner step to logging it",
+    "time/learner_step_s": "seconds the learner spent in the step",
+    WALL_KEY: "seconds since the metric sink started",
+    "sft/loss": "supervised warm-up loss (token-mean cross-entropy)",
+    "sft/grad_norm": "supervised warm-up gradient norm",
+}
+HISTOGRAM_METRICS = frozenset({"async/lag"})  # logged as lists of counts, sent to W&B as histograms
+
+# W&B run summaries beyond the default last value: the extreme that matters for each diagnostic.
+# NaN wins min/max in W&B, so after a skipped step the grad-norm max reads NaN: look at the curve.
+SUMMARIES: dict[str, str] = {
+    "stability/ess_ratio": "min,last",
+    "stability/lr_scale": "min,last",
+    "stability/kl_k3": "max,last",
+    "stability/skipped_step": "max",
+    "optim/grad_norm": "max,last",
+    "rollout/reward_mean": "max,last",
+    "async/lag_max": "max",
+    "perf/gen_tokens_per_s": "mean,last",
+    "perf/learner_tokens_per_s": "mean,last",
+    "perf/weight_sync_s": "mean,max",
+    "time/step_s": "mean",
+}
+
+
+def metric_groups() -> list[str]:
+    """The prefixes (W&B sections) of the known metrics; `train` holds only the step metric itself."""
+    return sorted({key.split("/")[0] for key in KNOWN_METRICS} - {STEP_KEY.split("/")[0]})
 
 PROGRESS_KEYS = (
     ("reward", "rollout/reward_mean", "{:.3f}"),
@@ -28,8 +104,10 @@ class MetricSink:
 
     def __init__(self, run_dir: Path, run_name: str, config: dict[str, Any], wandb_mode: str = "offline",
                  wandb_project: str = "stableasync", wandb_entity: str | None = None, progress_bar: bool = True,
-                 total_steps: int | None = None) -> None:
+                 total_steps: int | None = None, alerts: AlertThresholds | None = None) -> None:
+        """`alerts` (the job's `logging.alerts`) turns on the ESS-collapse and grad-norm-spike alerts."""
         self.run_dir = run_dir
+        self._alerts = StabilityAlerts(alerts) if alerts is not None else None
         self._jsonl = (run_dir / "metrics.jsonl").open("a")
         with (run_dir / "metrics.jsonl").open() as rows:
             self.lines = sum(1 for _ in rows)  # rows so far (a resumed run has some)
@@ -46,8 +124,11 @@ class MetricSink:
 
             run = wandb.init(project=project, entity=entity, name=name, mode=mode, dir=str(self.run_dir),
                              config=config, reinit="finish_previous")
-            for prefix in ("rollout", "stability", "optim", "async", "perf", "time", "sft", "eval"):
-                run.define_metric(f"{prefix}/*", step_metric="train/step")
+            run.define_metric(STEP_KEY)
+            for group in metric_groups():  # one W&B section per group, plotted against the policy version
+                run.define_metric(f"{group}/*", step_metric=STEP_KEY)
+            for key, summary in SUMMARIES.items():
+                run.define_metric(key, step_metric=STEP_KEY, summary=summary)
             return run
         except Exception as error:  # noqa: BLE001 - W&B must never stop training
             log.warning("W&B disabled for this run (%s: %s); metrics stay in %s", type(error).__name__, error,
@@ -55,8 +136,9 @@ class MetricSink:
             return None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Record one step. Lists (histograms) go to JSONL as lists and to W&B as histograms."""
-        row = {"train/step": step, "time/wall_s": round(time.monotonic() - self._started, 3), **metrics}
+        """Record one step. Lists (histograms) go to JSONL as lists and to W&B as histograms. RL steps
+        (step > 0) go through the stability alert rules; SFT warm-up steps have no ESS to judge."""
+        row = {STEP_KEY: step, WALL_KEY: round(time.monotonic() - self._started, 3), **metrics}
         self._jsonl.write(json.dumps(_jsonable(row)) + "\n")
         self._jsonl.flush()
         self.lines += 1
@@ -68,13 +150,16 @@ class MetricSink:
                 self._wandb = None
         if self._progress:
             self._print_progress(step, row)
+        if self._alerts is not None and step > 0:
+            for alert in self._alerts.check(step, metrics):
+                self.alert(alert.title, alert.text)
 
     def alert(self, title: str, text: str) -> None:
         """A log line always; a W&B alert when W&B is up."""
         log.warning("ALERT %s: %s", title, text)
         if self._wandb is not None:
             try:
-                self._wandb.alert(title=title, text=text)
+                self._wandb.alert(title=title, text=text, level="WARN")
             except Exception:  # noqa: BLE001 - offline runs cannot send alerts
                 pass
 

@@ -135,3 +135,26 @@ def test_fuzzed_job_files_either_validate_or_raise_a_job_error(data):
         assert isinstance(job, Job)
         yaml.safe_load(dump_job(job))
 
+
+def test_alert_thresholds_default_validate_and_turn_off():
+    alerts = validate_job(MINIMAL).logging.alerts
+    assert (alerts.ess_ratio_below, alerts.ess_collapse_steps) == (0.1, 3)
+    assert (alerts.grad_norm_above, alerts.grad_norm_spike_factor, alerts.grad_norm_window_steps) == (None, 10.0, 20)
+    errors = _errors({**MINIMAL, "logging": {"alerts": {
+        "ess_ratio_below": 1.5, "ess_collapse_steps": 0, "grad_norm_above": -1, "grad_norm_spike_factor": 0.5,
+        "grad_norm_window_steps": 0, "ess_below": 0.2,
+    }}})
+    assert set(errors) == {f"logging.alerts.{name}" for name in (
+        "ess_ratio_below", "ess_collapse_steps", "grad_norm_above", "grad_norm_spike_factor", "grad_norm_window_steps",
+        "ess_below")}
+    off = validate_job({**MINIMAL, "logging": {"alerts": {"ess_ratio_below": None, "grad_norm_spike_factor": None}}})
+    assert off.logging.alerts.ess_ratio_below is None and off.logging.alerts.grad_norm_spike_factor is None
+    assert validate_job(yaml.safe_load(dump_job(off))) == off
+
+
+def test_every_alert_threshold_is_documented():
+    from cluster.job import AlertsSection
+
+    assert all(field.description for field in AlertsSection.model_fields.values())
+    docs = (ROOT / "docs" / "wandb.md").read_text()
+    assert all(f"`{name}`" in docs for name in AlertsSection.model_fields)

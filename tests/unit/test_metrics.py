@@ -1,6 +1,17 @@
-"""The metric sink: JSONL always, W&B when it works."""
+"""The metric sink: JSONL always, W&B when it works; the metric table, the W&B workspace file, the alerts."""
 
 from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+import yaml
 
 
 def test_a_failing_wandb_never_stops_training(tmp_path, monkeypatch, caplog):
@@ -22,3 +33,281 @@ def test_a_failing_wandb_never_stops_training(tmp_path, monkeypatch, caplog):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["stability/ess_ratio"] for r in rows] == [0.9, 0.8]
     assert "W&B disabled" in caplog.text and "unreachable" in caplog.text
+
+
+# ---- the metric table, the W&B workspace file ---------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKSPACE = ROOT / "deploy" / "wandb" / "workspace.yaml"
+SOURCE_FOLDERS = ("algorithms", "learner", "actors", "cluster", "tasks")
+PANEL_FIELDS = {"kind", "title", "y", "log_y", "range_y"}  # what docs/wandb.md's apply script reads
+METRIC_LITERAL = re.compile(r"""["']([a-z][a-z0-9_]+/[a-z][a-z0-9_]*)["']""")  # "group/name"; not "n/a"
+
+
+def _metric_keys_in_source() -> dict[str, str]:
+    """Every "group/name" string literal in the project's code (not the table itself), with a file it is in.
+    Readers of metrics.jsonl count too: a key they expect must be one the code writes."""
+    found = {}
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == ROOT / "cluster" / "metrics.py":
+                continue
+            for key in METRIC_LITERAL.findall(path.read_text()):
+                found.setdefault(key, str(path.relative_to(ROOT)))
+    return found
+
+
+def test_known_metrics_are_the_keys_the_code_logs():
+    """KNOWN_METRICS is what the workspace file is checked against, so it must follow the code both ways."""
+    from cluster.metrics import KNOWN_METRICS, STEP_KEY, WALL_KEY
+
+    found = _metric_keys_in_source()
+    unknown = {key: where for key, where in found.items() if key not in KNOWN_METRICS}
+    assert not unknown, f"logged but missing from cluster.metrics.KNOWN_METRICS: {unknown}"
+    stale = set(KNOWN_METRICS) - set(found) - {STEP_KEY, WALL_KEY}  # those two are written by the sink itself
+    assert not stale, f"in KNOWN_METRICS but logged nowhere (renamed?): {sorted(stale)}"
+
+
+def _workspace_problems(spec: dict) -> list[str]:
+    from cluster.metrics import HISTOGRAM_METRICS, KNOWN_METRICS, STEP_KEY
+
+    problems = [] if spec.get("x_axis") == STEP_KEY else [f"x_axis is {spec.get('x_axis')!r}, not {STEP_KEY}"]
+    for section in spec["sections"]:
+        for panel in section["panels"]:
+            where = f"{section['name']} / {panel.get('title')}"
+            problems += [f"{where}: unknown field {field!r}" for field in set(panel) - PANEL_FIELDS]
+            if panel.get("kind") not in ("line", "histogram"):
+                problems.append(f"{where}: kind {panel.get('kind')!r}")
+            if not panel.get("y"):
+                problems.append(f"{where}: no metric")
+            for key in panel.get("y", []):
+                if key not in KNOWN_METRICS:
+                    problems.append(f"{where}: {key} is not a metric the project logs")
+                elif (key in HISTOGRAM_METRICS) != (panel.get("kind") == "histogram"):
+                    kind = "histogram" if key in HISTOGRAM_METRICS else "line"
+                    problems.append(f"{where}: {key} needs a {kind} panel")
+    return problems
+
+
+def _plotted(spec: dict) -> set[str]:
+    return {key for section in spec["sections"] for panel in section["panels"] for key in panel["y"]}
+
+
+def test_the_workspace_plots_only_metrics_the_project_logs():
+    spec = yaml.safe_load(WORKSPACE.read_text())
+    assert _workspace_problems(spec) == []
+    assert _plotted(spec) >= {
+        "stability/ess_ratio", "stability/lr_scale", "optim/grad_norm", "stability/kl_k3", "rollout/reward_mean",
+        "async/lag", "perf/gen_tokens_per_s", "perf/learner_tokens_per_s", "perf/weight_sync_s",
+    }
+
+
+def test_a_renamed_metric_in_the_workspace_is_caught():
+    spec = yaml.safe_load(WORKSPACE.read_text())
+    spec["sections"][0]["panels"][0]["y"] = ["stability/ess"]
+    spec["sections"][-1]["panels"].append({"kind": "line", "title": "lag as a line", "y": ["async/lag"]})
+    problems = _workspace_problems(spec)
+    assert len(problems) == 2
+    assert "stability/ess is not a metric" in problems[0] and "async/lag needs a histogram panel" in problems[1]
+
+
+# ---- the offline W&B run file ---------------------------------------------------------------------------
+
+
+def _wandb_records(path: Path):
+    """The protobuf records of a W&B run file. wandb 0.31 ships no Python reader (the old
+    `wandb.sdk.internal.datastore` is gone; wandb-core writes the file), so this reads its format:
+    a 7-byte header (':W&B', magic 0xBEE1, version 0), then LevelDB log records in 32 KiB blocks, each
+    `crc32 (type byte + data), length, type` (1 full, 2 first, 3 middle, 4 last) followed by the data."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0), "not a W&B run file"
+    block, pos, pending = 32768, 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if (crc, length, kind) == (0, 0, 0):
+            break
+        chunk = data[pos + 7:pos + 7 + length]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"corrupt record at byte {pos}"
+        pos += 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def _nested(items, out: dict | None = None) -> dict:
+    """History or summary items (a key path and a JSON value each) merged into one nested dict: a
+    summary update may carry only the parts that changed (`last` without an unchanged `max`)."""
+    out = {} if out is None else out
+    for item in items:
+        *parents, last = list(item.nested_key) or [item.key]
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        value = json.loads(item.value_json)
+        if isinstance(value, dict) and isinstance(node.get(last), dict):
+            node[last].update(value)
+        else:
+            node[last] = value
+    return out
+
+
+def test_offline_wandb_run_holds_the_metrics_histograms_groups_and_alerts(tmp_path, monkeypatch):
+    """The sink's W&B side, read back from the offline run file with W&B's own record format: every value
+    and the lag histogram per step, each metric group plotted against train/step, the summaries, the alert."""
+    from cluster.job import AlertsSection
+    from cluster.metrics import SUMMARIES, MetricSink, metric_groups
+
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    steps = {
+        1: {"stability/ess_ratio": 0.9, "optim/grad_norm": 1.5, "stability/kl_k3": 0.01, "rollout/reward_mean": 0.25,
+            "perf/gen_tokens_per_s": 812.0, "async/lag": [3, 5]},
+        2: {"stability/ess_ratio": 0.05, "optim/grad_norm": 2.5, "stability/kl_k3": 0.2, "rollout/reward_mean": 0.5,
+            "perf/gen_tokens_per_s": 790.0, "async/lag": [0, 6, 2]},
+        3: {"stability/ess_ratio": 0.04, "optim/grad_norm": 0.5, "stability/kl_k3": 0.3, "rollout/reward_mean": 0.75,
+            "perf/gen_tokens_per_s": 805.0, "async/lag": [8]},
+    }
+    sink = MetricSink(tmp_path, "offline-check", {"seed": 0}, "offline", progress_bar=False,
+                      alerts=AlertsSection(ess_collapse_steps=2))
+    assert sink._wandb is not None, "offline W&B started"
+    for step, metrics in steps.items():
+        sink.log(step, metrics)
+    sink.close()
+
+    files = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    records = list(_wandb_records(files[0]))
+    history = [_nested(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
+    assert [row["train/step"] for row in history] == [1, 2, 3]
+    for row, metrics in zip(history, steps.values()):
+        for key, value in metrics.items():
+            if key == "async/lag":
+                assert row[key] == {"_type": "histogram", "values": value, "bins": list(range(len(value) + 1))}
+            else:
+                assert row[key] == value, key
+
+    definitions = [r.metric for r in records if r.WhichOneof("record_type") == "metric"]
+    globs = {d.glob_name: d.step_metric for d in definitions if d.glob_name}
+    assert globs == {f"{group}/*": "train/step" for group in metric_groups()}
+    assert set(metric_groups()) >= {"rollout", "stability", "optim", "async", "perf", "time", "sft", "opob", "fault"}
+    named = {d.name: d for d in definitions if d.name}
+    assert "train/step" in named and not named["train/step"].step_metric
+    for key, ops in SUMMARIES.items():
+        assert named[key].step_metric == "train/step"
+        assert {op for op in ("min", "max", "mean", "last") if getattr(named[key].summary, op)} == set(ops.split(","))
+
+    summary: dict = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "summary":
+            _nested(record.summary.update, summary)
+    assert summary["stability/ess_ratio"] == {"min": 0.04, "last": 0.04}
+    assert summary["optim/grad_norm"] == {"max": 2.5, "last": 0.5}
+
+    alerts = [r.alert for r in records if r.WhichOneof("record_type") == "alert"]
+    assert [(a.title, a.level) for a in alerts] == [("ESS collapse", "WARN")]
+    assert "step 3" in alerts[0].text
+
+
+# ---- stability alerts ----------------------------------------------------------------------------------
+
+
+def _alert_steps(key: str, values: list[float], **thresholds) -> list[int]:
+    """The steps (1, 2, ...) at which the rules raise an alert for this sequence of one metric."""
+    from cluster.alerts import StabilityAlerts
+    from cluster.job import AlertsSection
+
+    rules = StabilityAlerts(AlertsSection(**thresholds))
+    return [step for step, value in enumerate(values, start=1) if rules.check(step, {key: value})]
+
+
+NAN = math.nan
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ([0.5, 0.05, 0.05, 0.05, 0.05, 0.5, 0.05, 0.05, 0.05], [4, 9]),  # once per collapse, again after recovery
+    ([0.05, 0.05, 0.5, 0.05, 0.05, 0.5], []),  # never 3 in a row
+    ([NAN, NAN, NAN, NAN], [3]),  # NaN is a collapse
+    ([0.05, NAN, 0.09], [3]),
+    ([0.1, 0.1, 0.1, 0.1], []),  # at the threshold is not below it
+])
+def test_ess_collapse_alerts_once_per_collapse(values, expected):
+    assert _alert_steps("stability/ess_ratio", values, ess_ratio_below=0.1, ess_collapse_steps=3) == expected
+
+
+def test_ess_collapse_rule_can_be_turned_off_and_ignores_steps_without_ess():
+    assert _alert_steps("stability/ess_ratio", [0.0] * 5, ess_ratio_below=None) == []
+    assert _alert_steps("stability/ess_ratio", [0.0, 0.0], ess_collapse_steps=1) == [1]
+    from cluster.alerts import StabilityAlerts
+    from cluster.job import AlertsSection
+
+    rules = StabilityAlerts(AlertsSection(ess_collapse_steps=2))
+    assert rules.check(1, {"stability/ess_ratio": 0.01}) == []
+    assert rules.check(2, {"optim/loss": 0.3}) == []  # no ESS this step: the streak neither grows nor breaks
+    assert [a.title for a in rules.check(3, {"stability/ess_ratio": 0.02})] == ["ESS collapse"]
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ([1.0, 6.0, 7.0, 1.0, 6.0], [2, 5]),  # above the absolute limit: once, again after it came back down
+    ([1.0, NAN, NAN, 1.0, math.inf], [2, 5]),  # non-finite is a spike
+    ([5.0, 5.0, 1.0], []),  # at the limit is not above it
+])
+def test_grad_norm_above_an_absolute_limit(values, expected):
+    assert _alert_steps("optim/grad_norm", values, grad_norm_above=5.0, grad_norm_spike_factor=None) == expected
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    # window 3, factor 10: median of the 3 previous steps
+    ([1.0, 1.0, 1.0, 9.0, 20.0, 1.0], [5]),  # 9 < 10 x 1; 20 > 10 x median(1, 1, 9)
+    ([1.0, 1.0, 1.0, 20.0, 30.0, 40.0, 1.0, 1.0, 1.0, 500.0], [4, 10]),  # the window adapts; a later spike again
+    ([1.0, 100.0, 100.0], []),  # the relative rule waits for a full window
+    ([0.0, 0.0, 0.0, 1.0], []),  # zero-gradient steps (all-equal rewards) give no median to compare with
+    ([1.0, 1.0, 1.0, NAN, 1.0, NAN], [4, 6]),  # NaN counts while only the relative rule is on
+])
+def test_grad_norm_spike_against_the_running_median(values, expected):
+    got = _alert_steps("optim/grad_norm", values, grad_norm_spike_factor=10.0, grad_norm_window_steps=3)
+    assert got == expected
+
+
+def test_grad_norm_rules_off_means_no_alert_even_for_nan():
+    assert _alert_steps("optim/grad_norm", [NAN, 1e9], grad_norm_above=None, grad_norm_spike_factor=None) == []
+
+
+def test_the_sink_raises_stability_alerts_on_rl_steps_only(tmp_path, caplog):
+    """The sink consults the rules in `log`: a log line per alert (W&B is off here), none for SFT steps
+    (step <= 0) and none without an alert configuration."""
+    from cluster.job import AlertsSection
+    from cluster.metrics import MetricSink
+
+    caplog.set_level(logging.WARNING, logger="stableasync")
+    bad = {"stability/ess_ratio": 0.01, "optim/grad_norm": NAN}
+    sink = MetricSink(tmp_path, "run", {}, "disabled", progress_bar=False, alerts=AlertsSection(ess_collapse_steps=2))
+    for step in (-2, -1, 0):
+        sink.log(step, {"sft/loss": 1.0, **bad})
+    assert "ALERT" not in caplog.text
+    for step in (1, 2, 3):
+        sink.log(step, bad)
+    sink.log(4, {"stability/ess_ratio": 0.9, "optim/grad_norm": 1.0})
+    sink.log(5, {"stability/ess_ratio": 0.9, "optim/grad_norm": NAN})
+    sink.close()
+    alerts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ALERT")]
+    assert len(alerts) == 3
+    assert alerts[0].startswith("ALERT gradient-norm spike: step 1: optim/grad_norm = nan, not finite")
+    assert alerts[1].startswith("ALERT ESS collapse: step 2: stability/ess_ratio = 0.01")
+    assert alerts[2].startswith("ALERT gradient-norm spike: step 5")
+
+    caplog.clear()
+    (tmp_path / "quiet").mkdir()
+    quiet = MetricSink(tmp_path / "quiet", "run", {}, "disabled", progress_bar=False)
+    for step in (1, 2, 3, 4):
+        quiet.log(step, bad)
+    quiet.close()
+    assert "ALERT" not in caplog.text

@@ -1,0 +1,116 @@
+"""Stability alerts: ESS collapse and gradient-norm spikes, decided from each RL step's metrics.
+
+Pure Python (no W&B, torch or ray) so each rule is tested on hand-made sequences; `MetricSink` raises
+what `StabilityAlerts.check` returns. A rule alerts once when its condition starts, not on every
+step while it lasts, and again only after it has cleared and come back: an alert is news, and a
+collapse that lasts a thousand steps must not bury the other alerts.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+ESS_KEY = "stability/ess_ratio"
+GRAD_NORM_KEY = "optim/grad_norm"
+
+
+class AlertThresholds(Protocol):
+    """What the rules read: `logging.alerts` of the job file (`cluster.job.AlertsSection`) fits."""
+
+    @property
+    def ess_ratio_below(self) -> float | None: ...
+
+    @property
+    def ess_collapse_steps(self) -> int: ...
+
+    @property
+    def grad_norm_above(self) -> float | None: ...
+
+    @property
+    def grad_norm_spike_factor(self) -> float | None: ...
+
+    @property
+    def grad_norm_window_steps(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One alert to raise: a short title (W&B wants under 64 characters) and the text saying why."""
+
+    title: str
+    text: str
+
+
+class StabilityAlerts:
+    """The ESS-collapse and gradient-norm-spike rules, with the little state they need between steps."""
+
+    def __init__(self, thresholds: AlertThresholds) -> None:
+        self.thresholds = thresholds
+        self.low_ess_steps = 0  # consecutive steps with ESS below the threshold (or NaN)
+        self.spiking = False  # whether the previous step with a grad norm was a spike
+        self.recent_grad_norms: deque[float] = deque(maxlen=thresholds.grad_norm_window_steps)
+
+    def check(self, step: int, metrics: Mapping[str, Any]) -> list[Alert]:
+        """The alerts this step starts. A step without a metric leaves that rule's state unchanged."""
+        alerts = []
+        ess_ratio = _number(metrics.get(ESS_KEY))
+        if ess_ratio is not None:
+            alerts += self._check_ess(step, ess_ratio)
+        grad_norm = _number(metrics.get(GRAD_NORM_KEY))
+        if grad_norm is not None:
+            alerts += self._check_grad_norm(step, grad_norm)
+        return alerts
+
+    def _check_ess(self, step: int, ess_ratio: float) -> list[Alert]:
+        below = self.thresholds.ess_ratio_below
+        if below is None:
+            return []
+        collapsed = not math.isfinite(ess_ratio) or ess_ratio < below
+        self.low_ess_steps = self.low_ess_steps + 1 if collapsed else 0
+        needed = self.thresholds.ess_collapse_steps
+        if self.low_ess_steps != needed:  # fires on the step the streak reaches the limit, once
+            return []
+        return [Alert("ESS collapse", f"step {step}: {ESS_KEY} = {ess_ratio:.3g}, below {below:g} (or NaN) for "
+                      f"{needed} step(s) in a row (logging.alerts.ess_ratio_below); the rollouts are too "
+                      "off-policy for the stabilizer: lower async.max_lag or the learning rate")]
+
+    def _check_grad_norm(self, step: int, grad_norm: float) -> list[Alert]:
+        above, factor = self.thresholds.grad_norm_above, self.thresholds.grad_norm_spike_factor
+        if above is None and factor is None:
+            return []
+        reason = self._spike_reason(grad_norm, above, factor)
+        if math.isfinite(grad_norm):
+            self.recent_grad_norms.append(grad_norm)  # spikes too: a lasting new level becomes the baseline
+        started = reason is not None and not self.spiking
+        self.spiking = reason is not None
+        if not started:
+            return []
+        return [Alert("gradient-norm spike", f"step {step}: {GRAD_NORM_KEY} = {grad_norm:.4g}, {reason}")]
+
+    def _spike_reason(self, grad_norm: float, above: float | None, factor: float | None) -> str | None:
+        """Why this grad norm is a spike, or None. The relative rule needs a full window of earlier
+        steps and a positive median (GRPO steps with all-equal rewards have zero gradient)."""
+        if not math.isfinite(grad_norm):
+            return "not finite"
+        if above is not None and grad_norm > above:
+            return f"above logging.alerts.grad_norm_above = {above:g}"
+        window = self.recent_grad_norms
+        if factor is None or len(window) < (window.maxlen or 0):
+            return None
+        median = statistics.median(window)
+        if median > 0 and grad_norm > factor * median:
+            return (f"{grad_norm / median:.1f} times the median {median:.4g} of the previous {len(window)} steps "
+                    f"(logging.alerts.grad_norm_spike_factor = {factor:g})")
+        return None
+
+
+def _number(value: Any) -> float | None:
+    """A metric value as a float; None for anything that is not a number (lists are histograms)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
