@@ -1,4 +1,4 @@
-"""`stableasync`: train, validate, submit (status, logs, stop), soak, simulate and prepare-model.
+"""`stableasync`: train, validate, submit (status, logs, stop), sweep, report, soak, simulate and prepare-model.
 
 Validation imports no torch or ray, so `stableasync validate` answers in well under a second.
 """
@@ -149,6 +149,36 @@ def _simulate(args: argparse.Namespace) -> int:
     return simulate.run_cli(args.calibrate, args.paper, overrides)
 
 
+def _report(args: argparse.Namespace) -> int:
+    from cluster import report
+
+    return report.run_cli(args.run_dirs, args.out, args.target_reward, args.ess_collapse_below,
+                          args.ess_collapse_steps)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from cluster.report import ReportError, markdown_table
+    from cluster.sweep import sweep
+
+    job = _load(args.job)
+    if job is None:
+        return 2
+    overrides: dict[str, dict[str, object]] = {}
+    if args.steps is not None:
+        overrides.setdefault("learner", {})["steps"] = args.steps
+    if args.learning_rate is not None:
+        overrides.setdefault("learner", {})["learning_rate"] = args.learning_rate
+    try:
+        summaries = sweep(job, args.stabilizers.split(","), [int(k) for k in args.max_lag.split(",")], Path(args.out),
+                          overrides, args.target_reward)
+    except (ValueError, FileExistsError, ReportError) as error:
+        print(f"stableasync sweep: {error}", file=sys.stderr)
+        return 2
+    print(markdown_table(summaries), end="")
+    print(f"\nruns in {Path(args.out) / 'runs'}; report: {Path(args.out) / 'report.html'}")
+    return 0
+
+
 def _prepare_model(args: argparse.Namespace) -> int:
     from learner.models import KNOWN_MODELS
 
@@ -212,6 +242,27 @@ def main(argv: list[str] | None = None) -> int:
     ):
         simulate.add_argument(f"--{flag}", type=kind, help=text)
     simulate.set_defaults(run=_simulate)
+    sweep = commands.add_parser("sweep", help="run a job over a grid of stabilizers and lag bounds, then report")
+    sweep.add_argument("job")
+    sweep.add_argument("--stabilizers", default="none,tis_seq,mis_seq,m2po,vcpo", help="comma-separated names")
+    sweep.add_argument("--max-lag", default="0,2,8,16", help="comma-separated lag bounds")
+    sweep.add_argument("--out", default="runs/sweep", help="folder for the runs and the report")
+    sweep.add_argument("--steps", type=int, help="learner.steps of every cell (default: the job's)")
+    sweep.add_argument("--learning-rate", type=float, help="learner.learning_rate of every cell (default: the job's)")
+    sweep.add_argument("--target-reward", type=float, help="report the time each cell takes to reach this reward")
+    sweep.set_defaults(run=_sweep)
+    report = commands.add_parser("report", help="compare finished runs: a table, plots and a self-contained "
+                                 "report.html (no Ray, no GPU)")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="finished run directories (job.yaml, metrics.jsonl)")
+    report.add_argument("--out", default="report", help="folder for table.md, table.csv, the PNGs and report.html")
+    report.add_argument("--target-reward", type=float, help="report the first step and wall time at which the "
+                        "10-step moving average of the reward reaches this")
+    report.add_argument("--ess-collapse-below", type=float, help="ESS ratio collapse threshold (default: each "
+                        "run's logging.alerts.ess_ratio_below, 0.1 unless set)")
+    report.add_argument("--ess-collapse-steps", type=int, help="consecutive low-ESS steps that make a collapse "
+                        "(default: each run's logging.alerts.ess_collapse_steps, 3 unless set)")
+    report.set_defaults(run=_report)
     prepare = commands.add_parser("prepare-model", help="build a known model offline into the cache")
     prepare.add_argument("name")
     prepare.set_defaults(run=_prepare_model)

@@ -1,0 +1,79 @@
+"""`stableasync sweep`: one job over a grid of stabilizers and lag bounds, then a report.
+
+Every cell is the same job (same seed, so the same prompts and the same initial model) with only
+`algorithm.stabilizer` and `async.max_lag` changed, run one after another on the current Ray cluster.
+A cell that fails (a numerical stop, a crash) is recorded and the sweep goes on: a collapse is a
+result, not an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cluster.job import Job, JobValidationError, validate_job
+
+log = logging.getLogger("stableasync")
+
+
+@dataclass(frozen=True)
+class Cell:
+    stabilizer: str
+    max_lag: int
+    job: Job
+
+    @property
+    def run_name(self) -> str:
+        return f"{self.stabilizer}-lag{self.max_lag}"
+
+
+def grid(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
+         overrides: dict[str, dict[str, Any]] | None = None) -> list[Cell]:
+    """Every (stabilizer, max_lag) variant of `job`, validated up front: a bad cell stops the sweep before
+    anything runs, with the cell named. `overrides` are section updates applied to every cell."""
+    base = job.model_dump(mode="json", by_alias=True)
+    for section, values in (overrides or {}).items():
+        base[section] = {**base[section], **values}
+    cells, errors = [], []
+    for stabilizer in stabilizers:
+        for max_lag in max_lags:
+            data = {**base, "algorithm": {**base["algorithm"], "stabilizer": {"name": stabilizer}},
+                    "async": {**base["async"], "max_lag": max_lag},
+                    "logging": {**base["logging"], "run_dir": str(out_dir / "runs"),
+                                "run_name": f"{stabilizer}-lag{max_lag}"}}
+            try:
+                cells.append(Cell(stabilizer, max_lag, validate_job(data, f"{stabilizer} max_lag {max_lag}")))
+            except JobValidationError as error:
+                errors.append(str(error))
+    if errors:
+        raise ValueError("sweep cells that are not valid jobs:\n" + "\n".join(errors))
+    return cells
+
+
+def sweep(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
+          overrides: dict[str, dict[str, Any]] | None = None, target_reward: float | None = None) -> list[Any]:
+    """Run every cell, then write the report (table, plots, HTML) over the runs into `out_dir`."""
+    from cluster.driver import run_job
+    from cluster.report import write_report
+
+    cells = grid(job, stabilizers, max_lags, out_dir, overrides)
+    run_dirs = []
+    for n, cell in enumerate(cells, 1):
+        run_dir = out_dir / "runs" / cell.run_name
+        if run_dir.exists():
+            raise FileExistsError(f"{run_dir} exists: give the sweep a new --out directory")
+        log.info("sweep cell %d/%d: %s", n, len(cells), cell.run_name)
+        try:
+            run_job(cell.job)
+        except Exception:  # noqa: BLE001 - a cell that stops (numerical failure, crash) is a finding
+            run_dir.mkdir(parents=True, exist_ok=True)  # a cell can fail before its run directory exists
+            (run_dir / "failed.txt").write_text(traceback.format_exc())
+            log.warning("sweep cell %s stopped early; see %s", cell.run_name, run_dir / "failed.txt")
+        if (run_dir / "metrics.jsonl").exists():
+            run_dirs.append(run_dir)
+        else:  # stopped before its first metric row: nothing to plot, its failed.txt says why
+            log.warning("sweep cell %s logged no metrics; left out of the report", cell.run_name)
+    return write_report(run_dirs, out_dir, target_reward=target_reward)

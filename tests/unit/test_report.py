@@ -1,0 +1,352 @@
+"""`stableasync report`: the summary rules on hand-made runs, tolerant reading, the files it writes, the CLI."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cluster.cli import main
+from cluster.report import ReportError, _unique_labels, load_run, summarise, write_report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SFT_STEPS = 2
+FIRST_RL_WALL_S = 5.0
+
+
+def _json_value(value: Any) -> Any:
+    """How the metric sink writes a value: non-finite floats as "nan", "inf", "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _write_run(run_dir: Path, rewards: list[float], *, stabilizer: str = "tis_seq", max_lag: int = 2,
+               alerts: dict[str, Any] | None = None, step_s: float = 2.0, **series: list[Any]) -> Path:
+    """A run directory as the driver leaves it: job.yaml, metrics.jsonl (SFT rows first), summary.json.
+    `series` maps a metric key with "__" for "/" (e.g. stability__ess_ratio) to one value per RL step;
+    None leaves the key out of that row."""
+    run_dir.mkdir(parents=True)
+    job = {"name": run_dir.name, "algorithm": {"stabilizer": {"name": stabilizer}}, "async": {"max_lag": max_lag},
+           "learner": {"steps": len(rewards)}, "logging": {"alerts": alerts or {}}}
+    (run_dir / "job.yaml").write_text(yaml.safe_dump(job))
+    rows = [{"train/step": -SFT_STEPS + i, "time/wall_s": 1.0 + i, "sft/loss": 2.0, "sft/grad_norm": "nan"}
+            for i in range(SFT_STEPS)]
+    for i, reward in enumerate(rewards):
+        row = {"train/step": i + 1, "time/wall_s": FIRST_RL_WALL_S + step_s * i, "rollout/reward_mean": reward}
+        for name, values in series.items():
+            if values[i] is not None:
+                row[name.replace("__", "/")] = values[i]
+        rows.append({key: _json_value(value) for key, value in row.items()})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (run_dir / "summary.json").write_text(json.dumps({"steps": len(rewards), "rewards": rewards}))
+    (run_dir / "ledger.jsonl").write_text("")
+    return run_dir
+
+
+def _wall_s(step: int, step_s: float = 2.0) -> float:
+    return FIRST_RL_WALL_S + step_s * (step - 1)
+
+
+def _first_window_reaching(rewards: list[float], target: float, window: int = 10) -> int | None:
+    for end in range(window, len(rewards) + 1):
+        if sum(rewards[end - window:end]) / window >= target:
+            return end  # steps are 1-based: the window ending at rewards[end - 1] is step `end`
+    return None
+
+
+# ---- the numbers ------------------------------------------------------------------------------------
+
+
+def test_time_to_target_uses_full_ten_step_windows_and_final_reward_the_last_tenth(tmp_path):
+    rewards = [0.9] + [0.02 * step for step in range(2, 41)]  # a lucky first step, then a ramp
+    target = 0.5
+    run = load_run(_write_run(tmp_path / "run", rewards))
+    summary = summarise(run, target_reward=target)
+    expected_step = _first_window_reaching(rewards, target)
+    assert expected_step is not None and expected_step > 1
+    assert summary.target_step == expected_step
+    assert summary.target_wall_s == pytest.approx(_wall_s(expected_step))
+    assert summary.final_reward == pytest.approx(statistics.fmean(rewards[-len(rewards) // 10:]))
+    assert summary.best_reward_ma == pytest.approx(max(statistics.fmean(rewards[e - 10:e]) for e in range(10, 41)))
+    assert summary.steps_done == len(rewards)
+    unreachable = summarise(run, target_reward=max(rewards) + 0.1)
+    assert unreachable.target_step is None and unreachable.target_wall_s is None
+    assert summarise(run).target_step is None  # no target given
+
+
+def test_a_short_run_averages_all_its_steps(tmp_path):
+    rewards = [0.2, 0.4, 0.9]
+    summary = summarise(load_run(_write_run(tmp_path / "run", rewards)), target_reward=statistics.fmean(rewards))
+    assert summary.target_step == len(rewards)  # one window, the whole run, at its last step
+    assert summary.final_reward == pytest.approx(rewards[-1])  # 10% of 3 steps: at least one
+
+
+def test_ess_below_threshold_for_n_steps_in_a_row_collapses(tmp_path):
+    threshold, needed = 0.1, 3
+    ess: list[Any] = [0.8, 0.05, 0.04, 0.7, 0.9, 0.05, math.nan, None, 0.02, 0.6, 0.8, 0.9]
+    rewards = [0.5] * len(ess)
+    run = load_run(_write_run(tmp_path / "run", rewards, alerts={"ess_ratio_below": threshold,
+                                                               "ess_collapse_steps": needed},
+                              stability__ess_ratio=ess))
+    # expected: walk the logged values; NaN counts as low, a step without the key changes nothing
+    streak, expected_step = 0, None
+    for step, value in enumerate(ess, start=1):
+        if value is None:
+            continue
+        streak = streak + 1 if (math.isnan(value) or value < threshold) else 0
+        if streak == needed:
+            expected_step = step
+            break
+    summary = summarise(run)
+    assert (summary.collapsed, summary.collapse_step) == (True, expected_step)
+    assert "ESS" in summary.collapse_reason
+    assert summary.ess_ratio_min == pytest.approx(min(v for v in ess if v is not None and not math.isnan(v)))
+    longer = summarise(run, collapse_steps=needed + 1)  # the CLI's --ess-collapse-steps overrides the job
+    assert not longer.collapsed and longer.collapse_reason == ""
+    stricter = summarise(run, collapse_below=0.75)  # 0.7 at step 4 now makes a streak 2..4
+    assert stricter.collapsed and stricter.collapse_step < expected_step
+
+
+def test_ess_thresholds_come_from_the_jobs_alerts(tmp_path):
+    ess = [0.3] * 5
+    default = summarise(load_run(_write_run(tmp_path / "a", [0.5] * 5, stability__ess_ratio=ess)))
+    assert (default.ess_collapse_below, default.ess_collapse_steps, default.collapsed) == (0.1, 3, False)
+    strict = summarise(load_run(_write_run(tmp_path / "b", [0.5] * 5, alerts={"ess_ratio_below": 0.5},
+                                           stability__ess_ratio=ess)))
+    assert strict.collapsed and strict.collapse_step == 3
+    off = summarise(load_run(_write_run(tmp_path / "c", [0.5] * 5, alerts={"ess_ratio_below": None},
+                                        stability__ess_ratio=[0.0] * 5)))
+    assert off.ess_collapse_below is None and not off.collapsed
+
+
+def test_a_nan_grad_norm_collapses_and_reads_nan(tmp_path):
+    grad_norms = [0.5, 0.7, 3.0, math.nan, 0.6, math.inf]
+    run = load_run(_write_run(tmp_path / "run", [0.5] * len(grad_norms), optim__grad_norm=grad_norms))
+    summary = summarise(run)
+    assert math.isnan(summary.grad_norm_max)
+    first_bad = next(step for step, v in enumerate(grad_norms, start=1) if not math.isfinite(v))
+    assert summary.collapse_step == first_bad and "grad norm nan" in summary.collapse_reason
+    inf_only = summarise(load_run(_write_run(tmp_path / "inf", [0.5] * 3, optim__grad_norm=[1.0, math.inf, 2.0])))
+    assert inf_only.grad_norm_max == math.inf and inf_only.collapse_step == 2
+
+
+def test_a_reward_that_falls_below_half_its_best_collapses(tmp_path):
+    rise = [0.1 * min(step, 8) for step in range(1, 31)]  # up to 0.8 and holding
+    fallen = rise + [0.1] * 20
+    summary = summarise(load_run(_write_run(tmp_path / "fallen", fallen)))
+    final = statistics.fmean(fallen[-len(fallen) // 10:])
+    best = max(statistics.fmean(fallen[e - 10:e]) for e in range(10, len(fallen) + 1))
+    assert final < 0.5 * best
+    assert summary.collapsed and "reward" in summary.collapse_reason
+    assert summary.collapse_step > len(rise)  # after the peak, where the moving average fell below half
+    dipped = rise + [0.6] * 20
+    assert not summarise(load_run(_write_run(tmp_path / "dipped", dipped))).collapsed
+
+
+def test_a_healthy_run_does_not_collapse(tmp_path):
+    n = 20
+    rewards = [0.3 + 0.02 * i for i in range(n)]
+    ess = [0.9 - 0.01 * i for i in range(n)]
+    grad_norms = [1.0 + 0.1 * (i % 3) for i in range(n)]
+    kl = [0.001 * (i + 1) for i in range(n)]
+    lags = [[3, 4, 1] if i % 2 else [6, 2] for i in range(n)]
+    run = load_run(_write_run(tmp_path / "run", rewards, stability__ess_ratio=ess, optim__grad_norm=grad_norms,
+                              stability__kl_k3=kl, async__lag=lags, async__lag_mean=[0.5] * n))
+    summary = summarise(run, target_reward=0.4)
+    assert not summary.collapsed and summary.collapse_step is None and summary.collapse_reason == ""
+    assert summary.ess_ratio_min == pytest.approx(min(ess))
+    assert summary.grad_norm_max == pytest.approx(max(grad_norms))
+    assert summary.kl_k3_max == pytest.approx(max(kl))
+    samples_by_lag = [sum(h[k] for h in lags if k < len(h)) for k in range(3)]
+    assert summary.lag_mean == pytest.approx(sum(k * c for k, c in enumerate(samples_by_lag)) / sum(samples_by_lag))
+    assert summary.wall_s == pytest.approx(_wall_s(n))
+    assert (summary.stabilizer, summary.max_lag, summary.label) == ("tis_seq", 2, "tis_seq lag 2")
+
+
+# ---- reading ----------------------------------------------------------------------------------------
+
+
+def test_missing_keys_are_tolerated(tmp_path):
+    run = load_run(_write_run(tmp_path / "run", [0.1, 0.2, 0.3]))  # reward only: no ESS, grad norm, KL, lag
+    summary = summarise(run, target_reward=0.9)
+    assert summary.ess_ratio_min is None and summary.grad_norm_max is None and summary.kl_k3_max is None
+    assert summary.lag_mean is None and not summary.collapsed
+    no_hist = load_run(_write_run(tmp_path / "means", [0.1] * 4, async__lag_mean=[1.0, 2.0, None, 0.0]))
+    assert summarise(no_hist).lag_mean == pytest.approx(1.0)  # the mean of the logged means
+    bare = tmp_path / "bare"  # a job.yaml without the sections the label needs
+    bare.mkdir()
+    (bare / "job.yaml").write_text("name: bare\n")
+    (bare / "metrics.jsonl").write_text(json.dumps({"train/step": 1}) + "\n")
+    minimal = summarise(load_run(bare))
+    assert minimal.label == "? lag ?" and minimal.final_reward is None and minimal.steps_done == 1
+
+
+def test_nan_strings_parse_as_floats_and_sft_rows_are_dropped(tmp_path):
+    run = load_run(_write_run(tmp_path / "run", [0.5] * 3, stability__kl_k3=[math.nan, math.inf, -math.inf]))
+    assert "nan" in (tmp_path / "run" / "metrics.jsonl").read_text()  # written as the sink writes them
+    kl = [row["stability/kl_k3"] for row in run.rows]
+    assert math.isnan(kl[0]) and kl[1] == math.inf and kl[2] == -math.inf
+    assert [row["train/step"] for row in run.rows] == [1, 2, 3]  # the SFT rows (train/step <= 0) are gone
+    assert summarise(run).kl_k3_max is None  # no finite value
+
+
+def test_wall_time_continues_across_a_resume(tmp_path):
+    run_dir = _write_run(tmp_path / "run", [0.5] * 4)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows[-2]["time/wall_s"], rows[-1]["time/wall_s"] = 1.5, 3.0  # the resumed sink's clock starts again
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    before = rows[-3]["time/wall_s"]
+    assert load_run(run_dir).wall_s[-2:] == [before + 1.5, before + 3.0]
+
+
+def test_a_resolved_job_file_loads(tmp_path):
+    from cluster.job import dump_job, validate_job
+
+    job = validate_job({"name": "m2", "task": {"name": "arithmetic"}, "algorithm": {"stabilizer": {"name": "m2po"}},
+                        "async": {"max_lag": 4}, "logging": {"alerts": {"ess_collapse_steps": 5}}})
+    run_dir = _write_run(tmp_path / "run", [0.5])
+    (run_dir / "job.yaml").write_text(dump_job(job))
+    run = load_run(run_dir)
+    assert (run.name, run.label, run.ess_collapse_below, run.ess_collapse_steps) == ("m2", "m2po lag 4", 0.1, 5)
+
+
+@pytest.mark.parametrize("damage,file,also", [
+    (lambda d: (d / "job.yaml").unlink(), "job.yaml", "not found"),
+    (lambda d: (d / "metrics.jsonl").unlink(), "metrics.jsonl", "not found"),
+    (lambda d: (d / "job.yaml").write_text("name: x\nasync: {max_lag: 1\n"), "job.yaml", "not YAML"),
+    (lambda d: (d / "job.yaml").write_text("- a list\n"), "job.yaml", "mapping"),
+    (lambda d: (d / "job.yaml").write_text("async: {max_lag: two}\n"), "job.yaml", "async.max_lag"),
+])
+def test_errors_name_the_file(tmp_path, damage, file, also):
+    run_dir = _write_run(tmp_path / "run", [0.5] * 3)
+    damage(run_dir)
+    with pytest.raises(ReportError) as error:
+        load_run(run_dir)
+    assert str(error.value).startswith(str(run_dir / file)) and also in str(error.value)
+
+
+@pytest.mark.parametrize("line", ["{not json", "[1, 2]", json.dumps({"time/wall_s": 3.0})])
+def test_a_bad_metrics_line_is_named_with_its_number(tmp_path, line):
+    run_dir = _write_run(tmp_path / "run", [0.5] * 3)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lines.insert(3, line)
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ReportError) as error:
+        load_run(run_dir)
+    assert f"{run_dir / 'metrics.jsonl'}:4:" in str(error.value)
+
+
+def test_runs_sharing_a_label_get_their_directory_name(tmp_path):
+    runs = [load_run(_write_run(tmp_path / name, [0.5])) for name in ("a", "b")]
+    runs.append(load_run(_write_run(tmp_path / "c", [0.5], max_lag=0)))
+    labels = [run.label for run in _unique_labels(runs + runs[:1])]
+    assert len(set(labels)) == len(labels)
+    assert labels[:3] == ["tis_seq lag 2 (a)", "tis_seq lag 2 (b)", "tis_seq lag 0"]
+
+
+# ---- the files --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def three_runs(tmp_path_factory) -> list[Path]:
+    """A healthy run, one with a NaN grad norm and one with only rewards (no ESS, grad norm, KL or lag)."""
+    root = tmp_path_factory.mktemp("runs")
+    n = 15
+    healthy = _write_run(root / "healthy", [0.05 * i for i in range(n)], stabilizer="vcpo", max_lag=1,
+                         stability__ess_ratio=[0.9] * n, optim__grad_norm=[1.0 + i for i in range(n)],
+                         stability__kl_k3=[0.01] * n, async__lag=[[4, 4]] * n)
+    broken = _write_run(root / "broken", [0.3] * n, stabilizer="none", max_lag=4,
+                        stability__ess_ratio=[0.5] * 5 + [math.nan] * (n - 5),
+                        optim__grad_norm=[1.0] * 5 + [math.nan] * (n - 5), async__lag=[[1, 2, 3, 2, 0]] * n)
+    sparse = _write_run(root / "sparse", [0.2] * n, stabilizer="m2po", max_lag=2)
+    return [healthy, broken, sparse]
+
+
+@pytest.fixture(scope="module")
+def report(three_runs, tmp_path_factory) -> tuple[Path, list]:
+    out = tmp_path_factory.mktemp("report")
+    return out, write_report(three_runs, out, target_reward=0.4)
+
+
+def test_write_report_returns_a_summary_per_run_in_order(three_runs, report):
+    _, summaries = report
+    assert [s.run_dir for s in summaries] == three_runs
+    assert [s.collapsed for s in summaries] == [False, True, False]
+
+
+def test_pngs_are_written_and_valid(report):
+    out, _ = report
+    pngs = sorted(out.glob("*.png"))
+    assert {p.stem for p in pngs} == {"reward", "ess_ratio", "grad_norm", "kl_k3", "lag_hist"}
+    for png in pngs:
+        data = png.read_bytes()
+        assert data[:8] == PNG_SIGNATURE and len(data) > 1000, png
+
+
+def test_html_is_self_contained(three_runs, report):
+    out, _ = report
+    page = (out / "report.html").read_text()
+    pngs = sorted(out.glob("*.png"))
+    assert page.count("data:image/png;base64,") == len(pngs)
+    for png in pngs:
+        assert f"data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()}" in page
+    assert 'src="http' not in page and "<script" not in page and "<link" not in page
+    for run_dir in three_runs:
+        assert str(run_dir.resolve()) in page
+
+
+def test_tables_have_a_row_per_run(report):
+    out, summaries = report
+    table = (out / "table.md").read_text().splitlines()
+    assert len(table) == 2 + len(summaries)
+    for line, summary in zip(table[2:], summaries):
+        assert line.startswith(f"| {summary.label} |")
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    assert [row["label"] for row in rows] == [s.label for s in summaries]
+    assert rows[1]["grad_norm_max"] == "nan" and rows[2]["grad_norm_max"] == ""  # NaN, and not logged
+    assert float(rows[0]["final_reward"]) == pytest.approx(summaries[0].final_reward)
+    assert rows[0]["target_step"] == str(summaries[0].target_step)
+
+
+# ---- the command ------------------------------------------------------------------------------------
+
+
+def test_cli_exits_2_naming_the_file_of_a_bad_run(tmp_path, capsys, three_runs):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "job.yaml").write_text("name: bad\n")
+    assert main(["report", str(three_runs[0]), str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert str(bad / "metrics.jsonl") in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # every run is read before anything is written
+    assert main(["report", str(tmp_path / "missing"), "--out", str(tmp_path / "out")]) == 2
+    assert str(tmp_path / "missing") in capsys.readouterr().err
+
+
+def test_cli_writes_the_report(tmp_path, capsys, three_runs):
+    out = tmp_path / "out"
+    assert main(["report", *map(str, three_runs[:2]), "--out", str(out), "--target-reward", "0.4",
+                 "--ess-collapse-below", "0.95", "--ess-collapse-steps", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "| vcpo lag 1 |" in printed and "| none lag 4 |" in printed and "report.html" in printed
+    assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 5
+    healthy = next(csv.DictReader((out / "table.csv").open()))  # ESS 0.9 every step: low for the flags' rule
+    assert (healthy["collapsed"], healthy["collapse_step"], healthy["ess_collapse_below"]) == ("True", "2", "0.95")
+
+
+def test_importing_the_report_loads_no_torch_ray_or_matplotlib():
+    import subprocess
+    import sys
+
+    code = "import sys, cluster.report; print(' '.join(sorted(sys.modules)))"
+    root = Path(__file__).resolve().parents[2]
+    loaded = {name.split(".")[0] for name in subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
+                                                             capture_output=True, text=True).stdout.split()}
+    assert not loaded & {"torch", "ray", "matplotlib", "vllm", "deepspeed"}
