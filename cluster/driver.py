@@ -167,6 +167,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResu
     counts = ledger.counts()
     summary = {"steps": job.learner.steps, "ledger": counts, "rewards": rewards,
                "generator_restarts": sum(loop.restarts.values()), "learner_restarts": attempt,
+               "generated_tokens": loop.generated_tokens, "generate_s": loop.generate_s,  # summed over generators
                "generators": {"joined": loop.joined, "left": loop.left, **placement}}  # nodes by Ray node id
     (run_dir / "summary.json").write_text(json.dumps(summary))
     return RunResult(run_dir, job.learner.steps, counts, rewards)
@@ -313,7 +314,13 @@ class AsyncLoop:
             raise LearnerCrashed(f"a learner rank died during step {self.version + 1} ({type(error).__name__})",
                                  self.run_dir) from error
         self.learner_refs = []
-        self.buffer.mark_trained(self.training, self.version)
+        skipped = metrics.get("stability/skipped_step", 0.0) > 0
+        if skipped:  # the weights did not move: these groups were not trained on, and the ledger says so
+            for group in self.training:
+                self.buffer.ledger.dropped(group.group_id, f"step {self.version + 1} skipped: non-finite loss or "
+                                           "importance weights")
+        else:
+            self.buffer.mark_trained(self.training, self.version)
         lags = [self.version - g.version_start for g in self.training for _ in g.completions]
         self.version += 1
         sync_s = self._sync_weights()
@@ -321,7 +328,7 @@ class AsyncLoop:
         every = self.job.checkpoint.every_steps
         if every and (self.version % every == 0 or self.version == self.job.learner.steps):
             self._checkpoint()
-        self._check_skipped(metrics.get("stability/skipped_step", 0.0) > 0)
+        self._check_skipped(skipped)
 
     def _check_skipped(self, skipped: bool) -> None:
         """Alert on every skipped step; stop with a checkpoint after too many in a row."""

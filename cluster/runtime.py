@@ -47,8 +47,8 @@ def connect(address: str | None, num_cpus: int | None, namespace: str) -> None:
     if address:
         ray.init(address=address, namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
         return
-    ray.init(
-        num_cpus=num_cpus, include_dashboard=False, namespace=namespace, runtime_env=runtime_env,
+    ray.init(  # "local": a new cluster even if another one's address file is lying around
+        address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace, runtime_env=runtime_env,
         _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
     )
 

@@ -22,7 +22,7 @@ def local_ray(tmp_path_factory):
     import os
 
     os.environ["STABLEASYNC_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    ray.init(num_cpus=3, include_dashboard=False, namespace="stableasync-tests",
+    ray.init(address="local", num_cpus=3, include_dashboard=False, namespace="stableasync-tests",
              _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
              runtime_env={"env_vars": __import__("cluster.runtime", fromlist=["actor_env"]).actor_env()})
     yield
@@ -224,3 +224,34 @@ def test_killed_learner_resumes_from_its_checkpoint_by_itself(local_ray, tmp_pat
     assert killed, "the learner was killed during the run"
     assert json.loads((result.run_dir / "summary.json").read_text())["learner_restarts"] == 1
     _assert_each_group_ends_once(run_dir, steps=4)
+
+
+def test_nan_rollouts_skip_steps_then_stop_the_job_with_a_checkpoint(local_ray, tmp_path, monkeypatch, caplog):
+    """From step 3 on, every rollout reaches the learner with NaN behaviour log-probs (a broken engine):
+    each such step is skipped on every rank and alerts, its groups are dropped (not trained) in the
+    ledger, and after learner.max_skipped_steps_in_a_row the job stops with a checkpoint to resume from."""
+    from cluster import driver
+
+    shards_of = driver.AsyncLoop._shards
+
+    def poisoned(self, groups):
+        shards = shards_of(self, groups)
+        if self.version >= 2:
+            for shard in shards:
+                shard.behaviour_logprobs.fill_(float("nan"))
+        return shards
+
+    monkeypatch.setattr(driver.AsyncLoop, "_shards", poisoned)
+    job = _job(tmp_path, max_lag=1, steps=10, logging={"run_name": "nan"}, learner={"max_skipped_steps_in_a_row": 3})
+    run_dir = tmp_path / "runs" / "nan"
+    with pytest.raises(driver.NumericalFailure, match=r"3 steps in a row.*stableasync train --resume"):
+        driver.train(validate_job(job))
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["stability/skipped_step"] for m in metrics if m["train/step"] > 0] == [0, 0, 1, 1, 1]
+    assert caplog.text.count("ALERT learner step skipped") == 3
+    assert (run_dir / "checkpoints" / "step-000005" / "driver.json").exists()
+    rows = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["event"] == "trained"]
+    skipped = [r for r in rows if r["event"] == "dropped" and "skipped" in (r["reason"] or "")]
+    assert sorted(r["trained_step"] for r in trained) == [0, 0, 1, 1]
+    assert len(skipped) == 3 * 2

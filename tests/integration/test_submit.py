@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,14 +42,14 @@ def token_head(tmp_path_factory):
     token = secrets.token_hex(32)
     token_file = root / "auth_token"
     token_file.write_text(token)
-    api = f"http://127.0.0.1:{_free_port()}"
+    api, gcs_port = f"http://127.0.0.1:{_free_port()}", _free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # the job's `python` is this venv's
            "STABLEASYNC_CACHE": str(root / "cache")}
     env.pop("RAY_ADDRESS", None)
     head = subprocess.Popen(
         [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-         f"--port={_free_port()}", "--dashboard-host", "127.0.0.1", f"--dashboard-port={api.rsplit(':', 1)[1]}",
+         f"--port={gcs_port}", "--dashboard-host", "127.0.0.1", f"--dashboard-port={api.rsplit(':', 1)[1]}",
          "--num-cpus", "4", "--object-store-memory", str(300 << 20), "--disable-usage-stats"],
         env=env, start_new_session=True, stdout=open(root / "head.log", "w"), stderr=subprocess.STDOUT,
     )
@@ -66,6 +67,11 @@ def token_head(tmp_path_factory):
             os.killpg(head.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        # A killed head leaves its address in Ray's "current cluster" file, where a later plain
+        # ray.init() would look for a cluster to join: remove it if it is this head's.
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        if current.exists() and current.read_text().strip().endswith(f":{gcs_port}"):
+            current.unlink()
 
 
 def _wait_for_api(api: str, token: str, head: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> None:
