@@ -1,0 +1,118 @@
+"""Asynchronous speedup: the same job at max_lag 0 and at larger lags, side by side in one run.
+
+    python -m benchmarks.async_speedup [--job deploy/jobs/demo.yaml] [--lags 0,1,2,4] [--steps 150]
+                                       [--target-reward 0.5] [--out runs/bench-async]
+
+One generator and one learner rank, each given one CPU (Ray resources) and one torch/OMP thread, on
+a local 2-CPU Ray cluster; every run has the same seed, prompts and warm-up. Reported per lag:
+- wall seconds per RL step (median gap between consecutive metric rows, first 5 steps skipped),
+- the speedup over max_lag 0, and the share of the ideal speedup (g + t) / max(g, t) it reaches, where
+  g (generation seconds per step) and t (learner step + weight sync seconds) are measured in the
+  max_lag 0 run,
+- wall seconds until the trailing 10-step mean reward first reaches `--target-reward`,
+- the simulator's step time for the run (`stableasync simulate --calibrate`, costs from the run's own
+  phase measurements, never from its step time) and its error against the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+SKIP_STEPS = 5  # warm-up: the first RL steps include engine and optimizer first-call costs
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["train/step"] > 0]
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def wall_per_step_s(rows: list[dict[str, Any]]) -> float:
+    walls = [r["time/wall_s"] for r in rows[SKIP_STEPS:]]
+    return statistics.median(b - a for a, b in zip(walls, walls[1:]))
+
+
+def time_to_target_s(rows: list[dict[str, Any]], target: float, window: int = 10) -> float | None:
+    rewards = [_number(r.get("rollout/reward_mean")) for r in rows]
+    for i in range(window, len(rows) + 1):
+        if statistics.fmean(rewards[i - window:i]) >= target:
+            return rows[i - 1]["time/wall_s"] - rows[0]["time/wall_s"]
+    return None
+
+
+def phase_s(run_dir: Path, rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """(g, t): generation seconds per step and learner-plus-sync seconds per step of one run."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    g = summary["generate_s"] / summary["steps"]
+    t = statistics.median(_number(r["time/learner_step_s"]) + _number(r["perf/weight_sync_s"]) for r in rows[SKIP_STEPS:])
+    return g, t
+
+
+def _job_for(base: dict[str, Any], lag: int, steps: int, out: Path) -> Any:
+    from cluster.job import validate_job
+
+    data = json.loads(json.dumps(base))
+    data["async"]["max_lag"] = lag
+    data["learner"].update(steps=steps, num_ranks=1, cpus_per_rank=1.0)
+    data["generator"].update(num_generators=1, cpus_per_generator=1.0)
+    data["cluster"].update(num_cpus=2)
+    data["logging"].update(run_dir=str(out), run_name=f"lag{lag}", progress_bar=False, wandb={"mode": "disabled"})
+    return validate_job(data, f"max_lag {lag}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", default="deploy/jobs/demo.yaml")
+    parser.add_argument("--lags", default="0,1,2,4")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--target-reward", type=float, default=0.5)
+    parser.add_argument("--out", default="runs/bench-async")
+    args = parser.parse_args()
+
+    from cluster.driver import train
+    from cluster.job import load_job
+    from cluster.simulate import calibrate, simulate
+
+    base = load_job(args.job).model_dump(mode="json", by_alias=True)
+    out = Path(args.out)
+    lags = [int(lag) for lag in args.lags.split(",")]
+    if 0 not in lags:
+        raise SystemExit("--lags must include 0: the ideal speedup is measured from the synchronous run")
+    runs = {}
+    for lag in lags:  # one process, one Ray cluster, one job after the other
+        runs[lag] = train(_job_for(base, lag, args.steps, out)).run_dir
+
+    rows = {lag: _rows(run_dir) for lag, run_dir in runs.items()}
+    g, t = phase_s(runs[0], rows[0])
+    ideal = (g + t) / max(g, t)
+    sync_wall = wall_per_step_s(rows[0])
+    print(f"job {args.job}: {args.steps} steps per lag, 1 generator + 1 learner rank, one CPU and thread each")
+    print(f"phases at max_lag 0: generation g = {g:.3f} s/step, learner + sync t = {t:.3f} s/step, "
+          f"ideal speedup (g + t) / max(g, t) = {ideal:.2f}\n")
+    print(f"{'max_lag':>7}{'wall s/step':>13}{'speedup':>9}{'of ideal':>10}{'to target s':>13}"
+          f"{'simulated s/step':>18}{'sim error':>11}")
+    for lag in lags:
+        wall = wall_per_step_s(rows[lag])
+        speedup = sync_wall / wall
+        to_target = time_to_target_s(rows[lag], args.target_reward)
+        config, measured = calibrate(runs[lag])
+        predicted = simulate(config).step_s_mean
+        error = (predicted - measured.step_s) / measured.step_s if measured.step_s else math.nan
+        print(f"{lag:>7}{wall:>13.3f}{speedup:>9.2f}{speedup / ideal:>10.0%}"
+              f"{(f'{to_target:.1f}' if to_target is not None else 'never'):>13}{predicted:>18.3f}{error:>+11.0%}")
+    print(f"\n(simulated s/step is compared with the run's mean gap between metric rows, {out}/lag*/metrics.jsonl)")
+
+
+if __name__ == "__main__":
+    main()
