@@ -23,6 +23,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from cluster.run_files import metric_number
+
 SKIP_STEPS = 5  # warm-up: the first RL steps include engine and optimizer first-call costs
 
 
@@ -31,20 +33,13 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in rows if r["train/step"] > 0]
 
 
-def _number(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def wall_per_step_s(rows: list[dict[str, Any]]) -> float:
     walls = [r["time/wall_s"] for r in rows[SKIP_STEPS:]]
     return statistics.median(b - a for a, b in zip(walls, walls[1:]))
 
 
 def time_to_target_s(rows: list[dict[str, Any]], target: float, window: int = 10) -> float | None:
-    rewards = [_number(r.get("rollout/reward_mean")) for r in rows]
+    rewards = [metric_number(r.get("rollout/reward_mean")) for r in rows]
     for i in range(window, len(rows) + 1):
         if statistics.fmean(rewards[i - window:i]) >= target:
             return rows[i - 1]["time/wall_s"] - rows[0]["time/wall_s"]
@@ -55,7 +50,7 @@ def phase_s(run_dir: Path, rows: list[dict[str, Any]]) -> tuple[float, float]:
     """(g, t): generation seconds per step and learner-plus-sync seconds per step of one run."""
     summary = json.loads((run_dir / "summary.json").read_text())
     g = summary["generate_s"] / summary["steps"]
-    t = statistics.median(_number(r["time/learner_step_s"]) + _number(r["perf/weight_sync_s"]) for r in rows[SKIP_STEPS:])
+    t = statistics.median(metric_number(r["time/learner_step_s"]) + metric_number(r["perf/weight_sync_s"]) for r in rows[SKIP_STEPS:])
     return g, t
 
 

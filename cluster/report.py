@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import csv
 import html
-import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -19,6 +18,8 @@ from dataclasses import dataclass, fields, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from cluster.run_files import metric_number, read_jsonl_rows
 
 STEP_KEY = "train/step"
 WALL_KEY = "time/wall_s"
@@ -88,21 +89,10 @@ class RunSummary:
 # ---- reading a run directory ------------------------------------------------------------------------
 
 
-def _number(value: Any) -> float:
-    """A metric as a float: "nan", "inf", "-inf" strings (how the sink writes non-finite floats) parsed;
-    NaN for anything else that is not a number."""
-    if isinstance(value, bool):
-        return math.nan
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def _parse_value(value: Any) -> Any:
     if isinstance(value, list):
-        return [_number(v) for v in value]
-    return _number(value)
+        return [metric_number(v) for v in value]
+    return metric_number(value)
 
 
 def _read_job(path: Path) -> dict[str, Any]:
@@ -144,22 +134,8 @@ def _int_or_none(value: Any, field_name: str, path: Path) -> int | None:
 
 
 def _read_metrics(path: Path) -> list[Row]:
-    if not path.is_file():
-        raise ReportError(f"{path}: not found (a finished run directory holds job.yaml and metrics.jsonl)")
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise ReportError(f"{path}: cannot be read ({error})") from None
     rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ReportError(f"{path}:{number}: not JSON ({error.msg})") from None
-        if not isinstance(raw, dict):
-            raise ReportError(f"{path}:{number}: expected one JSON object per line")
+    for number, raw in enumerate(read_jsonl_rows(path, ReportError), start=1):
         row = {key: _parse_value(value) for key, value in raw.items()}
         step = row.get(STEP_KEY)
         if not isinstance(step, float) or not math.isfinite(step):

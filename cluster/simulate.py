@@ -13,7 +13,6 @@ The model, its assumptions and the commands: docs/simulator.md.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
+from cluster.run_files import metric_number, read_jsonl_rows
 
 
 def _doc(text: str, default: object) -> Any:
@@ -356,33 +356,8 @@ class Measured:
     response_len: float
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise CalibrationError(f"{path}: not found (a finished run directory holds job.yaml and metrics.jsonl)")
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise CalibrationError(f"{path}:{number}: not JSON ({error.msg})") from None
-        if not isinstance(row, dict):
-            raise CalibrationError(f"{path}:{number}: expected one JSON object per line")
-        rows.append(row)
-    return rows
-
-
-def _number(value: Any) -> float:
-    """A metric as a float; NaN for anything missing or unreadable (rows may hold the string "nan")."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def _finite(rows: list[dict[str, Any]], key: str, path: Path) -> list[float]:
-    values = [v for v in (_number(row.get(key)) for row in rows) if math.isfinite(v)]
+    values = [v for v in (metric_number(row.get(key)) for row in rows) if math.isfinite(v)]
     if not values:
         raise CalibrationError(f"{path}: no finite '{key}' in any RL step (train/step > 0)")
     return values
@@ -420,7 +395,7 @@ def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
     """
     job = _job_sections(run_dir / "job.yaml")
     metrics = run_dir / "metrics.jsonl"
-    rows = [row for row in _read_rows(metrics) if _number(row.get("train/step")) > 0]
+    rows = [row for row in read_jsonl_rows(metrics, CalibrationError) if metric_number(row.get("train/step")) > 0]
     if not rows:
         raise CalibrationError(f"{metrics}: no RL steps (rows with train/step > 0)")
     g, learner, async_ = job["generator"], job["learner"], job["async"]
@@ -437,17 +412,17 @@ def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
     learner_step_s = statistics.fmean(_finite(rows, "time/learner_step_s", metrics))
     _finite(rows, "perf/learner_tokens_per_s", metrics)
     # tokens one rank trained per step, each row's own rate x time (a mean of rates would weight short steps up)
-    per_row = [_number(r.get("perf/learner_tokens_per_s")) * _number(r.get("time/learner_step_s")) for r in rows]
+    per_row = [metric_number(r.get("perf/learner_tokens_per_s")) * metric_number(r.get("time/learner_step_s")) for r in rows]
     rank_tokens = statistics.fmean(t for t in per_row if math.isfinite(t))
     response_len = statistics.fmean(_finite(rows, "rollout/response_len", metrics))
     samples = shape.prompts_per_step * shape.samples_per_prompt
     # the logged rate is cumulative since the generators started (the last covers the whole run), times the
     # number of generators then (`async/num_generators` where the run logged it: elastic jobs vary it)
     gen_total = _finite(rows, "perf/gen_tokens_per_s", metrics)[-1]
-    counts = [v for v in (_number(r.get("async/num_generators")) for r in rows) if math.isfinite(v) and v > 0]
+    counts = [v for v in (metric_number(r.get("async/num_generators")) for r in rows) if math.isfinite(v) and v > 0]
     gen_per_gpu = gen_total / (counts[-1] if counts else shape.generators)
     sync_s = statistics.fmean(_finite(rows, "perf/weight_sync_s", metrics))
-    lags = [v for v in (_number(r.get("async/lag_mean")) for r in rows) if math.isfinite(v)]
+    lags = [v for v in (metric_number(r.get("async/lag_mean")) for r in rows) if math.isfinite(v)]
     measured = Measured(
         steps=len(rows), logged_step_s=statistics.fmean(_finite(rows, "time/step_s", metrics)),
         step_s=_measured_period(rows), lag_mean=statistics.fmean(lags) if lags else None,
@@ -469,8 +444,8 @@ def _measured_period(rows: list[dict[str, Any]]) -> float | None:
     """Mean wall-clock between consecutive RL rows (a resume restarts `time/wall_s`: those pairs are skipped)."""
     gaps = []
     for before, after in zip(rows, rows[1:]):
-        gap = _number(after.get("time/wall_s")) - _number(before.get("time/wall_s"))
-        if _number(after.get("train/step")) == _number(before.get("train/step")) + 1 and gap > 0:
+        gap = metric_number(after.get("time/wall_s")) - metric_number(before.get("time/wall_s"))
+        if metric_number(after.get("train/step")) == metric_number(before.get("train/step")) + 1 and gap > 0:
             gaps.append(gap)
     return statistics.fmean(gaps) if gaps else None
 

@@ -1,0 +1,41 @@
+"""Reading a run directory's JSONL files: one parser for the report, the simulator and the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def metric_number(value: Any) -> float:
+    """A logged metric as a float: the strings "nan", "inf", "-inf" (how the sink writes non-finite floats)
+    parsed; NaN for anything missing or not a number."""
+    if isinstance(value, bool):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def read_jsonl_rows(path: Path, error: type[Exception] = ValueError) -> list[dict[str, Any]]:
+    """Every JSON object of a JSONL file, blank lines skipped; `error` names the file (and line) otherwise."""
+    if not path.is_file():
+        raise error(f"{path}: not found (a finished run directory holds job.yaml and metrics.jsonl)")
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as problem:
+        raise error(f"{path}: cannot be read ({problem})") from None
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as problem:
+            raise error(f"{path}:{number}: not JSON ({problem.msg})") from None
+        if not isinstance(row, dict):
+            raise error(f"{path}:{number}: expected one JSON object per line")
+        rows.append(row)
+    return rows
