@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKSPACE = ROOT / "deploy" / "wandb" / "workspace.yaml"
 SOURCE_FOLDERS = ("algorithms", "learner", "actors", "cluster", "tasks")
 PANEL_FIELDS = {"kind", "title", "y", "log_y", "range_y"}  # what docs/wandb.md's apply script reads
+FOLDER_PREFIXES = {"runs"}  # "runs/sweep" and the like are default folders, not metric keys
 METRIC_LITERAL = re.compile(r"""["']([a-z][a-z0-9_]+/[a-z][a-z0-9_]*)["']""")  # "group/name"; not "n/a"
 
 
@@ -53,7 +54,8 @@ def _metric_keys_in_source() -> dict[str, str]:
             if path == ROOT / "cluster" / "metrics.py":
                 continue
             for key in METRIC_LITERAL.findall(path.read_text()):
-                found.setdefault(key, str(path.relative_to(ROOT)))
+                if key.split("/")[0] not in FOLDER_PREFIXES:
+                    found.setdefault(key, str(path.relative_to(ROOT)))
     return found
 
 
