@@ -62,6 +62,17 @@ class LearnerSpec:
     backend: str = "gloo"
 
 
+def check_owned_by_me(path: Path) -> None:
+    """Refuse a checkpoint folder that holds anything another user owns or can write: loading it unpickles
+    its files, and a pickle can run code."""
+    for item in [path, *path.rglob("*")]:
+        info = item.lstat()
+        if info.st_uid != os.getuid():
+            raise PermissionError(f"refusing to load checkpoint {path}: {item} belongs to another user (uid {info.st_uid})")
+        if info.st_mode & 0o002:
+            raise PermissionError(f"refusing to load checkpoint {path}: {item} is writable by every user")
+
+
 class LearnerRank:
     """A ZeRO data-parallel rank of the policy."""
 
@@ -235,8 +246,7 @@ class LearnerRank:
     def load_checkpoint(self, directory: str, tag: str) -> int:
         """Restore what `save_checkpoint` wrote; returns the policy version. A collective."""
         path = Path(directory) / tag
-        if path.stat().st_uid != os.getuid():  # DeepSpeed unpickles its checkpoint files
-            raise PermissionError(f"refusing to load checkpoint {path}: it belongs to another user")
+        check_owned_by_me(path)  # DeepSpeed unpickles its checkpoint files
         loaded, client_state = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
                                                             load_lr_scheduler_states=True)
         if loaded is None:
