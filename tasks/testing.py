@@ -27,3 +27,13 @@ class FaultyArithmetic(Arithmetic):
             hog = bytearray(4 << 30)  # 4 GiB: beyond the memory limit
             return float(len(hog))
         return super().score(problem, completion)
+
+
+@register("hanging-arithmetic")
+class HangingArithmetic(Arithmetic):
+    """Arithmetic whose verifier hangs on every third problem, whatever the model wrote (fault tests)."""
+
+    def score(self, problem: Problem, completion: str) -> float:
+        if int(problem.problem_id.rsplit("-", 1)[-1]) % 3 == 0:
+            time.sleep(3600)
+        return super().score(problem, completion)

@@ -255,3 +255,24 @@ def test_nan_rollouts_skip_steps_then_stop_the_job_with_a_checkpoint(local_ray, 
     skipped = [r for r in rows if r["event"] == "dropped" and "skipped" in (r["reason"] or "")]
     assert sorted(r["trained_step"] for r in trained) == [0, 0, 1, 1]
     assert len(skipped) == 3 * 2
+
+
+def test_a_hanging_verifier_fails_its_samples_and_the_job_goes_on(local_ray, tmp_path, monkeypatch):
+    """The job's verifier hangs on every third problem: those samples time out (reward 0, counted as score
+    errors in the ledger), the worker is replaced, and every group still ends exactly once."""
+    from cluster import driver
+    from tasks.scoring import ScorePool
+
+    def hanging_pool(task_name, task_config, max_workers=1):
+        return ScorePool("hanging-arithmetic", task_config, max_workers, timeout_s=0.5, extra_modules=("tasks.testing",))
+
+    monkeypatch.setattr(driver, "ScorePool", hanging_pool)
+    job = _job(tmp_path, max_lag=1, steps=3, logging={"run_name": "hanging"})
+    driver.train(validate_job(job))
+    run_dir = tmp_path / "runs" / "hanging"
+    rows = _assert_each_group_ends_once(run_dir, steps=3)
+    scored = {r["problem_id"]: r["score_errors"] for r in rows if r["event"] == "scored"}
+    hung = {p for p in scored if int(p.rsplit("-", 1)[-1]) % 3 == 0}
+    assert hung, "some trained problem had a hanging verifier"
+    assert all(scored[p] == 4 for p in hung), "every sample of a hanging problem failed"
+    assert all(scored[p] == 0 for p in set(scored) - hung)
