@@ -128,9 +128,11 @@ class VCPOConfig:
     )
     normalize_by_length: bool = _doc("divide the baseline weight by T_i^2", False)
     norm_by_std: bool = _doc("divide advantages by the group reward std (official scripts: yes)", True)
-    opob_impl: Literal["ghost", "per_sample_loop"] = _doc(
-        "how the learner gets per-sample gradient norms: ghost (one batched backward) or one backward per sample",
-        "ghost",
+    opob_impl: Literal["bookkeeping", "ghost", "per_sample_loop"] = _doc(
+        "how the learner gets per-sample gradient norms: bookkeeping (one backward; the update is formed from "
+        "the per-sample gradients it keeps), ghost (a norms-only backward, then the loss backward: less memory) "
+        "or per_sample_loop (one backward per sample, the reference)",
+        "bookkeeping",
     )
 
 

@@ -1,4 +1,4 @@
-"""Learner step time and peak memory of `none`, `tis_seq` and VCPO (per-sample loop, ghost norms).
+"""Learner step time and peak memory of `none`, `tis_seq` and VCPO (per-sample loop, ghost, bookkeeping).
 
     python -m benchmarks.learner_step [--sequences 64] [--tokens 512] [--rounds 3] [--job deploy/jobs/demo.yaml]
 
@@ -31,6 +31,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "tis_seq": ("tis_seq", {}),
     "vcpo (per_sample_loop)": ("vcpo", {"opob_impl": "per_sample_loop"}),
     "vcpo (ghost)": ("vcpo", {"opob_impl": "ghost"}),
+    "vcpo (bookkeeping)": ("vcpo", {"opob_impl": "bookkeeping"}),
 }
 GROUP_SIZE = 8
 PROMPT_TOKENS = 16

@@ -25,7 +25,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Union
 
 import torch
 from torch import Tensor, nn
@@ -40,10 +40,29 @@ class UncoveredParameters(RuntimeError):
 
 @dataclass
 class _Factors:
-    """A per-sample gradient sum_t left_t (x) right_t; `left` is dense [B,T,m] or token ids [B,T]."""
+    """A per-sample gradient sum_t left_t (x) right_t; `left` is dense [B,T,m] or token ids [B,T]
+    (one-hot rows of a table with `rows` rows)."""
 
     left: Tensor
     right: Tensor
+    rows: int = 0
+
+    @property
+    def dense_is_smaller(self) -> bool:
+        """Whether the dense per-sample gradient [B, m, n] holds fewer numbers than the Gram route needs."""
+        steps, cols = self.right.shape[1], self.right.shape[-1]
+        if self.indexed:
+            return self.rows * cols <= steps * steps
+        rows = self.left.shape[-1]
+        return rows * cols <= steps * (rows + cols)
+
+    def dense(self) -> Tensor:
+        """The per-sample gradient [B, m, n] itself."""
+        if not self.indexed:
+            return torch.bmm(self.left.transpose(1, 2), self.right)
+        cols = self.right.shape[-1]
+        index = self.left.unsqueeze(-1).expand(-1, -1, cols)
+        return self.right.new_zeros(self.right.shape[0], self.rows, cols).scatter_add_(1, index, self.right)
 
     @property
     def indexed(self) -> bool:
@@ -65,20 +84,24 @@ def _left_gram(p: _Factors, q: _Factors) -> Tensor:
 def _inner(p: _Factors, q: _Factors) -> Tensor:
     """Per-sample <G_p, G_q>, [B], in chunks of samples; materialises G when that is cheaper."""
     batch, steps = p.right.shape[:2]
-    if p is q and not p.indexed:
-        rows, cols = p.left.shape[-1], p.right.shape[-1]
-        if rows * cols < steps * (rows + cols):
-            per_sample = rows * cols
-            return torch.cat([
-                torch.bmm(p.left[i:i + n].transpose(1, 2), p.right[i:i + n]).square().sum((1, 2))
-                for i, n in _chunks(batch, per_sample)
-            ])
+    if p is q and p.dense_is_smaller:
+        per_sample = (p.rows if p.indexed else p.left.shape[-1]) * p.right.shape[-1]
+        return torch.cat([
+            _self_dot(_Factors(p.left[i:i + n], p.right[i:i + n], p.rows).dense())
+            for i, n in _chunks(batch, per_sample)
+        ])
     per_sample = steps * q.right.shape[1]
     return torch.cat([
         (_left_gram(_Factors(p.left[i:i + n], p.right[i:i + n]), _Factors(q.left[i:i + n], q.right[i:i + n]))
          * torch.bmm(p.right[i:i + n], q.right[i:i + n].transpose(1, 2))).sum((1, 2))
         for i, n in _chunks(batch, per_sample)
     ])
+
+
+def _self_dot(dense: Tensor) -> Tensor:
+    """Per-sample squared norm of [B, ...] without a squared temporary."""
+    flat = dense.flatten(1)
+    return torch.bmm(flat.unsqueeze(1), flat.unsqueeze(2)).reshape(-1)
 
 
 def _chunks(batch: int, elements_per_sample: int) -> Iterator[tuple[int, int]]:
@@ -100,6 +123,84 @@ def _covered_parameters(module: nn.Module) -> list[nn.Parameter]:
     return []
 
 
+Contribution = Union[_Factors, Tensor]
+"""A per-sample gradient of one parameter in one call: factors, or dense [B, *parameter shape]."""
+
+
+def _dense_inner(dense: Tensor, other: Contribution) -> Tensor:
+    """Per-sample <G, H>, [B], for a dense G [B, ...] against a dense or factored H."""
+    if other is dense:
+        return _self_dot(dense)
+    if isinstance(other, Tensor):
+        return (dense * other).flatten(1).sum(1)
+    if other.indexed:  # G [B, V, d] against sum_t onehot(id_t) (x) right_t: rows of G at the ids
+        rows = torch.gather(dense, 1, other.left.unsqueeze(-1).expand(-1, -1, dense.shape[-1]))
+        return (rows * other.right).sum((1, 2))
+    return (torch.bmm(other.left, dense) * other.right).sum((1, 2))  # sum_t a_t^T G b_t
+
+
+def _pair_inner(p: Contribution, q: Contribution) -> Tensor:
+    if isinstance(p, Tensor):
+        return _dense_inner(p, q)
+    if isinstance(q, Tensor):
+        return _dense_inner(q, p)
+    return _inner(p, q)
+
+
+def _squared_norm(parts: list[Contribution]) -> Tensor:
+    """||sum of parts||^2 per sample: each part's own norm plus twice every cross term (tied weights)."""
+    dense = [part for part in parts if isinstance(part, Tensor)]
+    parts = ([sum(dense)] if dense else []) + [part for part in parts if not isinstance(part, Tensor)]
+    total = sum(_pair_inner(p, p) for p in parts)
+    for j, p in enumerate(parts):
+        for q in parts[j + 1:]:
+            total = total + 2 * _pair_inner(p, q)
+    return total
+
+
+def _weighted_sum(part: Contribution, coefficients: Tensor, shape: torch.Size) -> Tensor:
+    """sum_i c_i G_i for one part: the parameter gradient of sum_i c_i log pi(tau_i)."""
+    if isinstance(part, Tensor):
+        return torch.tensordot(coefficients, part, dims=1)
+    scaled = part.right * coefficients.view(-1, 1, 1)
+    if part.indexed:  # embedding rows: scatter each token's scaled output gradient into its row
+        return scaled.new_zeros(shape).index_add_(0, part.left.reshape(-1), scaled.flatten(0, 1))
+    return part.left.flatten(0, 1).T @ scaled.flatten(0, 1)
+
+
+def _compact(part: Contribution) -> Contribution:
+    """Factors as the dense per-sample gradient when that holds fewer numbers."""
+    if isinstance(part, Tensor) or not part.dense_is_smaller:
+        return part
+    return part.dense()
+
+
+@dataclass
+class _Record:
+    """One recorded module call: its input, and its output only where the backward needs the tensor."""
+
+    module: nn.Module
+    input: Tensor
+    output: Tensor | None
+
+
+@dataclass
+class SampleGradients:
+    """||grad log pi(tau_i)||^2 per sample and, from the bookkeeping pass, the per-sample gradients
+    themselves (dense or factored, per parameter) so that any per-sample weighting forms the update."""
+
+    squared_norms: Tensor
+    parts: dict[nn.Parameter, list[Contribution]] | None = None
+
+    def weighted_sum(self, coefficients: Tensor) -> dict[nn.Parameter, Tensor]:
+        """Each parameter's sum_i c_i grad log pi(tau_i), in the parameter's dtype."""
+        if self.parts is None:
+            raise RuntimeError("these sample gradients kept norms only (ghost or per-sample loop), not the gradients")
+        coefficients = coefficients.float()
+        return {param: sum(_weighted_sum(part, coefficients, param.shape) for part in parts).to(param.dtype)
+                for param, parts in self.parts.items()}
+
+
 class GhostGradNorms:
     """Per-sample squared gradient norms of a HF causal LM from one batched backward."""
 
@@ -113,16 +214,27 @@ class GhostGradNorms:
         if missing:
             raise UncoveredParameters(f"no ghost-norm rule for parameters {missing[:5]}"
                                       + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-        self._records: list[tuple[nn.Module, Tensor, Tensor]] = []
+        self._records: list[_Record | None] = []
+        self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._consumer: Callable[[int, Tensor], None] | None = None
 
     @contextmanager
     def recording(self) -> Iterator[None]:
-        """Keep (module, input, output) of every covered module during the forward inside."""
-        self._records = []
+        """Record every covered module call of the forward inside, for one following norms backward.
+
+        Each output gets its gradient hook now, so no output is kept alive for it; an input is held
+        only until the backward has consumed its layer.
+        """
+        self._release()
 
         def keep(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-            if torch.is_grad_enabled() and output.requires_grad:
-                self._records.append((module, inputs[0], output))
+            if not (torch.is_grad_enabled() and output.requires_grad):
+                return
+            index = len(self._records)
+            first_or_head = index == 0 or module is self.output_layer
+            self._records.append(_Record(module, inputs[0], output if first_or_head else None))
+            if module is not self.output_layer:
+                self._grad_hooks.append(output.register_hook(partial(self._on_output_grad, index)))
 
         handles = [m.register_forward_hook(keep) for m in self.modules]
         try:
@@ -130,6 +242,15 @@ class GhostGradNorms:
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _on_output_grad(self, index: int, grad: Tensor) -> None:
+        if self._consumer is not None:  # a later loss backward passes here too: only the norms pass counts
+            self._consumer(index, grad)
+
+    def _release(self) -> None:
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._records, self._grad_hooks, self._consumer = [], [], None
 
     def squared_norms(self, logits_grad: Tensor, from_logits: bool = False) -> Tensor:
         """||grad_theta log pi(tau_i)||^2 for each sample, [B] fp32, given d(sum_i log pi(tau_i))/d logits
@@ -140,58 +261,71 @@ class GhostGradNorms:
         logits and frees the graph: for a forward of its own under ZeRO-3, whose per-module backward
         hooks expect every backward to enter at the top.
         """
-        records, self._records = self._records, []
-        heads = [r for r in records if r[0] is self.output_layer]
-        if len(heads) != 1:
+        return self._backward(logits_grad, from_logits, keep=False).squared_norms
+
+    def sample_gradients(self, logits_grad: Tensor) -> SampleGradients:
+        """Book-keeping: the norms and every per-sample gradient from one backward, which frees the graph.
+
+        The caller forms its update with `SampleGradients.weighted_sum` once it knows each sample's
+        coefficient; no loss backward follows. Needs whole parameters (not ZeRO-3).
+        """
+        return self._backward(logits_grad, from_logits=False, keep=True)
+
+    def _backward(self, logits_grad: Tensor, from_logits: bool, keep: bool) -> SampleGradients:
+        records = self._records
+        try:
+            return self._run_backward(records, logits_grad, from_logits, keep)
+        finally:
+            records.clear()
+            self._release()
+
+    def _run_backward(self, records: list[_Record | None], logits_grad: Tensor, from_logits: bool,
+                      keep: bool) -> SampleGradients:
+        heads = [i for i, r in enumerate(records) if r.module is self.output_layer]
+        if len(heads) != 1 or heads[0] == 0:
             raise RuntimeError(f"squared_norms needs one recorded forward inside recording(), saw {len(heads)}")
-        head, hidden, logits = heads[0]
-        body = [r for r in records if r[0] is not head]
+        head = records[heads[0]]
+        records[heads[0]] = None
+        first_output = records[0].output
         if from_logits:
-            start, start_grad = logits, logits_grad.to(logits.dtype)
+            start, start_grad = head.output, logits_grad.to(head.output.dtype)
         else:
-            start, start_grad = hidden, (logits_grad.to(head.weight.dtype) @ head.weight).to(hidden.dtype)
+            weight = head.module.weight
+            start, start_grad = head.input, (logits_grad.to(weight.dtype) @ weight).to(head.input.dtype)
         batch = logits_grad.shape[0]
-        uses = Counter(id(p) for module, _, _ in records for p in _covered_parameters(module))
+        calls = [r.module for r in records if r is not None] + [head.module]
+        uses = Counter(id(p) for module in calls for p in _covered_parameters(module))
         total = torch.zeros(batch, dtype=torch.float32, device=logits_grad.device)
-        shared: dict[int, list[object]] = {}
+        kept: dict[nn.Parameter, list[Contribution]] = {}
 
         def consume(module: nn.Module, x: Tensor, grad: Tensor) -> None:
-            """Add a call's contributions now (its gradients are freed after), or keep shared ones."""
+            """Add a call's norm now unless its parameter is shared, and keep what the caller needs."""
             for param, contribution in self._contributions(module, x.detach(), grad.float(), batch):
-                if uses[id(param)] > 1:
-                    shared.setdefault(id(param), []).append(contribution)
-                elif isinstance(contribution, _Factors):
-                    total.add_(_inner(contribution, contribution))
-                else:
-                    total.add_(contribution.square().sum(-1))
+                if keep:
+                    contribution = _compact(contribution)
+                if uses[id(param)] == 1:
+                    total.add_(_squared_norm([contribution]))
+                if keep or uses[id(param)] > 1:
+                    kept.setdefault(param, []).append(contribution)
 
-        reached: set[int] = set()
+        def on_grad(index: int, grad: Tensor) -> None:
+            record, records[index] = records[index], None  # its input is not needed after this
+            if record is not None:
+                consume(record.module, record.input, grad)
 
-        def on_grad(index: int, module: nn.Module, x: Tensor, grad: Tensor) -> None:
-            reached.add(index)
-            consume(module, x, grad)
-
-        consume(head, hidden, logits_grad)
-        handles = [out.register_hook(partial(on_grad, i, m, x)) for i, (m, x, out) in enumerate(body)]
-        try:
-            # Asking only for the first layer's output runs the whole backward below `start` while each
-            # layer's hook consumes its gradient at once: one layer's output gradient alive at a time.
-            torch.autograd.grad(start, [body[0][2]], grad_outputs=start_grad, retain_graph=not from_logits)
-        finally:
-            for handle in handles:
-                handle.remove()
-        missed = [type(body[i][0]).__name__ for i in range(len(body)) if i not in reached]
+        consume(head.module, head.input, logits_grad)
+        del head
+        self._consumer = on_grad
+        # Asking only for the first layer's output runs the whole backward below `start` while each
+        # layer's hook consumes its gradient at once: one layer's output gradient alive at a time.
+        torch.autograd.grad(start, [first_output], grad_outputs=start_grad, retain_graph=not (from_logits or keep))
+        missed = [type(r.module).__name__ for r in records if r is not None]
         if missed:
             raise UncoveredParameters(f"no gradient reached the outputs of {missed[:5]} on the way to the first layer")
-        for parts in shared.values():
-            if any(not isinstance(part, _Factors) for part in parts):
-                total.add_(sum(parts).square().sum(-1))
-                continue
-            for j, p in enumerate(parts):
-                total.add_(_inner(p, p))
-                for q in parts[j + 1:]:
-                    total.add_(2 * _inner(p, q))
-        return total
+        for param, parts in kept.items():
+            if uses[id(param)] > 1:
+                total.add_(_squared_norm(parts))
+        return SampleGradients(total, kept if keep else None)
 
     @staticmethod
     def _contributions(module: nn.Module, x: Tensor, grad: Tensor, batch: int) -> list[tuple[nn.Parameter, object]]:
@@ -201,7 +335,7 @@ class GhostGradNorms:
             right = grad.reshape(batch, ids.shape[1], -1)
             if module.padding_idx is not None:  # that row gets no gradient
                 right = right * (ids != module.padding_idx).unsqueeze(-1)
-            return [(module.weight, _Factors(ids, right))]
+            return [(module.weight, _Factors(ids, right, module.num_embeddings))]
         grad = grad.reshape(batch, -1, grad.shape[-1])
         if isinstance(module, nn.Linear):
             out: list[tuple[nn.Parameter, object]] = [

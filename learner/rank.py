@@ -25,7 +25,7 @@ from algorithms.aggregation import loss_denominator, policy_loss
 from algorithms.batch import PolicyBatch
 from algorithms.diagnostics import chi2_seq, ess_ratio, health_metrics
 from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs
-from learner.grad_norms import GhostGradNorms, UncoveredParameters, per_sample_loop_norms
+from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
 
 log = logging.getLogger("stableasync.learner")
 
@@ -108,12 +108,14 @@ class LearnerRank:
         self.stabilizer = registry.build(spec.stabilizer_name, **_config_values(spec.stabilizer_config))
         self.advantage_fn = ADVANTAGES[spec.advantage]
         self.ghost_norms, self.grad_norm_fallback = self._ghost_norms()
+        self.bookkeeping = self._uses_bookkeeping()
         self.version = 0
 
     def _ghost_norms(self) -> tuple[GhostGradNorms | None, bool]:
         """The ghost-norm path when the stabilizer needs per-sample norms and every parameter has a rule;
         otherwise the per-sample loop, announced (a silent 10x slowdown would look like a hang)."""
-        if not self.stabilizer.needs_grad_norms or getattr(self.stabilizer.config, "opob_impl", "ghost") != "ghost":
+        impl = getattr(self.stabilizer.config, "opob_impl", "ghost")
+        if not self.stabilizer.needs_grad_norms or impl == "per_sample_loop":
             return None, False
         try:
             return GhostGradNorms(self.engine.module), False
@@ -121,6 +123,17 @@ class LearnerRank:
             log.warning("learner rank %d: per-sample gradient norms fall back to one backward per sample: %s",
                         self.rank, error)
             return None, True
+
+    def _uses_bookkeeping(self) -> bool:
+        """Book-keeping forms the update from the kept per-sample gradients, which needs whole parameters:
+        under ZeRO-3 the norms come from the two-pass ghost path instead (said once, here)."""
+        if self.ghost_norms is None or self.stabilizer.config.opob_impl != "bookkeeping":
+            return False
+        if self.spec.zero_stage == 3:
+            log.info("learner rank %d: ZeRO-3 partitions the parameters, so per-sample norms use the two-pass "
+                     "ghost path instead of bookkeeping", self.rank)
+            return False
+        return True
 
     # ---- the RL step -------------------------------------------------------------------------
 
@@ -131,9 +144,10 @@ class LearnerRank:
         # ZeRO-3 takes its norms from a forward of its own (_ghost_norms_own_forward), not this one
         record = self.ghost_norms is not None and self.spec.zero_stage != 3
         with self.ghost_norms.recording() if record else nullcontext():
-            logits = self._logits(batch)
+            logits = self._logits(batch, plain=self.bookkeeping)  # no loss backward through the engine follows
         logprobs = token_logprobs(logits, batch.input_ids, self.spec.temperature)
-        advantages, baseline_metrics = self._advantages(batch, logits, logprobs)
+        sample_grads = self._sample_gradients(batch, logits) if self.stabilizer.needs_grad_norms else None
+        advantages, baseline_metrics = self._advantages(batch, logprobs, sample_grads)
         policy = PolicyBatch(logprobs, batch.behaviour_logprobs, advantages, batch.loss_mask)
         decision = self.stabilizer.token_weights(policy)
         metrics = {**health_metrics(policy), **decision.metrics, **baseline_metrics}
@@ -148,16 +162,32 @@ class LearnerRank:
             return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan, batch=batch)
 
         lr_scale = self.stabilizer.lr_scale(global_log_w)
-        # DeepSpeed averages gradients over ranks; each rank's loss is its share of the global sum.
-        self.engine.backward(loss * self.world_size)
+        self._backward(loss, logprobs, sample_grads, batch.loss_mask)
         grad_norm = self._step_with_lr_scale(lr_scale)
         return self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm, batch=batch)
 
-    def _advantages(self, batch: TrainBatch, logits: Tensor, logprobs: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def _backward(self, loss: Tensor, logprobs: Tensor, sample_grads: SampleGradients | None, loss_mask: Tensor) -> None:
+        """Gradients of the loss into the engine. DeepSpeed averages over ranks, so each rank's loss is
+        its share of the global sum.
+
+        With book-keeping the loss is sum_i k_i log pi(tau_i) (VCPO's weights and advantages are per
+        sequence), so its gradient is sum_i k_i G_i of the kept per-sample gradients G_i; the engine's
+        backward of <theta, that gradient> hands it to ZeRO's reduction without a pass through the model.
+        """
+        loss = loss * self.world_size
+        if sample_grads is None or sample_grads.parts is None:
+            self.engine.backward(loss)
+            return
+        (token_coefficients,) = torch.autograd.grad(loss, logprobs)
+        grads = sample_grads.weighted_sum(per_sequence_coefficients(token_coefficients, loss_mask))
+        self.engine.backward(sum((param * grad).sum() for param, grad in grads.items()))
+
+    def _advantages(self, batch: TrainBatch, logprobs: Tensor, sample_grads: SampleGradients | None
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
         """The stabilizer's own advantages (VCPO's baseline), else the job's estimator; with baseline metrics."""
         log_w = ((logprobs.detach() - batch.behaviour_logprobs) * batch.loss_mask).sum(dim=1)
         lengths = batch.loss_mask.sum(dim=1).float()
-        grad_sq_norms = self._grad_sq_norms(batch, logits) if self.stabilizer.needs_grad_norms else None
+        grad_sq_norms = None if sample_grads is None else sample_grads.squared_norms
         own = self.stabilizer.advantages(batch.rewards, log_w, grad_sq_norms, batch.group_ids, lengths)
         if own is None:
             return self.advantage_fn(batch.rewards, batch.group_ids), {}
@@ -176,20 +206,24 @@ class LearnerRank:
             "opob/fallback_to_loop": torch.tensor(float(self.grad_norm_fallback)),
         }
 
-    def _grad_sq_norms(self, batch: TrainBatch, logits: Tensor) -> Tensor:
-        """||grad log pi(tau_i)||^2 of each of this rank's sequences; the graph stays for the loss backward."""
+    def _sample_gradients(self, batch: TrainBatch, logits: Tensor) -> SampleGradients:
+        """||grad log pi(tau_i)||^2 of each of this rank's sequences (with book-keeping, the per-sample
+        gradients too); otherwise the graph stays for the loss backward."""
         if self.ghost_norms is not None and self.spec.zero_stage == 3:
-            return self._ghost_norms_own_forward(batch)
+            return SampleGradients(self._ghost_norms_own_forward(batch))
         if self.ghost_norms is not None:
-            return self.ghost_norms.squared_norms(
-                sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, self.spec.temperature))
+            logits_grad = sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, self.spec.temperature)
+            if self.bookkeeping:
+                return self.ghost_norms.sample_gradients(logits_grad)
+            return SampleGradients(self.ghost_norms.squared_norms(logits_grad))
 
         def sample_logp(i: int) -> Tensor:  # the plain module: the engine's backward hooks stay out of it
             row = batch.rows(torch.tensor([i]))
             row_logits = self._logits(row, plain=True)
             return (token_logprobs(row_logits, row.input_ids, self.spec.temperature) * row.loss_mask).sum()
 
-        return per_sample_loop_norms(sample_logp, batch.size, [p for p in self.engine.module.parameters() if p.requires_grad])
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]
+        return SampleGradients(per_sample_loop_norms(sample_logp, batch.size, params))
 
     def _ghost_norms_own_forward(self, batch: TrainBatch) -> Tensor:
         """ZeRO-3: its module hooks gather and release parameters per backward and need each backward
@@ -326,6 +360,21 @@ class LearnerRank:
         gathered = [torch.zeros(width) for _ in range(self.world_size)]
         dist.all_gather(gathered, padded)
         return torch.cat([g[: int(s.item())] for g, s in zip(gathered, sizes)])
+
+
+def per_sequence_coefficients(token_coefficients: Tensor, loss_mask: Tensor) -> Tensor:
+    """k_i such that d loss / d log pi_it = k_i on every loss token of row i (and 0 elsewhere).
+
+    Book-keeping forms the update from whole-sequence gradients, so a loss whose token coefficients
+    differ within a sequence is refused rather than trained on wrongly.
+    """
+    mask = loss_mask.to(token_coefficients.dtype)
+    coefficients = (token_coefficients * mask).sum(1) / mask.sum(1).clamp(min=1)
+    gap = (token_coefficients - coefficients.unsqueeze(1) * mask).abs().max()
+    if gap > 1e-5 * coefficients.abs().max():
+        raise RuntimeError(f"book-keeping needs one loss coefficient per sequence; tokens of a sequence differ by "
+                           f"{float(gap):.3g} (use opob_impl: ghost for this loss)")
+    return coefficients
 
 
 def _config_values(config: Any) -> dict[str, Any]:

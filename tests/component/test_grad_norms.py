@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from learner.batch import collate, sequence_logprob_grad, token_logprobs
-from learner.grad_norms import GhostGradNorms, UncoveredParameters, per_sample_loop_norms
+from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,36 @@ def test_ghost_norms_equal_each_samples_own_backward(model_name, request):
     assert len(set(alone.tolist())) == len(samples)  # distinct norms: a mixed-up sample would show
 
 
+@pytest.mark.parametrize("model_name", ["tiny_qwen2", "tiny_llama", "tiny_qwen2_tied"])
+def test_bookkeeping_forms_any_weighted_sum_of_sample_gradients(model_name, request):
+    """One backward gives the norms and, for coefficients chosen afterwards, autograd's gradient of
+    sum_i c_i log pi(tau_i) for every parameter (dense, factored and tied-embedding parts)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_name), dtype=torch.float32)
+    pad_id = model.config.pad_token_id
+    batch = collate(_samples(pad_id), pad_id)
+    norms = GhostGradNorms(model)
+    with norms.recording():
+        logits = _logits(model, batch)
+    sample_grads = norms.sample_gradients(sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, TEMPERATURE))
+    _, ghost = _ghost(model, batch)
+    assert torch.allclose(sample_grads.squared_norms, ghost, rtol=1e-5, atol=0)
+
+    coefficients = torch.tensor([0.5, -1.0, 2.0, 0.0, -0.25])
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = torch.autograd.grad((coefficients * _seq_logp(model, batch)).sum(), params)
+    formed = sample_grads.weighted_sum(coefficients)
+    assert set(map(id, formed)) == set(map(id, params))
+    for param, want in zip(params, expected):
+        assert torch.allclose(formed[param], want, rtol=1e-4, atol=1e-6 * want.abs().max()), param.shape
+
+
+def test_ghost_norms_keep_no_gradients_to_form():
+    with pytest.raises(RuntimeError, match="norms only"):
+        SampleGradients(torch.ones(2)).weighted_sum(torch.ones(2))
+
+
 def test_the_graph_survives_for_the_loss_backward(tiny_qwen2):
     from transformers import AutoModelForCausalLM
 
@@ -120,3 +150,32 @@ def test_logprob_grad_is_the_autograd_gradient():
     mask = torch.rand(3, 4, generator=gen) > 0.3
     (token_logprobs(logits, ids, TEMPERATURE) * mask).sum().backward()
     assert torch.allclose(sequence_logprob_grad(logits, ids, mask, TEMPERATURE), logits.grad, atol=1e-6)
+
+
+def test_bookkeeping_refuses_a_loss_whose_coefficients_differ_within_a_sequence():
+    from learner.rank import per_sequence_coefficients
+
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    per_sequence = torch.tensor([[0.5, 0.5, 0.0], [-2.0, -2.0, -2.0]])
+    assert per_sequence_coefficients(per_sequence, mask).tolist() == [0.5, -2.0]
+    per_token = per_sequence.clone()
+    per_token[1, 2] = -1.0  # a token-level weight (token TIS, PPO clip): not a weighted sum of sequences
+    with pytest.raises(RuntimeError, match="one loss coefficient per sequence"):
+        per_sequence_coefficients(per_token, mask)
+
+
+@pytest.mark.parametrize("rows", [6, 4000])  # a small table takes the dense route, a large one the Gram route
+def test_embedding_norms_agree_on_both_routes(rows):
+    from learner.grad_norms import _Factors, _inner
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 6, (3, 9), generator=gen)  # repeated ids: their rows add up
+    right = torch.randn(3, 9, 5, generator=gen)
+    factors = _Factors(ids, right, rows)
+    assert factors.dense_is_smaller == (rows == 6)
+    explicit = torch.zeros(3, rows, 5)
+    for b in range(3):
+        for t in range(9):
+            explicit[b, ids[b, t]] += right[b, t]
+    assert torch.allclose(factors.dense(), explicit, atol=1e-6)
+    assert torch.allclose(_inner(factors, factors), explicit.square().sum((1, 2)), rtol=1e-5)

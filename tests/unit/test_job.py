@@ -56,7 +56,7 @@ def test_unknown_stabilizer_names_the_choices():
 def test_stabilizer_sections_carry_reference_defaults():
     job = validate_job({**MINIMAL, "algorithm": {"stabilizer": {"name": "vcpo"}}})
     vcpo = job.algorithm.stabilizer
-    assert vcpo.cap == 8.0 and vcpo.rho_on == 1.0 and vcpo.use_baseline and vcpo.opob_impl == "ghost"
+    assert vcpo.cap == 8.0 and vcpo.rho_on == 1.0 and vcpo.use_baseline and vcpo.opob_impl == "bookkeeping"
 
 
 def test_vcpo_gradient_norm_path_is_a_closed_choice():
