@@ -162,8 +162,8 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResu
                 closing.close()
         learners.shutdown()
         started = [actor for _, actor in loop.starting.values()] + list(loop.generators.values()) if loop else []
-        for generator in [*generators.values(), *started]:
-            ray.kill(generator)
+        for generator in {id(actor): actor for actor in [*generators.values(), *started]}.values():
+            ray.kill(generator)  # each once: the loop's members include the initial generators
     counts = ledger.counts()
     summary = {"steps": job.learner.steps, "ledger": counts, "rewards": rewards,
                "generator_restarts": sum(loop.restarts.values()), "learner_restarts": attempt,
@@ -248,11 +248,7 @@ class AsyncLoop:
             if index in busy:
                 continue
             if self.orphans:  # groups of a generator that left go first, to whoever is free
-                adopted, self.orphans = self.orphans[:self.job.generator.prompts_per_request], \
-                    self.orphans[self.job.generator.prompts_per_request:]
-                for request, reason in adopted:
-                    self.buffer.reissue(request.group_id, self.weights_version[index], index, reason)
-                self._send(index, [request for request, _ in adopted])
+                self._adopt_orphans(index)
                 continue
             requests = []
             while len(requests) < self.job.generator.prompts_per_request and self.buffer.can_issue(
@@ -261,6 +257,14 @@ class AsyncLoop:
                 requests.append(self._new_request(index))
             if requests:
                 self._send(index, requests)
+
+    def _adopt_orphans(self, index: int) -> None:
+        """Give generator `index` the next request's worth of groups whose generator left the job."""
+        size = self.job.generator.prompts_per_request
+        adopted, self.orphans = self.orphans[:size], self.orphans[size:]
+        for request, reason in adopted:
+            self.buffer.reissue(request.group_id, self.weights_version[index], index, reason)
+        self._send(index, [request for request, _ in adopted])
 
     def _send(self, index: int, requests: list[GenerationRequest]) -> None:
         ref = self.generators[index].generate.remote(requests)
