@@ -20,6 +20,8 @@ AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 
 
 def _as_float(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    if mask.dtype == torch.bool:  # via uint8: bool -> float is several times slower on CPU
+        return mask.view(torch.uint8).to(dtype)
     return mask if mask.dtype == dtype else mask.to(dtype)
 
 

@@ -14,19 +14,28 @@ The README states the target as a positive share rho_0 = 0.5; the released code 
 ratio with its target instead. We follow the paper's share (a share of rho_0 is a pos/neg ratio of
 rho_0 / (1 - rho_0)); pass positive_share = 1/3 to reproduce the released script's 0.5 ratio.
 
-The whole walk is evaluated at once: pos depends only on c_high and neg only on c_low, so one pass
-buckets every token by the first bound that admits it and cumulative sums give each candidate's share.
+The whole walk is evaluated at once: pos depends only on c_high and neg only on c_low. A token whose
+side of the bounds is the same at every step of the walk adds to every candidate or to none; only
+tokens that the narrowest clip [b-, a+] (with dual clip) would clip can change sides, and they are
+few, so they alone are found, bucketed by the first bound that admits them, and summed per bucket.
+The final clip then only ever clips some of them. The share only grows along the walk, so its last
+step is evaluated first, as one clipped-surrogate pass: when it misses the target there, that is
+where the walk ends and the bucket search is skipped.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import operator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from algorithms.batch import PolicyBatch, TokenWeights
-from algorithms.clipping import step_indicator, clipped_surrogate_weights
+from algorithms.batch import PolicyBatch, TokenWeights, indices_above, zero_outside, zero_where_set
+from algorithms.clipping import clip_distance, clip_flags
 from algorithms.config import LOG_RATIO_BOUND, BAPOConfig
 from algorithms.stabilizer import Stabilizer, register
 
@@ -39,42 +48,117 @@ def bound_grid(lowest: float, highest: float, step: float) -> list[float]:
     return values
 
 
-def adapt_bounds(log_ratio: Tensor, advantages: Tensor, mask: Tensor, config: BAPOConfig) -> tuple[float, float, Tensor]:
-    """The first bounds on the walk (c_low first, then c_high) that reach the positive share; and the share."""
+@dataclass(frozen=True)
+class _Grids:
+    """The walk's bounds, and their fp32 logs (bounds are compared in log space)."""
+
+    lows: list[float]
+    highs: list[float]
+    log_lows: Tensor
+    log_highs: Tensor
+
+
+@functools.lru_cache(maxsize=8)
+def _grids(config: BAPOConfig) -> _Grids:
+    """Built once per config: the grids depend on nothing else."""
     lows = bound_grid(config.clip_low_min, config.clip_low_max, config.step)
     highs = bound_grid(config.clip_high_min, config.clip_high_max, config.step)
+    log = lambda values: torch.tensor([math.log(v) for v in values], dtype=torch.float32)  # noqa: E731
+    return _Grids(lows, highs, log(lows), log(highs))
+
+
+@dataclass
+class _Walk:
+    """Where the walk stopped, and the positive share there."""
+
+    low: float
+    high: float
+    share: float
+
+
+def _signed_sums(weights: Tensor, advantages: Tensor) -> tuple[float, float]:
+    """pos = sum of weights * A over A > 0 and neg = sum of weights * |A| over A < 0, in fp64."""
+    if advantages.dim() == 1:  # B row sums, then plain floats: fewer tensor ops
+        rows = list(zip(weights.sum(dim=1, dtype=torch.float64).tolist(), advantages.tolist()))
+        return sum(w * a for w, a in rows if a > 0), sum(-w * a for w, a in rows if a < 0)
+    pos = (weights * advantages.clamp(min=0)).sum(dtype=torch.float64)
+    neg = (weights * advantages.clamp(max=0)).sum(dtype=torch.float64).neg()
+    return float(pos), float(neg)
+
+
+def _share(pos: float, neg: float) -> float:
+    """pos / (pos + neg); 1 when nothing carries gradient (nothing to rebalance)."""
+    total = pos + neg
+    return pos / total if total > 0 else 1.0
+
+
+def _widest(
+    log_ratio: Tensor, ratio: Tensor, advantages: Tensor, mask_float: Tensor, config: BAPOConfig
+) -> tuple[Tensor, Tensor, float, float]:
+    """The clipped surrogate at the widest bounds (b-, b+), the last step of the walk: its clip flags'
+    count, its weights and their pos and neg."""
+    flags = clip_flags(log_ratio, advantages, mask_float, config.clip_low_max, config.clip_high_max, config.dual_clip_c)
+    n_clipped = flags.sum()
+    weights = zero_where_set(ratio, flags)
+    return n_clipped, weights, *_signed_sums(weights, advantages)
+
+
+def _walk(
+    log_ratio: Tensor, ratio: Tensor, advantages: Tensor, mask_float: Tensor, config: BAPOConfig, widest: tuple[float, float]
+) -> tuple[_Walk, Tensor, Tensor]:
+    """The BAPO walk on a log-ratio that is 0 on padding and its ratio exp(min(l, bound)), 0 on padding.
+
+    `widest` holds pos and neg at the walk's last step. Also returns the movers' flat indices and
+    whether the final clip removes each (0/1 float).
+    """
+    grids = _grids(config)
+    lows, highs = grids.lows, grids.highs
+    n_lows, n_highs = len(lows), len(highs)
+    # The movers: the tokens the narrowest clip [b-, a+] clips; every other token keeps its side.
+    distance = clip_distance(log_ratio, advantages, lows[-1], highs[0], config.dual_clip_c)
+    if not (lows[-1] <= 1.0 <= highs[0] and config.dual_clip_c >= 1.0):
+        distance.mul_(mask_float)  # padding (log-ratio 0) would be clipped too
+    index = indices_above(distance, 0.0)
+    movers_log_ratio = torch.take(log_ratio, index)
     if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    contribution = torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND)) * advantages.abs() * mask
-    log_lows = torch.tensor([math.log(v) for v in lows], dtype=log_ratio.dtype)
-    log_highs = torch.tensor([math.log(v) for v in highs], dtype=log_ratio.dtype)
-    log_c = math.log(config.dual_clip_c)
-    sign = torch.sign(advantages)
-    # A positive token counts for every c_high >= r: always when r <= a+, from the first grid bound
-    # above r when r lies inside the grid (few tokens: they alone are bucketed), never above b+.
-    positive = contribution * sign.clamp(min=0)
-    pos_always = (positive * (1 - step_indicator(log_ratio - float(log_highs[0])))).sum(dtype=torch.float64)
-    inside = (positive > 0) & (log_ratio > float(log_highs[0])) & (log_ratio <= float(log_highs[-1]))
-    first_high = torch.searchsorted(log_highs, log_ratio[inside], side="left")
-    pos = pos_always + torch.cumsum(torch.bincount(first_high, positive[inside].double(), len(highs)), 0)
-    # A negative token (not dual-clipped) counts for every c_low <= r: always when r >= b-, for the
-    # grid lows <= r when r lies inside the grid, never below a-.
-    negative = contribution * (-sign).clamp(min=0) * (1 - step_indicator(log_ratio - log_c))
-    neg_always = (negative * (1 - step_indicator(float(log_lows[-1]) - log_ratio))).sum(dtype=torch.float64)
-    inside = (negative > 0) & (log_ratio >= float(log_lows[0])) & (log_ratio < float(log_lows[-1]))
-    n_lows = torch.searchsorted(log_lows, log_ratio[inside], side="right")
-    neg_from = torch.bincount(n_lows, negative[inside].double(), len(lows) + 1)
-    neg = neg_always + torch.flip(torch.cumsum(torch.flip(neg_from, (0,)), 0), (0,))[1:]
+        movers_advantage = advantages[index // log_ratio.shape[1]]
+    else:
+        movers_advantage = torch.take(advantages, index)
+    # Bucket keys: a positive mover counts for c_high >= r, i.e. from highs[key] on (key n_highs: never);
+    # a negative one for c_low <= r, i.e. for the first `key` lows (key n_lows: above the dual clip c,
+    # as every low is at most c).
+    pos_key = torch.searchsorted(grids.log_highs.to(index.device), movers_log_ratio, side="left")
+    neg_key = torch.searchsorted(grids.log_lows.to(index.device), movers_log_ratio, side="right")
+    if config.dual_clip_c < lows[-1]:
+        neg_key = torch.where(movers_log_ratio > math.log(config.dual_clip_c), n_lows, neg_key)
+    key = torch.where(movers_advantage > 0, pos_key, neg_key + (n_highs + 1))
+    contribution = torch.take(ratio, index) * movers_advantage.abs()
+    buckets = torch.bincount(key, contribution.double(), n_highs + n_lows + 2).tolist()
+    # From the last step backwards: pos loses the positive movers that only a higher c_high admits;
+    # neg gains the negative movers that a lower c_low keeps.
+    pos_widest, neg_widest = widest
+    pos = list(itertools.accumulate(reversed(buckets[1:n_highs]), operator.sub, initial=pos_widest))[::-1]
+    neg = list(itertools.accumulate(reversed(buckets[n_highs + 2 : n_highs + 1 + n_lows]), initial=neg_widest))[::-1]
     # The walk: (low_0, high_0) ... (low_last, high_0), then (low_last, high_1) ... (low_last, high_last).
-    walk_pos = torch.cat([pos[:1].expand(len(lows)), pos[1:]])
-    walk_neg = torch.cat([neg, neg[-1:].expand(len(highs) - 1)])
-    total = walk_pos + walk_neg
-    share = torch.where(total > 0, walk_pos / total.clamp(min=1e-300), torch.ones_like(total))
-    reached = share >= config.positive_share
-    index = int(torch.argmax(reached.to(torch.uint8))) if bool(reached.any()) else len(share) - 1
-    low = lows[min(index, len(lows) - 1)]
-    high = highs[max(0, index - len(lows) + 1)]
-    return low, high, share[index].float()
+    walk = [(j, 0) for j in range(n_lows)] + [(n_lows - 1, k) for k in range(1, n_highs)]
+    for j, k in walk:
+        share = _share(pos[k], neg[j])
+        if share >= config.positive_share:
+            break
+    # The final clip, per key: a positive mover above highs[k], a negative one below lows[j] or above c.
+    clips = [0.0] * (k + 1) + [1.0] * (n_highs - k) + [1.0] * (j + 1) + [0.0] * (n_lows - j - 1) + [1.0]
+    return _Walk(lows[j], highs[k], share), index, torch.tensor(clips, device=key.device)[key]
+
+
+def adapt_bounds(log_ratio: Tensor, advantages: Tensor, mask: Tensor, config: BAPOConfig) -> tuple[float, float, Tensor]:
+    """The first bounds on the walk (c_low first, then c_high) that reach the positive share; and the share."""
+    mask = mask.bool()
+    log_ratio = zero_outside(log_ratio.float(), mask)
+    mask_float = mask.float()
+    ratio = torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND)) * mask_float
+    _, _, pos, neg = _widest(log_ratio, ratio, advantages, mask_float, config)
+    walk, _, _ = _walk(log_ratio, ratio, advantages, mask_float, config, (pos, neg))
+    return walk.low, walk.high, torch.tensor(walk.share, dtype=torch.float32)
 
 
 @register("bapo")
@@ -82,9 +166,22 @@ class BAPO(Stabilizer):
     """PPO clip whose bounds adapt each step to keep positive tokens' share of the gradient."""
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        low, high, share = adapt_bounds(batch.log_ratio, batch.advantages, batch.mask_float, self.config)
-        result = clipped_surrogate_weights(batch, low, high, self.config.dual_clip_c)
+        c = self.config
+        n_clipped, weights, pos, neg = _widest(batch.log_ratio, batch.ratio, batch.advantages, batch.mask_float, c)
+        share = _share(pos, neg)
+        if share < c.positive_share:
+            # The share only grows along the walk: if its last step misses the target, the walk ends there.
+            result = TokenWeights(weights, batch.mask, {"stability/clip_frac": n_clipped / batch.token_count})
+            return self._result(result, c.clip_low_max, c.clip_high_max, share)
+        walk, movers, clipped = _walk(batch.log_ratio, batch.ratio, batch.advantages, batch.mask_float, c, (pos, neg))
+        weights.copy_(batch.ratio)  # reuse the buffer: the ratio, 0 where the final clip binds
+        weights.view(-1).index_put_((movers,), torch.take(batch.ratio, movers) * (1.0 - clipped))
+        result = TokenWeights(weights, batch.mask, {"stability/clip_frac": clipped.sum() / batch.token_count})
+        return self._result(result, walk.low, walk.high, walk.share)
+
+    @staticmethod
+    def _result(result: TokenWeights, low: float, high: float, share: float) -> TokenWeights:
         result.metrics["stability/clip_low"] = torch.tensor(low)
         result.metrics["stability/clip_high"] = torch.tensor(high)
-        result.metrics["stability/positive_share"] = share
+        result.metrics["stability/positive_share"] = torch.tensor(share, dtype=torch.float32)
         return result

@@ -12,8 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from algorithms.batch import PolicyBatch, TokenWeights, fraction, safe_exp
-from algorithms.config import LOG_RATIO_BOUND
+from algorithms.batch import PolicyBatch, TokenWeights, fraction, safe_exp, zero_where_set
 from algorithms.stabilizer import Stabilizer, register
 
 
@@ -39,15 +38,67 @@ def clip_active(log_ratio: Tensor, advantages: Tensor, low: float, high: float, 
     return 1.0 - clipped
 
 
+def unclipped_log_bounds(
+    advantages: Tensor, low: float, high: float, dual_clip_c: float | None
+) -> tuple[Tensor, Tensor]:
+    """Per row (or per token) log-ratio interval [lo, hi] where the clipped surrogate keeps its gradient.
+
+    A > 0: (-inf, log high]; A < 0: [log low, log c] (log c = inf without dual clip); A = 0: everywhere.
+    For [B] advantages the bounds are [B, 1] columns, so a token pass broadcasts them for free.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    log_low = math.log(low) if low > 0 else -math.inf
+    log_c = math.log(dual_clip_c) if dual_clip_c is not None else math.inf
+    negative = advantages < 0
+    lo = torch.where(negative, log_low, -math.inf)
+    hi = torch.where(advantages > 0, math.log(high), torch.where(negative, log_c, math.inf))
+    return lo, hi
+
+
+def clip_distance(log_ratio: Tensor, advantages: Tensor, low: float, high: float, dual_clip_c: float | None) -> Tensor:
+    """|l - l clamped to its unclipped interval|, a fresh [B, T] tensor: > 0 exactly where the clip binds.
+
+    NaN only for an infinite log-ratio at an open side of its interval, which the clip leaves alone.
+    """
+    lo, hi = unclipped_log_bounds(advantages, low, high, dual_clip_c)
+    return log_ratio.clamp_min(lo).clamp_max_(hi).sub_(log_ratio).abs_()
+
+
+def clip_flags(
+    log_ratio: Tensor, advantages: Tensor, mask_float: Tensor, low: float, high: float, dual_clip_c: float | None
+) -> Tensor:
+    """Float 0/1 [B, T], a fresh tensor: 1 on the loss tokens where the clipped surrogate has no gradient.
+
+    `log_ratio` must be 0 on padding. Without dual clip each row has a single bound, so
+    sign((l - bound) * sign(A)) flags it in fewer passes than the interval clamp.
+    """
+    if dual_clip_c is None:
+        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        log_low = math.log(low) if low > 0 else -math.inf
+        bound = torch.where(advantages > 0, math.log(high), log_low)
+        # A > 0: l > log high; A < 0: l < log low; A = 0: never
+        clipped = torch.sub(log_ratio, bound).sign_().mul_(torch.sign(advantages)).clamp_(min=0)
+    else:
+        # inf - inf is NaN only for an infinite log-ratio at an open side, i.e. unclipped
+        clipped = clip_distance(log_ratio, advantages, low, high, dual_clip_c).sign_().nan_to_num_(0.0)
+    if not (low <= 1.0 <= high and (dual_clip_c is None or dual_clip_c >= 1.0)):
+        clipped.mul_(mask_float)  # padding (log-ratio 0) would count as clipped
+    return clipped
+
+
 def clipped_surrogate_weights(
     batch: PolicyBatch, low: float, high: float, dual_clip_c: float | None
 ) -> TokenWeights:
-    """Token PPO surrogate with ratio bounds [low, high] as detached weights, with its clip fraction."""
-    advantages = batch.advantages.unsqueeze(1) if batch.advantages.dim() == 1 else batch.advantages
-    active = clip_active(batch.log_ratio, advantages, low, high, dual_clip_c) * batch.mask_float
-    weights = torch.exp(batch.log_ratio.clamp(max=LOG_RATIO_BOUND)) * active
-    clipped = (batch.mask_float - active) * torch.sign(advantages).abs()
-    return TokenWeights(weights, batch.mask, {"stability/clip_frac": batch.token_mean(clipped)})
+    """Token PPO surrogate with ratio bounds [low, high] as detached weights, with its clip fraction.
+
+    One fresh [B, T] tensor carries the 0/1 clip flags and then the weights.
+    """
+    clipped = clip_flags(batch.log_ratio, batch.advantages, batch.mask_float, low, high, dual_clip_c)
+    # A = 0 is never clipped, so every counted token is a loss token with A != 0, as the metric asks
+    clip_frac = clipped.sum() / batch.token_count
+    weights = zero_where_set(batch.ratio, clipped)
+    return TokenWeights(weights, batch.mask, {"stability/clip_frac": clip_frac})
 
 
 @register("ppo_clip")

@@ -3,6 +3,10 @@
 Truncation (TIS) caps the weight; masking (MIS, IcePop, OPSM) zeroes it. CISPO is a two-sided
 truncation. Ratios are learner over behaviour (verl's bypass mode): the generator's log-probs are the
 only behaviour record an asynchronous rollout carries.
+
+Token rules start from the batch's cached ratio (0 on padding, its exp shared with the health
+metrics) and use float 0/1 arithmetic; sequence rules decide per sequence and spend one [B, T] pass
+on the weights, taking their metrics from the [B] sequence values.
 """
 
 from __future__ import annotations
@@ -12,26 +16,45 @@ import math
 import torch
 from torch import Tensor
 
-from algorithms.batch import PolicyBatch, TokenWeights, broadcast_seq, fraction
+from algorithms.batch import PolicyBatch, TokenWeights, count_above, outside_band, zero_where_set
 from algorithms.stabilizer import Stabilizer, register
 
 
-def _weight_metrics(batch: PolicyBatch, weights: Tensor, clipped: Tensor | None = None) -> dict[str, Tensor]:
+def _weight_metrics(batch: PolicyBatch, weights: Tensor, clipped_count: Tensor | None = None) -> dict[str, Tensor]:
     """Mean and max IS weight over the loss tokens, and the share of tokens a cap or clip changed."""
     metrics = {"stability/is_weight_mean": batch.token_mean(weights), "stability/is_weight_max": weights.max()}
-    if clipped is not None:
-        metrics["stability/clip_frac"] = batch.token_mean((clipped & batch.mask).float())
+    if clipped_count is not None:
+        metrics["stability/clip_frac"] = clipped_count / batch.token_count
     return metrics
 
 
-def _capped_exp(log_value: Tensor, cap: float, mask_float: Tensor) -> Tensor:
-    """min(exp(l), cap) on loss tokens, 0 on padding; capping in log space keeps it finite."""
-    return torch.exp(log_value.clamp(max=math.log(cap))) * mask_float
+def _loss_tokens_above(batch: PolicyBatch, log_bound: float) -> Tensor:
+    """How many loss tokens have a log-ratio above `log_bound` (padding, at log-ratio 0, only if it can count)."""
+    if log_bound >= 0:
+        return count_above(batch.log_ratio, log_bound)
+    return torch.sub(batch.log_ratio, log_bound).sign_().clamp_(min=0).mul_(batch.mask_float).sum()
 
 
-def _in_bounds(log_stat: Tensor, low: float, high: float) -> Tensor:
-    """low <= exp(log_stat) <= high, decided in log space so +-1000 never overflows."""
-    return (log_stat >= math.log(low)) & (log_stat <= math.log(high))
+def _sequence_weight_metrics(batch: PolicyBatch, seq_weights: Tensor) -> dict[str, Tensor]:
+    """`_weight_metrics` of weights shared by all tokens of a sequence, from the [B] values alone."""
+    lengths = batch.token_lengths
+    has_tokens = (lengths > 0).float()
+    return {
+        "stability/is_weight_mean": (seq_weights * lengths).sum() / batch.token_count,
+        # padding (weight 0) lowers no maximum of non-negative weights; an empty batch gives 0
+        "stability/is_weight_max": (seq_weights * has_tokens).max(),
+    }
+
+
+def _sequence_fraction(flags: Tensor, batch: PolicyBatch) -> Tensor:
+    """Share of the non-empty sequences whose float 0/1 flag [B] is set."""
+    has_tokens = (batch.token_lengths > 0).float()
+    return (flags * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+
+
+def _per_token(seq_values: Tensor, batch: PolicyBatch) -> Tensor:
+    """A [B] value on every loss token of its sequence, 0 on padding: one [B, T] pass."""
+    return seq_values.unsqueeze(1) * batch.mask_float
 
 
 @register("none")
@@ -47,17 +70,19 @@ class TokenTIS(Stabilizer):
     """Token TIS: sg(min(rho_t, C))."""
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        weights = _capped_exp(batch.log_ratio, self.config.cap, batch.mask_float)
-        capped = batch.log_ratio > math.log(self.config.cap)
+        weights = batch.ratio.clamp(max=self.config.cap)
+        capped = _loss_tokens_above(batch, math.log(self.config.cap))
         return TokenWeights(weights, batch.mask, _weight_metrics(batch, weights, capped))
 
 
 def sequence_tis_weights(batch: PolicyBatch, cap: float) -> TokenWeights:
     """sg(min(w, C)) on every token of a sequence, w = exp(clamp(sum_t l_t, +-20))."""
-    seq_weight = torch.exp(batch.seq_log_ratio.clamp(max=math.log(cap)))
-    weights = broadcast_seq(seq_weight, batch.mask) * batch.mask_float
-    capped = broadcast_seq(batch.seq_log_ratio > math.log(cap), batch.mask)
-    return TokenWeights(weights, batch.mask, _weight_metrics(batch, weights, capped))
+    log_cap = math.log(cap)
+    seq_weights = torch.exp(batch.seq_log_ratio.clamp(max=log_cap))
+    metrics = _sequence_weight_metrics(batch, seq_weights)
+    capped = torch.sign(batch.seq_log_ratio - log_cap).clamp_(min=0)
+    metrics["stability/clip_frac"] = (capped * batch.token_lengths).sum() / batch.token_count
+    return TokenWeights(_per_token(seq_weights, batch), batch.mask, metrics)
 
 
 @register("tis_seq")
@@ -68,14 +93,15 @@ class SequenceTIS(Stabilizer):
         return sequence_tis_weights(batch, self.config.cap)
 
 
-def _masked_is(batch: PolicyBatch, log_stat: Tensor, low: float, high: float) -> TokenWeights:
-    """MIS: weight = the ratio statistic where it lies in [low, high]; elsewhere the unit leaves the loss."""
-    keep = _in_bounds(log_stat, low, high) & batch.mask
-    weights = torch.exp(log_stat.clamp(max=math.log(high))) * keep
-    metrics = _weight_metrics(batch, weights)
-    metrics["stability/mask_frac"] = 1 - keep.sum() / batch.token_count
-    metrics["stability/seq_mask_frac"] = fraction((batch.mask & ~keep).any(1), batch.mask.any(1))
-    return TokenWeights(weights, keep, metrics)
+def _sequence_mis(batch: PolicyBatch, log_stat: Tensor, low: float, high: float) -> TokenWeights:
+    """MIS on a per-sequence log statistic [B]: weight exp(stat) inside [low, high], else the sequence leaves the loss."""
+    keep = 1.0 - outside_band(log_stat, math.log(low), math.log(high))
+    seq_weights = torch.exp(log_stat.clamp(max=math.log(high))) * keep
+    lengths = batch.token_lengths
+    metrics = _sequence_weight_metrics(batch, seq_weights)
+    metrics["stability/mask_frac"] = 1 - (keep * lengths).sum() / batch.token_count
+    metrics["stability/seq_mask_frac"] = _sequence_fraction(1.0 - keep, batch)
+    return TokenWeights(_per_token(seq_weights, batch), _per_token(keep, batch), metrics)
 
 
 @register("mis_token")
@@ -83,7 +109,16 @@ class TokenMIS(Stabilizer):
     """Token MIS: tokens with rho_t outside [low, high] are removed from the loss and its denominator."""
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        return _masked_is(batch, batch.log_ratio, self.config.low, self.config.high)
+        c = self.config
+        outside = outside_band(batch.log_ratio, math.log(c.low), math.log(c.high))
+        keep = torch.addcmul(batch.mask_float, batch.mask_float, outside, value=-1.0)
+        kept_per_seq = keep.sum(dim=1)
+        weights = zero_where_set(batch.ratio, outside)
+        metrics = _weight_metrics(batch, weights)
+        metrics["stability/mask_frac"] = 1 - kept_per_seq.sum() / batch.token_count
+        dropped_any = torch.sign(batch.token_lengths - kept_per_seq)
+        metrics["stability/seq_mask_frac"] = _sequence_fraction(dropped_any, batch)
+        return TokenWeights(weights, keep, metrics)
 
 
 @register("mis_seq")
@@ -91,7 +126,7 @@ class SequenceMIS(Stabilizer):
     """Sequence MIS: a sequence with w outside [low, high] is dropped; kept ones get weight w."""
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        return _masked_is(batch, broadcast_seq(batch.seq_log_ratio, batch.log_ratio), self.config.low, self.config.high)
+        return _sequence_mis(batch, batch.seq_log_ratio, self.config.low, self.config.high)
 
 
 @register("mis_geo")
@@ -100,7 +135,7 @@ class GeometricMIS(Stabilizer):
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         log_geo = batch.seq_log_ratio / batch.token_lengths.clamp(min=1)
-        return _masked_is(batch, broadcast_seq(log_geo, batch.log_ratio), self.config.low, self.config.high)
+        return _sequence_mis(batch, log_geo, self.config.low, self.config.high)
 
 
 @register("icepop")
@@ -108,10 +143,14 @@ class IcePop(Stabilizer):
     """IcePop: weight rho_t inside [low, high], else 0; masked tokens keep their place in the denominator."""
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        keep = _in_bounds(batch.log_ratio, self.config.low, self.config.high) & batch.mask
-        weights = torch.exp(batch.log_ratio.clamp(max=math.log(self.config.high))) * keep
+        c = self.config
+        zeroed = outside_band(batch.log_ratio, math.log(c.low), math.log(c.high))
+        if not c.low <= 1.0 <= c.high:
+            zeroed.mul_(batch.mask_float)  # padding (log-ratio 0) would count as zeroed
+        n_kept = batch.token_lengths.sum() - zeroed.sum()
+        weights = zero_where_set(batch.ratio, zeroed)
         metrics = _weight_metrics(batch, weights)
-        metrics["stability/mask_frac"] = 1 - keep.sum() / batch.token_count
+        metrics["stability/mask_frac"] = 1 - n_kept / batch.token_count
         return TokenWeights(weights, batch.mask, metrics)
 
 
@@ -125,13 +164,12 @@ class OffPolicySequenceMasking(Stabilizer):
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         mean_log_mu_over_pi = -batch.seq_log_ratio / batch.token_lengths.clamp(min=1)
-        drop = (batch.seq_advantages < 0) & (mean_log_mu_over_pi > self.config.delta)
-        weights = batch.mask_float * ~broadcast_seq(drop, batch.mask)
+        drop = ((batch.seq_advantages < 0) & (mean_log_mu_over_pi > self.config.delta)).float()
         metrics = {
-            "stability/mask_frac": batch.token_mean(batch.mask_float - weights),
-            "stability/seq_mask_frac": fraction(drop, batch.mask.any(1)),
+            "stability/mask_frac": (drop * batch.token_lengths).sum() / batch.token_count,
+            "stability/seq_mask_frac": _sequence_fraction(drop, batch),
         }
-        return TokenWeights(weights, batch.mask, metrics)
+        return TokenWeights(_per_token(1.0 - drop, batch), batch.mask, metrics)
 
 
 @register("cispo")
@@ -140,7 +178,13 @@ class CISPO(Stabilizer):
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         low, high = max(0.0, 1.0 - self.config.eps_low), 1.0 + self.config.eps_high
-        weights = _capped_exp(batch.log_ratio, high, batch.mask_float).clamp(min=low) * batch.mask_float
-        log_low = math.log(low) if low > 0 else -math.inf
-        clipped = (batch.log_ratio > math.log(high)) | (batch.log_ratio < log_low)
+        weights = batch.ratio.clamp(low, high)
+        if low > 0:
+            weights.mul_(batch.mask_float)  # the floor lifted padding's 0 to `low`
+            outside = outside_band(batch.log_ratio, math.log(low), math.log(high))
+            if not low <= 1.0 <= high:
+                outside.mul_(batch.mask_float)  # padding (log-ratio 0) would count as clipped
+            clipped = outside.sum()
+        else:
+            clipped = _loss_tokens_above(batch, math.log(high))
         return TokenWeights(weights, batch.mask, _weight_metrics(batch, weights, clipped))

@@ -4,8 +4,8 @@ Two forms, selected by `M2POConfig.mode`:
 
 - `mask` (the paper's Algorithm 1, default): among trust-region tokens, those where PPO clipping could
   bind ((A > 0 and r > 1) or (A < 0 and r < 1)), mask the largest (log r)^2 until their mean is at
-  most tau. Greedy removal of the maximum always keeps a sorted prefix, so one sort finds the longest
-  prefix whose running mean is <= tau. The objective is unclipped r A over the kept tokens, normalised
+  most tau. Greedy removal of the maximum always keeps a sorted prefix, so a walk down the largest
+  values finds the shortest removal whose remaining mean is <= tau. The objective is unclipped r A over the kept tokens, normalised
   by all tokens: masked tokens get weight 0 but stay in the denominator.
 - `adaptive_clip` (the released code): no masking; if the trust-region M2 exceeds tau, cap the
   (log r)^2 values at tau_c^2, with tau_c^2 the largest value whose capping keeps the M2 within budget,
@@ -14,13 +14,16 @@ Two forms, selected by `M2POConfig.mode`:
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from algorithms.batch import PolicyBatch, TokenWeights
-from algorithms.config import LOG_RATIO_BOUND
+from algorithms.batch import PolicyBatch, TokenWeights, largest_entries, zero_outside
 from algorithms.clipping import clipped_surrogate_weights
 from algorithms.stabilizer import Stabilizer, register
 
@@ -29,33 +32,110 @@ def trust_region_tokens(log_ratio: Tensor, advantages: Tensor, mask: Tensor) -> 
     """Tokens where a PPO clip could bind: (A > 0 and r > 1) or (A < 0 and r < 1)."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
-    return mask.bool() & (advantages * log_ratio > 0)
+    return mask.bool() & (torch.sign(advantages) * log_ratio > 0)
 
 
-def _region_indicator(log_ratio: Tensor, advantages: Tensor) -> Tensor:
-    """Float 1/0 trust-region indicator for a log-ratio that is already 0 on padding.
+def _trust_region_m2(log_ratio: Tensor, advantages: Tensor) -> tuple[Tensor, int]:
+    """(log r)^2 on the trust-region tokens and 0 elsewhere, [B, T], and how many tokens the region has.
 
-    A and log r share a sign exactly in the trust region, and padding has log r = 0; sign() and
-    clamp() keep this in float arithmetic, several times cheaper than boolean masks on CPU.
+    `log_ratio` must be 0 on padding (padding then lies outside the region). sign(A) log r is |log r|
+    in the region and <= 0 outside it, so relu() leaves |log r| exactly where it belongs, in float
+    arithmetic (several times cheaper than boolean masks on CPU); squaring in place gives (log r)^2.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
-    return torch.sign(advantages * log_ratio).clamp(min=0)
+    region_abs = torch.mul(torch.sign(advantages), log_ratio).relu_()
+    n_region = int(torch.sign(region_abs).sum())
+    return region_abs.mul_(region_abs), n_region
 
 
-def _candidates_descending(values: Tensor, threshold: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Values above `threshold`, largest first (fp64), with their flat indices, and `tail`.
+@functools.lru_cache(maxsize=16)
+def _largest_fp32_at_most(value: float) -> float:
+    """The largest fp32 number <= `value`: an fp32 x exceeds `value` exactly when it exceeds this one."""
+    nearest = torch.tensor(value, dtype=torch.float32)
+    if nearest.item() > value:
+        nearest = torch.nextafter(nearest, torch.tensor(-math.inf))
+    return nearest.item()
 
-    `tail[m]` for m = 0..K is the sum of all values except the m largest. The candidates' part is
-    summed from the small end and the rest as sum(min(v, threshold)) - K threshold, never as
-    total - removed, so tiny values keep their weight.
+
+@dataclass
+class _Fit:
+    """Where a budget rule first holds along the values above tau, largest first (None: nowhere).
+
+    `top` (descending) and `index` (flat) hold every value down to position `first` (every value above
+    tau when it is None); `others` is the fp64 sum of all values but the largest down to `first` (down
+    to the last found one when it is None).
     """
-    values = values.double()  # compare and sum in one precision, or ties at tau flip sides
-    index = (values > threshold).nonzero().squeeze(1)
-    top, order = torch.sort(values[index], descending=True)
-    rest = values.clamp(max=threshold).sum() - top.numel() * threshold
-    suffix = torch.flip(torch.cumsum(torch.flip(top, (0,)), 0), (0,))
-    return top, index[order], rest + torch.cat([suffix, top.new_zeros(1)])
+
+    first: int | None
+    top: Tensor
+    index: Tensor
+    others: float
+
+
+# A budget rule's margin at position j from j, the value there and the fp64 sum of all values but the
+# j + 1 largest; the rule holds where the margin is <= 0. Written once, it runs on floats or tensors.
+BudgetRule = Callable[[Any, Any, Any], Any]
+
+# Up to this many positions are walked in Python floats: a handful of tensor ops would cost more.
+_PYTHON_WALK = 512
+
+
+def _walk_floats(rule: BudgetRule, top: list[float], total: float) -> tuple[int | None, list[float], float]:
+    """The first position where `rule` holds, the margins up to it, and `others` there (fp64 floats)."""
+    removed, margins = 0.0, []
+    for j, value in enumerate(top):
+        removed += value
+        margins.append(rule(j, value, total - removed))
+        if margins[-1] <= 0:
+            return j, margins, total - removed
+    return None, margins, total - removed
+
+
+def _walk_tensors(rule: BudgetRule, top: Tensor, others: Tensor) -> tuple[int | None, Tensor, float]:
+    """`_walk_floats` in tensor ops, given `others` for every position."""
+    margins = rule(torch.arange(top.numel(), dtype=torch.float64), top, others)
+    hits = (margins <= 0).nonzero()
+    first = int(hits[0]) if hits.numel() else None
+    return first, margins, float(others[-1 if first is None else first]) if top.numel() else math.nan
+
+
+def _close_call(margins: Tensor | list[float], first: int | None, slack: float) -> bool:
+    """Whether the margins that decide `first` are within `slack` of flipping. Both rules' margins fall
+    along the walk, so those are the last one above 0 and the first one at or below it."""
+    deciding = margins[-1:] if first is None else margins[max(first - 1, 0) : first + 1]
+    return any(abs(float(m)) <= slack for m in deciding)
+
+
+def _exact_others(region_m2: Tensor, top: Tensor, cut: float) -> Tensor:
+    """`others` without the cancellation of total - removed: the sum of the values <= cut (fp64), plus
+    the smaller found values summed from the small end, so tiny values keep their weight."""
+    rest = float(region_m2.clamp(max=cut).sum(dtype=torch.float64)) - top.numel() * cut
+    from_small_end = torch.flip(torch.cumsum(torch.flip(top, (0,)), 0, dtype=torch.float64), (0,))
+    return rest + torch.cat([from_small_end[1:], from_small_end.new_zeros(1)])
+
+
+def _first_fit(region_m2: Tensor, total: float, tau: float, rule: BudgetRule, columns: int) -> _Fit:
+    """Walk the values above tau, largest first, to the first position where `rule` holds.
+
+    `total` is the fp64 sum of `region_m2`. Values are compared in fp32 against the fp32 number that
+    splits them exactly as tau does in fp64, so a value at tau never flips side. Only the largest few
+    are found and sorted, more only while the rule holds nowhere among them. `others` is total minus
+    the running sum; where that is too close to call, it is summed again without the cancellation.
+    """
+    threshold = _largest_fp32_at_most(tau)
+    slack = 4 * region_m2.numel() * 2.0**-53 * total  # bounds the rounding of total - running sum
+    while True:
+        top, index, floor = largest_entries(region_m2, threshold, columns)
+        if top.numel() <= _PYTHON_WALK:
+            first, margins, others = _walk_floats(rule, top.tolist(), total)
+        else:
+            first, margins, others = _walk_tensors(rule, top, total - torch.cumsum(top, 0, dtype=torch.float64))
+        if len(margins) and _close_call(margins, first, slack):
+            first, _, others = _walk_tensors(rule, top, _exact_others(region_m2, top, max(threshold, floor)))
+        if first is not None or floor <= threshold:
+            return _Fit(first, top, index, others)
+        columns *= 8
 
 
 def m2po_token_mask(log_ratio: Tensor, advantages: Tensor, mask: Tensor, tau: float = 0.04) -> Tensor:
@@ -65,31 +145,33 @@ def m2po_token_mask(log_ratio: Tensor, advantages: Tensor, mask: Tensor, tau: fl
     (log r)^2, removed until the mean over the remaining trust-region tokens is <= tau.
     """
     mask = mask.bool()
-    log_ratio = torch.where(mask, log_ratio.detach().float(), torch.zeros(()))
-    region = _region_indicator(log_ratio, advantages)
-    dropped, _ = _drop_within_budget(log_ratio * log_ratio * region, int(region.sum()), tau)
+    region_m2, n_region = _trust_region_m2(zero_outside(log_ratio.detach().float(), mask), advantages)
+    dropped, _ = _drop_within_budget(region_m2, n_region, float(region_m2.sum(dtype=torch.float64)), tau)
     keep = mask.clone()
     keep.view(-1)[dropped] = False
     return keep
 
 
-def _drop_within_budget(region_m2: Tensor, n_region: int, tau: float) -> tuple[Tensor, Tensor | None]:
+def _drop_within_budget(region_m2: Tensor, n_region: int, total: float, tau: float) -> tuple[Tensor, float | None]:
     """Algorithm 1 on (log r)^2 that is > 0 on the n_region trust-region tokens and 0 elsewhere.
 
-    Returns the flat indices to mask and the M2 of the kept trust-region tokens (None if nothing is
-    masked). Removing the m largest is the sorted-prefix form: find the smallest m whose remaining
-    mean is <= tau. Each removed value was the maximum of a set whose mean exceeded tau, so only
-    values above tau can be removed: sorting those few replaces a sort of the batch.
+    `total` is the fp64 sum of `region_m2`. Returns the flat indices to mask and the M2 of the kept
+    trust-region tokens (None if nothing is masked). Removing the m largest is the sorted-prefix form:
+    find the smallest m whose remaining mean is <= tau. Each removed value was the maximum of a set
+    whose mean exceeded tau, so only values above tau can be removed, largest first.
     """
-    no_drop = torch.zeros(0, dtype=torch.long, device=region_m2.device)
-    if n_region == 0 or region_m2.sum(dtype=torch.float64) <= tau * n_region:
-        return no_drop, None
-    top, index, tail = _candidates_descending(region_m2.reshape(-1), tau)
-    removed = torch.arange(0, top.numel() + 1, dtype=torch.float64)
-    fits = tail <= tau * (n_region - removed)
-    n_drop = int(torch.argmax(fits.to(torch.uint8))) if bool(fits.any()) else top.numel()
+    if n_region == 0 or total <= tau * n_region:
+        return torch.zeros(0, dtype=torch.long, device=region_m2.device), None
+
+    def remaining_over_budget(j: Any, value: Any, others: Any) -> Any:
+        return others - tau * (n_region - 1 - j)
+
+    fit = _first_fit(region_m2, total, tau, remaining_over_budget, columns=64)
+    n_drop = fit.top.numel() if fit.first is None else fit.first + 1
+    if n_drop == 0:  # rounding put the mean above tau with no value above it: nothing to remove
+        return fit.index, total / n_region
     kept = n_region - n_drop
-    return index[:n_drop], (tail[n_drop] / kept).float() if kept else torch.zeros(())
+    return fit.index[:n_drop], fit.others / kept if kept else 0.0
 
 
 def adaptive_clip_tau(region_m2: Tensor, tau: float) -> float | None:
@@ -99,17 +181,27 @@ def adaptive_clip_tau(region_m2: Tensor, tau: float) -> float | None:
     Capping at the j-th largest value v_j (0-based) gives (sum of all but the j largest) + j v_j.
     Every value <= tau fits, so only values above tau and the largest value <= tau are candidates.
     """
-    n = region_m2.numel()
-    if n == 0 or region_m2.sum(dtype=torch.float64) <= tau * n:
+    solved = _solve_adaptive_clip(region_m2, region_m2.numel(), float(region_m2.sum(dtype=torch.float64)), tau)
+    return None if solved is None else solved[0]
+
+
+def _solve_adaptive_clip(region_m2: Tensor, n_region: int, total: float, tau: float) -> tuple[float, float] | None:
+    """`adaptive_clip_tau` on values that may hold zeros beyond the n_region trust-region ones (they
+    never cap and add nothing); also returns the capped sum sum_i min(v_i, tau_c^2) in fp64."""
+    if n_region == 0 or total <= tau * n_region:
         return None
-    top, _, tail = _candidates_descending(region_m2, tau)
-    j = torch.arange(0, top.numel(), dtype=torch.float64)
-    fits = (tail[:-1] + j * top) <= tau * n
-    if bool(fits.any()):
-        return math.sqrt(float(top[int(torch.argmax(fits.to(torch.uint8)))]))
+
+    def capped_over_budget(j: Any, value: Any, others: Any) -> Any:
+        # capping at the j-th largest (0-based) keeps all but the j + 1 largest, plus j + 1 copies of it
+        return others + (j + 1) * value - tau * n_region
+
+    fit = _first_fit(region_m2, total, tau, capped_over_budget, columns=256)
+    if fit.first is not None:
+        value = float(fit.top[fit.first])
+        return math.sqrt(value), fit.others + (fit.first + 1) * value
     values = region_m2.double()
     largest_within = float((values * (values <= tau)).max())
-    return math.sqrt(largest_within)
+    return math.sqrt(largest_within), float(values.clamp(max=largest_within).sum())
 
 
 @register("m2po")
@@ -117,28 +209,31 @@ class M2PO(Stabilizer):
     """Second-moment trust region; see the module docstring for the two forms."""
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        region = _region_indicator(batch.log_ratio, batch.advantages)
-        region_m2 = batch.log_ratio * batch.log_ratio * region
-        n_region = int(region.sum())
-        m2_before = region_m2.sum() / max(n_region, 1)
-        metrics = {"stability/m2": m2_before}
+        region_m2, n_region = _trust_region_m2(batch.log_ratio, batch.advantages)
+        total = float(region_m2.sum(dtype=torch.float64))
+        m2_before = total / max(n_region, 1)
+        metrics = {"stability/m2": torch.tensor(m2_before, dtype=torch.float32)}
         if self.config.mode == "adaptive_clip":
-            return self._adaptive_clip(batch, region_m2[region > 0], metrics)
-        dropped, m2_after = _drop_within_budget(region_m2, n_region, self.config.tau)
-        keep = batch.mask_float.clone()
-        keep.view(-1)[dropped] = 0.0
-        weights = torch.exp(batch.log_ratio.clamp(max=LOG_RATIO_BOUND)) * keep
-        metrics["stability/m2_after"] = m2_before if m2_after is None else m2_after
+            return self._adaptive_clip(batch, region_m2, n_region, total, metrics)
+        dropped, m2_after = _drop_within_budget(region_m2, n_region, total, self.config.tau)
+        weights = batch.ratio
+        if dropped.numel():
+            weights = region_m2.copy_(weights)  # its buffer is free now
+            weights.view(-1)[dropped] = 0.0
+        metrics["stability/m2_after"] = torch.tensor(m2_before if m2_after is None else m2_after, dtype=torch.float32)
         metrics["stability/mask_frac"] = dropped.numel() / batch.token_count
         return TokenWeights(weights, batch.mask, metrics)
 
-    def _adaptive_clip(self, batch: PolicyBatch, m2_before: Tensor, metrics: dict[str, Tensor]) -> TokenWeights:
-        tau_c = adaptive_clip_tau(m2_before, self.config.tau)
-        if tau_c is None:
+    def _adaptive_clip(
+        self, batch: PolicyBatch, region_m2: Tensor, n_region: int, total: float, metrics: dict[str, Tensor]
+    ) -> TokenWeights:
+        solved = _solve_adaptive_clip(region_m2, n_region, total, self.config.tau)
+        if solved is None:
             low, high, m2_after = 0.0, 1e5, metrics["stability/m2"]
         else:
+            tau_c, capped_sum = solved
             low, high = math.exp(-tau_c), math.exp(tau_c)
-            m2_after = m2_before.clamp(max=tau_c * tau_c).mean()
+            m2_after = torch.tensor(capped_sum / n_region, dtype=torch.float32)
         result = clipped_surrogate_weights(batch, low, high, None)
         result.metrics.update(metrics)
         result.metrics["stability/m2_after"] = m2_after

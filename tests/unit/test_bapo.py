@@ -50,3 +50,51 @@ def test_vectorised_search_equals_the_walk(tokens, target):
     expected_low, expected_high, expected_share = _walk(log_ratio, advantages, mask, config)
     assert (low, high) == (pytest.approx(expected_low), pytest.approx(expected_high))
     assert share.item() == pytest.approx(expected_share, rel=1e-5, abs=1e-6)
+
+
+def _stale_batch(seed, seq_advantages=True):
+    from algorithms.batch import PolicyBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    log_ratio = torch.randn(16, 256, generator=gen) * 0.2
+    mask = torch.rand(16, 256, generator=gen) < 0.9
+    advantages = torch.randn((16,) if seq_advantages else (16, 256), generator=gen)
+    return PolicyBatch(log_ratio.clone(), torch.zeros_like(log_ratio), advantages, mask)
+
+
+@pytest.mark.parametrize("seed, seq_advantages", [(0, True), (1, False)])
+def test_large_batch_search_equals_the_walk(seed, seq_advantages):
+    batch = _stale_batch(seed, seq_advantages)
+    for target in (0.2, 0.45, 0.5, 0.55, 0.8):
+        config = BAPOConfig(positive_share=target)
+        low, high, share = adapt_bounds(batch.log_ratio, batch.advantages, batch.mask, config)
+        expected_low, expected_high, expected_share = _walk(batch.log_ratio, batch.token_advantages, batch.mask, config)
+        assert (low, high) == (pytest.approx(expected_low), pytest.approx(expected_high))
+        assert share.item() == pytest.approx(expected_share, rel=1e-5)
+
+
+@pytest.mark.parametrize("seed, seq_advantages", [(2, True), (3, False)])
+def test_weights_are_the_clipped_surrogate_at_the_chosen_bounds(seed, seq_advantages):
+    # Targets below, inside and above the walk's range: it stops at the start, mid-way, or runs to the end.
+    from algorithms import registry
+    from algorithms.clipping import clipped_surrogate_weights
+
+    batch = _stale_batch(seed, seq_advantages)
+    for target in (0.05, 0.45, 0.5, 0.55, 0.95):
+        out = registry.build("bapo", positive_share=target).token_weights(batch)
+        low, high = out.metrics["stability/clip_low"].item(), out.metrics["stability/clip_high"].item()
+        reference = clipped_surrogate_weights(batch, low, high, 3.0)
+        assert torch.equal(out.weights, reference.weights)
+        assert out.metrics["stability/clip_frac"].item() == pytest.approx(reference.metrics["stability/clip_frac"].item())
+
+
+def test_indices_above_finds_every_entry_above():
+    from algorithms.batch import indices_above
+
+    gen = torch.Generator().manual_seed(4)
+    values = torch.rand(64, 300, generator=gen) ** 20
+    values[5, 9], values[13, 9] = math.nan, 0.9  # the same column of the [8, 2400] view
+    for shaped in (values, values[:, :299]):  # a size the column view divides, and one it does not
+        flat = shaped.reshape(-1)
+        found = torch.sort(indices_above(shaped, 0.5)).values
+        assert torch.equal(found, (flat > 0.5).nonzero().squeeze(1))

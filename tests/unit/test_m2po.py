@@ -147,3 +147,68 @@ def test_adaptive_clip_tau_matches_a_plain_scan(values, tau):
     assert (got is None) == (expected is None)
     if got is not None:
         assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)
+
+
+def test_tiny_values_keep_their_weight_in_the_budget():
+    # total - removed would round 1 + 2e-35 - 1 to 0 and stop after one removal; the budget is exact.
+    keep = m2po_token_mask(torch.tensor([[1.0, 4.5e-18]]), torch.ones(1), torch.ones(1, 2, dtype=torch.bool), tau=0.0)
+    assert keep.tolist() == [[False, False]]
+
+
+def _sorted_region_values(batch):
+    a = batch.advantages[:, None]
+    region = batch.mask & (((a > 0) & (batch.log_ratio > 0)) | ((a < 0) & (batch.log_ratio < 0)))
+    return torch.sort((batch.log_ratio[region] ** 2).double(), descending=True).values  # fp32 squares
+
+
+@pytest.mark.parametrize("seed, tail_share, tail_std", [(0, 0.02, 1.5), (1, 0.02, 1.5), (2, 0.3, 1.0), (3, 0.9, 3.0)])
+def test_adaptive_clip_on_large_batches_matches_a_full_sort(seed, tail_share, tail_std):
+    # Large enough for the column search, which may have to widen before the cap is found.
+    gen = torch.Generator().manual_seed(seed)
+    log_ratio = torch.randn(32, 1024, generator=gen) * 0.05
+    tail = torch.rand(32, 1024, generator=gen) < tail_share
+    log_ratio[tail] = torch.randn(int(tail.sum()), generator=gen) * tail_std
+    mask = torch.rand(32, 1024, generator=gen) < 0.9
+    batch = PolicyBatch(log_ratio.clone(), torch.zeros_like(log_ratio), torch.randn(32, generator=gen), mask)
+    out = M2PO(M2POConfig(mode="adaptive_clip")).token_weights(batch)
+    values = _sorted_region_values(batch)
+    n, budget = values.numel(), 0.04 * values.numel()
+    capped = [float(values.clamp(max=v).sum()) for v in values[: int((values > 0.04).sum())]]
+    tau_c = math.sqrt(float(values[next(j for j, c in enumerate(capped) if c <= budget)]))
+    assert out.metrics["stability/clip_high"].item() == pytest.approx(math.exp(tau_c), rel=1e-6)
+    assert out.metrics["stability/m2_after"].item() == pytest.approx(float(values.clamp(max=tau_c**2).sum()) / n, rel=1e-5)
+    # the clip, applied to the tokens the search found, is the clipped surrogate over the whole batch
+    from algorithms.clipping import clipped_surrogate_weights
+
+    dense = clipped_surrogate_weights(batch, math.exp(-tau_c), math.exp(tau_c), None)
+    assert torch.equal(out.weights, dense.weights)
+    assert out.metrics["stability/clip_frac"].item() == pytest.approx(dense.metrics["stability/clip_frac"].item())
+
+
+def test_largest_entries_hold_every_entry_above_their_floor():
+    from algorithms.batch import largest_entries
+
+    gen = torch.Generator().manual_seed(5)
+    values = torch.rand(64, 512, generator=gen) ** 8
+    values[3, 7] = math.nan
+    flat = values.reshape(-1)
+    for columns in (8, 64, 4096):
+        top, index, floor = largest_entries(values, 0.2, columns)
+        expected = torch.sort(flat[flat > max(0.2, floor)], descending=True).values
+        assert torch.equal(top, expected) and torch.equal(flat[index], top)
+        assert (floor > 0.2) == (top.numel() < int((flat > 0.2).sum()))
+    assert largest_entries(values, 0.2, 4096)[2] == -math.inf  # every column taken: all entries
+
+
+def test_the_python_walk_and_the_tensor_walk_agree():
+    from algorithms.m2po import _walk_floats, _walk_tensors
+
+    gen = torch.Generator().manual_seed(6)
+    top = torch.sort(torch.rand(300, generator=gen) * 3 + 0.04, descending=True).values
+    total, n = float(top.double().sum()) + 40.0, 2000
+    rules = [lambda j, v, others: others - 0.04 * (n - 1 - j), lambda j, v, others: others + (j + 1) * v - 0.04 * n]
+    for rule in rules:
+        first, margins, others = _walk_floats(rule, top.tolist(), total)
+        first_t, margins_t, others_t = _walk_tensors(rule, top, total - torch.cumsum(top, 0, dtype=torch.float64))
+        assert first is not None and (first, others) == (first_t, others_t)
+        assert margins == margins_t[: first + 1].tolist()

@@ -230,3 +230,135 @@ def test_clip_active_follows_the_ppo_rule():
     assert torch.equal(clip_active(torch.log(r), a, 0.8, 1.2, 3.0), expected.float())
     no_dual = ~(((a > 0) & (r > 1.2)) | ((a < 0) & (r < 0.8)))
     assert torch.equal(clip_active(torch.log(r), a, 0.8, 1.2, None), no_dual.float())
+
+
+# ---- the float-arithmetic implementations against the plain boolean formulas ----
+
+def _parity_batch(seed, seq_advantages):
+    """Random log-ratios (a few at +-1000), ragged masks with an empty row, -inf behaviour on padding."""
+    gen = torch.Generator().manual_seed(seed)
+    b, t = 6, 40
+    logprobs = -torch.rand(b, t, generator=gen) * 3
+    log_ratio = torch.randn(b, t, generator=gen) * 0.6
+    log_ratio[0, :3] = torch.tensor([1000.0, -1000.0, 0.0])
+    mask = torch.rand(b, t, generator=gen) < 0.8
+    mask[1] = False
+    behaviour = torch.where(mask, logprobs - log_ratio, torch.full_like(logprobs, -math.inf))
+    advantages = torch.randn((b,) if seq_advantages else (b, t), generator=gen)
+    advantages[2] = 0.0
+    return PolicyBatch(logprobs, behaviour, advantages, mask)
+
+
+def _reference(name, batch, config):
+    """Each rule written with boolean masks and torch.where, as the formulas read."""
+    m, mf = batch.mask, batch.mask.float()
+    l = torch.where(m, batch.logprobs - batch.behaviour_logprobs, torch.zeros(()))
+    n = mf.sum().clamp(min=1)
+    s = l.sum(1)
+    lengths = mf.sum(1)
+    nonempty = lengths > 0
+    metrics = {}
+
+    def weight_metrics(w, clipped=None):
+        metrics.update({"stability/is_weight_mean": w.sum() / n, "stability/is_weight_max": w.max()})
+        if clipped is not None:
+            metrics["stability/clip_frac"] = (clipped & m).sum() / n
+
+    def seq_fraction(flags):
+        return (flags & nonempty).sum() / nonempty.sum().clamp(min=1)
+
+    if name == "tis_token":
+        w = torch.exp(l.clamp(max=LOG(config.cap))) * mf
+        weight_metrics(w, l > LOG(config.cap))
+        return w, m, metrics
+    if name in ("tis_seq", "vcpo"):
+        w = torch.exp(s.clamp(max=LOG(config.cap)))[:, None] * mf
+        weight_metrics(w, (s > LOG(config.cap))[:, None].expand_as(m))
+        return w, m, metrics
+    if name in ("mis_token", "mis_seq", "mis_geo", "icepop"):
+        stat = {"mis_token": l, "icepop": l, "mis_seq": s[:, None], "mis_geo": (s / lengths.clamp(min=1))[:, None]}[name]
+        keep = ((stat >= LOG(config.low)) & (stat <= LOG(config.high))).expand_as(m) & m
+        w = torch.exp(stat.clamp(max=LOG(config.high))) * keep
+        weight_metrics(w)
+        metrics["stability/mask_frac"] = 1 - keep.sum() / n
+        if name == "icepop":
+            return w, m, metrics
+        metrics["stability/seq_mask_frac"] = seq_fraction((m & ~keep).any(1))
+        return w, keep, metrics
+    if name == "opsm":
+        drop = (batch.seq_advantages < 0) & (-s / lengths.clamp(min=1) > config.delta)
+        w = mf * ~drop[:, None]
+        metrics = {"stability/mask_frac": (mf - w).sum() / n, "stability/seq_mask_frac": seq_fraction(drop)}
+        return w, m, metrics
+    if name == "cispo":
+        low, high = max(0.0, 1 - config.eps_low), 1 + config.eps_high
+        w = torch.exp(l.clamp(max=LOG(high))).clamp(min=low) * mf
+        weight_metrics(w, (l > LOG(high)) | (l < (LOG(low) if low > 0 else -math.inf)))
+        return w, m, metrics
+    if name == "ppo_clip":
+        a = batch.token_advantages
+        r = torch.exp(l.clamp(max=20.0))
+        clipped = ((a > 0) & (l > LOG(1 + config.eps_high))) | (
+            (a < 0) & ((l < LOG(1 - config.eps_low)) | (l > LOG(config.dual_clip_c)))
+        )
+        w = torch.where(clipped | ~m, torch.zeros(()), r)
+        return w, m, {"stability/clip_frac": (clipped & m).sum() / n}
+    raise KeyError(name)
+
+
+PARITY_CASES = [
+    ("tis_token", {}), ("tis_token", {"cap": 0.8}), ("tis_seq", {}), ("vcpo", {}),
+    ("mis_token", {}), ("mis_token", {"low": 1.1, "high": 3.0}), ("mis_seq", {"low": 0.2, "high": 5.0}),
+    ("mis_geo", {"low": 0.8, "high": 1.2}), ("icepop", {}), ("icepop", {"low": 1.1, "high": 2.0}),
+    ("opsm", {}), ("cispo", {}), ("cispo", {"eps_low": 0.5}), ("ppo_clip", {}), ("ppo_clip", {"dual_clip_c": 0.9}),
+]
+
+
+@pytest.mark.parametrize("name, config", PARITY_CASES)
+@pytest.mark.parametrize("seed, seq_advantages", [(0, True), (1, False), (2, True)])
+def test_float_arithmetic_matches_the_boolean_formulas(name, config, seed, seq_advantages):
+    batch = _parity_batch(seed, seq_advantages)
+    stabilizer = registry.build(name, **config)
+    out = stabilizer.token_weights(batch)
+    weights, mask, metrics = _reference(name, batch, stabilizer.config)
+    torch.testing.assert_close(out.weights, weights, rtol=2e-7, atol=0.0)  # a cap may differ by its last bit
+    assert torch.equal(out.mask.bool(), mask.bool())
+    assert set(out.metrics) == set(metrics)
+    for key, value in metrics.items():
+        assert float(out.metrics[key]) == pytest.approx(float(value), rel=1e-6, abs=1e-7), key
+
+
+# ---- shared batch helpers ----
+
+def test_batch_ratio_is_the_capped_exp_on_loss_tokens_and_zero_on_padding():
+    batch = _parity_batch(3, True)
+    expected = torch.where(batch.mask, torch.exp(batch.log_ratio.clamp(max=20.0)), torch.zeros(()))
+    assert torch.equal(batch.ratio, expected)
+    assert torch.isfinite(batch.ratio).all() and torch.equal(batch.mask_float, batch.mask.float())
+
+
+def test_zero_outside_selects_bit_for_bit_like_where():
+    from algorithms.batch import zero_outside
+
+    values = torch.tensor([[1.5, -0.0, math.nan, math.inf], [-math.inf, math.nan, -2.0, 3.0]])
+    mask = torch.tensor([[True, True, False, False], [False, True, True, False]])
+    for dtype in (torch.float32, torch.float64):
+        got = zero_outside(values.to(dtype), mask)
+        expected = torch.where(mask, values.to(dtype), torch.zeros((), dtype=dtype))
+        assert got.dtype == dtype
+        assert torch.equal(got.isnan(), expected.isnan())
+        assert torch.equal(torch.nan_to_num(got, nan=7.0), torch.nan_to_num(expected, nan=7.0))
+        assert torch.equal(torch.signbit(got[~got.isnan()]), torch.signbit(expected[~expected.isnan()]))
+
+
+def test_float_indicator_helpers():
+    from algorithms.batch import count_above, outside_band, zero_where_set
+
+    values = torch.tensor([-2.0, -1.0, 0.0, 0.5, 1.0, 3.0])
+    assert count_above(values, 0.5).item() == 2.0
+    assert outside_band(values, -1.0, 1.0).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    flags = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    ratio = torch.tensor([4.0, 2.0, 1e30, 0.5, 0.0, 7.0])
+    kept = zero_where_set(ratio, flags)
+    assert kept.data_ptr() == flags.data_ptr()  # written over the flags, no new tensor
+    assert torch.equal(kept, torch.tensor([0.0, 2.0, 1e30, 0.0, 0.0, 7.0]))
