@@ -151,6 +151,39 @@ def test_vcpo_fast_norms_give_the_per_sample_loops_update(model_name, world, sta
         assert update_gap * ADAM_EPS / LEARNING_RATE <= 1e-4 * loop["metrics"]["optim/grad_norm"], impl
 
 
+def _steps_main(rank: int, world: int, impl: str, model_path: str, port: int, out: str, steps: int = 3) -> None:
+    from algorithms import registry
+    from learner.batch import collate
+    from learner.rank import LearnerRank, LearnerSpec
+
+    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
+                       stabilizer_name="vcpo", stabilizer_config=registry.build("vcpo", opob_impl=impl).config,
+                       loss_aggregation="token-mean")
+    learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
+    share = collate([s for s in _batch_samples() if s["group_id"] % world == rank], 0)
+    grad_norms = [learner.train_step(share)["optim/grad_norm"] for _ in range(steps)]
+    weights = learner.state_dict_for_publish()
+    if rank == 0:
+        torch.save({"grad_norms": grad_norms, "weights": weights}, out)
+
+
+def test_bookkeeping_keeps_matching_ghost_over_several_steps(tiny_qwen2, tmp_path):
+    """Book-keeping runs its forward outside the engine and hands DeepSpeed a surrogate backward; over
+    several steps on 2 ranks ZeRO's per-step state must still reduce every gradient as the ghost path's
+    ordinary loss backward does."""
+    runs = {}
+    for impl in ("ghost", "bookkeeping"):
+        out = tmp_path / f"steps-{impl}.pt"
+        mp.start_processes(_steps_main, args=(2, impl, tiny_qwen2, _free_port(), str(out)), nprocs=2,
+                           start_method="spawn", join=True)
+        runs[impl] = torch.load(out, weights_only=True)
+    ghost, bookkeeping = runs["ghost"], runs["bookkeeping"]
+    assert bookkeeping["grad_norms"] == pytest.approx(ghost["grad_norms"], rel=1e-4)
+    assert len(set(ghost["grad_norms"])) == 3  # the steps differ: a stale or repeated gradient would show
+    for name, tensor in ghost["weights"].items():
+        assert torch.allclose(tensor, bookkeeping["weights"][name], rtol=0, atol=1e-4 * LEARNING_RATE), name
+
+
 def _nonfinite_main(rank: int, model_path: str, port: int, out: str) -> None:
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
