@@ -127,7 +127,7 @@ class LearnerRank:
     def _uses_bookkeeping(self) -> bool:
         """Book-keeping forms the update from the kept per-sample gradients, which needs whole parameters:
         under ZeRO-3 the norms come from the two-pass ghost path instead (said once, here)."""
-        if self.ghost_norms is None or self.stabilizer.config.opob_impl != "bookkeeping":
+        if self.ghost_norms is None or getattr(self.stabilizer.config, "opob_impl", "ghost") != "bookkeeping":
             return False
         if self.spec.zero_stage == 3:
             log.info("learner rank %d: ZeRO-3 partitions the parameters, so per-sample norms use the two-pass "
