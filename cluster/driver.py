@@ -76,6 +76,15 @@ class Generation:
     weights_version: int
 
 
+@dataclass
+class Member:
+    """What the loop knows of one generator besides its actor (the publisher shares the actor map)."""
+
+    weights_version: int = 0  # the policy version its next call samples with
+    incarnation: str | None = None  # its process, learnt from its first result after a (re)start
+    restarts: int = 0
+
+
 class LearnerCrashed(RuntimeError):
     """A learner rank died: the job can go on from its latest checkpoint in `run_dir`."""
 
@@ -166,7 +175,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResu
             ray.kill(generator)  # each once: the loop's members include the initial generators
     counts = ledger.counts()
     summary = {"steps": job.learner.steps, "ledger": counts, "rewards": rewards,
-               "generator_restarts": sum(loop.restarts.values()), "learner_restarts": attempt,
+               "generator_restarts": loop.generator_restarts, "learner_restarts": attempt,
                "generated_tokens": loop.generated_tokens, "generate_s": loop.generate_s,  # summed over generators
                "generators": {"joined": loop.joined, "left": loop.left, **placement}}  # nodes by Ray node id
     (run_dir / "summary.json").write_text(json.dumps(summary))
@@ -196,16 +205,15 @@ class AsyncLoop:
         self.rng = random.Random(job.seed)
         self.next_group_id = 0
         self.version = 0  # learner optimizer steps taken
-        self.weights_version = {index: 0 for index in generators}  # version each generator samples with next
+        self.members = {index: Member() for index in generators}
         self.generating: dict[ray.ObjectRef, Generation] = {}  # generate call -> what it was asked
-        self.incarnations: dict[int, str | None] = {index: None for index in generators}
-        self.restarts = {index: 0 for index in generators}
         self.starting: dict[ray.ObjectRef, tuple[int, Any]] = {}  # elastic newcomers: ready call -> (index, actor)
         self.orphans: list[tuple[GenerationRequest, str]] = []  # groups of generators that left, with why
         self.next_generator_index = max(generators, default=-1) + 1
         self.next_scale_check = 0.0
         self.alone_since: float | None = None
         self.joined = self.left = 0
+        self.departed_restarts = 0  # restarts of generators that have left the job
         self.generated_tokens, self.generate_s = 0, 0.0  # over every generate call of this run
         self.generator_nodes = generator_nodes  # index (str) -> Ray node id, newcomers added as they join
         self.learner_refs: list[ray.ObjectRef] = []
@@ -214,6 +222,11 @@ class AsyncLoop:
         self.pad_id = 0
         self.rewards: list[float] = []
         self.skips = SkipStreak(job.learner.max_skipped_steps_in_a_row)
+
+    @property
+    def generator_restarts(self) -> int:
+        """Generator restarts over the run, of members and of generators that left."""
+        return self.departed_restarts + sum(m.restarts for m in self.members.values())
 
     def run(self) -> list[float]:
         self._sync_weights()  # generators start from the learner's weights (after any warm-up or resume)
@@ -252,7 +265,7 @@ class AsyncLoop:
                 continue
             requests = []
             while len(requests) < self.job.generator.prompts_per_request and self.buffer.can_issue(
-                self.version, bool(self.learner_refs), self.weights_version[index]
+                self.version, bool(self.learner_refs), self.members[index].weights_version
             ):
                 requests.append(self._new_request(index))
             if requests:
@@ -263,19 +276,19 @@ class AsyncLoop:
         size = self.job.generator.prompts_per_request
         adopted, self.orphans = self.orphans[:size], self.orphans[size:]
         for request, reason in adopted:
-            self.buffer.reissue(request.group_id, self.weights_version[index], index, reason)
+            self.buffer.reissue(request.group_id, self.members[index].weights_version, index, reason)
         self._send(index, [request for request, _ in adopted])
 
     def _send(self, index: int, requests: list[GenerationRequest]) -> None:
         ref = self.generators[index].generate.remote(requests)
-        self.generating[ref] = Generation(index, requests, self.weights_version[index])
+        self.generating[ref] = Generation(index, requests, self.members[index].weights_version)
 
     def _new_request(self, generator_index: int) -> GenerationRequest:
         problem = next(self.problems)
         self.problems_drawn += 1
         group_id, self.next_group_id = self.next_group_id, self.next_group_id + 1
         self.problem_of[group_id] = problem
-        self.buffer.issue(group_id, problem.problem_id, self.weights_version[generator_index], generator_index)
+        self.buffer.issue(group_id, problem.problem_id, self.members[generator_index].weights_version, generator_index)
         return GenerationRequest(group_id, problem.problem_id, self.task.messages(problem), self.rng.getrandbits(31))
 
     def _start_learner_step(self) -> None:
@@ -360,14 +373,15 @@ class AsyncLoop:
             self._restarted(index, f"generator {index} died during generation ({type(error).__name__})")
             self._reissue(index, call.requests, f"generator {index} died during generation")
             return
-        if groups and groups[0].incarnation != self.incarnations[index]:
-            if self.incarnations[index] is not None:  # restarted while idle: only its first call can tell
+        member = self.members[index]
+        if groups and groups[0].incarnation != member.incarnation:
+            if member.incarnation is not None:  # restarted while idle: only its first call can tell
                 self._restarted(index, f"generator {index} was restarted between calls")
                 if any(g.version_start < call.weights_version for g in groups):
                     self._reissue(index, call.requests,
                                   f"generator {index} sampled with its initial weights after a restart")
                     return
-            self.incarnations[index] = groups[0].incarnation
+            member.incarnation = groups[0].incarnation
         if groups:
             self.generate_s += groups[0].generate_s
             self.generated_tokens += sum(len(c["completion_ids"]) for g in groups for c in g.completions)
@@ -376,16 +390,17 @@ class AsyncLoop:
 
     def _restarted(self, index: int, reason: str) -> None:
         """Count a generator restart (fail the job past max_restarts) and give it the latest weights."""
-        self.restarts[index] += 1
+        member = self.members[index]
+        member.restarts += 1
         limit = self.job.generator.max_restarts
-        if self.restarts[index] > limit:
-            raise RuntimeError(f"{reason}; it has died {self.restarts[index]} times, more than "
+        if member.restarts > limit:
+            raise RuntimeError(f"{reason}; it has died {member.restarts} times, more than "
                                f"generator.max_restarts = {limit}")
         log.warning("%s; restart %d of %d: waiting for it, then weights version %d, then its groups again",
-                    reason, self.restarts[index], limit, self.version)
+                    reason, member.restarts, limit, self.version)
         self._wait_until_back(index, reason)
-        self.weights_version[index] = self.publisher.restore(index)
-        self.incarnations[index] = None  # learnt again from its next result
+        member.weights_version = self.publisher.restore(index)
+        member.incarnation = None  # learnt again from its next result
 
     # ---- elastic generators ----------------------------------------------------------------------------
 
@@ -411,17 +426,17 @@ class AsyncLoop:
             log.warning("generator %d failed to start (%s); trying again when resources are free", index,
                         type(error).__name__)
             return
-        self.generators[index], self.incarnations[index], self.restarts[index] = actor, None, 0
-        self.weights_version[index] = self.publisher.restore(index)
+        self.generators[index] = actor
+        self.members[index] = Member(weights_version=self.publisher.restore(index))
         self.generator_nodes[str(index)] = ray.get(actor.node_id.remote())
         self.joined += 1
-        log.info("generator %d joined with weights version %d (%d generators)", index, self.weights_version[index],
+        log.info("generator %d joined with weights version %d (%d generators)", index, self.members[index].weights_version,
                  len(self.generators))
 
     def _leave(self, index: int, requests: list[GenerationRequest], reason: str) -> None:
         """A generator that died (its node left) stops being a member; its groups wait for another one."""
-        for generator_map in (self.generators, self.weights_version, self.incarnations):
-            generator_map.pop(index, None)
+        self.generators.pop(index, None)
+        self.departed_restarts += self.members.pop(index, Member()).restarts
         self.orphans += [(request, reason) for request in requests]
         self.left += 1
         log.warning("%s; %d generators left, %d of its groups issued again to others", reason, len(self.generators),
@@ -443,7 +458,7 @@ class AsyncLoop:
 
     def _reissue(self, index: int, requests: list[GenerationRequest], reason: str) -> None:
         for request in requests:
-            self.buffer.reissue(request.group_id, self.weights_version[index], index, reason)
+            self.buffer.reissue(request.group_id, self.members[index].weights_version, index, reason)
         self._send(index, requests)
 
     # ---- checkpoints --------------------------------------------------------------------------------
@@ -465,7 +480,7 @@ class AsyncLoop:
             "rng": [rng_version, list(rng_internal), rng_gauss],
             "ready": [asdict(group) for group in self.buffer.ready],
             "in_flight": [{"request": asdict(r), "problem": asdict(self.problem_of[r.group_id])} for r in in_flight],
-            "rewards": self.rewards, "restarts": sorted(self.restarts.items()),
+            "rewards": self.rewards, "restarts": sorted((index, m.restarts) for index, m in self.members.items()),
             "ledger_lines": self.buffer.ledger.lines, "metrics_lines": self.sink.lines,
         }
 
@@ -479,7 +494,9 @@ class AsyncLoop:
         self.rng.setstate((version, tuple(internal), gauss))
         self.buffer.ready.extend(ScoredGroup(**group) for group in state["ready"])
         self.rewards = list(state["rewards"])
-        self.restarts.update({index: count for index, count in state["restarts"] if index in self.restarts})
+        for index, count in state["restarts"]:
+            if index in self.members:
+                self.members[index].restarts = count
         for item in state["in_flight"]:
             request = GenerationRequest(**item["request"])
             self.problem_of[request.group_id] = Problem(**item["problem"])
@@ -526,7 +543,8 @@ class AsyncLoop:
         except RayActorError as error:
             raise LearnerCrashed(f"a learner rank died while publishing weights ({type(error).__name__})",
                                  self.run_dir) from error
-        self.weights_version = {index: self.version for index in self.generators}
+        for member in self.members.values():
+            member.weights_version = self.version
         return time.perf_counter() - start
 
     def _log_step(self, metrics: dict[str, float], lags: list[int], publish_s: float) -> None:
@@ -542,7 +560,7 @@ class AsyncLoop:
             # one generator's mean rate over all calls so far, times the generators running now
             "perf/gen_tokens_per_s": (self.generated_tokens / self.generate_s * len(self.generators)
                                       if self.generate_s else math.nan),
-            "fault/generator_restarts": sum(self.restarts.values()),
+            "fault/generator_restarts": self.generator_restarts,
             "async/num_generators": len(self.generators),
             "time/step_s": step_s,
         }
