@@ -39,7 +39,8 @@ def _python(code: str, env: dict[str, str]) -> str:
                           timeout=120).stdout
 
 
-RESOURCES = "import ray; ray.init(address='127.0.0.1:6379', logging_level='ERROR'); print(ray.cluster_resources().get('generator', 0))"
+RESOURCES = ("import ray; ray.init(address='127.0.0.1:6379', logging_level='ERROR'); "
+             "print('generator_units', ray.cluster_resources().get('generator', 0))")
 REQUEST = ("import ray; from ray.autoscaler.sdk import request_resources; ray.init(address='127.0.0.1:6379', "
            "logging_level='ERROR'); request_resources(bundles=[{'generator': 1}] * 2)")
 
@@ -67,6 +68,12 @@ def fake_cluster(tmp_path):
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
+def _generator_units(env: dict[str, str]) -> float:
+    """The cluster's `generator` units; Ray may print its own lines (a head still starting) around ours."""
+    lines = [line.split() for line in _python(RESOURCES, env).splitlines()]
+    return max((float(words[1]) for words in lines if len(words) == 2 and words[0] == "generator_units"), default=0.0)
+
+
 def _wait(condition, what: str, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -77,7 +84,7 @@ def _wait(condition, what: str, timeout_s: float = 300) -> None:
 
 def test_the_autoscaler_adds_a_generator_node_and_the_running_job_uses_it(fake_cluster, tmp_path):
     env = fake_cluster
-    _wait(lambda: float(_python(RESOURCES, env).split()[-1]) >= 1, "the YAML's first generator node")
+    _wait(lambda: _generator_units(env) >= 1, "the YAML's first generator node")
     job = yaml.safe_load((ROOT / "deploy" / "jobs" / "local-cluster.yaml").read_text())
     job["model"]["sft_warmup"]["steps"] = 5
     job["learner"]["steps"] = 400
