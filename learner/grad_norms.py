@@ -1,9 +1,10 @@
 """Exact per-sample gradient norms ||grad log pi(tau_i)||^2 for VCPO's off-policy optimal baseline.
 
-Fast path (`ghost`): the book-keeping / ghost-norm technique of DP training (Li et al. 2022; Bu et al.
-2023). Forward hooks keep every layer's input and output; one backward of sum_i log pi(tau_i) to the
-layer *outputs* (no parameter gradients) gives each sample's output gradients, and each parameter's
-per-sample gradient is a sum of outer products whose squared norm needs only Gram matrices:
+Fast paths: the ghost-norm and book-keeping techniques of DP training (Li et al. 2022; Bu et al. 2023).
+Forward hooks record every layer's input and hook its output; one backward of sum_i log pi(tau_i) to
+the layer *outputs* (no parameter gradients) gives each sample's output gradients, and each
+parameter's per-sample gradient is a sum of outer products whose squared norm needs only Gram matrices
+(or the dense per-sample gradient, where that holds fewer numbers):
 
     G_i = sum_t a_it (x) b_it   =>   ||G_i||^2 = sum_{t,s} (a_it . a_is)(b_it . b_is)
 
@@ -15,6 +16,10 @@ the learner falls back (loudly) to the reference loop.
 The backward starts below the output layer, from the closed-form gradient of the logits that the
 caller passes: a training engine's hooks on the logits (DeepSpeed's backward prologue and epilogue)
 then see only the real loss backward.
+
+`ghost` (`squared_norms`) keeps only the norms; the caller's loss backward follows. `bookkeeping`
+(`sample_gradients`) also keeps every per-sample gradient, so the caller forms the update
+sum_i k_i G_i from them once it knows the coefficients, and no second backward is needed.
 
 Reference (`per_sample_loop`): one backward per trajectory, as the official VCPO code does.
 """
