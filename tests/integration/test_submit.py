@@ -124,6 +124,9 @@ def test_a_submission_without_the_token_or_with_a_wrong_one_is_refused(token_hea
     assert "no-such-job" in capsys.readouterr().err
 
 
+# Two whole jobs through the job API take about 2.5 minutes here: run with -m slow, to keep the default
+# suite inside its budget; the token checks above stay in the default run.
+@pytest.mark.slow
 def test_two_jobs_at_once_each_with_its_own_stabilizer_run_dir_and_wandb_run(token_head, tmp_path, capsys):
     api, token_file = token_head
     from cluster.submit import client, wait
