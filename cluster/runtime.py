@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.generator import Generator, GeneratorSpec
 from learner.batch import TrainBatch
 from learner.rank import LearnerRank, LearnerSpec
-from learner.weight_sync import CollectiveWeightSync, TensorSpec
+from learner.weight_sync import CollectiveWeightSync, PackedWeights, TensorSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,9 +63,9 @@ class LearnerActor(LearnerRank):
     weight_sync: CollectiveWeightSync | None = None
 
     def publish(self) -> list[Any]:
-        """Object store: every rank gathers (ZeRO-3); rank 0 returns [ObjectRef of the state dict]."""
-        weights = self.state_dict_for_publish()
-        return [ray.put(weights)] if self.rank == 0 else []
+        """Object store: every rank gathers (ZeRO-3); rank 0 returns [ObjectRef of its PackedWeights]."""
+        packed = self.packed_weights_for_publish()
+        return [ray.put(packed)] if packed is not None else []
 
     def weight_specs(self) -> list[TensorSpec]:
         return TensorSpec.of(self.state_dict_for_publish()) if self.rank == 0 else []
@@ -91,6 +91,12 @@ class LearnerActor(LearnerRank):
 
 class GeneratorActor(Generator):
     weight_sync: CollectiveWeightSync | None = None
+
+    def update_weights(self, state_dict: dict[str, Any] | PackedWeights, version: int) -> float:
+        """The object-store path sends `PackedWeights`; its tensors are views of the mapped buffer."""
+        if isinstance(state_dict, PackedWeights):
+            state_dict = state_dict.tensors()
+        return super().update_weights(state_dict, version)
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
         self.weight_sync = CollectiveWeightSync(host, port, rank, world_size, backend)

@@ -26,6 +26,7 @@ from algorithms.batch import PolicyBatch
 from algorithms.diagnostics import chi2_seq, ess_ratio, health_metrics
 from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
+from learner.weight_sync import PackedWeights
 
 log = logging.getLogger("stableasync.learner")
 
@@ -255,8 +256,9 @@ class LearnerRank:
         model = self.engine.module if plain else self.engine
         return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
 
-    def state_dict_for_publish(self) -> dict[str, Tensor]:
-        """Full fp32 weights in HF checkpoint names for the generators (a collective under ZeRO-3)."""
+    def packed_weights_for_publish(self) -> PackedWeights | None:
+        """Full fp32 weights in HF checkpoint names, copied once into one buffer for the generators (rank 0;
+        None on the other ranks). A collective under ZeRO-3."""
         module = self.engine.module
         if self.spec.zero_stage == 3:
             import deepspeed
@@ -265,10 +267,14 @@ class LearnerRank:
             for name, param in module.named_parameters():
                 with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
                     weights[name] = param.detach().float().clone()
-            return weights if self.rank == 0 else {}
-        if self.rank != 0:
-            return {}
-        return {name: tensor.detach().float().clone() for name, tensor in module.state_dict().items()}
+        else:
+            weights = {name: tensor.detach().float() for name, tensor in module.state_dict().items()}
+        return PackedWeights.pack(weights) if self.rank == 0 else None
+
+    def state_dict_for_publish(self) -> dict[str, Tensor]:
+        """`packed_weights_for_publish` as a name -> tensor dict (a copy; empty off rank 0)."""
+        packed = self.packed_weights_for_publish()
+        return packed.tensors() if packed is not None else {}
 
     # ---- checkpoints -------------------------------------------------------------------------
 

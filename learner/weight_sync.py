@@ -3,14 +3,16 @@
 The GPU path (`backend="nccl"`): weights go GPU to GPU without the object store. The same class runs
 over gloo on CPU, which is how its logic is tested without a GPU. Tensors travel in flat buckets of
 at most `bucket_mb` per dtype, so a large model needs few collectives and bounded extra memory.
-The object-store path (the CPU default) needs none of this: see `cluster/runtime.py`.
+The object-store path (the CPU default) puts one `PackedWeights` buffer instead: see `cluster/runtime.py`.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -29,6 +31,55 @@ class TensorSpec:
     @staticmethod
     def of(weights: dict[str, Tensor]) -> list[TensorSpec]:
         return [TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in sorted(weights.items())]
+
+
+# Each tensor starts on a multiple of this many bytes, so a view of any dtype is aligned.
+_ALIGN_BYTES = 64
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    """Weights as one flat byte buffer with each tensor's spec and byte offset: what goes in the object store.
+
+    Ray pickles a dict of torch tensors tensor by tensor and copies each one out again on every read;
+    a numpy buffer is one out-of-band object that readers on the node map without copying, and whose
+    tensors are views.
+    """
+
+    specs: tuple[TensorSpec, ...]
+    offsets: tuple[int, ...]
+    data: np.ndarray  # uint8
+
+    @staticmethod
+    def pack(weights: dict[str, Tensor]) -> PackedWeights:
+        """Copy `weights` (any device and dtype) into one CPU buffer, in their order."""
+        specs, offsets, end = [], [], 0
+        for name, tensor in weights.items():
+            specs.append(TensorSpec(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
+            offsets.append(end)
+            end += -(-tensor.numel() * tensor.element_size() // _ALIGN_BYTES) * _ALIGN_BYTES
+        data = torch.empty(end, dtype=torch.uint8)
+        for offset, tensor in zip(offsets, weights.values()):
+            _view(data, offset, tensor.dtype, tensor.shape).copy_(tensor.detach())
+        return PackedWeights(tuple(specs), tuple(offsets), data.numpy())
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Name -> tensor views of the buffer. Read-only when it is object-store memory: load, never modify."""
+        with warnings.catch_warnings():  # torch warns that the (read-only) array is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(self.data)
+        return {spec.name: _view(data, offset, getattr(torch, spec.dtype), spec.shape)
+                for spec, offset in zip(self.specs, self.offsets)}
+
+
+def _view(data: Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> Tensor:
+    """The tensor of `dtype` and `shape` stored at byte `offset` of the uint8 buffer `data`."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return data[offset : offset + nbytes].view(dtype).view(shape)
 
 
 def buckets(specs: list[TensorSpec], bucket_mb: int) -> list[list[TensorSpec]]:

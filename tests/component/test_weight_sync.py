@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from learner.weight_sync import CollectiveWeightSync, TensorSpec, buckets
+from learner.weight_sync import CollectiveWeightSync, PackedWeights, TensorSpec, buckets
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -63,6 +63,22 @@ def test_gloo_broadcast_delivers_exact_weights_to_every_generator(tmp_path, buck
         assert received.keys() == expected.keys()
         for name, tensor in expected.items():
             assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+
+
+def test_packed_weights_cross_the_object_store_exactly_and_are_mapped_not_copied():
+    import ray
+
+    expected = _weights()
+    ray.init(num_cpus=1, include_dashboard=False, namespace="test-packed-weights")
+    try:
+        received = ray.get(ray.put(PackedWeights.pack(expected)))
+        assert not received.data.flags.writeable  # a view of object-store memory, not a private copy
+        tensors = received.tensors()
+        assert list(tensors) == list(expected)  # the learner's order, which vLLM's loader sees
+        for name, tensor in expected.items():
+            assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
+    finally:
+        ray.shutdown()
 
 
 def test_unknown_backend_is_refused():
