@@ -181,13 +181,25 @@ def adaptive_clip_tau(region_m2: Tensor, tau: float) -> float | None:
     Capping at the j-th largest value v_j (0-based) gives (sum of all but the j largest) + j v_j.
     Every value <= tau fits, so only values above tau and the largest value <= tau are candidates.
     """
-    solved = _solve_adaptive_clip(region_m2, region_m2.numel(), float(region_m2.sum(dtype=torch.float64)), tau)
-    return None if solved is None else solved[0]
+    cap = _solve_adaptive_clip(region_m2, region_m2.numel(), float(region_m2.sum(dtype=torch.float64)), tau)
+    return None if cap is None else cap.tau_c
 
 
-def _solve_adaptive_clip(region_m2: Tensor, n_region: int, total: float, tau: float) -> tuple[float, float] | None:
+@dataclass
+class _Cap:
+    """The adaptive clip: its half-width tau_c, the capped sum sum_i min(v_i, tau_c^2) in fp64, and the flat
+    indices of the values above tau_c^2. Those are the tokens the clip [exp(-tau_c), exp(tau_c)] removes:
+    it binds only in the trust region (A > 0 above the range, A < 0 below it), where (log r)^2 > tau_c^2
+    says exactly that r is outside it."""
+
+    tau_c: float
+    capped_sum: float
+    clipped: Tensor
+
+
+def _solve_adaptive_clip(region_m2: Tensor, n_region: int, total: float, tau: float) -> _Cap | None:
     """`adaptive_clip_tau` on values that may hold zeros beyond the n_region trust-region ones (they
-    never cap and add nothing); also returns the capped sum sum_i min(v_i, tau_c^2) in fp64."""
+    never cap and add nothing), with the capped sum and the clipped tokens."""
     if n_region == 0 or total <= tau * n_region:
         return None
 
@@ -198,10 +210,22 @@ def _solve_adaptive_clip(region_m2: Tensor, n_region: int, total: float, tau: fl
     fit = _first_fit(region_m2, total, tau, capped_over_budget, columns=256)
     if fit.first is not None:
         value = float(fit.top[fit.first])
-        return math.sqrt(value), fit.others + (fit.first + 1) * value
+        n_above = int((fit.top[: fit.first] > value).sum())  # a prefix: values tied with the cap stay
+        return _Cap(math.sqrt(value), fit.others + (fit.first + 1) * value, fit.index[:n_above])
+    # The cap is the largest value <= tau, and the search found every value above tau: those are clipped.
     values = region_m2.double()
     largest_within = float((values * (values <= tau)).max())
-    return math.sqrt(largest_within), float(values.clamp(max=largest_within).sum())
+    return _Cap(math.sqrt(largest_within), float(values.clamp(max=largest_within).sum()), fit.index)
+
+
+def _ratio_zeroed_at(batch: PolicyBatch, index: Tensor, buffer: Tensor) -> Tensor:
+    """The batch's ratio with 0 at the flat `index` (the weights of both forms), written into `buffer`,
+    a [B, T] fp32 tensor the caller no longer needs; the ratio itself when nothing is zeroed."""
+    if index.numel() == 0:
+        return batch.ratio
+    weights = buffer.copy_(batch.ratio)
+    weights.view(-1)[index] = 0.0
+    return weights
 
 
 @register("m2po")
@@ -216,10 +240,7 @@ class M2PO(Stabilizer):
         if self.config.mode == "adaptive_clip":
             return self._adaptive_clip(batch, region_m2, n_region, total, metrics)
         dropped, m2_after = _drop_within_budget(region_m2, n_region, total, self.config.tau)
-        weights = batch.ratio
-        if dropped.numel():
-            weights = region_m2.copy_(weights)  # its buffer is free now
-            weights.view(-1)[dropped] = 0.0
+        weights = _ratio_zeroed_at(batch, dropped, region_m2)
         metrics["stability/m2_after"] = torch.tensor(m2_before if m2_after is None else m2_after, dtype=torch.float32)
         metrics["stability/mask_frac"] = dropped.numel() / batch.token_count
         return TokenWeights(weights, batch.mask, metrics)
@@ -227,16 +248,17 @@ class M2PO(Stabilizer):
     def _adaptive_clip(
         self, batch: PolicyBatch, region_m2: Tensor, n_region: int, total: float, metrics: dict[str, Tensor]
     ) -> TokenWeights:
-        solved = _solve_adaptive_clip(region_m2, n_region, total, self.config.tau)
-        if solved is None:
-            low, high, m2_after = 0.0, 1e5, metrics["stability/m2"]
+        cap = _solve_adaptive_clip(region_m2, n_region, total, self.config.tau)
+        if cap is None:  # within budget the released code still clips, at [0, 1e5]
+            low, high = 0.0, 1e5
+            result = clipped_surrogate_weights(batch, low, high, None)
+            result.metrics["stability/m2_after"] = metrics["stability/m2"]
         else:
-            tau_c, capped_sum = solved
-            low, high = math.exp(-tau_c), math.exp(tau_c)
-            m2_after = torch.tensor(capped_sum / n_region, dtype=torch.float32)
-        result = clipped_surrogate_weights(batch, low, high, None)
+            low, high = math.exp(-cap.tau_c), math.exp(cap.tau_c)
+            weights = _ratio_zeroed_at(batch, cap.clipped, region_m2)
+            result = TokenWeights(weights, batch.mask, {"stability/clip_frac": cap.clipped.numel() / batch.token_count})
+            result.metrics["stability/m2_after"] = torch.tensor(cap.capped_sum / n_region, dtype=torch.float32)
         result.metrics.update(metrics)
-        result.metrics["stability/m2_after"] = m2_after
         result.metrics["stability/clip_low"] = torch.tensor(low)
         result.metrics["stability/clip_high"] = torch.tensor(high)
         return result

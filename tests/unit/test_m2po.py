@@ -161,19 +161,25 @@ def _sorted_region_values(batch):
     return torch.sort((batch.log_ratio[region] ** 2).double(), descending=True).values  # fp32 squares
 
 
-@pytest.mark.parametrize("seed, tail_share, tail_std", [(0, 0.02, 1.5), (1, 0.02, 1.5), (2, 0.3, 1.0), (3, 0.9, 3.0)])
-def test_adaptive_clip_on_large_batches_matches_a_full_sort(seed, tail_share, tail_std):
+# The last case: 95% of tokens at |log r| >= 1, with a gap down to the rest: no value above tau fits
+# the budget, so the cap is the largest value within tau and every value above tau is clipped.
+@pytest.mark.parametrize("seed, tail_share, tail_std, tail_floor",
+                         [(0, 0.02, 1.5, 0.0), (1, 0.02, 1.5, 0.0), (2, 0.3, 1.0, 0.0), (3, 0.9, 3.0, 0.0),
+                          (4, 0.95, 1.0, 1.0)])
+def test_adaptive_clip_on_large_batches_matches_a_full_sort(seed, tail_share, tail_std, tail_floor):
     # Large enough for the column search, which may have to widen before the cap is found.
     gen = torch.Generator().manual_seed(seed)
     log_ratio = torch.randn(32, 1024, generator=gen) * 0.05
     tail = torch.rand(32, 1024, generator=gen) < tail_share
-    log_ratio[tail] = torch.randn(int(tail.sum()), generator=gen) * tail_std
+    far = torch.randn(int(tail.sum()), generator=gen) * tail_std
+    log_ratio[tail] = far + torch.sign(far) * tail_floor
     mask = torch.rand(32, 1024, generator=gen) < 0.9
     batch = PolicyBatch(log_ratio.clone(), torch.zeros_like(log_ratio), torch.randn(32, generator=gen), mask)
     out = M2PO(M2POConfig(mode="adaptive_clip")).token_weights(batch)
     values = _sorted_region_values(batch)
     n, budget = values.numel(), 0.04 * values.numel()
-    capped = [float(values.clamp(max=v).sum()) for v in values[: int((values > 0.04).sum())]]
+    n_above = int((values > 0.04).sum())
+    capped = [float(values.clamp(max=v).sum()) for v in values[: n_above + 1]]  # + the largest within tau
     tau_c = math.sqrt(float(values[next(j for j, c in enumerate(capped) if c <= budget)]))
     assert out.metrics["stability/clip_high"].item() == pytest.approx(math.exp(tau_c), rel=1e-6)
     assert out.metrics["stability/m2_after"].item() == pytest.approx(float(values.clamp(max=tau_c**2).sum()) / n, rel=1e-5)
