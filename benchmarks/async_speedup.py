@@ -11,7 +11,10 @@ a local 2-CPU Ray cluster; every run has the same seed, prompts and warm-up. Rep
   max_lag 0 run,
 - wall seconds until the trailing 10-step mean reward first reaches `--target-reward`,
 - the simulator's step time for the run (`stableasync simulate --calibrate`, costs from the run's own
-  phase measurements, never from its step time) and its error against the measured one.
+  phase measurements, never from its step time) and its error against the measured one,
+- what explains a miss: the run's own g and t, its median response length (a policy that learns
+  shorter answers makes cheaper steps), and how busy its slower phase kept the wall clock,
+  max(g, t) / wall (1.0 would be perfect overlap of the work that run actually did).
 """
 
 from __future__ import annotations
@@ -106,6 +109,11 @@ def main() -> None:
         error = (predicted - measured.step_s) / measured.step_s if measured.step_s else math.nan
         print(f"{lag:>7}{wall:>13.3f}{speedup:>9.2f}{speedup / ideal:>10.0%}"
               f"{(f'{to_target:.1f}' if to_target is not None else 'never'):>13}{predicted:>18.3f}{error:>+11.0%}")
+    print(f"\n{'max_lag':>7}{'own g s/step':>14}{'own t s/step':>14}{'response len':>14}{'max(g, t) / wall':>18}")
+    for lag in lags:
+        own_g, own_t = phase_s(runs[lag], rows[lag])
+        length = statistics.median(metric_number(r["rollout/response_len"]) for r in rows[lag][SKIP_STEPS:])
+        print(f"{lag:>7}{own_g:>14.3f}{own_t:>14.3f}{length:>14.1f}{max(own_g, own_t) / wall_per_step_s(rows[lag]):>18.0%}")
     print(f"\n(simulated s/step is compared with the run's mean gap between metric rows, {out}/lag*/metrics.jsonl)")
 
 
