@@ -28,13 +28,6 @@ from algorithms.clipping import clipped_surrogate_weights
 from algorithms.stabilizer import Stabilizer, register
 
 
-def trust_region_tokens(log_ratio: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
-    """Tokens where a PPO clip could bind: (A > 0 and r > 1) or (A < 0 and r < 1)."""
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    return mask.bool() & (torch.sign(advantages) * log_ratio > 0)
-
-
 def _trust_region_m2(log_ratio: Tensor, advantages: Tensor) -> tuple[Tensor, int]:
     """(log r)^2 on the trust-region tokens and 0 elsewhere, [B, T], and how many tokens the region has.
 

@@ -108,15 +108,16 @@ class LearnerRank:
         )
         self.stabilizer = registry.build(spec.stabilizer_name, **_config_values(spec.stabilizer_config))
         self.advantage_fn = ADVANTAGES[spec.advantage]
-        self.ghost_norms, self.grad_norm_fallback = self._ghost_norms()
-        self.bookkeeping = self._uses_bookkeeping()
+        # a stabilizer without the option (a user's own) gets the ghost path
+        opob_impl = getattr(self.stabilizer.config, "opob_impl", "ghost")
+        self.ghost_norms, self.grad_norm_fallback = self._ghost_norms(opob_impl)
+        self.bookkeeping = self._uses_bookkeeping(opob_impl)
         self.version = 0
 
-    def _ghost_norms(self) -> tuple[GhostGradNorms | None, bool]:
+    def _ghost_norms(self, opob_impl: str) -> tuple[GhostGradNorms | None, bool]:
         """The ghost-norm path when the stabilizer needs per-sample norms and every parameter has a rule;
         otherwise the per-sample loop, announced (a silent 10x slowdown would look like a hang)."""
-        impl = getattr(self.stabilizer.config, "opob_impl", "ghost")
-        if not self.stabilizer.needs_grad_norms or impl == "per_sample_loop":
+        if not self.stabilizer.needs_grad_norms or opob_impl == "per_sample_loop":
             return None, False
         try:
             return GhostGradNorms(self.engine.module), False
@@ -125,10 +126,10 @@ class LearnerRank:
                         self.rank, error)
             return None, True
 
-    def _uses_bookkeeping(self) -> bool:
+    def _uses_bookkeeping(self, opob_impl: str) -> bool:
         """Book-keeping forms the update from the kept per-sample gradients, which needs whole parameters:
         under ZeRO-3 the norms come from the two-pass ghost path instead (said once, here)."""
-        if self.ghost_norms is None or getattr(self.stabilizer.config, "opob_impl", "ghost") != "bookkeeping":
+        if self.ghost_norms is None or opob_impl != "bookkeeping":
             return False
         if self.spec.zero_stage == 3:
             log.info("learner rank %d: ZeRO-3 partitions the parameters, so per-sample norms use the two-pass "

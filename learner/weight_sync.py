@@ -78,7 +78,7 @@ class PackedWeights:
 
 def _view(data: Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> Tensor:
     """The tensor of `dtype` and `shape` stored at byte `offset` of the uint8 buffer `data`."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     return data[offset : offset + nbytes].view(dtype).view(shape)
 
 
