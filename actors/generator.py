@@ -51,6 +51,10 @@ class GeneratedGroup:
     generator_index: int = 0
     incarnation: str = ""  # changes when the generator's process is restarted
     generate_s: float = 0.0  # seconds of the generate call that produced it (shared by the call's groups)
+    # weight loads the generator finished since its previous call, and their seconds (shared likewise):
+    # they take the engine between calls, so a step's generation phase is generate_s plus these
+    weight_loads: int = 0
+    weight_load_s: float = 0.0
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -70,6 +74,7 @@ class Generator:
         from vllm import LLM
 
         self.spec, self.index, self.version = spec, index, 0
+        self.unreported_loads, self.unreported_load_s = 0, 0.0  # reported with the next call's groups
         self.incarnation = uuid.uuid4().hex  # a restarted actor gets a new one: the driver can tell
         # Whole prompts only: vLLM-CPU fails on a seeded request whose prefill is split over engine steps
         # ("CPU Generator does not use offset"), so a call larger than one step's budget waits, unsplit.
@@ -120,6 +125,9 @@ class Generator:
         generate_s = time.perf_counter() - start
         for group in groups:
             group.generate_s = generate_s
+            group.weight_loads, group.weight_load_s = self.unreported_loads, self.unreported_load_s
+        if groups:
+            self.unreported_loads, self.unreported_load_s = 0, 0.0
         return groups
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
@@ -131,7 +139,10 @@ class Generator:
         self.llm.collective_rpc("update_weights_from_state_dict", args=(state_dict,))
         self.llm.reset_prefix_cache()
         self.version = version
-        return time.perf_counter() - start
+        load_s = time.perf_counter() - start
+        self.unreported_loads += 1
+        self.unreported_load_s += load_s
+        return load_s
 
     def process_id(self) -> int:
         """This generator's OS process (operators and fault tests kill it to check recovery)."""

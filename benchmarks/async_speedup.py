@@ -5,16 +5,19 @@
 
 One generator and one learner rank, each given one CPU (Ray resources) and one torch/OMP thread, on
 a local 2-CPU Ray cluster; every run has the same seed, prompts and warm-up. Reported per lag:
-- wall seconds per RL step (median gap between consecutive metric rows, first 5 steps skipped),
+- wall seconds per RL step (mean over the steps after the first 5, which pay first-call costs),
 - the speedup over max_lag 0, and the share of the ideal speedup (g + t) / max(g, t) it reaches, where
-  g (generation seconds per step) and t (learner step + weight sync seconds) are measured in the
-  max_lag 0 run,
+  g (the generator's seconds per step: generate calls and its weight loads) and t (learner step +
+  weight sync seconds) are measured in the max_lag 0 run,
 - wall seconds until the trailing 10-step mean reward first reaches `--target-reward`,
 - the simulator's step time for the run (`stableasync simulate --calibrate`, costs from the run's own
   phase measurements, never from its step time) and its error against the measured one,
-- what explains a miss: the run's own g and t, its median response length (a policy that learns
-  shorter answers makes cheaper steps), and how busy its slower phase kept the wall clock,
-  max(g, t) / wall (1.0 would be perfect overlap of the work that run actually did).
+- the same measured within each run alone, side by side with its own wall clock: the run's own g and
+  t, its ideal (g + t) / max(g, t), the speedup it got over doing that same work one phase after the
+  other, (g + t) / wall, and the share of its ideal that is, max(g, t) / wall (1.0: perfect overlap).
+  Each lag trains its own policy, and what it learns changes the work per step (shorter answers make
+  cheaper steps; the median response length is printed), so this share, unlike the one against the
+  max_lag 0 run, does not mix the overlap with a different workload or a slower stretch of the machine.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def wall_per_step_s(rows: list[dict[str, Any]]) -> float:
-    walls = [r["time/wall_s"] for r in rows[SKIP_STEPS:]]
-    return statistics.median(b - a for a, b in zip(walls, walls[1:]))
+    """Mean wall seconds per step after the warm-up: the clock from the row before the first steady step
+    to the last row, over the steady steps (the interval the phase sums below cover)."""
+    return (rows[-1]["time/wall_s"] - rows[SKIP_STEPS - 1]["time/wall_s"]) / (len(rows) - SKIP_STEPS)
 
 
 def time_to_target_s(rows: list[dict[str, Any]], target: float, window: int = 10) -> float | None:
@@ -50,10 +54,15 @@ def time_to_target_s(rows: list[dict[str, Any]], target: float, window: int = 10
 
 
 def phase_s(run_dir: Path, rows: list[dict[str, Any]]) -> tuple[float, float]:
-    """(g, t): generation seconds per step and learner-plus-sync seconds per step of one run."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    g = summary["generate_s"] / summary["steps"]
-    t = statistics.median(metric_number(r["time/learner_step_s"]) + metric_number(r["perf/weight_sync_s"]) for r in rows[SKIP_STEPS:])
+    """(g, t): the generator's busy seconds per step (its generate calls, plus the weight loads it runs
+    between them) and the learner-plus-sync seconds per step of one run, both after the warm-up steps."""
+    steady = rows[SKIP_STEPS:]
+    if all("time/generator_busy_s" in r for r in steady):  # one generator: its seconds reported per step row
+        g = statistics.fmean(metric_number(r["time/generator_busy_s"]) for r in steady)
+    else:  # a run from before that metric: the whole run's generate calls, warm-up included
+        summary = json.loads((run_dir / "summary.json").read_text())
+        g = summary["generate_s"] / summary["steps"]
+    t = statistics.fmean(metric_number(r["time/learner_step_s"]) + metric_number(r["perf/weight_sync_s"]) for r in steady)
     return g, t
 
 
@@ -96,7 +105,7 @@ def main() -> None:
     ideal = (g + t) / max(g, t)
     sync_wall = wall_per_step_s(rows[0])
     print(f"job {args.job}: {args.steps} steps per lag, 1 generator + 1 learner rank, one CPU and thread each")
-    print(f"phases at max_lag 0: generation g = {g:.3f} s/step, learner + sync t = {t:.3f} s/step, "
+    print(f"phases at max_lag 0: generator g (calls + weight loads) = {g:.3f} s/step, learner + sync t = {t:.3f} s/step, "
           f"ideal speedup (g + t) / max(g, t) = {ideal:.2f}\n")
     print(f"{'max_lag':>7}{'wall s/step':>13}{'speedup':>9}{'of ideal':>10}{'to target s':>13}"
           f"{'simulated s/step':>18}{'sim error':>11}")
@@ -109,11 +118,15 @@ def main() -> None:
         error = (predicted - measured.step_s) / measured.step_s if measured.step_s else math.nan
         print(f"{lag:>7}{wall:>13.3f}{speedup:>9.2f}{speedup / ideal:>10.0%}"
               f"{(f'{to_target:.1f}' if to_target is not None else 'never'):>13}{predicted:>18.3f}{error:>+11.0%}")
-    print(f"\n{'max_lag':>7}{'own g s/step':>14}{'own t s/step':>14}{'response len':>14}{'max(g, t) / wall':>18}")
+    print("\neach run against its own phases:")
+    print(f"{'max_lag':>7}{'own g s/step':>14}{'own t s/step':>14}{'response len':>14}{'own ideal':>11}"
+          f"{'(g + t) / wall':>16}{'of own ideal':>14}")
     for lag in lags:
         own_g, own_t = phase_s(runs[lag], rows[lag])
+        wall = wall_per_step_s(rows[lag])
         length = statistics.median(metric_number(r["rollout/response_len"]) for r in rows[lag][SKIP_STEPS:])
-        print(f"{lag:>7}{own_g:>14.3f}{own_t:>14.3f}{length:>14.1f}{max(own_g, own_t) / wall_per_step_s(rows[lag]):>18.0%}")
+        print(f"{lag:>7}{own_g:>14.3f}{own_t:>14.3f}{length:>14.1f}{(own_g + own_t) / max(own_g, own_t):>11.2f}"
+              f"{(own_g + own_t) / wall:>16.2f}{max(own_g, own_t) / wall:>14.0%}")
     print(f"\n(simulated s/step is compared with the run's mean gap between metric rows, {out}/lag*/metrics.jsonl)")
 
 

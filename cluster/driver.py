@@ -177,6 +177,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResu
     summary = {"steps": job.learner.steps, "ledger": counts, "rewards": rewards,
                "generator_restarts": loop.generator_restarts, "learner_restarts": attempt,
                "generated_tokens": loop.generated_tokens, "generate_s": loop.generate_s,  # summed over generators
+               "weight_loads": loop.weight_loads, "weight_load_s": loop.weight_load_s,  # likewise
                "generators": {"joined": loop.joined, "left": loop.left, **placement}}  # nodes by Ray node id
     (run_dir / "summary.json").write_text(json.dumps(summary))
     return RunResult(run_dir, job.learner.steps, counts, rewards)
@@ -215,6 +216,8 @@ class AsyncLoop:
         self.joined = self.left = 0
         self.departed_restarts = 0  # restarts of generators that have left the job
         self.generated_tokens, self.generate_s = 0, 0.0  # over every generate call of this run
+        self.weight_loads, self.weight_load_s = 0, 0.0  # generators' own weight loads, reported with their calls
+        self.generator_busy_s = 0.0  # generate calls and weight loads reported since the last step row
         self.generator_nodes = generator_nodes  # index (str) -> Ray node id, newcomers added as they join
         self.learner_refs: list[ray.ObjectRef] = []
         self.training: list[ScoredGroup] = []
@@ -384,6 +387,9 @@ class AsyncLoop:
             member.incarnation = groups[0].incarnation
         if groups:
             self.generate_s += groups[0].generate_s
+            self.weight_loads += groups[0].weight_loads
+            self.weight_load_s += groups[0].weight_load_s
+            self.generator_busy_s += groups[0].generate_s + groups[0].weight_load_s
             self.generated_tokens += sum(len(c["completion_ids"]) for g in groups for c in g.completions)
         for group in groups:
             self._score_and_buffer(group)
@@ -557,13 +563,16 @@ class AsyncLoop:
             "async/lag": [int(c) for c in stats["lag_hist"].tolist()],
             "async/buffered_groups": len(self.buffer.ready),
             "perf/weight_sync_s": publish_s,
+            "perf/weight_load_s": self.weight_load_s / self.weight_loads if self.weight_loads else math.nan,
             # one generator's mean rate over all calls so far, times the generators running now
             "perf/gen_tokens_per_s": (self.generated_tokens / self.generate_s * len(self.generators)
                                       if self.generate_s else math.nan),
             "fault/generator_restarts": self.generator_restarts,
             "async/num_generators": len(self.generators),
             "time/step_s": step_s,
+            "time/generator_busy_s": self.generator_busy_s,
         }
+        self.generator_busy_s = 0.0
         self.rewards.append(metrics.get("rollout/reward_mean", math.nan))
         self.sink.log(self.version, row)
 

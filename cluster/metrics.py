@@ -61,9 +61,13 @@ KNOWN_METRICS: dict[str, str] = {
     "perf/gen_tokens_per_s": "generated tokens per second over all generators",
     "perf/learner_tokens_per_s": "tokens (prompt and completion) the learner processed per second",
     "perf/weight_sync_s": "seconds to publish the new weights to the generators",
+    "perf/weight_load_s": "seconds a generator takes to load one weight version into its engine (mean so far; "
+    "it runs between the generator's calls, after the publish)",
     "fault/generator_restarts": "generator restarts so far in this run",
     "time/step_s": "seconds from starting the learner step to logging it",
     "time/learner_step_s": "seconds the learner spent in the step",
+    "time/generator_busy_s": "generator seconds (generate calls and weight loads, summed over generators) "
+    "reported since the previous step: over a run, its mean / generators is each generator's busy time per step",
     WALL_KEY: "seconds since the metric sink started",
     "sft/loss": "supervised warm-up loss (token-mean cross-entropy)",
     "sft/grad_norm": "supervised warm-up gradient norm",
@@ -83,6 +87,7 @@ SUMMARIES: dict[str, str] = {
     "perf/gen_tokens_per_s": "mean,last",
     "perf/learner_tokens_per_s": "mean,last",
     "perf/weight_sync_s": "mean,max",
+    "perf/weight_load_s": "last",
     "time/step_s": "mean",
 }
 

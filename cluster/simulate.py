@@ -58,6 +58,11 @@ class SimConfig:
     gen_tokens_per_s: float = _doc("generation throughput of one generator GPU, generated tokens per second", 6000.0)
     gen_decode_step_s: float = _doc("seconds per decode step of a call's longest response (the straggler tail)", 0.006)
     gen_call_overhead_s: float = _doc("fixed seconds per generate call (scheduling, prefill, transfer)", 0.5)
+    gen_weight_load_s: float = _doc(
+        "seconds a generator spends loading each new weight version into its engine, before its next call "
+        "(object-store sync; a collective publish includes the load in sync_s instead)",
+        0.0,
+    )
     learner_tokens_per_s: float = _doc(
         "training throughput of one learner GPU, prompt + response tokens per second",
         12000.0,
@@ -79,6 +84,7 @@ class SimConfig:
                     "response_len_mean", "max_response_len", "gen_tokens_per_s", "learner_tokens_per_s",
                     "sync_bytes_per_s")
         non_negative = ("max_lag", "response_len_cv", "prompt_len", "gen_decode_step_s", "gen_call_overhead_s",
+                        "gen_weight_load_s",
                         "learner_overhead_s", "sync_fixed_s", "weight_bytes")
         problems = [f"{name} must be > 0, got {getattr(self, name)}"
                     for name in positive if not getattr(self, name) > 0]
@@ -181,6 +187,7 @@ class _Simulation:
         self.now = 0.0
         self.version = 0
         self.weights_version = 0  # every generator's next call samples with this (all get each publish)
+        self.loaded_version = [0] * config.generators  # what each engine holds; a newer version loads first
         self.calls: list[_Call] = []
         self.finished_calls: list[_Call] = []
         self.learner: _Step | None = None
@@ -230,8 +237,10 @@ class _Simulation:
                 groups.append((group_id, [self._response_len() for _ in range(self.c.samples_per_prompt)]))
             if groups:
                 self.orders += 1
+                load_s = self.c.gen_weight_load_s if self.loaded_version[index] < self.weights_version else 0.0
+                self.loaded_version[index] = self.weights_version
                 self.calls.append(_Call(index, groups, self.weights_version, self.now,
-                                        self.now + self._call_s(groups), self.orders))
+                                        self.now + load_s + self._call_s(groups), self.orders))
 
     def _start_learner_step(self) -> None:
         if self.learner is not None:
@@ -354,6 +363,7 @@ class Measured:
     gen_tokens_per_s: float  # per generator GPU
     learner_tokens_per_s: float  # per learner GPU
     response_len: float
+    weight_load_s: float = 0.0  # one generator weight load (`perf/weight_load_s`; runs before it logged 0)
 
 
 def _finite(rows: list[dict[str, Any]], key: str, path: Path) -> list[float]:
@@ -423,19 +433,22 @@ def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
     gen_per_gpu = gen_total / (counts[-1] if counts else shape.generators)
     sync_s = statistics.fmean(_finite(rows, "perf/weight_sync_s", metrics))
     lags = [v for v in (metric_number(r.get("async/lag_mean")) for r in rows) if math.isfinite(v)]
+    loads = [v for v in (metric_number(r.get("perf/weight_load_s")) for r in rows) if math.isfinite(v)]
     measured = Measured(
         steps=len(rows), logged_step_s=statistics.fmean(_finite(rows, "time/step_s", metrics)),
         step_s=_measured_period(rows), lag_mean=statistics.fmean(lags) if lags else None,
         learner_step_s=learner_step_s, weight_sync_s=sync_s, gen_tokens_per_s=gen_per_gpu,
         learner_tokens_per_s=rank_tokens / learner_step_s, response_len=response_len,
+        weight_load_s=loads[-1] if loads else 0.0,  # the logged value is the run's mean so far
     )
+    collective = async_["weight_sync"] != "object_store"  # its publish waits for the loads: already in sync_s
     config = replace(
         shape, steps=max(2, min(len(rows), 5000)), response_len_mean=response_len, response_len_cv=0.0,
         prompt_len=max(0.0, rank_tokens * shape.learners / samples - response_len),
         gen_tokens_per_s=measured.gen_tokens_per_s, gen_decode_step_s=0.0, gen_call_overhead_s=0.0,
         learner_tokens_per_s=measured.learner_tokens_per_s, learner_overhead_s=0.0,
-        sync_fixed_s=sync_s, weight_bytes=0.0,
-        sync_waits_for_generation=async_["weight_sync"] != "object_store",
+        gen_weight_load_s=0.0 if collective else measured.weight_load_s, sync_fixed_s=sync_s, weight_bytes=0.0,
+        sync_waits_for_generation=collective,
     )
     return config, measured
 
@@ -493,7 +506,8 @@ def describe_calibration(run_dir: Path, config: SimConfig, measured: Measured, r
         f"  learner: {measured.learner_tokens_per_s:.1f} tokens/s per rank over {measured.learner_step_s:.3f} s "
         f"(time/learner_step_s), prompt {config.prompt_len:.1f} tokens per sample (derived)",
         f"  weight sync: {measured.weight_sync_s:.3f} s (perf/weight_sync_s)"
-        + (", waits for in-flight generation (collective)" if config.sync_waits_for_generation else ""),
+        + (", waits for in-flight generation (collective)" if config.sync_waits_for_generation
+           else f"; each generator then loads it in {config.gen_weight_load_s:.3f} s (perf/weight_load_s)"),
         "",
         f"  {'':34}{'predicted':>10}{'measured':>10}{'error':>9}",
         f"  {'time/step_s (as the driver logs)':34}{result.logged_step_s_mean:>10.3f}{measured.logged_step_s:>10.3f}"

@@ -36,6 +36,9 @@ def test_weight_reload_changes_outputs_and_restoring_restores_them(generator, ti
     generator.update_weights(scaled, version=1)
     changed = generator.generate(_requests())
     assert changed[0].version_start == 1
+    # the load is reported once, with the next call's groups (it ran between the calls)
+    assert {(g.weight_loads, g.weight_load_s > 0) for g in changed} == {(1, True)}
+    assert generator.generate(_requests()[:1])[0].weight_loads == 0
     tokens = lambda groups: [c["completion_ids"] for g in groups for c in g.completions]  # noqa: E731
     assert tokens(changed) != tokens(before)
     generator.update_weights(original, version=2)

@@ -69,6 +69,13 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     for key in ("stability/ess_ratio", "stability/lr_scale", "optim/grad_norm", "stability/kl_k3", "async/lag"):
         assert key in rl_steps[-1], key
     assert list((result.run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "W&B offline run file written"
+    # every publish is loaded by the generator before its next call; the driver counts what it reports
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["weight_loads"] >= 3 and summary["weight_load_s"] > 0  # steps 1-3's, reported by calls 2-4
+    assert 0 < rl_steps[-1]["perf/weight_load_s"] <= summary["weight_load_s"]  # the mean of one load so far
+    # synchronous: each step's own call (and the load before it) is reported in that step's row
+    busy = [m["time/generator_busy_s"] for m in rl_steps]
+    assert min(busy) > 0 and sum(busy) == pytest.approx(summary["generate_s"] + summary["weight_load_s"])
 
 
 def test_lagged_job_stays_within_max_lag(local_ray, tmp_path):

@@ -72,6 +72,16 @@ def test_lag_overlaps_generation_with_training(gen_s, train_s, max_lag):
     assert result.lag_mean > 0
 
 
+@pytest.mark.parametrize("max_lag", [0, 1])
+def test_a_generator_loads_each_new_version_once_before_its_next_call(max_lag):
+    load_s = 0.7
+    generation_bound = _overlap_config(10.0, 4.0, 0.0, max_lag)
+    plain = simulate(generation_bound).step_s_median  # median: a lagged run's second call still samples version 0
+    assert simulate(replace(generation_bound, gen_weight_load_s=load_s)).step_s_median == pytest.approx(plain + load_s)
+    learner_bound = _overlap_config(3.0, 10.0, 0.0, 1)  # the load hides behind training
+    assert simulate(replace(learner_bound, gen_weight_load_s=load_s)).step_s_median == pytest.approx(10.0)
+
+
 @pytest.mark.parametrize("gen_s,train_s,sync_s", [(10.0, 10.0, 1.0), (10.0, 5.0, 1.0), (10.0, 9.5, 1.0)])
 def test_the_driver_blocks_while_publishing(gen_s, train_s, sync_s):
     """Nothing is issued during a publish, so a step is the longer of generating and training-plus-publishing."""
@@ -145,10 +155,11 @@ def test_no_torch_ray_or_numpy():
 
 
 def _write_run(run_dir: Path, max_lag: int, gen_s: float, train_s: float, sync_s: float, overhead_s: float,
-               steps: int = 12) -> tuple[float, float]:
+               steps: int = 12, load_s: float | None = None) -> tuple[float, float]:
     """A finished run as the driver writes it: one generator making 4 groups x 2 responses of 40 tokens per
     step, prompts of 60 tokens. Returns the mean `time/step_s` and step period it 'measured'; both carry
-    `overhead_s` the model does not know about, and alternate +-3% noise."""
+    `overhead_s` the model does not know about, and alternate +-3% noise. `load_s`: the generator's weight
+    load before each call, logged as `perf/weight_load_s` (None: a run from before that metric)."""
     prompts, samples, response, prompt = 4, 2, 40.0, 60.0
     job = validate_job({
         "task": {"name": "arithmetic"}, "seed": 7,
@@ -159,7 +170,8 @@ def _write_run(run_dir: Path, max_lag: int, gen_s: float, train_s: float, sync_s
     run_dir.mkdir()
     (run_dir / "job.yaml").write_text(dump_job(job))
     tokens = prompts * samples * response
-    period = (gen_s + train_s + sync_s if max_lag == 0 else max(gen_s, train_s + sync_s)) + overhead_s
+    busy_gen_s = gen_s + (load_s or 0.0)
+    period = (busy_gen_s + train_s + sync_s if max_lag == 0 else max(busy_gen_s, train_s + sync_s)) + overhead_s
     rows = [  # warm-up rows (train/step <= 0) are SFT steps and must be ignored
         {"train/step": -1, "time/wall_s": 1.0, "time/learner_step_s": 50.0, "perf/learner_tokens_per_s": 1.0},
         {"train/step": 0, "time/wall_s": 2.0, "time/learner_step_s": 50.0, "perf/learner_tokens_per_s": 1.0},
@@ -179,6 +191,7 @@ def _write_run(run_dir: Path, max_lag: int, gen_s: float, train_s: float, sync_s
             "perf/weight_sync_s": sync_s, "perf/gen_tokens_per_s": "nan" if step == steps else tokens / gen_s,
             "rollout/response_len": response, "async/lag_mean": float(max_lag > 0 and step > 1),
             "async/lag": [1, 0], "stability/ess_ratio": "nan",
+            **({} if load_s is None else {"perf/weight_load_s": load_s}),
         })
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return sum(logged) / steps, sum(gaps[1:]) / (steps - 1)
@@ -193,6 +206,16 @@ def test_calibration_reproduces_a_runs_step_time(tmp_path, max_lag, gen_s, train
     result = simulate(config)
     assert result.logged_step_s_mean == pytest.approx(logged_s, rel=0.2)
     assert result.step_s_mean == pytest.approx(period_s, rel=0.2)
+
+
+@pytest.mark.parametrize("max_lag", [0, 1])
+def test_calibration_counts_the_generators_weight_load(tmp_path, max_lag):
+    _, period_s = _write_run(tmp_path / "run", max_lag, 4.0, 2.0, sync_s=0.5, overhead_s=0.0, load_s=0.8)
+    config, measured = calibrate(tmp_path / "run")
+    assert measured.weight_load_s == config.gen_weight_load_s == pytest.approx(0.8)
+    assert simulate(config).step_s_mean == pytest.approx(period_s, rel=0.05)
+    _write_run(tmp_path / "old", max_lag, 4.0, 2.0, sync_s=0.5, overhead_s=0.0)  # logged before the metric
+    assert calibrate(tmp_path / "old")[0].gen_weight_load_s == 0.0
 
 
 def test_calibrate_prints_predicted_measured_and_error(tmp_path, capsys):
