@@ -63,8 +63,8 @@ def _worker_main(conn: Connection, task_name: str, task_config: Any, memory_limi
             return
         if message is None:
             return
-        problem, completion = message
-        conn.send(checked_score(task, problem, completion))
+        for problem, completion in message:
+            conn.send(checked_score(task, problem, completion))
 
 
 class _Worker:
@@ -92,7 +92,7 @@ class _Worker:
 
 
 class ScorePool:
-    """`max_workers` verifier subprocesses, each scoring one completion at a time under `timeout_s`."""
+    """`max_workers` verifier subprocesses, each scoring one completion at a time under `timeout_s` apiece."""
 
     def __init__(self, task_name: str, task_config: Any, max_workers: int = 1, timeout_s: float = 5.0,
                  memory_limit_mb: int | None = None, extra_modules: tuple[str, ...] = ()) -> None:
@@ -105,42 +105,60 @@ class ScorePool:
         self.failures = 0
 
     def score_many(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[ScoreResult]:
+        """Score in order; each worker gets a batch in one message and answers item by item.
+
+        One message per batch, not per completion, keeps the caller's share of a CPU small. The
+        timeout still holds per completion: the item at the head of a worker's batch must answer
+        within `timeout_s` of the previous answer, and when it does not (or the worker dies) only that
+        item fails and the rest of the batch goes back to the queue.
+        """
         if len(problems) != len(completions):
             raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
         results: list[ScoreResult | None] = [None] * len(problems)
         todo = deque(range(len(problems)))
-        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (item, deadline)
-        while todo or busy:
-            for slot in range(len(self._workers)):
-                if slot not in busy and todo:
-                    item = todo.popleft()
-                    if self._send(slot, problems[item], completions[item]):
-                        busy[slot] = (item, time.monotonic() + self.timeout_s)
-                    else:
-                        results[item] = self._fail(slot, "worker died")
-            if not busy:
+        in_flight: dict[int, deque[int]] = {}  # worker slot -> its items, head being scored now
+        head_deadline: dict[int, float] = {}
+        while todo or in_flight:
+            idle = [slot for slot in range(len(self._workers)) if slot not in in_flight]
+            for position, slot in enumerate(idle):
+                if not todo:
+                    break
+                size = math.ceil(len(todo) / (len(idle) - position))
+                batch = deque(todo.popleft() for _ in range(size))
+                if self._send(slot, [(problems[i], completions[i]) for i in batch]):
+                    in_flight[slot] = batch
+                    head_deadline[slot] = time.monotonic() + self.timeout_s
+                else:
+                    results[batch.popleft()] = self._fail(slot, "worker died")
+                    todo.extendleft(reversed(batch))
+            if not in_flight:
                 continue
-            remaining = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
-            ready = set(wait([self._workers[slot].conn for slot in busy], timeout=remaining))
-            for slot in list(busy):
-                item, deadline = busy[slot]
+            remaining = max(0.0, min(head_deadline.values()) - time.monotonic())
+            ready = set(wait([self._workers[slot].conn for slot in in_flight], timeout=remaining))
+            for slot in list(in_flight):
+                batch = in_flight[slot]
                 worker = self._workers[slot]
                 if worker.conn in ready:
                     try:
-                        results[item] = worker.conn.recv()
+                        while worker.conn.poll() and batch:
+                            results[batch.popleft()] = worker.conn.recv()
+                            head_deadline[slot] = time.monotonic() + self.timeout_s
                     except (EOFError, OSError):
-                        results[item] = self._fail(slot, "worker died (killed or out of memory)")
-                elif time.monotonic() >= deadline:
-                    results[item] = self._fail(slot, f"timeout after {self.timeout_s:g} s")
-                else:
-                    continue
-                del busy[slot]
+                        results[batch.popleft()] = self._fail(slot, "worker died (killed or out of memory)")
+                        todo.extendleft(reversed(batch))
+                        batch.clear()
+                elif time.monotonic() >= head_deadline[slot]:
+                    results[batch.popleft()] = self._fail(slot, f"timeout after {self.timeout_s:g} s")
+                    todo.extendleft(reversed(batch))
+                    batch.clear()
+                if not batch:
+                    del in_flight[slot], head_deadline[slot]
         self.failures += sum(r.error is not None for r in results if r is not None)
         return results  # type: ignore[return-value]
 
-    def _send(self, slot: int, problem: Problem, completion: str) -> bool:
+    def _send(self, slot: int, items: list[tuple[Problem, str]]) -> bool:
         try:
-            self._workers[slot].conn.send((problem, completion))
+            self._workers[slot].conn.send(items)
             return True
         except (BrokenPipeError, OSError):
             return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -19,6 +20,10 @@ class FaultyArithmetic(Arithmetic):
     def score(self, problem: Problem, completion: str) -> float:
         if "HANG" in completion:
             time.sleep(3600)
+        if "SLOW" in completion:
+            time.sleep(0.4)
+        if "DIE" in completion:
+            os._exit(1)
         if "RAISE" in completion:
             raise RuntimeError("verifier bug")
         if "NAN" in completion:

@@ -27,6 +27,19 @@ def test_pool_survives_every_kind_of_verifier_failure():
     assert time.monotonic() - start < 30
 
 
+def test_the_timeout_holds_per_completion_and_a_dead_worker_fails_only_its_item():
+    # One batch holds all five: four slow answers take longer together than the timeout, yet each is
+    # within it; the worker that dies fails its own item, and the items queued behind it still score.
+    completions = ["SLOW <answer>2</answer>"] * 4 + ["DIE", "<answer>2</answer>", "HANG", "<answer>2</answer>"]
+    with ScorePool("faulty-arithmetic", ArithmeticConfig(), timeout_s=1.0,
+                   extra_modules=("tasks.testing",)) as pool:
+        results = pool.score_many([PROBLEM] * len(completions), completions)
+    assert [r.reward for r in results] == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert "worker died" in results[4].error and "timeout after 1 s" in results[6].error
+    assert [r.error is None for r in results] == [True] * 4 + [False, True, False, True]
+    assert pool.failures == 2
+
+
 def test_parallel_workers_keep_the_order():
     completions = [f"<answer>{i}</answer>" for i in range(6)]
     with ScorePool("arithmetic", ArithmeticConfig(), max_workers=2) as pool:
