@@ -6,6 +6,7 @@ weights it was sampled with (start and end: weights only change between calls he
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -66,6 +67,28 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+# vLLM logs from these on every in-place reload, i.e. once per step: at INFO the reload, its timing (our
+# perf/weight_load_s carries it) and the prefix-cache reset, and at WARNING that RotaryEmbedding "failed
+# to load weights" (its cos/sin cache is a buffer, not a weight; vLLM puts it back). Their other
+# warnings and errors still pass.
+_PER_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace", "vllm.v1.core.block_pool",
+                       "vllm.model_executor.model_loader.reload.layerwise")
+
+
+def _is_not_per_reload_noise(record: logging.LogRecord) -> bool:
+    if record.levelno < logging.WARNING:
+        return False
+    return not (record.levelno == logging.WARNING and record.getMessage() == "RotaryEmbedding: Failed to load weights")
+
+
+def quiet_per_reload_logs() -> None:
+    """Keep vLLM's per-reload lines off the console (and off Ray's log forwarding to the driver)."""
+    for name in _PER_RELOAD_LOGGERS:
+        logger = logging.getLogger(name)
+        if _is_not_per_reload_noise not in logger.filters:
+            logger.addFilter(_is_not_per_reload_noise)
+
+
 class Generator:
     """A vLLM engine in this process (no engine subprocess: faster start, weights pass as objects)."""
 
@@ -93,6 +116,7 @@ class Generator:
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
         self.tokenizer = self.llm.get_tokenizer()
+        quiet_per_reload_logs()
 
     def generate(self, requests: list[GenerationRequest]) -> list[GeneratedGroup]:
         """Sample `samples_per_prompt` responses for every request, with processed log-probs."""

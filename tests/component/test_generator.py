@@ -83,3 +83,25 @@ def test_a_call_whose_prompts_exceed_the_batch_token_budget_completes_with_seeds
     groups = generator.generate(requests)
     assert [g.group_id for g in groups] == list(range(40))
     assert all(len(g.completions) == 4 and all(c["completion_ids"] for c in g.completions) for g in groups)
+
+
+def test_a_weight_reload_logs_nothing_per_step(generator, tiny_qwen2):
+    # vLLM logs three lines on every in-place reload (timing, prefix-cache reset, and a warning that the
+    # rotary cache, a buffer and no weight, "failed to load"); at one reload per step they flood the
+    # driver's console and cost its log forwarding CPU. perf/weight_load_s carries the timing instead.
+    import logging
+
+    records: list[logging.LogRecord] = []
+    catcher = logging.Handler()
+    catcher.emit = records.append
+    loggers = [logging.getLogger(name) for name in (
+        "vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace",
+        "vllm.v1.core.block_pool")]
+    for logger in loggers:
+        logger.addHandler(catcher)
+    try:
+        generator.update_weights(_load(tiny_qwen2), version=4)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(catcher)
+    assert [r.getMessage() for r in records] == []
