@@ -118,6 +118,13 @@ class ScorePool:
         todo = deque(range(len(problems)))
         in_flight: dict[int, deque[int]] = {}  # worker slot -> its items, head being scored now
         head_deadline: dict[int, float] = {}
+
+        def fail_head(slot: int, batch: deque[int], reason: str) -> None:
+            """The head item fails (its worker is replaced); the rest go back to the front of the queue."""
+            results[batch.popleft()] = self._fail(slot, reason)
+            todo.extendleft(reversed(batch))
+            batch.clear()
+
         while todo or in_flight:
             idle = [slot for slot in range(len(self._workers)) if slot not in in_flight]
             for position, slot in enumerate(idle):
@@ -129,8 +136,7 @@ class ScorePool:
                     in_flight[slot] = batch
                     head_deadline[slot] = time.monotonic() + self.timeout_s
                 else:
-                    results[batch.popleft()] = self._fail(slot, "worker died")
-                    todo.extendleft(reversed(batch))
+                    fail_head(slot, batch, "worker died")
             if not in_flight:
                 continue
             remaining = max(0.0, min(head_deadline.values()) - time.monotonic())
@@ -144,13 +150,9 @@ class ScorePool:
                             results[batch.popleft()] = worker.conn.recv()
                             head_deadline[slot] = time.monotonic() + self.timeout_s
                     except (EOFError, OSError):
-                        results[batch.popleft()] = self._fail(slot, "worker died (killed or out of memory)")
-                        todo.extendleft(reversed(batch))
-                        batch.clear()
+                        fail_head(slot, batch, "worker died (killed or out of memory)")
                 elif time.monotonic() >= head_deadline[slot]:
-                    results[batch.popleft()] = self._fail(slot, f"timeout after {self.timeout_s:g} s")
-                    todo.extendleft(reversed(batch))
-                    batch.clear()
+                    fail_head(slot, batch, f"timeout after {self.timeout_s:g} s")
                 if not batch:
                     del in_flight[slot], head_deadline[slot]
         self.failures += sum(r.error is not None for r in results if r is not None)

@@ -86,8 +86,8 @@ def test_a_call_whose_prompts_exceed_the_batch_token_budget_completes_with_seeds
 
 
 def test_a_weight_reload_logs_nothing_per_step(generator, tiny_qwen2):
-    # vLLM logs three lines on every in-place reload (timing, prefix-cache reset, and a warning that the
-    # rotary cache, a buffer and no weight, "failed to load"); at one reload per step they flood the
+    # vLLM logs four lines on every in-place reload (the reload, its timing, the prefix-cache reset, and a
+    # warning that the rotary cache, a buffer and no weight, "failed to load"); at one reload per step they flood the
     # driver's console and cost its log forwarding CPU. perf/weight_load_s carries the timing instead.
     import logging
 

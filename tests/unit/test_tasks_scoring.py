@@ -28,7 +28,7 @@ def test_pool_survives_every_kind_of_verifier_failure():
 
 
 def test_the_timeout_holds_per_completion_and_a_dead_worker_fails_only_its_item():
-    # One batch holds all five: four slow answers take longer together than the timeout, yet each is
+    # One batch holds all eight: four slow answers take longer together than the timeout, yet each is
     # within it; the worker that dies fails its own item, and the items queued behind it still score.
     completions = ["SLOW <answer>2</answer>"] * 4 + ["DIE", "<answer>2</answer>", "HANG", "<answer>2</answer>"]
     with ScorePool("faulty-arithmetic", ArithmeticConfig(), timeout_s=1.0,
