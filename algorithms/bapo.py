@@ -14,13 +14,18 @@ The README states the target as a positive share rho_0 = 0.5; the released code 
 ratio with its target instead. We follow the paper's share (a share of rho_0 is a pos/neg ratio of
 rho_0 / (1 - rho_0)); pass positive_share = 1/3 to reproduce the released script's 0.5 ratio.
 
-The whole walk is evaluated at once: pos depends only on c_high and neg only on c_low. A token whose
-side of the bounds is the same at every step of the walk adds to every candidate or to none; only
-tokens that the narrowest clip [b-, a+] (with dual clip) would clip can change sides, and they are
-few, so they alone are found, bucketed by the first bound that admits them, and summed per bucket.
-The final clip then only ever clips some of them. The share only grows along the walk, so its last
-step is evaluated first, as one clipped-surrogate pass: when it misses the target there, that is
-where the walk ends and the bucket search is skipped.
+The whole walk is evaluated at once from one pass of search: pos depends only on c_high and neg only
+on c_low. Only the tokens that the narrowest clip [b-, a+] (with dual clip) clips can be clipped
+anywhere on the walk; they are few. Every other token carries gradient at every step, so it adds the
+same to every candidate: those are summed once. The few "movers" are bucketed by the first bound
+that admits them and summed per bucket, so every candidate's pos and neg is a sum of non-negative
+parts (no cancellation). The final clip then only ever zeroes some of the movers.
+
+When the share misses the target even at the widest bounds, the walk runs to its end, and one
+clipped-surrogate pass at those bounds is cheaper than the mover search. The share only grows along
+the walk, so that pass alone decides whether the walk runs to its end. Consecutive steps tend to end
+alike, so a BAPO instance tries that pass first only when its last walk ran to the end: the result is
+the same either way, only the cost differs.
 """
 
 from __future__ import annotations
@@ -28,14 +33,13 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from algorithms.batch import PolicyBatch, TokenWeights, indices_above, zero_outside, zero_where_set
-from algorithms.clipping import clip_distance, clip_flags
+from algorithms.clipping import clip_excess, clip_flags
 from algorithms.config import LOG_RATIO_BOUND, BAPOConfig
 from algorithms.stabilizer import Stabilizer, register
 
@@ -69,17 +73,25 @@ def _grids(config: BAPOConfig) -> _Grids:
 
 @dataclass
 class _Walk:
-    """Where the walk stopped, and the positive share there."""
+    """Where the walk stopped, the positive share there, the movers' flat indices and ratios, and
+    whether the final clip removes each mover (0/1 float)."""
 
     low: float
     high: float
     share: float
+    movers: Tensor
+    movers_ratio: Tensor
+    clipped: Tensor
 
 
 def _signed_sums(weights: Tensor, advantages: Tensor) -> tuple[float, float]:
-    """pos = sum of weights * A over A > 0 and neg = sum of weights * |A| over A < 0, in fp64."""
+    """pos = sum of weights * A over A > 0 and neg = sum of weights * |A| over A < 0 (fp64 floats).
+
+    The weights must be non-negative: fp32 row sums of non-negative values cancel nothing, so they
+    are within a few ulps of exact, and the row results are combined in fp64.
+    """
     if advantages.dim() == 1:  # B row sums, then plain floats: fewer tensor ops
-        rows = list(zip(weights.sum(dim=1, dtype=torch.float64).tolist(), advantages.tolist()))
+        rows = list(zip(weights.sum(dim=1).tolist(), advantages.tolist()))
         return sum(w * a for w, a in rows if a > 0), sum(-w * a for w, a in rows if a < 0)
     pos = (weights * advantages.clamp(min=0)).sum(dtype=torch.float64)
     neg = (weights * advantages.clamp(max=0)).sum(dtype=torch.float64).neg()
@@ -92,53 +104,54 @@ def _share(pos: float, neg: float) -> float:
     return pos / total if total > 0 else 1.0
 
 
-def _widest(
-    log_ratio: Tensor, ratio: Tensor, advantages: Tensor, mask_float: Tensor, config: BAPOConfig
-) -> tuple[Tensor, Tensor, float, float]:
-    """The clipped surrogate at the widest bounds (b-, b+), the last step of the walk: its clip flags'
-    count, its weights and their pos and neg."""
-    flags = clip_flags(log_ratio, advantages, mask_float, config.clip_low_max, config.clip_high_max, config.dual_clip_c)
-    n_clipped = flags.sum()
-    weights = zero_where_set(ratio, flags)
-    return n_clipped, weights, *_signed_sums(weights, advantages)
+def _widest(batch: PolicyBatch, config: BAPOConfig) -> tuple[TokenWeights, float]:
+    """The clipped surrogate at the widest bounds (b-, b+), the walk's last step, and its share."""
+    low, high = config.clip_low_max, config.clip_high_max
+    flags = clip_flags(batch.log_ratio, batch.advantages, batch.mask_float, low, high, config.dual_clip_c)
+    clip_frac = flags.sum() / batch.token_count
+    weights = zero_where_set(batch.ratio, flags)
+    share = _share(*_signed_sums(weights, batch.advantages))
+    return TokenWeights(weights, batch.mask, {"stability/clip_frac": clip_frac}), share
 
 
 def _walk(
-    log_ratio: Tensor, ratio: Tensor, advantages: Tensor, mask_float: Tensor, config: BAPOConfig, widest: tuple[float, float]
-) -> tuple[_Walk, Tensor, Tensor]:
+    log_ratio: Tensor, ratio: Tensor, advantages: Tensor, mask_float: Tensor, config: BAPOConfig
+) -> tuple[_Walk, Tensor]:
     """The BAPO walk on a log-ratio that is 0 on padding and its ratio exp(min(l, bound)), 0 on padding.
 
-    `widest` holds pos and neg at the walk's last step. Also returns the movers' flat indices and
-    whether the final clip removes each (0/1 float).
+    Also returns a fresh [B, T] tensor: the ratio with every mover zeroed, for the caller to finish.
     """
     grids = _grids(config)
     lows, highs = grids.lows, grids.highs
     n_lows, n_highs = len(lows), len(highs)
-    # The movers: the tokens the narrowest clip [b-, a+] clips; every other token keeps its side.
-    distance = clip_distance(log_ratio, advantages, lows[-1], highs[0], config.dual_clip_c)
+    # The movers: the tokens the narrowest clip [b-, a+] clips; every other token keeps its gradient.
+    excess = clip_excess(log_ratio, advantages, lows[-1], highs[0], config.dual_clip_c)
     if not (lows[-1] <= 1.0 <= highs[0] and config.dual_clip_c >= 1.0):
-        distance.mul_(mask_float)  # padding (log-ratio 0) would be clipped too
-    index = indices_above(distance, 0.0)
+        excess.mul_(mask_float)  # padding (log-ratio 0) would be clipped too
+    index = indices_above(excess, 0.0)
+    stayers = excess.copy_(ratio)
+    stayers.view(-1)[index] = 0.0
+    pos_stayers, neg_stayers = _signed_sums(stayers, advantages)
     movers_log_ratio = torch.take(log_ratio, index)
     if advantages.dim() == 1:
         movers_advantage = advantages[index // log_ratio.shape[1]]
     else:
         movers_advantage = torch.take(advantages, index)
     # Bucket keys: a positive mover counts for c_high >= r, i.e. from highs[key] on (key n_highs: never);
-    # a negative one for c_low <= r, i.e. for the first `key` lows (key n_lows: above the dual clip c,
-    # as every low is at most c).
+    # a negative one for c_low <= r, i.e. for the first `key` lows; key n_lows marks one above the dual
+    # clip c, which never counts (a negative mover below c is below b- = lows[-1], so its key is smaller).
     pos_key = torch.searchsorted(grids.log_highs.to(index.device), movers_log_ratio, side="left")
     neg_key = torch.searchsorted(grids.log_lows.to(index.device), movers_log_ratio, side="right")
     if config.dual_clip_c < lows[-1]:
         neg_key = torch.where(movers_log_ratio > math.log(config.dual_clip_c), n_lows, neg_key)
     key = torch.where(movers_advantage > 0, pos_key, neg_key + (n_highs + 1))
-    contribution = torch.take(ratio, index) * movers_advantage.abs()
-    buckets = torch.bincount(key, contribution.double(), n_highs + n_lows + 2).tolist()
-    # From the last step backwards: pos loses the positive movers that only a higher c_high admits;
-    # neg gains the negative movers that a lower c_low keeps.
-    pos_widest, neg_widest = widest
-    pos = list(itertools.accumulate(reversed(buckets[1:n_highs]), operator.sub, initial=pos_widest))[::-1]
-    neg = list(itertools.accumulate(reversed(buckets[n_highs + 2 : n_highs + 1 + n_lows]), initial=neg_widest))[::-1]
+    movers_ratio = torch.take(ratio, index)
+    contribution = (movers_ratio * movers_advantage.abs()).double()
+    buckets = torch.bincount(key, contribution, n_highs + n_lows + 2).tolist()
+    # pos at highs[k]: the stayers plus the positive movers with key <= k; neg at lows[j]: the stayers
+    # plus the negative movers with j < key < n_lows.
+    pos = list(itertools.accumulate(buckets[:n_highs], initial=pos_stayers))[1:]
+    neg = list(itertools.accumulate(reversed(buckets[n_highs + 2 : n_highs + 1 + n_lows]), initial=neg_stayers))[::-1]
     # The walk: (low_0, high_0) ... (low_last, high_0), then (low_last, high_1) ... (low_last, high_last).
     walk = [(j, 0) for j in range(n_lows)] + [(n_lows - 1, k) for k in range(1, n_highs)]
     for j, k in walk:
@@ -147,7 +160,8 @@ def _walk(
             break
     # The final clip, per key: a positive mover above highs[k], a negative one below lows[j] or above c.
     clips = [0.0] * (k + 1) + [1.0] * (n_highs - k) + [1.0] * (j + 1) + [0.0] * (n_lows - j - 1) + [1.0]
-    return _Walk(lows[j], highs[k], share), index, torch.tensor(clips, device=key.device)[key]
+    clipped = torch.tensor(clips, device=key.device)[key]
+    return _Walk(lows[j], highs[k], share, index, movers_ratio, clipped), stayers
 
 
 def adapt_bounds(log_ratio: Tensor, advantages: Tensor, mask: Tensor, config: BAPOConfig) -> tuple[float, float, Tensor]:
@@ -156,8 +170,7 @@ def adapt_bounds(log_ratio: Tensor, advantages: Tensor, mask: Tensor, config: BA
     log_ratio = zero_outside(log_ratio.float(), mask)
     mask_float = mask.float()
     ratio = torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND)) * mask_float
-    _, _, pos, neg = _widest(log_ratio, ratio, advantages, mask_float, config)
-    walk, _, _ = _walk(log_ratio, ratio, advantages, mask_float, config, (pos, neg))
+    walk, _ = _walk(log_ratio, ratio, advantages, mask_float, config)
     return walk.low, walk.high, torch.tensor(walk.share, dtype=torch.float32)
 
 
@@ -165,22 +178,24 @@ def adapt_bounds(log_ratio: Tensor, advantages: Tensor, mask: Tensor, config: BA
 class BAPO(Stabilizer):
     """PPO clip whose bounds adapt each step to keep positive tokens' share of the gradient."""
 
+    def __init__(self, config: BAPOConfig | None = None) -> None:
+        super().__init__(config)
+        self._last_walk_ran_to_the_end = True
+
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         c = self.config
-        n_clipped, weights, pos, neg = _widest(batch.log_ratio, batch.ratio, batch.advantages, batch.mask_float, c)
-        share = _share(pos, neg)
-        if share < c.positive_share:
-            # The share only grows along the walk: if its last step misses the target, the walk ends there.
-            result = TokenWeights(weights, batch.mask, {"stability/clip_frac": n_clipped / batch.token_count})
-            return self._result(result, c.clip_low_max, c.clip_high_max, share)
-        walk, movers, clipped = _walk(batch.log_ratio, batch.ratio, batch.advantages, batch.mask_float, c, (pos, neg))
-        weights.copy_(batch.ratio)  # reuse the buffer: the ratio, 0 where the final clip binds
-        weights.view(-1).index_put_((movers,), torch.take(batch.ratio, movers) * (1.0 - clipped))
-        result = TokenWeights(weights, batch.mask, {"stability/clip_frac": clipped.sum() / batch.token_count})
+        if self._last_walk_ran_to_the_end:
+            result, share = _widest(batch, c)
+            if share < c.positive_share:  # the share only grows along the walk: it runs to the end
+                return self._result(result, c.clip_low_max, c.clip_high_max, share)
+        walk, weights = _walk(batch.log_ratio, batch.ratio, batch.advantages, batch.mask_float, c)
+        # the stayers' ratio is already there; the movers the final clip keeps get theirs back
+        weights.view(-1).index_put_((walk.movers,), walk.movers_ratio * (1.0 - walk.clipped))
+        result = TokenWeights(weights, batch.mask, {"stability/clip_frac": walk.clipped.sum() / batch.token_count})
         return self._result(result, walk.low, walk.high, walk.share)
 
-    @staticmethod
-    def _result(result: TokenWeights, low: float, high: float, share: float) -> TokenWeights:
+    def _result(self, result: TokenWeights, low: float, high: float, share: float) -> TokenWeights:
+        self._last_walk_ran_to_the_end = share < self.config.positive_share
         result.metrics["stability/clip_low"] = torch.tensor(low)
         result.metrics["stability/clip_high"] = torch.tensor(high)
         result.metrics["stability/positive_share"] = torch.tensor(share, dtype=torch.float32)

@@ -56,13 +56,16 @@ def unclipped_log_bounds(
     return lo, hi
 
 
-def clip_distance(log_ratio: Tensor, advantages: Tensor, low: float, high: float, dual_clip_c: float | None) -> Tensor:
-    """|l - l clamped to its unclipped interval|, a fresh [B, T] tensor: > 0 exactly where the clip binds.
+def clip_excess(log_ratio: Tensor, advantages: Tensor, low: float, high: float, dual_clip_c: float | None) -> Tensor:
+    """max(lo - l, l - hi) over each token's unclipped interval [lo, hi], a fresh [B, T] tensor: > 0 exactly
+    where the clip binds (by how far l lies outside), <= 0 inside. Exact: a difference of two floats is
+    > 0 exactly when the first is larger.
 
     NaN only for an infinite log-ratio at an open side of its interval, which the clip leaves alone.
     """
     lo, hi = unclipped_log_bounds(advantages, low, high, dual_clip_c)
-    return log_ratio.clamp_min(lo).clamp_max_(hi).sub_(log_ratio).abs_()
+    below = torch.sub(lo, log_ratio)
+    return torch.maximum(below, torch.sub(log_ratio, hi), out=below)
 
 
 def clip_flags(
@@ -81,7 +84,7 @@ def clip_flags(
         clipped = torch.sub(log_ratio, bound).sign_().mul_(torch.sign(advantages)).clamp_(min=0)
     else:
         # inf - inf is NaN only for an infinite log-ratio at an open side, i.e. unclipped
-        clipped = clip_distance(log_ratio, advantages, low, high, dual_clip_c).sign_().nan_to_num_(0.0)
+        clipped = clip_excess(log_ratio, advantages, low, high, dual_clip_c).sign_().clamp_(min=0).nan_to_num_(0.0)
     if not (low <= 1.0 <= high and (dual_clip_c is None or dual_clip_c >= 1.0)):
         clipped.mul_(mask_float)  # padding (log-ratio 0) would count as clipped
     return clipped

@@ -98,3 +98,33 @@ def test_indices_above_finds_every_entry_above():
         flat = shaped.reshape(-1)
         found = torch.sort(indices_above(shaped, 0.5)).values
         assert torch.equal(found, (flat > 0.5).nonzero().squeeze(1))
+
+
+def test_one_instance_gives_every_step_the_result_a_fresh_one_gives(monkeypatch):
+    # A BAPO instance tries the widest-bounds pass first only when its last walk ran to the end; the
+    # steps below move between ending at the start, mid-way and at the end, so both orders run.
+    from algorithms import bapo, registry
+    from algorithms.batch import PolicyBatch
+
+    base = _stale_batch(2)
+    shifts = {"start": 0.3, "mid": 0.0, "end": -0.3}
+    widest_passes = []
+    real_widest = bapo._widest
+    monkeypatch.setattr(bapo, "_widest", lambda *args: widest_passes.append(1) or real_widest(*args))
+    reused = registry.build("bapo")
+    sequence = ["end", "mid", "end", "end", "mid", "mid", "start", "end", "start"]
+    for where in sequence:
+        batch = PolicyBatch(base.logprobs, base.behaviour_logprobs, base.advantages + shifts[where], base.mask)
+        fresh_batch = PolicyBatch(batch.logprobs, batch.behaviour_logprobs, batch.advantages, batch.mask)
+        fresh = registry.build("bapo").token_weights(fresh_batch)
+        ran_to_end = fresh.metrics["stability/positive_share"].item() < 0.5
+        assert ran_to_end == (where == "end")
+        out = reused.token_weights(batch)
+        assert torch.equal(out.weights, fresh.weights), where
+        assert out.metrics.keys() == fresh.metrics.keys()
+        for name, value in fresh.metrics.items():
+            assert torch.equal(torch.as_tensor(out.metrics[name]), torch.as_tensor(value)), (where, name)
+    # one widest pass per fresh instance, plus the reused one's after each walk that ran to the end
+    # (and on its first step): it skipped that pass on the other steps
+    after_end = 1 + sum(1 for before in sequence[:-1] if before == "end")
+    assert len(widest_passes) == len(sequence) + after_end
