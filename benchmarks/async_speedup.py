@@ -18,6 +18,8 @@ a local 2-CPU Ray cluster; every run has the same seed, prompts and warm-up. Rep
   Each lag trains its own policy, and what it learns changes the work per step (shorter answers make
   cheaper steps; the median response length is printed), so this share, unlike the one against the
   max_lag 0 run, does not mix the overlap with a different workload or a slower stretch of the machine.
+- how much one busy core slows the other on this machine (`benchmarks.core_contention`): an async
+  run keeps both busy, so its phases run slower than the synchronous ones the ideal is taken from.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.core_contention import report, slowdown_with_both_cores_busy
 from cluster.run_files import metric_number
 
 SKIP_STEPS = 5  # warm-up: the first RL steps include engine and optimizer first-call costs
@@ -96,6 +99,7 @@ def main() -> None:
     lags = [int(lag) for lag in args.lags.split(",")]
     if 0 not in lags:
         raise SystemExit("--lags must include 0: the ideal speedup is measured from the synchronous run")
+    contention = slowdown_with_both_cores_busy()  # forks: before Ray starts its threads in this process
     runs = {}
     for lag in lags:  # one process, one Ray cluster, one job after the other
         runs[lag] = train(_job_for(base, lag, args.steps, out)).run_dir
@@ -128,6 +132,8 @@ def main() -> None:
         print(f"{lag:>7}{own_g:>14.3f}{own_t:>14.3f}{length:>14.1f}{(own_g + own_t) / max(own_g, own_t):>11.2f}"
               f"{(own_g + own_t) / wall:>16.2f}{max(own_g, own_t) / wall:>14.0%}")
     print(f"\n(simulated s/step is compared with the run's mean gap between metric rows, {out}/lag*/metrics.jsonl)")
+    print("\nthis machine with both cores busy (async phases run slower by about their memory-bound share):")
+    print(report(contention))
 
 
 if __name__ == "__main__":
