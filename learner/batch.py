@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -36,16 +37,20 @@ class TrainBatch:
 
 
 def collate(samples: Sequence[dict[str, Any]], pad_token_id: int) -> TrainBatch:
-    """Pad samples {prompt_ids, completion_ids, behaviour_logprobs, reward, group_id, version}."""
+    """Pad samples {prompt_ids, completion_ids, behaviour_logprobs, reward, group_id, version}.
+
+    Filled in numpy and handed to torch without a copy: the driver collates every step, and numpy
+    takes a Python list into a row slice several times faster than a torch.tensor per row.
+    """
     if not samples:
         raise ValueError("cannot collate an empty list of samples")
     lengths = [len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples]
     width = max(lengths)
     batch = len(samples)
-    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, width), dtype=torch.long)
-    loss_mask = torch.zeros((batch, width - 1), dtype=torch.bool)
-    behaviour = torch.zeros((batch, width - 1), dtype=torch.float32)
+    input_ids = np.full((batch, width), pad_token_id, dtype=np.int64)
+    attention_mask = np.zeros((batch, width), dtype=np.int64)
+    loss_mask = np.zeros((batch, width - 1), dtype=np.bool_)
+    behaviour = np.zeros((batch, width - 1), dtype=np.float32)
     for row, sample in enumerate(samples):
         prompt, completion = sample["prompt_ids"], sample["completion_ids"]
         if len(sample["behaviour_logprobs"]) != len(completion):
@@ -53,17 +58,17 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int) -> TrainBatch:
                 f"sample {row} (group {sample['group_id']}): {len(completion)} completion tokens but "
                 f"{len(sample['behaviour_logprobs'])} behaviour log-probs"
             )
-        tokens = list(prompt) + list(completion)
-        input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        attention_mask[row, : len(tokens)] = 1
+        input_ids[row, : len(prompt)] = prompt
+        input_ids[row, len(prompt) : lengths[row]] = completion
+        attention_mask[row, : lengths[row]] = 1
         start = len(prompt) - 1  # logits at the last prompt token score the first completion token
         loss_mask[row, start : start + len(completion)] = True
-        behaviour[row, start : start + len(completion)] = torch.tensor(sample["behaviour_logprobs"], dtype=torch.float32)
+        behaviour[row, start : start + len(completion)] = sample["behaviour_logprobs"]
     return TrainBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        loss_mask=loss_mask,
-        behaviour_logprobs=behaviour,
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention_mask),
+        loss_mask=torch.from_numpy(loss_mask),
+        behaviour_logprobs=torch.from_numpy(behaviour),
         rewards=torch.tensor([float(s["reward"]) for s in samples], dtype=torch.float32),
         group_ids=torch.tensor([int(s["group_id"]) for s in samples], dtype=torch.long),
         versions=torch.tensor([int(s["version"]) for s in samples], dtype=torch.long),

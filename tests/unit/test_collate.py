@@ -1,0 +1,53 @@
+"""The learner's padded batch, element by element against the samples it came from."""
+
+import random
+
+import pytest
+import torch
+
+from learner.batch import collate
+
+
+def _samples(seed: int, n: int = 12) -> list[dict]:
+    rng = random.Random(seed)
+    samples = []
+    for i in range(n):
+        prompt = [rng.randrange(1, 500) for _ in range(rng.randint(1, 9))]
+        completion = [rng.randrange(1, 500) for _ in range(rng.randint(0, 7))]
+        logprobs = [-rng.random() * 5 for _ in completion]
+        samples.append(dict(prompt_ids=prompt, completion_ids=completion, behaviour_logprobs=logprobs,
+                            reward=rng.random(), group_id=i // 4, version=rng.randrange(5)))
+    return samples
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_token_lands_where_the_learner_reads_it(seed):
+    samples = _samples(seed)
+    batch = collate(samples, pad_token_id=-7)
+    width = max(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples)
+    assert batch.input_ids.shape == (len(samples), width) and batch.input_ids.dtype == torch.long
+    assert batch.loss_mask.dtype == torch.bool and batch.behaviour_logprobs.dtype == torch.float32
+    for row, s in enumerate(samples):
+        tokens = s["prompt_ids"] + s["completion_ids"]
+        assert batch.input_ids[row].tolist() == tokens + [-7] * (width - len(tokens))
+        assert batch.attention_mask[row].tolist() == [1] * len(tokens) + [0] * (width - len(tokens))
+        # column t scores token t + 1: the completion's tokens are targets from the last prompt token on
+        targets = {len(s["prompt_ids"]) - 1 + k: lp for k, lp in enumerate(s["behaviour_logprobs"])}
+        for column in range(width - 1):
+            assert bool(batch.loss_mask[row, column]) == (column in targets)
+            expected = torch.tensor(targets.get(column, 0.0), dtype=torch.float32)
+            assert torch.equal(batch.behaviour_logprobs[row, column], expected)
+            if column in targets:
+                assert batch.input_ids[row, column + 1] == tokens[column + 1]
+    assert batch.rewards.tolist() == pytest.approx([s["reward"] for s in samples])
+    assert batch.group_ids.tolist() == [s["group_id"] for s in samples]
+    assert batch.versions.tolist() == [s["version"] for s in samples]
+
+
+def test_a_sample_whose_log_probs_do_not_match_its_tokens_is_named():
+    samples = _samples(3)
+    samples[5]["behaviour_logprobs"] = samples[5]["behaviour_logprobs"] + [-0.1]
+    with pytest.raises(ValueError, match=r"sample 5 \(group 1\)"):
+        collate(samples, 0)
+    with pytest.raises(ValueError, match="empty"):
+        collate([], 0)
