@@ -16,27 +16,42 @@ import argparse
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
-LOOPS = {"compute (matmul 256^2)": 3000, "memory (16 MB pass)": 150}
+
+Step = Callable[[], object]
 
 
-def _timed_loop(core: int, loop: str, iterations: int, results: mp.Queue) -> None:
+def _matmul() -> Step:
+    square = torch.randn(256, 256)
+    return lambda: square @ square
+
+
+def _memory_pass() -> Step:
+    large = torch.randn(4_000_000)
+    return lambda: large.mul(1.0001).sum()
+
+
+# label -> (builds the timed step, untimed; iterations)
+LOOPS: dict[str, tuple[Callable[[], Step], int]] = {
+    "compute (matmul 256^2)": (_matmul, 3000),
+    "memory (16 MB pass)": (_memory_pass, 150),
+}
+
+
+def _timed_loop(core: int, build: Callable[[], Step], iterations: int, results: mp.Queue) -> None:
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
-    square = torch.randn(256, 256)
-    large = torch.randn(4_000_000)
+    step = build()
     start = time.perf_counter()
     for _ in range(iterations):
-        if loop.startswith("compute"):
-            square @ square
-        else:
-            large.mul(1.0001).sum()
+        step()
     results.put(time.perf_counter() - start)
 
 
-def _run(cores: list[int], loop: str, iterations: int) -> float:
+def _run(cores: list[int], loop: Callable[[], Step], iterations: int) -> float:
     """Seconds of the slowest of the processes started together, one per core. Forked, so call it
     before this process starts threads (Ray, a torch thread pool); the children use one thread."""
     context = mp.get_context("fork")
@@ -56,16 +71,17 @@ def slowdown_with_both_cores_busy(repeats: int = 3) -> dict[str, tuple[float, fl
     if len(cores) < 2:
         return None
     seconds: dict[str, tuple[float, float]] = {}
-    for loop, iterations in LOOPS.items():
+    for label, (loop, iterations) in LOOPS.items():
         alone, both = [], []
         for _ in range(repeats):
             alone.append(_run(cores[:1], loop, iterations))
             both.append(_run(cores, loop, iterations))
-        seconds[loop] = (min(alone), min(both))
+        seconds[label] = (min(alone), min(both))
     return seconds
 
 
 def report(seconds: dict[str, tuple[float, float]] | None) -> str:
+    """One line per loop: its seconds alone, with both cores busy, and the slowdown."""
     if seconds is None:
         return "core contention: not measured (fewer than two usable cores)"
     return "\n".join(
