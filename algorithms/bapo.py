@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from algorithms.batch import PolicyBatch, TokenWeights, indices_above, zero_outside, zero_where_set
-from algorithms.clipping import clip_excess, clip_flags
+from algorithms.clipping import clip_excess, clip_flags, clips_padding
 from algorithms.config import LOG_RATIO_BOUND, BAPOConfig
 from algorithms.stabilizer import Stabilizer, register
 
@@ -126,7 +126,7 @@ def _walk(
     n_lows, n_highs = len(lows), len(highs)
     # The movers: the tokens the narrowest clip [b-, a+] clips; every other token keeps its gradient.
     excess = clip_excess(log_ratio, advantages, lows[-1], highs[0], config.dual_clip_c)
-    if not (lows[-1] <= 1.0 <= highs[0] and config.dual_clip_c >= 1.0):
+    if clips_padding(lows[-1], highs[0], config.dual_clip_c):
         excess.mul_(mask_float)  # padding (log-ratio 0) would be clipped too
     index = indices_above(excess, 0.0)
     stayers = excess.copy_(ratio)

@@ -68,6 +68,11 @@ def clip_excess(log_ratio: Tensor, advantages: Tensor, low: float, high: float, 
     return torch.maximum(below, torch.sub(log_ratio, hi), out=below)
 
 
+def clips_padding(low: float, high: float, dual_clip_c: float | None) -> bool:
+    """Whether these bounds clip a log-ratio of 0, which padding has: then a caller must mask it out."""
+    return not (low <= 1.0 <= high and (dual_clip_c is None or dual_clip_c >= 1.0))
+
+
 def clip_flags(
     log_ratio: Tensor, advantages: Tensor, mask_float: Tensor, low: float, high: float, dual_clip_c: float | None
 ) -> Tensor:
@@ -85,7 +90,7 @@ def clip_flags(
     else:
         # inf - inf is NaN only for an infinite log-ratio at an open side, i.e. unclipped
         clipped = clip_excess(log_ratio, advantages, low, high, dual_clip_c).sign_().clamp_(min=0).nan_to_num_(0.0)
-    if not (low <= 1.0 <= high and (dual_clip_c is None or dual_clip_c >= 1.0)):
+    if clips_padding(low, high, dual_clip_c):
         clipped.mul_(mask_float)  # padding (log-ratio 0) would count as clipped
     return clipped
 
