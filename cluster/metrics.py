@@ -169,10 +169,17 @@ class MetricSink:
                 pass
 
     def close(self) -> None:
+        """Close the JSONL file and the W&B run; on return the offline run file is complete on disk."""
         self._jsonl.close()
         if self._wandb is not None:
             try:
                 self._wandb.finish()
+                # In offline mode finish() returns before wandb-core's writer has saved the last records
+                # (history, alerts, exit); its atexit hook may never run in a Ray worker. teardown()
+                # waits for the service to close every run file.
+                import wandb
+
+                wandb.teardown()
             except Exception as error:  # noqa: BLE001
                 log.warning("W&B finish failed: %s", error)
 

@@ -183,7 +183,7 @@ def test_offline_wandb_run_holds_the_metrics_histograms_groups_and_alerts(tmp_pa
     assert sink._wandb is not None, "offline W&B started"
     for step, metrics in steps.items():
         sink.log(step, metrics)
-    sink.close()
+    sink.close()  # returns only once wandb-core has saved every record (read at once below)
 
     files = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1
