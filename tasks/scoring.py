@@ -1,8 +1,10 @@
 """Reward workers: verifiers run in subprocesses with a timeout and an optional memory limit.
 
 A verifier that raises, hangs, exhausts memory, dies or returns a non-finite value marks that sample
-failed (reward 0.0 and the reason) and never stops the caller. Subprocesses, not threads: math-verify's
-own timeout is signal-based and works only in a process's main thread, and a hung thread cannot be killed.
+failed (reward 0.0 and the reason) and never stops the caller. Only a worker that cannot start (its
+task cannot be built, or is not built within the startup timeout) raises: every sample would fail
+alike. Subprocesses, not threads: math-verify's own timeout is signal-based and works only in a
+process's main thread, and a hung thread cannot be killed.
 """
 
 from __future__ import annotations
@@ -46,16 +48,35 @@ def score_inline(task: Task, problems: Sequence[Problem], completions: Sequence[
     return [checked_score(task, p, c) for p, c in zip(problems, completions, strict=True)]
 
 
+# A worker's first message once its task is built: the per-completion timeout starts only then, so
+# a worker that is still importing (math-verify takes seconds on a busy machine) fails nothing.
+_STARTED = "started"
+
+
+@dataclass(frozen=True)
+class _StartFailed:
+    reason: str
+
+
+class RewardWorkerError(RuntimeError):
+    """A reward worker could not start: every completion would fail alike, so scoring stops here."""
+
+
 def _worker_main(conn: Connection, task_name: str, task_config: Any, memory_limit_mb: int | None,
                  extra_modules: tuple[str, ...]) -> None:
-    if memory_limit_mb is not None:
-        import resource
+    try:
+        if memory_limit_mb is not None:
+            import resource
 
-        limit = memory_limit_mb << 20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    for module in extra_modules:
-        importlib.import_module(module)
-    task = build_task(task_name, task_config)
+            limit = memory_limit_mb << 20
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        for module in extra_modules:
+            importlib.import_module(module)
+        task = build_task(task_name, task_config)
+    except BaseException as error:  # noqa: BLE001 - reported to the pool, which names it
+        conn.send(_StartFailed(f"{type(error).__name__}: {error}"[:300]))
+        return
+    conn.send(_STARTED)
     while True:
         try:
             message = conn.recv()
@@ -68,11 +89,21 @@ def _worker_main(conn: Connection, task_name: str, task_config: Any, memory_limi
 
 
 class _Worker:
-    def __init__(self, context: Any, args: tuple[Any, ...]) -> None:
+    def __init__(self, context: Any, args: tuple[Any, ...], startup_timeout_s: float) -> None:
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_worker_main, args=(child, *args), daemon=True)
         self.process.start()
         child.close()
+        self.started = False
+        self.start_deadline = time.monotonic() + startup_timeout_s
+
+    def take_started(self, message: Any, task_name: str) -> None:
+        """Read the worker's first message: it has started, or raise why it could not."""
+        if isinstance(message, _StartFailed):
+            raise RewardWorkerError(f"reward worker for task {task_name!r} failed to start: {message.reason}")
+        if message != _STARTED:
+            raise RewardWorkerError(f"reward worker for task {task_name!r} sent {message!r} before starting")
+        self.started = True
 
     def stop(self) -> None:
         try:
@@ -92,16 +123,23 @@ class _Worker:
 
 
 class ScorePool:
-    """`max_workers` verifier subprocesses, each scoring one completion at a time under `timeout_s` apiece."""
+    """`max_workers` verifier subprocesses, each scoring one completion at a time under `timeout_s` apiece.
+
+    A worker's clock starts once it has built its task: starting (imports included) may take up to
+    `startup_timeout_s`, and a worker that cannot start raises `RewardWorkerError` naming the task.
+    """
 
     def __init__(self, task_name: str, task_config: Any, max_workers: int = 1, timeout_s: float = 5.0,
-                 memory_limit_mb: int | None = None, extra_modules: tuple[str, ...] = ()) -> None:
+                 memory_limit_mb: int | None = None, extra_modules: tuple[str, ...] = (),
+                 startup_timeout_s: float = 120.0) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self.timeout_s = timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._task_name = task_name
         self._context = multiprocessing.get_context("spawn")
         self._args = (task_name, task_config, memory_limit_mb, tuple(extra_modules))
-        self._workers = [_Worker(self._context, self._args) for _ in range(max_workers)]
+        self._workers = [self._start_worker() for _ in range(max_workers)]
         self.failures = 0
 
     def score_many(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[ScoreResult]:
@@ -125,6 +163,10 @@ class ScorePool:
             todo.extendleft(reversed(batch))
             batch.clear()
 
+        def deadline(slot: int) -> float:
+            worker = self._workers[slot]
+            return head_deadline[slot] if worker.started else worker.start_deadline
+
         while todo or in_flight:
             idle = [slot for slot in range(len(self._workers)) if slot not in in_flight]
             for position, slot in enumerate(idle):
@@ -139,7 +181,7 @@ class ScorePool:
                     fail_head(slot, batch, "worker died")
             if not in_flight:
                 continue
-            remaining = max(0.0, min(head_deadline.values()) - time.monotonic())
+            remaining = max(0.0, min(deadline(slot) for slot in in_flight) - time.monotonic())
             ready = set(wait([self._workers[slot].conn for slot in in_flight], timeout=remaining))
             for slot in list(in_flight):
                 batch = in_flight[slot]
@@ -147,11 +189,18 @@ class ScorePool:
                 if worker.conn in ready:
                     try:
                         while worker.conn.poll() and batch:
-                            results[batch.popleft()] = worker.conn.recv()
+                            message = worker.conn.recv()
+                            if worker.started:
+                                results[batch.popleft()] = message
+                            else:
+                                worker.take_started(message, self._task_name)
                             head_deadline[slot] = time.monotonic() + self.timeout_s
                     except (EOFError, OSError):
                         fail_head(slot, batch, "worker died (killed or out of memory)")
-                elif time.monotonic() >= head_deadline[slot]:
+                elif time.monotonic() >= deadline(slot):
+                    if not worker.started:
+                        raise RewardWorkerError(f"reward worker for task {self._task_name!r} did not start "
+                                                f"within {self.startup_timeout_s:g} s (ScorePool startup_timeout_s)")
                     fail_head(slot, batch, f"timeout after {self.timeout_s:g} s")
                 if not batch:
                     del in_flight[slot], head_deadline[slot]
@@ -168,8 +217,11 @@ class ScorePool:
     def _fail(self, slot: int, reason: str) -> ScoreResult:
         """Replace the worker in `slot` (hung or dead) and report the sample as failed."""
         self._workers[slot].kill()
-        self._workers[slot] = _Worker(self._context, self._args)
+        self._workers[slot] = self._start_worker()
         return ScoreResult(0.0, reason)
+
+    def _start_worker(self) -> _Worker:
+        return _Worker(self._context, self._args, self.startup_timeout_s)
 
     def close(self) -> None:
         for worker in self._workers:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 from tasks.arithmetic import Arithmetic
 from tasks.base import Problem, register
+from tasks.config import ArithmeticConfig
 
 
 @register("faulty-arithmetic")
@@ -42,3 +43,24 @@ class HangingArithmetic(Arithmetic):
         if int(problem.problem_id.rsplit("-", 1)[-1]) % 3 == 0:
             time.sleep(3600)
         return super().score(problem, completion)
+
+
+# Longer than the per-completion timeout the tests give, well within the startup timeout.
+SLOW_START_S = 1.5
+
+
+@register("slow-start-arithmetic")
+class SlowStartArithmetic(FaultyArithmetic):
+    """Faulty arithmetic whose task takes SLOW_START_S to build, like a verifier with heavy imports."""
+
+    def __init__(self, config: ArithmeticConfig) -> None:
+        time.sleep(SLOW_START_S)
+        super().__init__(config)
+
+
+@register("broken-start-arithmetic")
+class BrokenStartArithmetic(Arithmetic):
+    """Arithmetic whose task cannot be built in a worker (a missing dependency, say)."""
+
+    def __init__(self, config: ArithmeticConfig) -> None:
+        raise ImportError("no module named 'verifier_dependency'")

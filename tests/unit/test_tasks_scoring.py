@@ -2,9 +2,11 @@
 
 import time
 
+import pytest
+
 from tasks.base import Problem, build_task
 from tasks.config import ArithmeticConfig
-from tasks.scoring import ScorePool, score_inline
+from tasks.scoring import RewardWorkerError, ScorePool, score_inline
 
 PROBLEM = Problem("p", "What is 1 + 1?", "2")
 
@@ -38,6 +40,31 @@ def test_the_timeout_holds_per_completion_and_a_dead_worker_fails_only_its_item(
     assert "worker died" in results[4].error and "timeout after 1 s" in results[6].error
     assert [r.error is None for r in results] == [True] * 4 + [False, True, False, True]
     assert pool.failures == 2
+
+
+def test_a_worker_that_is_slow_to_start_fails_no_completion():
+    # Building the task takes 1.5 s, the per-completion timeout is 0.5 s: the clock starts once the
+    # worker is up, so neither the first worker nor the one replacing the dead one fails anything.
+    completions = ["<answer>2</answer>", "DIE", "<answer>2</answer>", "<answer>3</answer>"]
+    with ScorePool("slow-start-arithmetic", ArithmeticConfig(), timeout_s=0.5,
+                   extra_modules=("tasks.testing",)) as pool:
+        results = pool.score_many([PROBLEM] * len(completions), completions)
+    assert [r.error for r in results] == [None, "worker died (killed or out of memory)", None, None]
+    assert [r.reward for r in results] == [1.0, 0.0, 1.0, 0.1]
+
+
+def test_a_worker_that_cannot_start_raises_with_the_task_and_the_reason():
+    with ScorePool("broken-start-arithmetic", ArithmeticConfig(), extra_modules=("tasks.testing",)) as pool:
+        reason = "'broken-start-arithmetic' failed to start: ImportError: no module"
+        with pytest.raises(RewardWorkerError, match=reason):
+            pool.score_many([PROBLEM], ["<answer>2</answer>"])
+
+
+def test_a_worker_that_does_not_start_in_time_raises():
+    with ScorePool("slow-start-arithmetic", ArithmeticConfig(), startup_timeout_s=0.3,
+                   extra_modules=("tasks.testing",)) as pool:
+        with pytest.raises(RewardWorkerError, match="did not start within 0.3 s"):
+            pool.score_many([PROBLEM], ["<answer>2</answer>"])
 
 
 def test_parallel_workers_keep_the_order():
