@@ -109,6 +109,14 @@ class SkipStreak:
         return self.count >= self.limit
 
 
+def reward_workers(job: Job) -> ScorePool:
+    """The verifier subprocesses of the job's task, as its `scoring` section sets them."""
+    scoring = job.scoring
+    return ScorePool(job.task.name, section_config(job.task, TASK_CONFIGS), max_workers=scoring.workers,
+                     timeout_s=scoring.timeout_s, memory_limit_mb=scoring.memory_limit_mb,
+                     startup_timeout_s=scoring.startup_timeout_s)
+
+
 def run_job(job: Job, resume_dir: Path | None = None) -> RunResult:
     """`train`, resumed from the latest checkpoint after a learner crash, at most `learner.max_restarts` times."""
     attempt = 0
@@ -202,7 +210,7 @@ class AsyncLoop:
         self.problem_of: dict[int, Problem] = {}
         self.problems_drawn = 0
         self.resumed_requests: list[GenerationRequest] = []
-        self.scorer = ScorePool(job.task.name, section_config(job.task, TASK_CONFIGS), max_workers=1)
+        self.scorer = reward_workers(job)
         self.rng = random.Random(job.seed)
         self.next_group_id = 0
         self.version = 0  # learner optimizer steps taken

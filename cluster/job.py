@@ -200,6 +200,23 @@ class CheckpointSection(Section):
     keep: int = Field(2, gt=0)
 
 
+class ScoringSection(Section):
+    """Reward workers (`tasks/scoring.py`): each completion is scored in a verifier subprocess, so a verifier
+    that raises, hangs or eats memory fails only its own sample."""
+
+    workers: int = Field(1, gt=0, description="verifier subprocesses scoring a group's completions in parallel")
+    timeout_s: float = Field(
+        5.0, gt=0, description="seconds one completion may take to score; past it the sample fails (reward 0, a "
+        "score error in the ledger) and its worker is replaced"
+    )
+    memory_limit_mb: int | None = Field(
+        4096, gt=0, description="address-space limit of each worker; a verifier past it fails its sample; null: none"
+    )
+    startup_timeout_s: float = Field(
+        120.0, gt=0, description="seconds a worker may take to import and build the task before the job stops"
+    )
+
+
 class EvalSection(Section):
     every_steps: int = Field(0, ge=0, description="0: no evaluation")
     num_problems: int = Field(64, gt=0)
@@ -212,6 +229,7 @@ class Job(Section):
     seed: int = 0
     model: ModelSection = ModelSection()
     task: TaskSection  # type: ignore[valid-type]
+    scoring: ScoringSection = ScoringSection()
     generator: GeneratorSection = GeneratorSection()
     learner: LearnerSection = LearnerSection()
     algorithm: AlgorithmSection = AlgorithmSection()

@@ -158,3 +158,19 @@ def test_every_alert_threshold_is_documented():
     assert all(field.description for field in AlertsSection.model_fields.values())
     docs = (ROOT / "docs" / "wandb.md").read_text()
     assert all(f"`{name}`" in docs for name in AlertsSection.model_fields)
+
+
+def test_scoring_settings_default_validate_and_are_documented():
+    from cluster.job import ScoringSection
+
+    scoring = validate_job(MINIMAL).scoring
+    settings = (scoring.workers, scoring.timeout_s, scoring.memory_limit_mb, scoring.startup_timeout_s)
+    assert settings == (1, 5.0, 4096, 120.0)
+    errors = _errors({**MINIMAL, "scoring": {"workers": 0, "timeout_s": 0, "memory_limit_mb": -1,
+                                              "startup_timeout_s": -5, "timeout": 3}})
+    assert set(errors) == {f"scoring.{name}" for name in (
+        "workers", "timeout_s", "memory_limit_mb", "startup_timeout_s", "timeout")}
+    assert validate_job({**MINIMAL, "scoring": {"memory_limit_mb": None}}).scoring.memory_limit_mb is None
+    assert all(field.description for field in ScoringSection.model_fields.values())
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"`scoring.{name}`" in readme for name in ScoringSection.model_fields)

@@ -81,3 +81,27 @@ def test_inline_scoring_catches_failures_too():
     results = score_inline(task, [PROBLEM] * 3, ["<answer>2</answer>", "RAISE", "NAN"])
     assert [r.reward for r in results] == [1.0, 0.0, 0.0]
     assert results[1].error.startswith("raised RuntimeError")
+
+
+def _address_space_limit(pid: int) -> str:
+    """The soft 'Max address space' limit of a process, as /proc shows it (bytes, or 'unlimited')."""
+    with open(f"/proc/{pid}/limits") as limits:
+        return next(line.split()[3] for line in limits if line.startswith("Max address space"))
+
+
+def test_the_job_scoring_section_sets_the_reward_workers():
+    from cluster.driver import reward_workers
+    from cluster.job import validate_job
+
+    job = validate_job({"task": {"name": "arithmetic"},
+                        "scoring": {"workers": 2, "timeout_s": 2.5, "memory_limit_mb": 768}})
+    with reward_workers(job) as pool:
+        results = pool.score_many([PROBLEM] * 3, ["<answer>2</answer>", "<answer>3</answer>", "no answer"])
+        limits = [_address_space_limit(worker.process.pid) for worker in pool._workers]
+    assert [r.reward for r in results] == [1.0, 0.1, 0.0]
+    assert pool.timeout_s == 2.5 and limits == [str(768 << 20)] * 2
+
+    unlimited = validate_job({"task": {"name": "arithmetic"}, "scoring": {"memory_limit_mb": None}})
+    with reward_workers(unlimited) as pool:
+        pool.score_many([PROBLEM], ["<answer>2</answer>"])
+        assert _address_space_limit(pool._workers[0].process.pid) == "unlimited"
