@@ -210,7 +210,8 @@ class ScoringSection(Section):
         "score error in the ledger) and its worker is replaced"
     )
     memory_limit_mb: int | None = Field(
-        4096, gt=0, description="address-space limit of each worker; a verifier past it fails its sample; null: none"
+        4096, gt=0, description="address space each worker may add to what it holds once its task is built; a "
+        "verifier past it fails its sample; null: no limit"
     )
     startup_timeout_s: float = Field(
         120.0, gt=0, description="seconds a worker may take to import and build the task before the job stops"

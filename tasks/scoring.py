@@ -62,17 +62,33 @@ class RewardWorkerError(RuntimeError):
     """A reward worker could not start: every completion would fail alike, so scoring stops here."""
 
 
+def _address_space_bytes() -> int:
+    """This process's address space now (VmSize), or 0 where /proc cannot say."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def _limit_address_space(headroom_bytes: int) -> None:
+    """Cap the address space at what the worker holds now plus `headroom_bytes`. On top of the start-up
+    footprint, not absolute: a spawned worker re-imports the parent's main module, and a CUDA torch
+    there alone maps gigabytes the verifier never touches."""
+    import resource
+
+    limit = _address_space_bytes() + headroom_bytes
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
 def _worker_main(conn: Connection, task_name: str, task_config: Any, memory_limit_mb: int | None,
                  extra_modules: tuple[str, ...]) -> None:
     try:
-        if memory_limit_mb is not None:
-            import resource
-
-            limit = memory_limit_mb << 20
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         for module in extra_modules:
             importlib.import_module(module)
         task = build_task(task_name, task_config)
+        if memory_limit_mb is not None:
+            _limit_address_space(memory_limit_mb << 20)
     except BaseException as error:  # noqa: BLE001 - reported to the pool, which names it
         conn.send(_StartFailed(f"{type(error).__name__}: {error}"[:300]))
         return
@@ -127,6 +143,7 @@ class ScorePool:
 
     A worker's clock starts once it has built its task: starting (imports included) may take up to
     `startup_timeout_s`, and a worker that cannot start raises `RewardWorkerError` naming the task.
+    `memory_limit_mb` is the address space a worker may add to what it holds once started.
     """
 
     def __init__(self, task_name: str, task_config: Any, max_workers: int = 1, timeout_s: float = 5.0,
