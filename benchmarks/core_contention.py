@@ -51,12 +51,12 @@ def _timed_loop(core: int, build: Callable[[], Step], iterations: int, results: 
     results.put(time.perf_counter() - start)
 
 
-def _run(cores: list[int], loop: Callable[[], Step], iterations: int) -> float:
+def _run(cores: list[int], build: Callable[[], Step], iterations: int) -> float:
     """Seconds of the slowest of the processes started together, one per core. Forked, so call it
     before this process starts threads (Ray, a torch thread pool); the children use one thread."""
     context = mp.get_context("fork")
     results = context.Queue()
-    processes = [context.Process(target=_timed_loop, args=(core, loop, iterations, results)) for core in cores]
+    processes = [context.Process(target=_timed_loop, args=(core, build, iterations, results)) for core in cores]
     for process in processes:
         process.start()
     for process in processes:
@@ -65,17 +65,17 @@ def _run(cores: list[int], loop: Callable[[], Step], iterations: int) -> float:
 
 
 def slowdown_with_both_cores_busy(repeats: int = 3) -> dict[str, tuple[float, float]] | None:
-    """{loop: (seconds alone, seconds with both cores busy)}, fastest of `repeats` interleaved rounds;
+    """{label: (seconds alone, seconds with both cores busy)}, fastest of `repeats` interleaved rounds;
     None when this process may use fewer than two cores."""
     cores = sorted(os.sched_getaffinity(0))[:2]
     if len(cores) < 2:
         return None
     seconds: dict[str, tuple[float, float]] = {}
-    for label, (loop, iterations) in LOOPS.items():
+    for label, (build, iterations) in LOOPS.items():
         alone, both = [], []
         for _ in range(repeats):
-            alone.append(_run(cores[:1], loop, iterations))
-            both.append(_run(cores, loop, iterations))
+            alone.append(_run(cores[:1], build, iterations))
+            both.append(_run(cores, build, iterations))
         seconds[label] = (min(alone), min(both))
     return seconds
 
