@@ -9,12 +9,15 @@ process's main thread, and a hung thread cannot be killed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import multiprocessing
+import signal
+import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -60,6 +63,26 @@ class _StartFailed:
 
 class RewardWorkerError(RuntimeError):
     """A reward worker could not start: every completion would fail alike, so scoring stops here."""
+
+
+@contextlib.contextmanager
+def children_ignore_sigint() -> Iterator[None]:
+    """Processes started inside ignore SIGINT for life (an ignored signal stays ignored across exec).
+
+    A terminal's Ctrl-C reaches every process of its foreground group: the verifier workers must outlive
+    it, because the driver decides how a run stops and still scores the groups in flight meanwhile
+    (`cluster.stopping`; the local Ray cluster's services block SIGINT themselves). A Ctrl-C during the
+    start is ignored, the caller's own too; only the main thread can set signal handlers, elsewhere
+    this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _address_space_bytes() -> int:
@@ -108,7 +131,8 @@ class _Worker:
     def __init__(self, context: Any, args: tuple[Any, ...], startup_timeout_s: float) -> None:
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_worker_main, args=(child, *args), daemon=True)
-        self.process.start()
+        with children_ignore_sigint():
+            self.process.start()
         child.close()
         self.started = False
         self.start_deadline = time.monotonic() + startup_timeout_s

@@ -114,3 +114,18 @@ def test_the_job_scoring_section_sets_the_reward_workers():
     with reward_workers(unlimited) as pool:
         pool.score_many([PROBLEM], ["<answer>2</answer>"])
         assert _address_space_limit(pool._workers[0].process.pid) == "unlimited"
+
+
+def test_a_ctrl_c_at_the_terminal_leaves_the_workers_scoring():
+    """Ctrl-C reaches every process in the terminal's group, verifier workers included; they ignore
+    it, so a run that stops cleanly still scores the groups in flight, and none fails for it."""
+    import os
+    import signal
+
+    with ScorePool("arithmetic", ArithmeticConfig(), max_workers=2) as pool:
+        assert [r.reward for r in pool.score_many([PROBLEM] * 2, ["<answer>2</answer>"] * 2)] == [1.0, 1.0]
+        for worker in pool._workers:
+            os.kill(worker.process.pid, signal.SIGINT)
+        time.sleep(0.5)
+        results = pool.score_many([PROBLEM] * 4, ["<answer>2</answer>"] * 4)
+        assert [r.reward for r in results] == [1.0] * 4 and pool.failures == 0
