@@ -44,8 +44,14 @@ def _train(args: argparse.Namespace) -> int:
     if job is None:
         return 2
     from cluster.driver import run_job
+    from cluster.stopping import JobStopped, stop_on_signals
 
-    result = run_job(job, resume_dir)
+    with stop_on_signals() as stop:
+        try:
+            result = run_job(job, resume_dir, stop)
+        except JobStopped as stopped:
+            print(stopped, file=sys.stderr)
+            return stopped.exit_code
     print(f"run directory: {result.run_dir}")
     print(f"ledger: {result.ledger_counts}")
     return 0
@@ -158,6 +164,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from cluster.report import ReportError, markdown_table
+    from cluster.stopping import JobStopped, stop_on_signals
     from cluster.sweep import sweep
 
     job = _load(args.job)
@@ -168,12 +175,16 @@ def _sweep(args: argparse.Namespace) -> int:
         overrides.setdefault("learner", {})["steps"] = args.steps
     if args.learning_rate is not None:
         overrides.setdefault("learner", {})["learning_rate"] = args.learning_rate
-    try:
-        summaries = sweep(job, args.stabilizers.split(","), [int(k) for k in args.max_lag.split(",")], Path(args.out),
-                          overrides, args.target_reward)
-    except (ValueError, FileExistsError, ReportError) as error:
-        print(f"stableasync sweep: {error}", file=sys.stderr)
-        return 2
+    with stop_on_signals() as stop:
+        try:
+            summaries = sweep(job, args.stabilizers.split(","), [int(k) for k in args.max_lag.split(",")],
+                              Path(args.out), overrides, args.target_reward, stop)
+        except (ValueError, FileExistsError, ReportError) as error:
+            print(f"stableasync sweep: {error}", file=sys.stderr)
+            return 2
+        except JobStopped as stopped:
+            print(f"stableasync sweep: the cell running {stopped}; the cells after it did not run", file=sys.stderr)
+            return stopped.exit_code
     print(markdown_table(summaries), end="")
     print(f"\nruns in {Path(args.out) / 'runs'}; report: {Path(args.out) / 'report.html'}")
     return 0

@@ -40,6 +40,7 @@ from cluster.checkpoints import CHECKPOINTS, readable_checkpoints, restore_learn
 from cluster.job import Job, dump_job, section_config
 from cluster.metrics import MetricSink
 from cluster.model_prep import prepare_model, sft_samples
+from cluster.stopping import JobStopped, StopRequest
 from learner.batch import TrainBatch, collate
 from learner.rank import LearnerSpec
 from tasks.base import Problem, Task, build_task
@@ -117,12 +118,12 @@ def reward_workers(job: Job) -> ScorePool:
                      startup_timeout_s=scoring.startup_timeout_s)
 
 
-def run_job(job: Job, resume_dir: Path | None = None) -> RunResult:
+def run_job(job: Job, resume_dir: Path | None = None, stop: StopRequest | None = None) -> RunResult:
     """`train`, resumed from the latest checkpoint after a learner crash, at most `learner.max_restarts` times."""
     attempt = 0
     while True:
         try:
-            return train(job, resume_dir, attempt)
+            return train(job, resume_dir, attempt, stop)
         except LearnerCrashed as crash:
             attempt += 1
             if attempt > job.learner.max_restarts:
@@ -136,8 +137,12 @@ def run_job(job: Job, resume_dir: Path | None = None) -> RunResult:
             resume_dir = crash.run_dir
 
 
-def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResult:
-    """Run one job to its last step, or resume `resume_dir` from its newest usable checkpoint."""
+def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: StopRequest | None = None) -> RunResult:
+    """Run one job to its last step, or resume `resume_dir` from its newest usable checkpoint.
+
+    When `stop` is requested (`cluster.stopping`), the run ends after the learner step in flight with a
+    checkpoint and raises `JobStopped`.
+    """
     candidates = readable_checkpoints(resume_dir) if resume_dir is not None else []
     if resume_dir is not None and not candidates:
         raise FileNotFoundError(f"no usable checkpoint under {resume_dir / CHECKPOINTS}")
@@ -145,6 +150,8 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResu
     task = build_task(job.task.name, section_config(job.task, TASK_CONFIGS))
     model_path = prepare_model(job, task)
     runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace)
+    if stop is not None:
+        stop.take_signals()
     _check_resources(job)
     names = run_dir.name + (f"-restart{attempt}" if attempt else "")
     learners = runtime.LearnerGroup(_learner_spec(job, model_path), job.learner.num_ranks,
@@ -169,7 +176,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0) -> RunResu
         if state is None and job.model.sft_warmup.steps:
             _sft_warmup(job, task, model_path, learners, sink)
         loop = AsyncLoop(job, task, learners, generators, ledger, sink, run_dir, start_generator,
-                         placement["generator_nodes"])
+                         placement["generator_nodes"], stop or StopRequest())
         if state is not None:
             loop.restore(state)
         rewards = loop.run()
@@ -196,8 +203,9 @@ class AsyncLoop:
 
     def __init__(self, job: Job, task: Task, learners: runtime.LearnerGroup, generators: dict[int, Any],
                  ledger: Ledger, sink: MetricSink, run_dir: Path, start_generator: Callable[[int], Any],
-                 generator_nodes: dict[str, str]) -> None:
+                 generator_nodes: dict[str, str], stop: StopRequest) -> None:
         self.job, self.task, self.learners, self.sink = job, task, learners, sink
+        self.stop = stop
         self.generators = dict(generators)  # index -> actor; elastic jobs add and remove members
         self.run_dir = run_dir
         self.start_generator = start_generator
@@ -244,25 +252,42 @@ class AsyncLoop:
         self._reissue_resumed()
         try:
             while self.version < self.job.learner.steps:
-                self._scale_generators()
-                self._issue_generation()
-                self._start_learner_step()
+                if self.stop.requested:  # nothing new starts; the learner step in flight finishes
+                    if not self.learner_refs:
+                        raise self._stopped()
+                else:
+                    self._scale_generators()
+                    self._issue_generation()
+                    self._start_learner_step()
                 self._handle(self._wait_one())
         finally:
             self.scorer.close()
-        for ref in list(self.generating):  # let in-flight generation finish so the ledger can close it
-            call = self.generating.pop(ref)
-            try:
-                ray.get(ref)
-            except RayActorError:
-                pass
-            for request in call.requests:
-                self.buffer.lost(request.group_id, "run finished before this group was trained")
-        for request, reason in self.orphans:
-            self.buffer.lost(request.group_id, f"run finished before this group was issued again ({reason})")
-        for group in self.buffer.ready:
-            self.buffer.ledger.dropped(group.group_id, "run finished before this group was trained")
+        self._end_unfinished_groups("run finished", wait_for_generation=True)
         return self.rewards
+
+    def _stopped(self) -> JobStopped:
+        """Checkpoint the run where it stands, which holds the groups in flight and buffered; the ledger
+        ends them as dropped (a resume cuts it back to the checkpoint and picks them up again)."""
+        checkpoint = self._checkpoint()
+        self._end_unfinished_groups(f"run stopped by {self.stop.signal_name} at step {self.version} (resumable)",
+                                    wait_for_generation=False)
+        return JobStopped(self.stop.signal_name, self.version, checkpoint, self.run_dir)
+
+    def _end_unfinished_groups(self, why: str, wait_for_generation: bool) -> None:
+        """Record in the ledger that every group still generating, orphaned or buffered ends untrained."""
+        for ref in list(self.generating):
+            call = self.generating.pop(ref)
+            if wait_for_generation:  # let it finish before its generator is killed
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    pass
+            for request in call.requests:
+                self.buffer.lost(request.group_id, f"{why} before this group was trained")
+        for request, reason in self.orphans:
+            self.buffer.lost(request.group_id, f"{why} before this group was issued again ({reason})")
+        for group in self.buffer.ready:
+            self.buffer.ledger.dropped(group.group_id, f"{why} before this group was trained")
 
     # ---- one turn of the loop ------------------------------------------------------------------
 
@@ -312,7 +337,12 @@ class AsyncLoop:
         self.learner_refs = self.learners.train_step(self._shards(groups))
 
     def _wait_one(self) -> ray.ObjectRef | None:
-        """The next finished call; None when an elastic job should look at the cluster again first."""
+        """The next finished call; None when an elastic job should look at the cluster again first.
+
+        A stopping run waits for its learner step only: what is still generating goes out again on resume.
+        """
+        if self.stop.requested:
+            return ray.wait(self.learner_refs[:1], num_returns=1)[0][0]
         pending = list(self.generating) + self.learner_refs[:1] + list(self.starting)
         if not pending and not self.elastic:
             raise RuntimeError("nothing to wait for: the buffer admits no generation and no batch is ready")
@@ -399,8 +429,9 @@ class AsyncLoop:
             self.weight_load_s += groups[0].weight_load_s
             self.generator_busy_s += groups[0].generate_s + groups[0].weight_load_s
             self.generated_tokens += sum(len(c["completion_ids"]) for g in groups for c in g.completions)
+        requests = {request.group_id: request for request in call.requests}
         for group in groups:
-            self._score_and_buffer(group)
+            self._score_and_buffer(group, requests[group.group_id])
 
     def _restarted(self, index: int, reason: str) -> None:
         """Count a generator restart (fail the job past max_restarts) and give it the latest weights."""
@@ -529,9 +560,15 @@ class AsyncLoop:
 
     # ---- pieces -----------------------------------------------------------------------------------
 
-    def _score_and_buffer(self, group: GeneratedGroup) -> None:
-        problem = self.problem_of.pop(group.group_id)
-        results = self.scorer.score_many([problem] * len(group.completions), [c["text"] for c in group.completions])
+    def _score_and_buffer(self, group: GeneratedGroup, request: GenerationRequest) -> None:
+        """Score a generated group into the buffer; a stopping run keeps its request to issue again on resume."""
+        problem = self.problem_of[group.group_id]
+        texts = [c["text"] for c in group.completions]
+        results = None if self.stop.requested else self.scorer.score_many([problem] * len(texts), texts)
+        if results is None or self.stop.requested:  # a stop during scoring may have reached the verifiers too
+            self.orphans.append((request, "generated while the run was stopping"))
+            return
+        del self.problem_of[group.group_id]
         completions = [
             {**c, "reward": r.reward, "score_error": r.error} for c, r in zip(group.completions, results)
         ]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.job import Job, JobValidationError, validate_job
+from cluster.stopping import JobStopped, StopRequest
 
 log = logging.getLogger("stableasync")
 
@@ -54,8 +55,12 @@ def grid(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
 
 
 def sweep(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
-          overrides: dict[str, dict[str, Any]] | None = None, target_reward: float | None = None) -> list[Any]:
-    """Run every cell, then write the report (table, plots, HTML) over the runs into `out_dir`."""
+          overrides: dict[str, dict[str, Any]] | None = None, target_reward: float | None = None,
+          stop: StopRequest | None = None) -> list[Any]:
+    """Run every cell, then write the report (table, plots, HTML) over the runs into `out_dir`.
+
+    A cell that `stop` stops raises `JobStopped`: the sweep ends there, with no report.
+    """
     from cluster.driver import run_job
     from cluster.report import write_report
 
@@ -67,7 +72,9 @@ def sweep(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
             raise FileExistsError(f"{run_dir} exists: give the sweep a new --out directory")
         log.info("sweep cell %d/%d: %s", n, len(cells), cell.run_name)
         try:
-            run_job(cell.job)
+            run_job(cell.job, stop=stop)
+        except JobStopped:
+            raise
         except Exception:  # noqa: BLE001 - a cell that stops (numerical failure, crash) is a finding
             run_dir.mkdir(parents=True, exist_ok=True)  # a cell can fail before its run directory exists
             (run_dir / "failed.txt").write_text(traceback.format_exc())

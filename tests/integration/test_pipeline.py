@@ -285,3 +285,85 @@ def test_a_hanging_verifier_fails_its_samples_and_the_job_goes_on(local_ray, tmp
     assert hung, "some trained problem had a hanging verifier"
     assert all(scored[p] == 4 for p in hung), "every sample of a hanging problem failed"
     assert all(scored[p] == 0 for p in set(scored) - hung)
+
+
+def _session_processes(session_id: int) -> dict[int, str]:
+    """The live processes of a session, pid -> name (/proc/PID/stat: state, then session id 4 fields on)."""
+    processes = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if int(fields[3]) == session_id and fields[0] != "Z":
+            processes[int(stat.parent.name)] = name
+    return processes
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", pytest.param("SIGTERM", marks=pytest.mark.slow)])
+def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes(local_ray, tmp_path, signal_name):
+    """Ctrl-C at a terminal signals its whole process group: the driver, the local Ray cluster it
+    started and its verifier workers. The first one stops the run once the step in flight is done, with a
+    checkpoint (none is configured), a complete ledger and W&B run, the resume command and exit 130;
+    nothing of it is left running; `--resume` then finishes the run without gap or duplicate. SIGTERM
+    (`kill PID`: the driver alone, whose handler ray.init replaces) does the same with exit 143."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.unit.test_metrics import _wandb_records
+
+    steps = 12
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(json.dumps(_job(tmp_path, max_lag=1, steps=steps, logging={"run_name": "interrupted"},
+                                        learner={"num_ranks": 1}, cluster={"num_cpus": 2})))
+    run_dir = tmp_path / "runs" / "interrupted"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "train", str(job_file)], cwd=Path(__file__).parents[2],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal starts it
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and any(json.loads(line)["train/step"] >= 2
+                                        for line in metrics.read_text().splitlines())):
+        assert driver.poll() is None and time.monotonic() < deadline, "the job did not reach step 2"
+        time.sleep(0.05)
+    ray_cluster = {pid for pid, name in _session_processes(driver.pid).items() if name in ("gcs_server", "raylet")}
+    assert len(ray_cluster) == 2, "the driver started a local Ray cluster in its session"
+    number = getattr(signal, signal_name)
+    if number == signal.SIGINT:
+        os.killpg(driver.pid, number)
+    else:
+        os.kill(driver.pid, number)
+    time.sleep(0.3)  # Ray's services block SIGINT: the stop relies on it, and takes longer than this
+    assert driver.poll() is None and ray_cluster <= set(_session_processes(driver.pid)), \
+        "the local Ray cluster outlives the Ctrl-C while the driver stops"
+    _, err = driver.communicate(timeout=120)
+
+    assert driver.returncode == 128 + number, err[-3000:]
+    stopped_at = int(err.split(f"stopped by {signal_name} after step ")[1].split(",")[0])
+    assert 2 <= stopped_at < steps
+    assert f"to continue: stableasync train --resume {run_dir}" in err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step-{stopped_at:06d}"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/step"] for r in rows if r["train/step"] > 0] == list(range(1, stopped_at + 1))
+    from actors.buffer import audit_ledger
+
+    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert audit_ledger(ledger) == [], "every issued group ends once, trained or dropped with the reason"
+    assert any(f"stopped by {signal_name}" in (r.get("reason") or "") for r in ledger if r["event"] == "dropped")
+    assert all(r["score_errors"] == 0 for r in ledger if r["event"] == "scored"), "no verifier died of the Ctrl-C"
+    (wandb_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    kinds = [record.WhichOneof("record_type") for record in _wandb_records(wandb_file)]
+    assert kinds.count("history") == 2 + stopped_at and "exit" in kinds  # SFT warm-up rows, then RL steps
+    left = time.monotonic() + 15
+    while _session_processes(driver.pid) and time.monotonic() < left:
+        time.sleep(0.5)
+    assert _session_processes(driver.pid) == {}, "the local Ray cluster and the workers ended with the driver"
+
+    assert cli_main(["train", "--resume", str(run_dir)]) == 0
+    _assert_each_group_ends_once(run_dir, steps=steps)

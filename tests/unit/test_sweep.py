@@ -28,3 +28,46 @@ def test_an_unknown_stabilizer_or_bad_lag_stops_the_sweep_before_anything_runs(t
         grid(validate_job(BASE), ["tis_seq", "no_such"], [1, -2], tmp_path)
     text = str(error.value)
     assert "no_such max_lag 1" in text and "tis_seq max_lag -2" in text and "async.max_lag" in text
+
+
+def test_a_stop_request_ends_the_sweep_while_a_failing_cell_does_not(tmp_path, monkeypatch):
+    """A cell that crashes is a finding (failed.txt, the sweep goes on); a Ctrl-C stops the whole sweep."""
+    from cluster import driver
+    from cluster.stopping import JobStopped, StopRequest
+    from cluster.sweep import sweep
+
+    ran = []
+
+    def run_job(job, resume_dir=None, stop=None):
+        ran.append(job.logging.run_name)
+        assert isinstance(stop, StopRequest), "the sweep passes its stop request to every cell"
+        if len(ran) == 1:
+            raise RuntimeError("a numerical failure")
+        raise JobStopped("SIGINT", 3, tmp_path / "checkpoint", tmp_path / "runs" / job.logging.run_name)
+
+    monkeypatch.setattr(driver, "run_job", run_job)
+    with pytest.raises(JobStopped):
+        sweep(validate_job(BASE), ["none", "m2po"], [0, 4], tmp_path, stop=StopRequest())
+    assert ran == ["none-lag0", "none-lag4"], "no cell starts after the stopped one"
+    assert (tmp_path / "runs" / "none-lag0" / "failed.txt").exists()
+    assert not (tmp_path / "runs" / "none-lag4" / "failed.txt").exists()
+
+
+def test_a_stopped_sweep_says_so_and_exits_as_the_signal_did(tmp_path, monkeypatch, capsys):
+    import json
+
+    from cluster import sweep as sweep_module
+    from cluster.cli import main
+    from cluster.stopping import JobStopped
+
+    def stopped(*args, **kwargs):
+        raise JobStopped("SIGTERM", 5, tmp_path / "runs" / "none-lag0" / "checkpoints" / "step-000005",
+                         tmp_path / "runs" / "none-lag0")
+
+    monkeypatch.setattr(sweep_module, "sweep", stopped)
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps(BASE))
+    assert main(["sweep", str(job), "--out", str(tmp_path)]) == 143
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM after step 5" in err and "the cells after it did not run" in err
+    assert f"stableasync train --resume {tmp_path / 'runs' / 'none-lag0'}" in err
