@@ -198,6 +198,10 @@ class LoggingSection(Section):
 class CheckpointSection(Section):
     every_steps: int = Field(0, ge=0, description="checkpoint every N steps and at the last; 0: none")
     keep: int = Field(2, gt=0)
+    stop_grace_s: int = Field(
+        300, gt=0, description="seconds `stableasync stop` gives a submitted job to finish its learner step and "
+        "write its checkpoint before Ray kills it (RAY_JOB_STOP_WAIT_TIME_S; Ray's own default is 3)"
+    )
 
 
 class ScoringSection(Section):

@@ -101,6 +101,13 @@ def for_cluster(job: Job, submission_id: str, run_dir: str) -> Job:
     return job.model_copy(update={"logging": logging_section, "cluster": cluster_section})
 
 
+def stop_env(job: Job) -> dict[str, str]:
+    """How `stop` ends the job, read by Ray's job supervisor: SIGINT, as Ctrl-C would (Ray sends its stop
+    signal to every process under the driver, and the W&B service and the verifier workers outlive
+    SIGINT but not SIGTERM), and time to finish the step and checkpoint before Ray kills it (3 s by default)."""
+    return {"RAY_JOB_STOP_SIGNAL": "SIGINT", "RAY_JOB_STOP_WAIT_TIME_S": str(job.checkpoint.stop_grace_s)}
+
+
 def submit(job: Job, address: str, token: str | None, run_dir: str = DEFAULT_RUN_DIR,
            submission_id: str | None = None) -> Submission:
     """Submit `job` to the cluster; returns at once with the submission id (the run keeps going there)."""
@@ -113,7 +120,7 @@ def submit(job: Job, address: str, token: str | None, run_dir: str = DEFAULT_RUN
             jobs.submit_job(
                 entrypoint="python -m cluster.cli train job.yaml",
                 submission_id=submission_id,
-                runtime_env={"working_dir": str(working_dir)},
+                runtime_env={"working_dir": str(working_dir), "env_vars": stop_env(job)},
                 metadata={"stableasync_job": job.name, "stabilizer": job.algorithm.stabilizer.name},
             )
         except Exception as error:  # noqa: BLE001

@@ -154,3 +154,40 @@ def test_two_jobs_at_once_each_with_its_own_stabilizer_run_dir_and_wandb_run(tok
     assert "SUCCEEDED" in capsys.readouterr().out
     assert cli_main(["logs", ids["m2po"], "--address", api, "--token-file", str(token_file)]) == 0
     assert "ledger:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_stop_ends_a_submitted_job_at_a_step_with_a_checkpoint(token_head, tmp_path, capsys):
+    """`stableasync stop`: Ray sends the driver and every process under it the stop signal `submit` chose
+    (SIGINT, as a Ctrl-C); the job stops at a step boundary with a checkpoint, its metrics and a closed
+    ledger, within the grace period `submit` asked Ray for instead of being killed after its default 3 s.
+    (The W&B service under the driver gets the signal too and shuts down without saving: not checked.)"""
+    api, token_file = token_head
+    from cluster.submit import client, wait
+
+    job_file = _job(tmp_path, "stopped", {"name": "tis_seq"})
+    job = yaml.safe_load(job_file.read_text())
+    job["learner"]["steps"] = 200
+    job_file.write_text(yaml.safe_dump(job))
+    runs = tmp_path / "runs"
+    auth = ["--address", api, "--token-file", str(token_file)]
+    assert cli_main(["submit", str(job_file), "--run-dir", str(runs), *auth]) == 0
+    submission_id = capsys.readouterr().out.split()[1].rstrip(";")
+    metrics = runs / submission_id / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and any(json.loads(line)["train/step"] >= 2
+                                        for line in metrics.read_text().splitlines())):
+        assert time.monotonic() < deadline, client(api, token_file.read_text()).get_job_logs(submission_id)[-3000:]
+        time.sleep(0.2)
+    assert cli_main(["stop", submission_id, *auth]) == 0
+    assert wait(api, token_file.read_text(), submission_id, timeout_s=120) == "STOPPED"
+    logs = client(api, token_file.read_text()).get_job_logs(submission_id)
+    assert "stopped by SIGINT after step" in logs, logs[-3000:]
+    run_dir = runs / submission_id
+    stopped_at = int(logs.split("stopped by SIGINT after step ")[1].split(",")[0])
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step-{stopped_at:06d}"]
+    rows = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert audit_ledger(rows) == []
+    assert sum(r["event"] == "trained" for r in rows) == stopped_at * 2
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["train/step"] for m in metrics if m["train/step"] > 0] == list(range(1, stopped_at + 1))

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from cluster.job import load_job, validate_job
-from cluster.submit import PACKAGES, SubmitError, auth_headers, find_token, for_cluster, stage_working_dir
+from cluster.submit import PACKAGES, SubmitError, auth_headers, find_token, for_cluster, stage_working_dir, stop_env
 
 JOB = {"name": "j", "task": {"name": "arithmetic"}, "cluster": {"address": "127.0.0.1:6379", "num_cpus": 2},
        "algorithm": {"stabilizer": {"name": "m2po"}}}
@@ -49,3 +49,9 @@ def test_the_working_dir_holds_the_packages_and_the_resolved_job(tmp_path):
     assert not list(staged.rglob("__pycache__"))
     assert yaml.safe_load((staged / "job.yaml").read_text())["logging"]["run_name"] == "sub-1"
     assert load_job(staged / "job.yaml") == job
+
+
+def test_stop_signals_the_job_as_ctrl_c_would_and_waits_the_jobs_grace_period():
+    assert stop_env(validate_job(JOB)) == {"RAY_JOB_STOP_SIGNAL": "SIGINT", "RAY_JOB_STOP_WAIT_TIME_S": "300"}
+    slow_to_save = validate_job({**JOB, "checkpoint": {"stop_grace_s": 1200}})
+    assert stop_env(slow_to_save)["RAY_JOB_STOP_WAIT_TIME_S"] == "1200"
