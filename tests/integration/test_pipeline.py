@@ -172,6 +172,47 @@ def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path):
     assert result.ledger_counts["trained"] == 5 * 2
 
 
+def test_a_generator_restarted_between_calls_is_noticed_and_gets_the_latest_weights(local_ray, tmp_path, monkeypatch,
+                                                                                 caplog):
+    """With max_lag 0 the generator is idle while the learner steps. SIGKILLed then (during step 2) and
+    restarted by Ray, it is noticed from its next result's incarnation: the restart is counted, it has
+    the latest weights, nothing is trained off-policy, and every group still ends exactly once."""
+    import os
+    import signal
+    import time
+
+    from ray.exceptions import RayActorError
+
+    from cluster import driver
+
+    start_step = driver.AsyncLoop._start_learner_step
+    killed: list[int] = []
+
+    def kill_while_idle(self):
+        start_step(self)
+        if self.version == 1 and self.learner_refs and not self.generating and not killed:
+            generator = self.generators[0]
+            killed.append(ray.get(generator.process_id.remote()))
+            os.kill(killed[0], signal.SIGKILL)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:  # Ray restarts it with the model's initial weights
+                try:
+                    if ray.get(generator.process_id.remote(), timeout=30) != killed[0]:
+                        return
+                except RayActorError:
+                    time.sleep(0.5)
+            raise AssertionError("Ray did not restart the generator")
+
+    monkeypatch.setattr(driver.AsyncLoop, "_start_learner_step", kill_while_idle)
+    job = _job(tmp_path, max_lag=0, steps=4, logging={"run_name": "idle-kill"}, generator={"max_restarts": 1})
+    result = driver.train(validate_job(job))
+    assert killed, "the generator was killed between calls"
+    assert "generator 0 was restarted between calls" in caplog.text
+    assert json.loads((result.run_dir / "summary.json").read_text())["generator_restarts"] == 1
+    rows = _assert_each_group_ends_once(result.run_dir, steps=4)
+    assert {r["lag"] for r in rows if r["event"] == "trained"} == {0}, "nothing trained with stale weights"
+
+
 def test_a_learner_the_cluster_cannot_place_fails_with_the_resources_named(local_ray):
     from cluster.runtime import LearnerGroup
     from learner.rank import LearnerSpec
