@@ -7,8 +7,9 @@ only asks: the training loop lets the learner step in flight finish, writes a ch
 message says how to continue (`stableasync train --resume RUN_DIR`). A second signal stops at once.
 
 A terminal's Ctrl-C reaches every process of its foreground group: the local Ray cluster a driver
-starts (its services block SIGINT) and the verifier workers, which `tasks.scoring` starts ignoring it
-(`children_ignore_sigint`), so the driver still has both while it stops.
+starts, whose services block SIGINT, so the driver still has it to checkpoint with; and the verifier
+workers, which `tasks.scoring` starts ignoring it (`children_ignore_sigint`), so a scoring call in
+progress ends without failed samples or replaced workers.
 """
 
 from __future__ import annotations

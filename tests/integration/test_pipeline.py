@@ -397,7 +397,7 @@ def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes(local_ray,
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
     assert audit_ledger(ledger) == [], "every issued group ends once, trained or dropped with the reason"
     assert any(f"stopped by {signal_name}" in (r.get("reason") or "") for r in ledger if r["event"] == "dropped")
-    assert all(r["score_errors"] == 0 for r in ledger if r["event"] == "scored"), "no verifier died of the Ctrl-C"
+    assert all(r["score_errors"] == 0 for r in ledger if r["event"] == "scored"), "no sample scored before the stop failed"
     (wandb_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     kinds = [record.WhichOneof("record_type") for record in _wandb_records(wandb_file)]
     assert kinds.count("history") == 2 + stopped_at and "exit" in kinds  # SFT warm-up rows, then RL steps
