@@ -1,9 +1,10 @@
 """Jobs on a remote Ray cluster through the Ray Jobs API, with token authentication.
 
 `stableasync submit JOB.yaml --address http://HEAD:8265` packs the project's code and the resolved job
-into the Ray job's `working_dir`, and runs `python -m cluster.cli train job.yaml` as the job's
-entrypoint on the head node; the driver joins the cluster it runs in (RAY_ADDRESS). The plain Ray
-equivalent is `ray job submit --address ... --working-dir DIR -- python -m cluster.cli train job.yaml`.
+into the Ray job's `working_dir`, and runs `python -m cluster.cli train job.yaml` as the job's driver
+on the head node, under `cluster.job_entrypoint` (so that `stop` signals the driver alone); the driver
+joins the cluster it runs in (RAY_ADDRESS). The plain Ray equivalent is `ray job submit --address ...
+--working-dir DIR -- python -m cluster.job_entrypoint python -m cluster.cli train job.yaml`.
 
 Token authentication is on by default: the token comes from `--token-file`, `RAY_AUTH_TOKEN`,
 `RAY_AUTH_TOKEN_PATH` or `~/.ray/auth_token` (Ray's own places), and goes in the `Authorization`
@@ -101,10 +102,14 @@ def for_cluster(job: Job, submission_id: str, run_dir: str) -> Job:
     return job.model_copy(update={"logging": logging_section, "cluster": cluster_section})
 
 
+# The driver runs under the entrypoint that keeps Ray's stop signal off the W&B service the driver starts.
+JOB_ENTRYPOINT = "python -m cluster.job_entrypoint python -m cluster.cli train job.yaml"
+
+
 def stop_env(job: Job) -> dict[str, str]:
-    """How `stop` ends the job, read by Ray's job supervisor: SIGINT, as Ctrl-C would (Ray sends its stop
-    signal to every process under the driver, and the W&B service and the verifier workers outlive
-    SIGINT but not SIGTERM), and time to finish the step and checkpoint before Ray kills it (3 s by default)."""
+    """How `stop` ends the job, read by Ray's job supervisor: SIGINT, as Ctrl-C would (`cluster.job_entrypoint`
+    passes it on to the driver alone), and time to finish the step and checkpoint before Ray kills it (3 s by
+    default)."""
     return {"RAY_JOB_STOP_SIGNAL": "SIGINT", "RAY_JOB_STOP_WAIT_TIME_S": str(job.checkpoint.stop_grace_s)}
 
 
@@ -118,7 +123,7 @@ def submit(job: Job, address: str, token: str | None, run_dir: str = DEFAULT_RUN
         working_dir = stage_working_dir(cluster_job, Path(staging))
         try:
             jobs.submit_job(
-                entrypoint="python -m cluster.cli train job.yaml",
+                entrypoint=JOB_ENTRYPOINT,
                 submission_id=submission_id,
                 runtime_env={"working_dir": str(working_dir), "env_vars": stop_env(job)},
                 metadata={"stableasync_job": job.name, "stabilizer": job.algorithm.stabilizer.name},

@@ -27,6 +27,7 @@ from actors.buffer import audit_ledger  # noqa: E402
 from cluster.cli import main as cli_main  # noqa: E402
 from cluster.job import validate_job  # noqa: E402
 from cluster.submit import SubmitError, submit  # noqa: E402
+from tests.unit.test_metrics import _wandb_records  # noqa: E402
 
 
 def _free_port() -> int:
@@ -158,10 +159,10 @@ def test_two_jobs_at_once_each_with_its_own_stabilizer_run_dir_and_wandb_run(tok
 
 @pytest.mark.slow
 def test_stop_ends_a_submitted_job_at_a_step_with_a_checkpoint(token_head, tmp_path, capsys):
-    """`stableasync stop`: Ray sends the driver and every process under it the stop signal `submit` chose
-    (SIGINT, as a Ctrl-C); the job stops at a step boundary with a checkpoint, its metrics and a closed
-    ledger, within the grace period `submit` asked Ray for instead of being killed after its default 3 s.
-    (The W&B service under the driver gets the signal too and shuts down without saving: not checked.)"""
+    """`stableasync stop`: Ray sends the stop signal `submit` chose (SIGINT, as a Ctrl-C) to the job's
+    entrypoint and every process under it, and the entrypoint passes it on to the driver alone; the job
+    stops at a step boundary with a checkpoint, its metrics, a closed ledger and a whole W&B run (the W&B
+    service was not signalled), within the grace period `submit` asked Ray for instead of Ray's 3 s."""
     api, token_file = token_head
     from cluster.submit import client, wait
 
@@ -191,3 +192,6 @@ def test_stop_ends_a_submitted_job_at_a_step_with_a_checkpoint(token_head, tmp_p
     assert sum(r["event"] == "trained" for r in rows) == stopped_at * 2
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["train/step"] for m in metrics if m["train/step"] > 0] == list(range(1, stopped_at + 1))
+    (wandb_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    kinds = [record.WhichOneof("record_type") for record in _wandb_records(wandb_file)]
+    assert kinds.count("history") == len(metrics) and "exit" in kinds, "the W&B run file was cut short"
