@@ -79,8 +79,8 @@ def stop_on_signals() -> Iterator[StopRequest]:
             restore()
             raise KeyboardInterrupt(f"{name} again: stopping at once")
         stop.request(name)
-        log.warning("%s: stopping once the learner step in flight is done, with a checkpoint (%s again stops at "
-                    "once)", name, name)
+        log.warning("%s: stopping at the next step boundary (the learner step in flight, or the end of start-up), "
+                    "with a checkpoint (%s again stops at once)", name, name)
 
     def take_signals() -> None:
         if not stop.requested:  # after a first signal the next one must stop at once, as the caller's would
