@@ -8,6 +8,7 @@ starts wandb-core, and records which signals each of them got.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,6 +69,14 @@ def _signal_like_ray(entrypoint: subprocess.Popen, number: int) -> None:
         os.kill(target.pid, number)
 
 
+def _kill_what_is_left(entrypoint: subprocess.Popen, out: Path) -> None:
+    """A failing test must not leave the driver or its service running."""
+    entrypoint.kill()
+    for name in ("driver.pid", "service.pid"):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
+            os.kill(int((out / name).read_text()), signal.SIGKILL)
+
+
 def _gone(pid: int, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -90,7 +99,7 @@ def test_a_stop_reaches_the_driver_and_not_the_service_under_it(tmp_path):
         _signal_like_ray(entrypoint, signal.SIGINT)
         output, _ = entrypoint.communicate(timeout=30)
     finally:
-        entrypoint.kill()
+        _kill_what_is_left(entrypoint, tmp_path)
     assert entrypoint.returncode == 130, output  # the driver's own exit status
     assert "driver started" in output  # its output goes where the entrypoint's goes (Ray's job log)
     assert (tmp_path / "driver.got").read_text() == "SIGINT"  # once: the keeper did not pass it on twice
@@ -110,13 +119,7 @@ def test_the_driver_and_its_processes_die_with_a_killed_entrypoint(tmp_path):
         assert _gone(driver_pid), "the driver outlived its killed entrypoint"
         assert _gone(service_pid), "the driver's service outlived its killed entrypoint"
     finally:
-        entrypoint.kill()
-        for name in ("driver.pid", "service.pid"):
-            if (tmp_path / name).exists():
-                try:
-                    os.kill(int((tmp_path / name).read_text()), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        _kill_what_is_left(entrypoint, tmp_path)
 
 
 def test_a_killed_keeper_takes_the_driver_with_it_and_the_entrypoint_fails(tmp_path):
@@ -131,11 +134,7 @@ def test_a_killed_keeper_takes_the_driver_with_it_and_the_entrypoint_fails(tmp_p
         assert _gone(driver_pid), "the driver outlived its keeper"
         assert _gone(int((tmp_path / "service.pid").read_text())), "the driver's service outlived its keeper"
     finally:
-        entrypoint.kill()
-        try:
-            os.kill(int((tmp_path / "driver.pid").read_text()), signal.SIGKILL)
-        except (ProcessLookupError, FileNotFoundError):
-            pass
+        _kill_what_is_left(entrypoint, tmp_path)
 
 
 @pytest.mark.parametrize(("driver", "status"), [("import sys; sys.exit(3)", 3),
