@@ -91,15 +91,21 @@ def main() -> None:
     for engine in engines.values():  # warm-up: first-call compilation and allocation
         engine.run(prompts[:2], seed=0)
     best: dict[str, tuple[float, int]] = {}
+    rounds: list[str] = []
     for round_ in range(args.rounds):
+        rates: dict[str, float] = {}
         for name, engine in engines.items():
             start = time.perf_counter()
             tokens = engine.run(prompts, seed=1000 * round_)
             seconds = time.perf_counter() - start
+            rates[name] = tokens / seconds
             if name not in best or tokens / seconds > best[name][1] / best[name][0]:
                 best[name] = (seconds, tokens)
+        rounds.append(f"round {round_ + 1}: " + ", ".join(f"{name} {rate:.0f} tok/s" for name, rate in rates.items())
+                      + f", vllm x transformers {rates['vllm'] / rates['transformers']:.2f}")
     print(f"model {model_path}\n{args.prompts} prompts x {args.samples} samples, max_new_tokens "
           f"{args.max_new_tokens}, {torch.get_num_threads()} torch thread(s) for both, best of {args.rounds} interleaved rounds\n")
+    print("\n".join(rounds) + "\n")
     print(f"{'engine':<14}{'seconds':>9}{'tokens':>9}{'tokens/s':>11}{'x transformers':>16}")
     reference = best["transformers"][1] / best["transformers"][0]
     for name, (seconds, tokens) in best.items():
