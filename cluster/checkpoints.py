@@ -4,6 +4,8 @@
 `driver.json` (the driver's state). A checkpoint is written as `.step-NNNNNN.tmp` and renamed when
 complete, so a crash mid-write leaves no folder that looks usable. Resuming takes the newest one
 that reads back, and falls back to older ones (loudly) when the newest is damaged.
+
+`runs/<run>/model/` is the policy a finished run ends with, as a Hugging Face model folder.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 log = logging.getLogger("stableasync")
 
 CHECKPOINTS = "checkpoints"
+MODEL = "model"
 LEARNER = "learner"
 TAG = "state"
 DRIVER_KEYS = {"version", "next_group_id", "problems_drawn", "rng", "ready", "in_flight", "rewards", "restarts",
@@ -44,6 +47,18 @@ def write_checkpoint(run_dir: Path, version: int, keep: int, save_learners: Call
         partial.rename(final)
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old)
+    return final
+
+
+def write_model(run_dir: Path, save_model: Callable[[str], None]) -> Path:
+    """The trained policy as `RUN_DIR/model`, a Hugging Face model folder. Written as `.model.tmp` and
+    renamed when complete, so a `model` folder is never half-written."""
+    final, partial = run_dir / MODEL, run_dir / f".{MODEL}.tmp"
+    shutil.rmtree(partial, ignore_errors=True)
+    save_model(str(partial))
+    if final.exists():  # a resumed run that finished again replaces what it wrote before
+        shutil.rmtree(final)
+    partial.rename(final)
     return final
 
 

@@ -53,6 +53,8 @@ def _train(args: argparse.Namespace) -> int:
             print(stopped, file=sys.stderr)
             return stopped.exit_code
     print(f"run directory: {result.run_dir}")
+    if result.model_dir is not None:
+        print(f"trained model: {result.model_dir}")
     print(f"ledger: {result.ledger_counts}")
     return 0
 

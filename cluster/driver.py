@@ -36,7 +36,7 @@ from actors.generator import GeneratedGroup, GenerationRequest, GeneratorSpec
 from algorithms.config import STABILIZER_CONFIGS
 from algorithms.diagnostics import lag_stats
 from cluster import runtime
-from cluster.checkpoints import CHECKPOINTS, readable_checkpoints, restore_learners, write_checkpoint
+from cluster.checkpoints import CHECKPOINTS, readable_checkpoints, restore_learners, write_checkpoint, write_model
 from cluster.job import Job, dump_job, section_config
 from cluster.metrics import MetricSink
 from cluster.model_prep import prepare_model, sft_samples
@@ -58,6 +58,7 @@ class RunResult:
     steps: int
     ledger_counts: dict[str, int]
     rewards: list[float] = field(default_factory=list)
+    model_dir: Path | None = None  # the trained policy, a Hugging Face model folder
 
 
 def create_run_dir(job: Job) -> Path:
@@ -180,6 +181,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
         if state is not None:
             loop.restore(state)
         rewards = loop.run()
+        model_dir = _save_trained_model(run_dir, learners) if job.checkpoint.save_model else None
     finally:
         for closing in (ledger, sink):
             if closing is not None:
@@ -193,9 +195,20 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
                "generator_restarts": loop.generator_restarts, "learner_restarts": attempt,
                "generated_tokens": loop.generated_tokens, "generate_s": loop.generate_s,  # summed over generators
                "weight_loads": loop.weight_loads, "weight_load_s": loop.weight_load_s,  # likewise
-               "generators": {"joined": loop.joined, "left": loop.left, **placement}}  # nodes by Ray node id
+               "generators": {"joined": loop.joined, "left": loop.left, **placement},  # nodes by Ray node id
+               "model": model_dir and str(model_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary))
-    return RunResult(run_dir, job.learner.steps, counts, rewards)
+    return RunResult(run_dir, job.learner.steps, counts, rewards, model_dir)
+
+
+def _save_trained_model(run_dir: Path, learners: runtime.LearnerGroup) -> Path:
+    """The finished run's policy as RUN_DIR/model: what users evaluate, serve or train on from (`model.path`)."""
+    try:
+        path = write_model(run_dir, learners.save_model)
+    except RayActorError as error:  # the newest checkpoint, if any, holds the final step: a resume saves again
+        raise LearnerCrashed("a learner rank died while saving the trained model", run_dir) from error
+    log.info("trained model saved to %s", path)
+    return path
 
 
 class AsyncLoop:

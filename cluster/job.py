@@ -198,6 +198,8 @@ class LoggingSection(Section):
 class CheckpointSection(Section):
     every_steps: int = Field(0, ge=0, description="checkpoint every N steps and at the last; 0: none")
     keep: int = Field(2, gt=0)
+    save_model: bool = Field(True, description="write the trained policy to RUN_DIR/model at the end of the run, "
+                             "as a Hugging Face model folder (safetensors, config, tokenizer)")
     stop_grace_s: int = Field(
         300, gt=0, description="seconds `stableasync stop` gives a submitted job to finish its learner step and "
         "write its checkpoint before Ray kills it (RAY_JOB_STOP_WAIT_TIME_S; Ray's own default is 3)"

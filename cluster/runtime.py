@@ -213,6 +213,10 @@ class LearnerGroup:
         """The object-store reference of the full weights (all ranks take part in the gather)."""
         return ray.get([rank.publish.remote() for rank in self.ranks])[0][0]
 
+    def save_model(self, folder: str) -> None:
+        """Rank 0 writes the policy as a Hugging Face model folder (every rank takes part under ZeRO-3)."""
+        ray.get([rank.save_model.remote(folder) for rank in self.ranks])
+
     def save_checkpoint(self, directory: str, tag: str) -> None:
         """Every rank writes its part (ZeRO shards) under `directory` (shared storage across nodes)."""
         ray.get([rank.save_checkpoint.remote(directory, tag) for rank in self.ranks])

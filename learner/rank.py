@@ -277,6 +277,22 @@ class LearnerRank:
         packed = self.packed_weights_for_publish()
         return packed.tensors() if packed is not None else {}
 
+    def save_model(self, folder: str) -> None:
+        """The policy as a Hugging Face model folder (config, safetensors, tokenizer) that transformers and
+        vLLM load as they are; rank 0 writes it. A collective under ZeRO-3, which gathers the parameters."""
+        from transformers import AutoTokenizer
+
+        module = self.engine.module
+        gathered = nullcontext()
+        if self.spec.zero_stage == 3:
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        with gathered:
+            if self.rank == 0:
+                module.save_pretrained(folder, safe_serialization=True)
+                AutoTokenizer.from_pretrained(self.spec.model_path).save_pretrained(folder)
+
     # ---- checkpoints -------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str, tag: str) -> None:

@@ -50,8 +50,9 @@ def _rank_main(rank: int, world: int, stage: int, model_path: str, port: int, ou
     share = [s for s in samples if s["group_id"] % world == rank]  # whole groups per rank
     metrics = learner.train_step(collate(share, 0))
     weights = learner.state_dict_for_publish()
+    learner.save_model(out + ".model")
     if rank == 0:
-        torch.save({"metrics": metrics, "weights": weights}, out)
+        torch.save({"metrics": metrics, "weights": weights, "model_folder": out + ".model"}, out)
 
 
 def _free_port() -> int:
@@ -84,6 +85,22 @@ def test_same_update_for_every_zero_stage_and_rank_count(results, world, stage):
     step_tolerance = 1e-4 * LEARNING_RATE
     for name, tensor in reference["weights"].items():
         assert torch.allclose(tensor, other["weights"][name], rtol=0, atol=step_tolerance), name
+
+
+@pytest.mark.parametrize("world, stage", [(1, 2), (1, 3), (2, 2), (2, 3)])
+def test_the_saved_model_folder_holds_the_trained_weights(results, world, stage, tiny_qwen2):
+    """What a finished run leaves in RUN_DIR/model: transformers loads it as it is, with the weights the
+    generators got after the step (gathered from the shards under ZeRO-3), and the tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = results[(world, stage)]
+    model = AutoModelForCausalLM.from_pretrained(result["model_folder"], dtype=torch.float32)
+    saved = model.state_dict()
+    assert set(saved) == set(result["weights"])
+    for name, tensor in result["weights"].items():
+        assert torch.equal(saved[name], tensor), name
+    saved_tokenizer = AutoTokenizer.from_pretrained(result["model_folder"])
+    assert saved_tokenizer.vocab == AutoTokenizer.from_pretrained(tiny_qwen2).vocab
 
 
 def test_the_step_changed_the_weights(results, tiny_qwen2):

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
@@ -76,6 +77,28 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     # synchronous: each step's own call (and the load before it) is reported in that step's row
     busy = [m["time/generator_busy_s"] for m in rl_steps]
     assert min(busy) > 0 and sum(busy) == pytest.approx(summary["generate_s"] + summary["weight_load_s"])
+    _assert_the_trained_model_is_saved(result, summary)
+
+
+def _assert_the_trained_model_is_saved(result, summary: dict) -> None:
+    """RUN_DIR/model: a Hugging Face folder with trained weights that a next job takes as its `model.path`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cluster.job import section_config
+    from cluster.model_prep import prepare_model
+    from tasks.base import build_task
+    from tasks.config import TASK_CONFIGS
+
+    assert summary["model"] == str(result.run_dir / "model") == str(result.model_dir)
+    job = validate_job(yaml.safe_load((result.run_dir / "job.yaml").read_text()))
+    task = build_task(job.task.name, section_config(job.task, TASK_CONFIGS))
+    initial = AutoModelForCausalLM.from_pretrained(prepare_model(job, task)).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(result.model_dir).state_dict()
+    assert set(trained) == set(initial)
+    assert any(not torch.equal(trained[name], initial[name]) for name in initial), "the saved weights are untrained"
+    follow_up = job.model_copy(update={"model": job.model.model_copy(update={"path": str(result.model_dir)})})
+    assert prepare_model(follow_up, task) == str(result.model_dir)  # resolves, and has its chat template
 
 
 def test_lagged_job_stays_within_max_lag(local_ray, tmp_path):
