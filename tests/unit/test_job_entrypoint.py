@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -89,17 +90,23 @@ def _gone(pid: int, timeout_s: float = 10.0) -> bool:
     return False
 
 
-def test_a_stop_reaches_the_driver_and_not_the_service_under_it(tmp_path):
-    entrypoint = _start(tmp_path)
+@contextlib.contextmanager
+def _running(out: Path) -> Iterator[tuple[subprocess.Popen, int, int]]:
+    """The entrypoint with its driver and service started: (entrypoint, driver pid, service pid)."""
+    entrypoint = _start(out)
     try:
-        _wait_for(tmp_path / "service.pid")
-        _wait_for(tmp_path / "driver.pid")
-        driver_pid = int((tmp_path / "driver.pid").read_text())
+        _wait_for(out / "service.pid")
+        _wait_for(out / "driver.pid")
+        yield entrypoint, int((out / "driver.pid").read_text()), int((out / "service.pid").read_text())
+    finally:
+        _kill_what_is_left(entrypoint, out)
+
+
+def test_a_stop_reaches_the_driver_and_not_the_service_under_it(tmp_path):
+    with _running(tmp_path) as (entrypoint, driver_pid, _):
         assert driver_pid not in {p.pid for p in psutil.Process(entrypoint.pid).children(recursive=True)}
         _signal_like_ray(entrypoint, signal.SIGINT)
         output, _ = entrypoint.communicate(timeout=30)
-    finally:
-        _kill_what_is_left(entrypoint, tmp_path)
     assert entrypoint.returncode == 130, output  # the driver's own exit status
     assert "driver started" in output  # its output goes where the entrypoint's goes (Ray's job log)
     assert (tmp_path / "driver.got").read_text() == "SIGINT"  # once: the keeper did not pass it on twice
@@ -108,33 +115,20 @@ def test_a_stop_reaches_the_driver_and_not_the_service_under_it(tmp_path):
 
 
 def test_the_driver_and_its_processes_die_with_a_killed_entrypoint(tmp_path):
-    entrypoint = _start(tmp_path)
-    try:
-        _wait_for(tmp_path / "service.pid")
-        _wait_for(tmp_path / "driver.pid")
-        driver_pid = int((tmp_path / "driver.pid").read_text())
-        service_pid = int((tmp_path / "service.pid").read_text())
+    with _running(tmp_path) as (entrypoint, driver_pid, service_pid):
         _signal_like_ray(entrypoint, signal.SIGKILL)  # Ray's last resort after the grace period
         entrypoint.communicate(timeout=30)
         assert _gone(driver_pid), "the driver outlived its killed entrypoint"
         assert _gone(service_pid), "the driver's service outlived its killed entrypoint"
-    finally:
-        _kill_what_is_left(entrypoint, tmp_path)
 
 
 def test_a_killed_keeper_takes_the_driver_with_it_and_the_entrypoint_fails(tmp_path):
-    entrypoint = _start(tmp_path)
-    try:
-        _wait_for(tmp_path / "service.pid")
-        _wait_for(tmp_path / "driver.pid")
-        driver_pid = int((tmp_path / "driver.pid").read_text())
+    with _running(tmp_path) as (entrypoint, driver_pid, service_pid):
         os.kill(psutil.Process(driver_pid).ppid(), signal.SIGKILL)  # the keeper, the driver's parent
         output, _ = entrypoint.communicate(timeout=30)
         assert entrypoint.returncode == 1 and "the keeper process" in output and "died" in output, output
         assert _gone(driver_pid), "the driver outlived its keeper"
-        assert _gone(int((tmp_path / "service.pid").read_text())), "the driver's service outlived its keeper"
-    finally:
-        _kill_what_is_left(entrypoint, tmp_path)
+        assert _gone(service_pid), "the driver's service outlived its keeper"
 
 
 @pytest.mark.parametrize(("driver", "status"), [("import sys; sys.exit(3)", 3),
