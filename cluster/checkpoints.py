@@ -27,6 +27,10 @@ DRIVER_KEYS = {"version", "next_group_id", "problems_drawn", "rng", "ready", "in
                "ledger_lines", "metrics_lines"}
 
 
+class CheckpointFailed(RuntimeError):
+    """A checkpoint that could not be written (a full disk, a quota, storage gone); nothing of it is left."""
+
+
 def write_checkpoint(run_dir: Path, version: int, keep: int, save_learners: Callable[[str, str], None],
                      driver_state: dict[str, Any]) -> Path:
     """Write step `version` atomically (learner ranks first, then the driver), keep the newest `keep`."""
@@ -34,9 +38,14 @@ def write_checkpoint(run_dir: Path, version: int, keep: int, save_learners: Call
     name = f"step-{version:06d}"
     partial, final = root / f".{name}.tmp", root / name
     shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    save_learners(str(partial / LEARNER), TAG)
-    (partial / "driver.json").write_text(json.dumps(driver_state))
+    try:
+        partial.mkdir(parents=True)
+        save_learners(str(partial / LEARNER), TAG)  # a learner's OSError comes back as one (Ray's RayTaskError)
+        (partial / "driver.json").write_text(json.dumps(driver_state))
+    except OSError as error:
+        shutil.rmtree(partial, ignore_errors=True)  # a full disk gets its space back
+        raise CheckpointFailed(f"the checkpoint of step {version} could not be written to {root}: "
+                               f"{type(error).__name__}: {error}") from error
     if final.exists():  # a damaged one from before a resume: set aside, replace, then delete
         stale = root / f".{name}.replaced"
         shutil.rmtree(stale, ignore_errors=True)

@@ -36,7 +36,8 @@ from actors.generator import GeneratedGroup, GenerationRequest, GeneratorSpec
 from algorithms.config import STABILIZER_CONFIGS
 from algorithms.diagnostics import lag_stats
 from cluster import runtime
-from cluster.checkpoints import CHECKPOINTS, readable_checkpoints, restore_learners, write_checkpoint, write_model
+from cluster.checkpoints import (CHECKPOINTS, CheckpointFailed, readable_checkpoints, restore_learners,
+                                 write_checkpoint, write_model)
 from cluster.job import Job, dump_job, section_config
 from cluster.metrics import MetricSink
 from cluster.model_prep import prepare_model, sft_samples
@@ -196,7 +197,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
                "generated_tokens": loop.generated_tokens, "generate_s": loop.generate_s,  # summed over generators
                "weight_loads": loop.weight_loads, "weight_load_s": loop.weight_load_s,  # likewise
                "generators": {"joined": loop.joined, "left": loop.left, **placement},  # nodes by Ray node id
-               "model": model_dir and str(model_dir)}
+               "model": model_dir and str(model_dir), "checkpoint_failures": loop.checkpoint_failures}
     (run_dir / "summary.json").write_text(json.dumps(summary))
     return RunResult(run_dir, job.learner.steps, counts, rewards, model_dir)
 
@@ -254,6 +255,7 @@ class AsyncLoop:
         self.pad_id = 0
         self.rewards: list[float] = []
         self.skips = SkipStreak(job.learner.max_skipped_steps_in_a_row)
+        self.checkpoint_failures = 0
 
     @property
     def generator_restarts(self) -> int:
@@ -398,7 +400,7 @@ class AsyncLoop:
         self._log_step(metrics, lags, sync_s)
         every = self.job.checkpoint.every_steps
         if every and (self.version % every == 0 or self.version == self.job.learner.steps):
-            self._checkpoint()
+            self._periodic_checkpoint()
         self._check_skipped(skipped)
 
     def _check_skipped(self, skipped: bool) -> None:
@@ -520,6 +522,18 @@ class AsyncLoop:
         self._send(index, requests)
 
     # ---- checkpoints --------------------------------------------------------------------------------
+
+    def _periodic_checkpoint(self) -> None:
+        """A periodic checkpoint that fails (a full disk, a quota, storage away for a moment) is an alert, not
+        the end of a long run: training goes on, and the next one is tried at its step."""
+        try:
+            self._checkpoint()
+        except CheckpointFailed as failure:
+            self.checkpoint_failures += 1
+            usable = readable_checkpoints(self.run_dir)
+            newest = usable[0][0].name if usable else "none yet"
+            self.sink.alert("checkpoint failed", f"{failure}. Training goes on; the newest usable checkpoint is "
+                            f"{newest} (failed so far: {self.checkpoint_failures})")
 
     def _checkpoint(self) -> Path:
         try:

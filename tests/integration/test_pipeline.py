@@ -297,6 +297,34 @@ def test_killed_learner_resumes_from_its_checkpoint_by_itself(local_ray, tmp_pat
     _assert_each_group_ends_once(run_dir, steps=4)
 
 
+def test_a_checkpoint_the_learner_cannot_write_is_an_alert_and_the_run_goes_on(local_ray, tmp_path, monkeypatch,
+                                                                               caplog):
+    """Step 2's checkpoint meets a real filesystem error inside the learner (a file where DeepSpeed makes its
+    folder, as a full disk or a lost mount would fail it): the partial folder is removed, an alert names the
+    step and the error, and the run trains to its end with the checkpoints before and after it."""
+    from cluster import runtime
+
+    save = runtime.LearnerGroup.save_checkpoint
+
+    def blocked_at_step_2(self, directory: str, tag: str) -> None:
+        if ".step-000002.tmp" in directory:
+            Path(directory).write_text("in the way")
+        save(self, directory, tag)
+
+    monkeypatch.setattr(runtime.LearnerGroup, "save_checkpoint", blocked_at_step_2)
+    run_dir = tmp_path / "runs" / "full-disk"
+    with caplog.at_level("WARNING", logger="stableasync"):
+        result = _run(tmp_path, max_lag=1, steps=3, logging={"run_name": "full-disk"},
+                      checkpoint={"every_steps": 1, "keep": 3}, learner={"num_ranks": 1})
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000001", "step-000003"]
+    alerts = [r.getMessage() for r in caplog.records if "ALERT checkpoint failed" in r.getMessage()]
+    assert len(alerts) == 1 and "step 2" in alerts[0] and "Error" in alerts[0], alerts
+    assert "newest usable checkpoint is step-000001" in alerts[0]
+    assert json.loads((run_dir / "summary.json").read_text())["checkpoint_failures"] == 1
+    assert result.model_dir is not None and (result.model_dir / "config.json").exists()
+    _assert_each_group_ends_once(run_dir, steps=3)
+
+
 def test_nan_rollouts_skip_steps_then_stop_the_job_with_a_checkpoint(local_ray, tmp_path, monkeypatch, caplog):
     """From step 3 on, every rollout reaches the learner with NaN behaviour log-probs (a broken engine):
     each such step is skipped on every rank and alerts, its groups are dropped (not trained) in the

@@ -1,4 +1,4 @@
-"""The trained model folder is written aside and renamed: a `model` folder is never half-written."""
+"""Checkpoints and the trained model folder are written aside and renamed: neither is ever half-written."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.checkpoints import MODEL, write_model
+from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, readable_checkpoints, write_checkpoint,
+                                 write_model)
 
 
 def _save(files: dict[str, str]):
@@ -38,3 +39,16 @@ def test_a_save_that_fails_leaves_the_previous_model_in_place(tmp_path):
     assert (tmp_path / MODEL / "config.json").read_text() == "first"
     write_model(tmp_path, _save({"config.json": "second"}))  # a later save clears the partial folder
     assert sorted(p.name for p in tmp_path.iterdir()) == [MODEL]
+
+
+def test_a_checkpoint_that_cannot_be_written_leaves_nothing_and_says_which_step(tmp_path):
+    def save_learners(directory: str, tag: str) -> None:
+        Path(directory).mkdir()
+        (Path(directory) / "shard").write_text("half")
+        raise OSError(28, "No space left on device")
+
+    state = {"version": 7}
+    with pytest.raises(CheckpointFailed, match=r"step 7 could not be written .*OSError.*No space left on device"):
+        write_checkpoint(tmp_path, 7, keep=2, save_learners=save_learners, driver_state=state)
+    assert list((tmp_path / CHECKPOINTS).iterdir()) == []  # the partial folder is gone: its space is back
+    assert readable_checkpoints(tmp_path) == []
