@@ -59,16 +59,16 @@ def write_checkpoint(run_dir: Path, version: int, keep: int, save_learners: Call
     return final
 
 
-def write_model(run_dir: Path, save_model: Callable[[str], None]) -> Path:
-    """The trained policy as `RUN_DIR/model`, a Hugging Face model folder. Written as `.model.tmp` and
-    renamed when complete, so a `model` folder is never half-written."""
-    final, partial = run_dir / MODEL, run_dir / f".{MODEL}.tmp"
+def write_model(folder: Path, save_model: Callable[[str], None]) -> Path:
+    """A Hugging Face model folder (`RUN_DIR/model`, the trained policy, or an exported checkpoint). Written as
+    `.NAME.tmp` beside it and renamed when complete, so the folder is never half-written."""
+    partial = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(partial, ignore_errors=True)
     save_model(str(partial))
-    if final.exists():  # a resumed run that finished again replaces what it wrote before
-        shutil.rmtree(final)
-    partial.rename(final)
-    return final
+    if folder.exists():  # a resumed run that finished again replaces what it wrote before
+        shutil.rmtree(folder)
+    partial.rename(folder)
+    return folder
 
 
 def readable_checkpoints(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:

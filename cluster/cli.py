@@ -192,6 +192,34 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from cluster.checkpoints import LEARNER, TAG, readable_checkpoints, write_model
+    from cluster.job import section_config
+    from cluster.model_prep import prepare_model
+    from learner.export import save_checkpoint_model
+    from tasks.base import build_task
+    from tasks.config import TASK_CONFIGS
+
+    run_dir = Path(args.run_dir)
+    job = _load(str(run_dir / "job.yaml"))
+    if job is None:
+        return 2
+    usable = {path.name: path for path, _ in readable_checkpoints(run_dir)}
+    if not usable:
+        print(f"stableasync export: no usable checkpoint in {run_dir / 'checkpoints'}", file=sys.stderr)
+        return 2
+    name = args.checkpoint or max(usable)
+    if name not in usable:
+        print(f"stableasync export: no usable checkpoint {name!r} in {run_dir / 'checkpoints'}; there are: "
+              f"{', '.join(sorted(usable))}", file=sys.stderr)
+        return 2
+    base_model = prepare_model(job, build_task(job.task.name, section_config(job.task, TASK_CONFIGS)))
+    out = Path(args.out) if args.out else run_dir / f"model-{name}"
+    write_model(out, lambda folder: save_checkpoint_model(usable[name] / LEARNER, TAG, base_model, folder))
+    print(f"model of {name}: {out}")
+    return 0
+
+
 def _prepare_model(args: argparse.Namespace) -> int:
     from learner.models import KNOWN_MODELS
 
@@ -278,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--ess-collapse-steps", type=int, help="consecutive low-ESS steps that make a collapse "
                         "(default: each run's logging.alerts.ess_collapse_steps, 3 unless set)")
     report.set_defaults(run=_report)
+    export = commands.add_parser("export", help="write a run checkpoint's policy as a Hugging Face model folder "
+                                 "(a finished run has its last one in RUN_DIR/model)")
+    export.add_argument("run_dir", metavar="RUN_DIR")
+    export.add_argument("--checkpoint", metavar="step-NNNNNN", help="which checkpoint (default: the newest usable)")
+    export.add_argument("--out", help="the model folder (default: RUN_DIR/model-step-NNNNNN)")
+    export.set_defaults(run=_export)
     prepare = commands.add_parser("prepare-model", help="build a known model offline into the cache")
     prepare.add_argument("name")
     prepare.set_defaults(run=_prepare_model)

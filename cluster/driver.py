@@ -36,7 +36,7 @@ from actors.generator import GeneratedGroup, GenerationRequest, GeneratorSpec
 from algorithms.config import STABILIZER_CONFIGS
 from algorithms.diagnostics import lag_stats
 from cluster import runtime
-from cluster.checkpoints import (CHECKPOINTS, CheckpointFailed, readable_checkpoints, restore_learners,
+from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, readable_checkpoints, restore_learners,
                                  write_checkpoint, write_model)
 from cluster.job import Job, dump_job, section_config
 from cluster.metrics import MetricSink
@@ -205,7 +205,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
 def _save_trained_model(run_dir: Path, learners: runtime.LearnerGroup) -> Path:
     """The finished run's policy as RUN_DIR/model: what users evaluate, serve or train on from (`model.path`)."""
     try:
-        path = write_model(run_dir, learners.save_model)
+        path = write_model(run_dir / MODEL, learners.save_model)
     except RayActorError as error:  # the newest checkpoint, if any, holds the final step: a resume saves again
         raise LearnerCrashed("a learner rank died while saving the trained model", run_dir) from error
     log.info("trained model saved to %s", path)

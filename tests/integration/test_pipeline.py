@@ -268,6 +268,7 @@ def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, 
     train(validate_job(job))
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["step-000002", "step-000004"]
+    _assert_the_last_checkpoint_exports_the_saved_model(run_dir)
     (run_dir / "checkpoints" / "step-000004" / "driver.json").write_text('{"version": 4, "trunc')
 
     assert cli_main(["train", "--resume", str(run_dir)]) == 0
@@ -276,6 +277,21 @@ def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, 
     assert (run_dir / f"ledger.after-{cut}.jsonl").exists()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
     assert json.loads((run_dir / "checkpoints" / "step-000004" / "driver.json").read_text())["version"] == 4
+
+
+def _assert_the_last_checkpoint_exports_the_saved_model(run_dir: Path) -> None:
+    """`stableasync export` merges the two ranks' ZeRO shards of the last step's checkpoint into a model
+    folder with exactly the weights the finished run saved in RUN_DIR/model."""
+    import torch
+    from safetensors.torch import load_file
+
+    assert cli_main(["export", str(run_dir), "--checkpoint", "step-000004"]) == 0
+    exported = load_file(run_dir / "model-step-000004" / "model.safetensors")
+    saved = load_file(run_dir / "model" / "model.safetensors")
+    assert set(exported) == set(saved)
+    for name, tensor in saved.items():
+        assert torch.equal(exported[name], tensor), name
+    assert (run_dir / "model-step-000004" / "tokenizer.json").exists()
 
 
 def test_killed_learner_resumes_from_its_checkpoint_by_itself(local_ray, tmp_path):

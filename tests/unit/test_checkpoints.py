@@ -19,15 +19,15 @@ def _save(files: dict[str, str]):
 
 
 def test_the_model_folder_appears_whole_and_replaces_an_older_one(tmp_path):
-    assert write_model(tmp_path, _save({"config.json": "first", "old.bin": "x"})) == tmp_path / MODEL
-    write_model(tmp_path, _save({"config.json": "second"}))
+    assert write_model(tmp_path / MODEL, _save({"config.json": "first", "old.bin": "x"})) == tmp_path / MODEL
+    write_model(tmp_path / MODEL, _save({"config.json": "second"}))
     assert sorted(p.name for p in (tmp_path / MODEL).iterdir()) == ["config.json"]
     assert (tmp_path / MODEL / "config.json").read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == [MODEL]  # no partial folder left
 
 
 def test_a_save_that_fails_leaves_the_previous_model_in_place(tmp_path):
-    write_model(tmp_path, _save({"config.json": "first"}))
+    write_model(tmp_path / MODEL, _save({"config.json": "first"}))
 
     def failing(folder: str) -> None:
         Path(folder).mkdir()
@@ -35,9 +35,9 @@ def test_a_save_that_fails_leaves_the_previous_model_in_place(tmp_path):
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError, match="No space left"):
-        write_model(tmp_path, failing)
+        write_model(tmp_path / MODEL, failing)
     assert (tmp_path / MODEL / "config.json").read_text() == "first"
-    write_model(tmp_path, _save({"config.json": "second"}))  # a later save clears the partial folder
+    write_model(tmp_path / MODEL, _save({"config.json": "second"}))  # a later save clears the partial folder
     assert sorted(p.name for p in tmp_path.iterdir()) == [MODEL]
 
 
