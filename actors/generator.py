@@ -118,16 +118,21 @@ class Generator:
         self.tokenizer = self.llm.get_tokenizer()
         quiet_per_reload_logs()
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GeneratedGroup]:
-        """Sample `samples_per_prompt` responses for every request, with processed log-probs."""
+    def generate(self, requests: list[GenerationRequest], samples: int | None = None,
+                 temperature: float | None = None) -> list[GeneratedGroup]:
+        """Sample `samples_per_prompt` responses for every request, with processed log-probs.
+
+        `samples` and `temperature` override the spec's for one call (evaluation: 1 greedy answer each).
+        """
         from vllm import SamplingParams
 
         start, version = time.perf_counter(), self.version
         prompts = [{"prompt_token_ids": self.prompt_ids(r.messages)} for r in requests]
         params = [
             SamplingParams(
-                n=self.spec.samples_per_prompt, temperature=self.spec.temperature, top_p=self.spec.top_p,
-                max_tokens=self.spec.max_new_tokens, logprobs=0, seed=r.seed,
+                n=samples or self.spec.samples_per_prompt,
+                temperature=self.spec.temperature if temperature is None else temperature,
+                top_p=self.spec.top_p, max_tokens=self.spec.max_new_tokens, logprobs=0, seed=r.seed,
             )
             for r in requests
         ]

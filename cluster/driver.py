@@ -15,15 +15,18 @@ latest weights; one whose node went away leaves, and its in-flight groups go to 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import math
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +259,7 @@ class AsyncLoop:
         self.rewards: list[float] = []
         self.skips = SkipStreak(job.learner.max_skipped_steps_in_a_row)
         self.checkpoint_failures = 0
+        self.evaluation = evaluation_set(job, task)  # (problem, chat messages), the same at every evaluation
 
     @property
     def generator_restarts(self) -> int:
@@ -397,11 +401,49 @@ class AsyncLoop:
         lags = [self.version - g.version_start for g in self.training for _ in g.completions]
         self.version += 1
         sync_s = self._sync_weights()
-        self._log_step(metrics, lags, sync_s)
-        every = self.job.checkpoint.every_steps
-        if every and (self.version % every == 0 or self.version == self.job.learner.steps):
+        step_s = time.perf_counter() - self.step_started
+        evaluation = self._evaluate() if self._due(self.job.eval.every_steps) else {}
+        self._log_step({**metrics, **evaluation}, lags, sync_s, step_s)
+        if self._due(self.job.checkpoint.every_steps):
             self._periodic_checkpoint()
         self._check_skipped(skipped)
+
+    def _due(self, every_steps: int) -> bool:
+        """Whether something done every N steps and at the last (checkpoints, evaluation) is due now; 0: never."""
+        return bool(every_steps) and (self.version % every_steps == 0 or self.version == self.job.learner.steps)
+
+    def _evaluate(self) -> dict[str, float]:
+        """The policy just published answers the fixed evaluation set on one generator, which loads the new
+        weights first; the loop waits for it. A generator that dies meanwhile costs this evaluation only."""
+        index = min(self.generators)
+        requests = [GenerationRequest(-1 - i, problem.problem_id, messages, self.job.seed + i)
+                    for i, (problem, messages) in enumerate(self.evaluation)]
+        start = time.perf_counter()
+        try:
+            groups = ray.get(self.generators[index].generate.remote(requests, 1, self.job.eval.temperature))
+        except RayActorError as error:
+            self.sink.alert("evaluation skipped", f"step {self.version}: generator {index} died during it "
+                            f"({type(error).__name__}); the next one is at its step")
+            return {}
+        if groups[0].version_start != self.version:  # a generator restarted since its last call: not loaded yet
+            self.sink.alert("evaluation skipped", f"step {self.version}: generator {index} still had the weights "
+                            f"of step {groups[0].version_start}")
+            return {}
+        answers = [group.completions[0] for group in groups]
+        scores = self.scorer.score_many([problem for problem, _ in self.evaluation], [a["text"] for a in answers])
+        rewards = [score.reward for score in scores]
+        solved = sum(reward >= 1.0 for reward in rewards)
+        log.info("evaluation at step %d: %d of %d problems solved, mean reward %.3f", self.version, solved,
+                 len(rewards), statistics.fmean(rewards))
+        return {
+            "eval/reward_mean": statistics.fmean(rewards),
+            "eval/solved": solved / len(rewards),  # the full reward: a correct answer
+            "eval/response_len": statistics.fmean(len(a["completion_ids"]) for a in answers),
+            "eval/score_errors": sum(score.error is not None for score in scores),
+            "eval/policy_version": groups[0].version_start,
+            "eval/problems": len(rewards),
+            "eval/seconds": time.perf_counter() - start,
+        }
 
     def _check_skipped(self, skipped: bool) -> None:
         """Alert on every skipped step; stop with a checkpoint after too many in a row."""
@@ -625,9 +667,8 @@ class AsyncLoop:
             member.weights_version = self.version
         return time.perf_counter() - start
 
-    def _log_step(self, metrics: dict[str, float], lags: list[int], publish_s: float) -> None:
+    def _log_step(self, metrics: dict[str, float], lags: list[int], publish_s: float, step_s: float) -> None:
         stats = lag_stats(torch.tensor(lags), self.job.async_.max_lag)
-        step_s = time.perf_counter() - self.step_started
         row = {
             **metrics,
             "async/lag_mean": float(stats["lag_mean"]),
@@ -647,6 +688,20 @@ class AsyncLoop:
         self.generator_busy_s = 0.0
         self.rewards.append(metrics.get("rollout/reward_mean", math.nan))
         self.sink.log(self.version, row)
+
+
+def evaluation_set(job: Job, task: Task) -> list[tuple[Problem, list[dict[str, str]]]]:
+    """`eval.num_problems` problems from the task's "eval" stream (of `eval.task_path`'s data when set), with
+    their chat messages; empty when the job does not evaluate."""
+    if not job.eval.every_steps:
+        return []
+    if job.eval.task_path is not None:
+        config = dataclasses.replace(section_config(job.task, TASK_CONFIGS), path=job.eval.task_path)
+        task = build_task(job.task.name, config)
+    problems = list(islice(task.problems("eval", job.seed), job.eval.num_problems))
+    if not problems:
+        raise ValueError(f"eval: the task {job.task.name!r} gave no evaluation problems")
+    return [(problem, task.messages(problem)) for problem in problems]
 
 
 def _sft_warmup(job: Job, task: Task, model_path: str, learners: runtime.LearnerGroup, sink: MetricSink) -> None:

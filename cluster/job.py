@@ -225,8 +225,13 @@ class ScoringSection(Section):
 
 
 class EvalSection(Section):
-    every_steps: int = Field(0, ge=0, description="0: no evaluation")
-    num_problems: int = Field(64, gt=0)
+    """Periodic evaluation: the policy answers one fixed set of problems; `eval/*` metrics at those steps."""
+
+    every_steps: int = Field(0, ge=0, description="evaluate after every N learner steps and the last; 0: never")
+    num_problems: int = Field(64, gt=0, description="size of the fixed evaluation set (fewer if the data has fewer)")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature; 0: greedy, one answer per problem")
+    task_path: str | None = Field(None, description="data file of the evaluation set for a task that reads one "
+                                  "(gsm8k: the test split); default: the task's own data, drawn in another order")
 
 
 class Job(Section):
@@ -322,8 +327,8 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
         if job.async_.weight_sync != "object_store":
             errors.append(JobError("async.weight_sync", "elastic generators (generator.max_generators) need "
                                    "object_store: a collective weight group cannot take new members"))
-    if job.eval.every_steps:
-        errors.append(JobError("eval.every_steps", "periodic evaluation is not implemented yet; leave it 0"))
+    if job.eval.task_path is not None and not hasattr(job.task, "path"):
+        errors.append(JobError("eval.task_path", f"task {job.task.name!r} reads no data file; leave it unset"))
     if job.model.path == "tiny" and job.model.tiny.num_heads % job.model.tiny.num_kv_heads:
         errors.append(JobError("model.tiny.num_kv_heads", "must divide num_heads"))
     cpus_needed = generator.num_generators * generator.cpus_per_generator + learner.num_ranks * learner.cpus_per_rank

@@ -69,6 +69,13 @@ KNOWN_METRICS: dict[str, str] = {
     "time/generator_busy_s": "generator seconds (generate calls and weight loads, summed over generators) "
     "reported since the previous step: over a run, its mean / generators is each generator's busy time per step",
     WALL_KEY: "seconds since the metric sink started",
+    "eval/reward_mean": "mean reward of the policy's answers on the fixed evaluation set (eval.every_steps)",
+    "eval/solved": "share of evaluation problems answered with the full reward (correct)",
+    "eval/response_len": "mean length of the evaluation answers (tokens)",
+    "eval/score_errors": "evaluation answers whose verifier failed (scored 0)",
+    "eval/policy_version": "policy version the evaluation answers were generated with",
+    "eval/problems": "problems in the evaluation set",
+    "eval/seconds": "seconds the evaluation took (the training loop waits for it)",
     "sft/loss": "supervised warm-up loss (token-mean cross-entropy)",
     "sft/grad_norm": "supervised warm-up gradient norm",
 }
@@ -83,6 +90,8 @@ SUMMARIES: dict[str, str] = {
     "stability/skipped_step": "max",
     "optim/grad_norm": "max,last",
     "rollout/reward_mean": "max,last",
+    "eval/solved": "max,last",
+    "eval/reward_mean": "max,last",
     "async/lag_max": "max",
     "perf/gen_tokens_per_s": "mean,last",
     "perf/learner_tokens_per_s": "mean,last",

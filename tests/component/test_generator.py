@@ -105,3 +105,17 @@ def test_a_weight_reload_logs_nothing_per_step(generator, tiny_qwen2):
         for logger in loggers:
             logger.removeHandler(catcher)
     assert [r.getMessage() for r in records] == []
+
+
+def test_an_evaluation_call_gives_one_greedy_answer_whatever_the_seed(generator):
+    """Evaluation overrides the job's sampling for one call: one answer per problem at temperature 0, the
+    same under any seed; the job's own calls still sample samples_per_prompt answers at its temperature."""
+    from actors.generator import GenerationRequest
+
+    reseeded = [GenerationRequest(r.group_id, r.problem_id, r.messages, r.seed + 7) for r in _requests()]
+    first, second = generator.generate(_requests(), 1, 0.0), generator.generate(reseeded, 1, 0.0)
+    assert all(len(g.completions) == 1 for g in first + second)
+    assert [g.completions[0]["completion_ids"] for g in first] == [g.completions[0]["completion_ids"] for g in second]
+    sampled = generator.generate(_requests())
+    assert all(len(g.completions) == generator.spec.samples_per_prompt for g in sampled)
+    assert any(len({tuple(c["completion_ids"]) for c in g.completions}) > 1 for g in sampled), "not sampled"

@@ -59,7 +59,7 @@ def _run(tmp_path, **kwargs):
 
 
 def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
-    result = _run(tmp_path, max_lag=0)
+    result = _run(tmp_path, max_lag=0, eval={"every_steps": 2, "num_problems": 5})
     trained = _trained(result.run_dir)
     assert len(trained) == 4 * 2  # steps x prompts_per_step, each group exactly once
     assert {r["lag"] for r in trained} == {0}
@@ -78,6 +78,12 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     busy = [m["time/generator_busy_s"] for m in rl_steps]
     assert min(busy) > 0 and sum(busy) == pytest.approx(summary["generate_s"] + summary["weight_load_s"])
     _assert_the_trained_model_is_saved(result, summary)
+    # evaluated at steps 2 and 4, on the weights just published: 5 greedy answers, scored
+    evaluated = {m["train/step"]: m for m in rl_steps if "eval/reward_mean" in m}
+    assert sorted(evaluated) == [2, 4]
+    for step, row in evaluated.items():
+        assert row["eval/policy_version"] == step and row["eval/problems"] == 5 and row["eval/score_errors"] == 0
+        assert 0.0 <= row["eval/solved"] <= row["eval/reward_mean"] <= 1.0 and row["eval/response_len"] > 0
 
 
 def _assert_the_trained_model_is_saved(result, summary: dict) -> None:

@@ -87,9 +87,10 @@ def test_field_and_cross_field_errors_come_in_one_pass():
     assert set(errors) == {"task.extra", "algorithm.stabilizer.tau", "learner.prompts_per_step"}
 
 
-def test_unimplemented_options_are_refused_not_ignored():
-    errors = _errors({**MINIMAL, "checkpoint": {"every_steps": 10}, "eval": {"every_steps": 5}})
-    assert set(errors) == {"eval.every_steps"} and "not implemented" in errors["eval.every_steps"]
+def test_an_evaluation_file_is_refused_for_a_task_that_reads_none():
+    assert _errors({**MINIMAL, "eval": {"every_steps": 5, "task_path": "/data/test.jsonl"}}) == {
+        "eval.task_path": "task 'arithmetic' reads no data file; leave it unset"}
+    assert validate_job({**MINIMAL, "eval": {"every_steps": 5, "num_problems": 8}}).eval.every_steps == 5
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path):
