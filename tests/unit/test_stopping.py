@@ -15,6 +15,15 @@ from cluster.stopping import JobStopped, stop_on_signals
 from tasks.scoring import children_ignore_sigint
 
 
+@pytest.fixture(autouse=True)
+def sigint_as_at_a_terminal():
+    """Python's own SIGINT handler, as a process started at a terminal has: a test run started in the
+    background (`cmd &` in a script) inherits SIGINT ignored, which these tests must not depend on."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _deliver(number: int) -> None:
     """Send a signal to this process and give Python a bytecode boundary to run its handler."""
     os.kill(os.getpid(), number)
