@@ -51,8 +51,10 @@ def _rank_main(rank: int, world: int, stage: int, model_path: str, port: int, ou
     metrics = learner.train_step(collate(share, 0))
     weights = learner.state_dict_for_publish()
     learner.save_model(out + ".model")
+    learner.save_checkpoint(out + ".checkpoint", "state")
     if rank == 0:
-        torch.save({"metrics": metrics, "weights": weights, "model_folder": out + ".model"}, out)
+        torch.save({"metrics": metrics, "weights": weights, "model_folder": out + ".model",
+                    "checkpoint": out + ".checkpoint"}, out)
 
 
 def _free_port() -> int:
@@ -101,6 +103,22 @@ def test_the_saved_model_folder_holds_the_trained_weights(results, world, stage,
         assert torch.equal(saved[name], tensor), name
     saved_tokenizer = AutoTokenizer.from_pretrained(result["model_folder"])
     assert saved_tokenizer.vocab == AutoTokenizer.from_pretrained(tiny_qwen2).vocab
+
+
+@pytest.mark.parametrize("world, stage", [(1, 2), (1, 3), (2, 2), (2, 3)])
+def test_export_merges_the_checkpoint_shards_into_the_trained_weights(results, world, stage, tiny_qwen2, tmp_path):
+    """`stableasync export`'s core, on one process without the ranks: every rank's ZeRO-2 or ZeRO-3 shards
+    merged give exactly the weights the generators got after the step."""
+    from safetensors.torch import load_file
+
+    from learner.export import save_checkpoint_model
+
+    result = results[(world, stage)]
+    save_checkpoint_model(Path(result["checkpoint"]), "state", tiny_qwen2, str(tmp_path / "exported"))
+    exported = load_file(tmp_path / "exported" / "model.safetensors")
+    assert set(exported) == set(result["weights"])
+    for name, tensor in result["weights"].items():
+        assert torch.equal(exported[name], tensor), name
 
 
 def test_the_step_changed_the_weights(results, tiny_qwen2):
