@@ -29,6 +29,7 @@ GRAD_NORM_KEY = "optim/grad_norm"
 KL_K3_KEY = "stability/kl_k3"
 LAG_HIST_KEY = "async/lag"
 LAG_MEAN_KEY = "async/lag_mean"
+EVAL_SOLVED_KEY = "eval/solved"
 
 MOVING_AVERAGE_STEPS = 10  # window of the reward moving average (time to target, the collapse peak)
 FINAL_FRACTION = 0.1  # the final reward is the mean over this last share of RL steps (at least one)
@@ -72,6 +73,7 @@ class RunSummary:
     wall_s: float | None  # run wall time at the last RL row
     final_reward: float | None
     best_reward_ma: float | None  # best trailing moving average of the reward
+    eval_solved: float | None  # the last evaluation's solved share (eval.every_steps); None: never evaluated
     target_reward: float | None
     target_step: int | None  # first step whose moving average reaches target_reward
     target_wall_s: float | None  # run wall time at target_step
@@ -247,6 +249,8 @@ def summarise(run: RunData, target_reward: float | None = None, collapse_below: 
     - final reward: mean `rollout/reward_mean` of the last max(1, n // 10) of the n steps with a finite
       reward.
     - moving average: trailing mean over min(10, n) steps, full windows only (`reward_moving_average`).
+    - last eval solved: `eval/solved` of the last step that logged a finite one (held-out accuracy when the
+      job evaluates; the training reward alone can rise on a policy that games its verifier).
     - time to target: the first step whose moving average is >= `target_reward`, and the run wall time
       (`time/wall_s`, seconds since the run's sink started, SFT warm-up included) at that step; None if
       never reached or no target given.
@@ -268,6 +272,7 @@ def summarise(run: RunData, target_reward: float | None = None, collapse_below: 
     reward_values = [r for _, _, r in rewards]
     final_reward = (statistics.fmean(reward_values[-max(1, len(reward_values) // 10):])
                     if reward_values else None)
+    evaluations = [v for _, _, v in _series(run, EVAL_SOLVED_KEY) if math.isfinite(v)]
     moving = reward_moving_average(reward_values)
     offset = len(rewards) - len(moving)  # moving[i] belongs to rewards[i + offset]
     best_ma = max(moving) if moving else None
@@ -309,7 +314,8 @@ def summarise(run: RunData, target_reward: float | None = None, collapse_below: 
     return RunSummary(
         run_dir=run.path, label=run.label, stabilizer=run.stabilizer, max_lag=run.max_lag,
         steps_planned=run.steps_planned, steps_done=len(run.rows), wall_s=finite_wall[-1] if finite_wall else None,
-        final_reward=final_reward, best_reward_ma=best_ma, target_reward=target_reward,
+        final_reward=final_reward, best_reward_ma=best_ma, eval_solved=evaluations[-1] if evaluations else None,
+        target_reward=target_reward,
         target_step=target_step, target_wall_s=target_wall_s,
         ess_ratio_min=(min(finite_ess) if finite_ess else math.nan) if ess else None,
         grad_norm_max=_grad_norm_max([v for _, _, v in grad_norms]), kl_k3_max=max(kl) if kl else None,
@@ -342,6 +348,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("steps", "steps_done", _plain),
     ("final reward", "final_reward", _fixed(3)),
     ("best reward MA", "best_reward_ma", _fixed(3)),
+    ("last eval solved", "eval_solved", _fixed(3)),
     ("target step", "target_step", _plain),
     ("target wall s", "target_wall_s", _fixed(0)),
     ("min ESS ratio", "ess_ratio_min", _fixed(3)),

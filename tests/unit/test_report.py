@@ -174,6 +174,18 @@ def test_a_healthy_run_does_not_collapse(tmp_path):
 # ---- reading ----------------------------------------------------------------------------------------
 
 
+def test_the_last_evaluation_is_reported_and_a_run_without_one_shows_none(tmp_path):
+    evaluated = _write_run(tmp_path / "evaluated", [0.1] * 6,
+                           eval__solved=[None, 0.25, None, 0.75, None, float("nan")])
+    assert summarise(load_run(evaluated)).eval_solved == 0.75  # the last finite one, not the NaN after it
+    plain = _write_run(tmp_path / "plain", [0.1] * 6)
+    assert summarise(load_run(plain)).eval_solved is None
+    assert main(["report", str(evaluated), str(plain), "--out", str(tmp_path / "report")]) == 0
+    header, _, first, second = (tmp_path / "report" / "table.md").read_text().splitlines()[:4]
+    column = [cell.strip() for cell in header.split("|")].index("last eval solved")
+    assert first.split("|")[column].strip() == "0.750" and second.split("|")[column].strip() == "—"
+
+
 def test_missing_keys_are_tolerated(tmp_path):
     run = load_run(_write_run(tmp_path / "run", [0.1, 0.2, 0.3]))  # reward only: no ESS, grad norm, KL, lag
     summary = summarise(run, target_reward=0.9)
