@@ -21,13 +21,11 @@ import torch
 
 
 def _problems(job, count: int) -> tuple[str, list[list[dict[str, str]]]]:
-    from cluster.job import load_job, section_config
+    from cluster.job import job_task, load_job
     from cluster.model_prep import prepare_model
-    from tasks.base import build_task
-    from tasks.config import TASK_CONFIGS
 
     loaded = load_job(job)
-    task = build_task(loaded.task.name, section_config(loaded.task, TASK_CONFIGS))
+    task = job_task(loaded)
     return prepare_model(loaded, task), [task.messages(p) for p in islice(task.problems("bench", 0), count)]
 
 

@@ -26,13 +26,11 @@ import torch
 
 
 def _job_and_model(job_file: str):
-    from cluster.job import load_job, section_config
+    from cluster.job import job_task, load_job
     from cluster.model_prep import prepare_model
-    from tasks.base import build_task
-    from tasks.config import TASK_CONFIGS
 
     job = load_job(job_file)
-    return job, prepare_model(job, build_task(job.task.name, section_config(job.task, TASK_CONFIGS)))
+    return job, prepare_model(job, job_task(job))
 
 
 def _batch(job, vocab: int):

@@ -194,11 +194,9 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from cluster.checkpoints import LEARNER, TAG, readable_checkpoints, write_model
-    from cluster.job import section_config
+    from cluster.job import job_task
     from cluster.model_prep import prepare_model
     from learner.export import save_checkpoint_model
-    from tasks.base import build_task
-    from tasks.config import TASK_CONFIGS
 
     run_dir = Path(args.run_dir)
     job = _load(str(run_dir / "job.yaml"))
@@ -213,7 +211,7 @@ def _export(args: argparse.Namespace) -> int:
         print(f"stableasync export: no usable checkpoint {name!r} in {run_dir / 'checkpoints'}; there are: "
               f"{', '.join(sorted(usable))}", file=sys.stderr)
         return 2
-    base_model = prepare_model(job, build_task(job.task.name, section_config(job.task, TASK_CONFIGS)))
+    base_model = prepare_model(job, job_task(job))
     out = Path(args.out) if args.out else run_dir / f"model-{name}"
     write_model(out, lambda folder: save_checkpoint_model(usable[name] / LEARNER, TAG, base_model, folder))
     print(f"model of {name}: {out}")

@@ -15,7 +15,6 @@ latest weights; one whose node went away leaves, and its in-flight groups go to 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -41,13 +40,13 @@ from algorithms.diagnostics import lag_stats
 from cluster import runtime
 from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, readable_checkpoints, restore_learners,
                                  write_checkpoint, write_model)
-from cluster.job import Job, dump_job, section_config
+from cluster.job import Job, dump_job, job_task, section_config
 from cluster.metrics import MetricSink
 from cluster.model_prep import prepare_model, sft_samples
 from cluster.stopping import JobStopped, StopRequest
 from learner.batch import TrainBatch, collate
 from learner.rank import LearnerSpec
-from tasks.base import Problem, Task, build_task
+from tasks.base import Problem, Task
 from tasks.config import TASK_CONFIGS
 from tasks.scoring import ScorePool
 
@@ -152,7 +151,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     if resume_dir is not None and not candidates:
         raise FileNotFoundError(f"no usable checkpoint under {resume_dir / CHECKPOINTS}")
     run_dir = resume_dir if resume_dir is not None else create_run_dir(job)
-    task = build_task(job.task.name, section_config(job.task, TASK_CONFIGS))
+    task = job_task(job)
     model_path = prepare_model(job, task)
     runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace)
     if stop is not None:
@@ -696,8 +695,7 @@ def evaluation_set(job: Job, task: Task) -> list[tuple[Problem, list[dict[str, s
     if not job.eval.every_steps:
         return []
     if job.eval.task_path is not None:
-        config = dataclasses.replace(section_config(job.task, TASK_CONFIGS), path=job.eval.task_path)
-        task = build_task(job.task.name, config)
+        task = job_task(job, path=job.eval.task_path)
     problems = list(islice(task.problems("eval", job.seed), job.eval.num_problems))
     if not problems:
         raise ValueError(f"eval: the task {job.task.name!r} gave no evaluation problems")

@@ -11,13 +11,16 @@ import copy
 import dataclasses
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from algorithms.config import STABILIZER_CONFIGS, LossAggregation
 from tasks.config import TASK_CONFIGS
+
+if TYPE_CHECKING:
+    from tasks.base import Task
 
 
 class Section(BaseModel):
@@ -409,6 +412,14 @@ def load_job(path: str | Path) -> Job:
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
         raise JobValidationError(str(path), [JobError(where, f"invalid YAML: {getattr(error, 'problem', error)}")]) from None
     return validate_job(data, str(path))
+
+
+def job_task(job: Job, **overrides: Any) -> Task:
+    """The job's task, built from its section; `overrides` replace fields of its config (the evaluation
+    set's data file)."""
+    from tasks.base import build_task  # the task modules load when a task is built, not to validate a job
+
+    return build_task(job.task.name, dataclasses.replace(section_config(job.task, TASK_CONFIGS), **overrides))
 
 
 def dump_job(job: Job) -> str:

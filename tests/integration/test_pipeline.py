@@ -91,14 +91,12 @@ def _assert_the_trained_model_is_saved(result, summary: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cluster.job import section_config
+    from cluster.job import job_task
     from cluster.model_prep import prepare_model
-    from tasks.base import build_task
-    from tasks.config import TASK_CONFIGS
 
     assert summary["model"] == str(result.run_dir / "model") == str(result.model_dir)
     job = validate_job(yaml.safe_load((result.run_dir / "job.yaml").read_text()))
-    task = build_task(job.task.name, section_config(job.task, TASK_CONFIGS))
+    task = job_task(job)
     initial = AutoModelForCausalLM.from_pretrained(prepare_model(job, task)).state_dict()
     trained = AutoModelForCausalLM.from_pretrained(result.model_dir).state_dict()
     assert set(trained) == set(initial)

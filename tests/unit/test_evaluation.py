@@ -6,16 +6,14 @@ import json
 from pathlib import Path
 
 from cluster.driver import evaluation_set
-from cluster.job import section_config, validate_job
-from tasks.base import build_task
-from tasks.config import TASK_CONFIGS
+from cluster.job import job_task, validate_job
 
 FIXTURE = Path(__file__).resolve().parents[2] / "tasks" / "fixtures" / "gsm8k_sample.jsonl"
 
 
 def _set(job: dict):
     loaded = validate_job(job)
-    return evaluation_set(loaded, build_task(loaded.task.name, section_config(loaded.task, TASK_CONFIGS)))
+    return evaluation_set(loaded, job_task(loaded))
 
 
 def test_no_evaluation_no_set():
