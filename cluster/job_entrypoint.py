@@ -72,15 +72,21 @@ def _keep(command: Sequence[str], forwarder: _Forwarder, status_w: int, alive_r:
     forwarder.to(driver.send_signal)
     os.write(status_w, f"driver {driver.pid}\n".encode())
 
+    finished = threading.Event()
+
     def kill_when_the_entrypoint_dies() -> None:
         os.read(alive_r, 1)  # nothing is ever written: this returns when the entrypoint's end closes
+        if finished.is_set():  # it closes after reading the exit status: the driver is already done
+            return
         print(f"job entrypoint died: killing the driver (pid {driver.pid}) and its process group",
               file=sys.stderr, flush=True)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(driver.pid, signal.SIGKILL)
 
     threading.Thread(target=kill_when_the_entrypoint_dies, daemon=True).start()
-    os.write(status_w, f"exit {exit_status(driver.wait())}\n".encode())
+    status = exit_status(driver.wait())
+    finished.set()
+    os.write(status_w, f"exit {status}\n".encode())
 
 
 def _start_keeper(command: Sequence[str]) -> tuple[int, int, int]:

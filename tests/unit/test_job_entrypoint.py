@@ -135,8 +135,9 @@ def test_a_killed_keeper_takes_the_driver_with_it_and_the_entrypoint_fails(tmp_p
                                                 ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 137)])
 def test_the_entrypoint_exits_with_the_drivers_status(tmp_path, driver, status):
     entrypoint = _start(tmp_path, driver)
-    output, _ = entrypoint.communicate(timeout=30)
+    output, _ = entrypoint.communicate(timeout=30)  # to the keeper's end: it holds the output pipe too
     assert entrypoint.returncode == status, output
+    assert "entrypoint died" not in output  # the entrypoint's normal exit is no death of it
 
 
 def test_exit_status_is_what_a_shell_reports():
