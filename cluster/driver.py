@@ -431,11 +431,11 @@ class AsyncLoop:
         answers = [group.completions[0] for group in groups]
         scores = self.scorer.score_many([problem for problem, _ in self.evaluation], [a["text"] for a in answers])
         rewards = [score.reward for score in scores]
-        solved = sum(reward >= 1.0 for reward in rewards)
+        solved, reward_mean = sum(reward >= 1.0 for reward in rewards), statistics.fmean(rewards)
         log.info("evaluation at step %d: %d of %d problems solved, mean reward %.3f", self.version, solved,
-                 len(rewards), statistics.fmean(rewards))
+                 len(rewards), reward_mean)
         return {
-            "eval/reward_mean": statistics.fmean(rewards),
+            "eval/reward_mean": reward_mean,
             "eval/solved": solved / len(rewards),  # the full reward: a correct answer
             "eval/response_len": statistics.fmean(len(a["completion_ids"]) for a in answers),
             "eval/score_errors": sum(score.error is not None for score in scores),
