@@ -27,6 +27,15 @@ def _validate(args: argparse.Namespace) -> int:
     job = _load(args.job)
     if job is None:
         return 2
+    from cluster.job import evaluation_set, job_task
+    from tasks.base import TaskError
+
+    try:  # the data file's rows and the reward function, as a run here would load them
+        if not args.schema_only:
+            evaluation_set(job, job_task(job))
+    except TaskError as error:
+        print(f"{args.job}: {error}", file=sys.stderr)
+        return 2
     if args.dry_run:
         print(dump_job(job), end="")
     else:
@@ -45,6 +54,7 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     from cluster.driver import run_job
     from cluster.stopping import JobStopped, stop_on_signals
+    from tasks.base import TaskError
 
     with stop_on_signals() as stop:
         try:
@@ -52,6 +62,9 @@ def _train(args: argparse.Namespace) -> int:
         except JobStopped as stopped:
             print(stopped, file=sys.stderr)
             return stopped.exit_code
+        except TaskError as error:  # raised before anything starts
+            print(f"stableasync train: {error}", file=sys.stderr)
+            return 2
     print(f"run directory: {result.run_dir}")
     if result.model_dir is not None:
         print(f"trained model: {result.model_dir}")
@@ -238,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     validate = commands.add_parser("validate", help="check a job file; every error with its field path")
     validate.add_argument("job")
     validate.add_argument("--dry-run", action="store_true", help="print the resolved job")
+    validate.add_argument("--schema-only", action="store_true", help="check the file alone, not the task's data "
+                          "and reward function (a job whose data is on the cluster it is submitted to)")
     validate.set_defaults(run=_validate)
     soak = commands.add_parser("soak", help="a long run with generators killed every so often; audits the ledger")
     soak.add_argument("job")

@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from algorithms.diagnostics import lag_stats
 from cluster import runtime
 from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, readable_checkpoints, restore_learners,
                                  write_checkpoint, write_model)
-from cluster.job import Job, dump_job, job_task, section_config
+from cluster.job import Job, dump_job, evaluation_set, job_task, section_config
 from cluster.metrics import MetricSink
 from cluster.model_prep import prepare_model, sft_samples
 from cluster.stopping import JobStopped, StopRequest
@@ -150,8 +149,9 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     candidates = readable_checkpoints(resume_dir) if resume_dir is not None else []
     if resume_dir is not None and not candidates:
         raise FileNotFoundError(f"no usable checkpoint under {resume_dir / CHECKPOINTS}")
-    run_dir = resume_dir if resume_dir is not None else create_run_dir(job)
     task = job_task(job)
+    evaluation = evaluation_set(job, task)  # a bad data file or reward function fails here, before anything starts
+    run_dir = resume_dir if resume_dir is not None else create_run_dir(job)
     model_path = prepare_model(job, task)
     runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace)
     if stop is not None:
@@ -179,7 +179,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
                           job.logging.progress_bar, job.learner.steps, alerts=job.logging.alerts)
         if state is None and job.model.sft_warmup.steps:
             _sft_warmup(job, task, model_path, learners, sink)
-        loop = AsyncLoop(job, task, learners, generators, ledger, sink, run_dir, start_generator,
+        loop = AsyncLoop(job, task, evaluation, learners, generators, ledger, sink, run_dir, start_generator,
                          placement["generator_nodes"], stop or StopRequest())
         if state is not None:
             loop.restore(state)
@@ -217,7 +217,8 @@ def _save_trained_model(run_dir: Path, learners: runtime.LearnerGroup) -> Path:
 class AsyncLoop:
     """Generators, scorer, buffer and learner, driven by completions (`ray.wait`)."""
 
-    def __init__(self, job: Job, task: Task, learners: runtime.LearnerGroup, generators: dict[int, Any],
+    def __init__(self, job: Job, task: Task, evaluation: list[tuple[Problem, list[dict[str, str]]]],
+                 learners: runtime.LearnerGroup, generators: dict[int, Any],
                  ledger: Ledger, sink: MetricSink, run_dir: Path, start_generator: Callable[[int], Any],
                  generator_nodes: dict[str, str], stop: StopRequest) -> None:
         self.job, self.task, self.learners, self.sink = job, task, learners, sink
@@ -258,7 +259,7 @@ class AsyncLoop:
         self.rewards: list[float] = []
         self.skips = SkipStreak(job.learner.max_skipped_steps_in_a_row)
         self.checkpoint_failures = 0
-        self.evaluation = evaluation_set(job, task)  # (problem, chat messages), the same at every evaluation
+        self.evaluation = evaluation  # (problem, chat messages), the same at every evaluation
 
     @property
     def generator_restarts(self) -> int:
@@ -687,19 +688,6 @@ class AsyncLoop:
         self.generator_busy_s = 0.0
         self.rewards.append(metrics.get("rollout/reward_mean", math.nan))
         self.sink.log(self.version, row)
-
-
-def evaluation_set(job: Job, task: Task) -> list[tuple[Problem, list[dict[str, str]]]]:
-    """`eval.num_problems` problems from the task's "eval" stream (of `eval.task_path`'s data when set), with
-    their chat messages; empty when the job does not evaluate."""
-    if not job.eval.every_steps:
-        return []
-    if job.eval.task_path is not None:
-        task = job_task(job, path=job.eval.task_path)
-    problems = list(islice(task.problems("eval", job.seed), job.eval.num_problems))
-    if not problems:
-        raise ValueError(f"eval: the task {job.task.name!r} gave no evaluation problems")
-    return [(problem, task.messages(problem)) for problem in problems]
 
 
 def _sft_warmup(job: Job, task: Task, model_path: str, learners: runtime.LearnerGroup, sink: MetricSink) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
@@ -20,7 +21,7 @@ from algorithms.config import STABILIZER_CONFIGS, LossAggregation
 from tasks.config import TASK_CONFIGS
 
 if TYPE_CHECKING:
-    from tasks.base import Task
+    from tasks.base import Problem, Task
 
 
 class Section(BaseModel):
@@ -420,6 +421,24 @@ def job_task(job: Job, **overrides: Any) -> Task:
     from tasks.base import build_task  # the task modules load when a task is built, not to validate a job
 
     return build_task(job.task.name, dataclasses.replace(section_config(job.task, TASK_CONFIGS), **overrides))
+
+
+def evaluation_set(job: Job, task: Task) -> list[tuple[Problem, list[dict[str, str]]]]:
+    """`eval.num_problems` problems from the task's "eval" stream (of `eval.task_path`'s data when set), with
+    their chat messages; empty when the job does not evaluate."""
+    from tasks.base import TaskError
+
+    if not job.eval.every_steps:
+        return []
+    if job.eval.task_path is not None:
+        try:
+            task = job_task(job, path=job.eval.task_path)
+        except TaskError as error:
+            raise TaskError(f"eval.task_path: {error}") from error
+    problems = list(itertools.islice(task.problems("eval", job.seed), job.eval.num_problems))
+    if not problems:
+        raise TaskError(f"eval: the task {job.task.name!r} gave no evaluation problems")
+    return [(problem, task.messages(problem)) for problem in problems]
 
 
 def dump_job(job: Job) -> str:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
+
+from tasks.base import jsonl_objects
 
 
 def metric_number(value: Any) -> float:
@@ -23,19 +24,4 @@ def read_jsonl_rows(path: Path, error: type[Exception] = ValueError) -> list[dic
     """Every JSON object of a JSONL file, blank lines skipped; `error` names the file (and line) otherwise."""
     if not path.is_file():
         raise error(f"{path}: not found (a finished run directory holds job.yaml and metrics.jsonl)")
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as problem:
-        raise error(f"{path}: cannot be read ({problem})") from None
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as problem:
-            raise error(f"{path}:{number}: not JSON ({problem.msg})") from None
-        if not isinstance(row, dict):
-            raise error(f"{path}:{number}: expected one JSON object per line")
-        rows.append(row)
-    return rows
+    return [row for _, row in jsonl_objects(path, error)]

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
+import json
+import random
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 ANSWER_FORMAT = "Reply with the final answer inside <answer></answer> tags."
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+CYCLING_SPLITS = ("train", "sft")  # the splits drawn for as long as a run lasts
+
+
+class TaskError(ValueError):
+    """Bad task input (a data file, a row, a reward function): the message names the field, file and line."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,7 @@ def register(name: str) -> Callable[[type], type]:
 
 def build_task(name: str, config: Any) -> Task:
     """The task registered as `name`; the error lists the valid names."""
-    from tasks import arithmetic, countdown, gsm8k  # noqa: F401  (registers them)
+    from tasks import arithmetic, countdown, dataset, gsm8k  # noqa: F401  (registers them)
 
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; registered: {', '.join(sorted(TASKS))}")
@@ -69,3 +80,40 @@ def build_task(name: str, config: Any) -> Task:
 def split_seed(seed: int, split: str) -> int:
     """A stream per split, so train, test and warm-up problems differ for the same job seed."""
     return seed * 1_000_003 + sum(ord(ch) * 31**i for i, ch in enumerate(split)) % 1_000_003
+
+
+def jsonl_objects(path: Path, error: type[Exception] = TaskError) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line of a JSONL file. A line that is not a JSON object, or a
+    file that cannot be read as text, raises `error` naming the file and line: no row is skipped silently."""
+    try:
+        with path.open(encoding="utf-8") as handle:
+            for line_number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as problem:
+                    raise error(f"{path}:{line_number}: not valid JSON ({problem.msg})") from None
+                if not isinstance(row, dict):
+                    raise error(f"{path}:{line_number}: a row must be a JSON object, got {type(row).__name__}")
+                yield line_number, row
+    except (OSError, UnicodeDecodeError) as problem:
+        raise error(f"{path}: cannot be read ({problem})") from None
+
+
+def read_jsonl(path: Path, max_rows: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """`jsonl_objects` of a task's data file (`task.path`), the first `max_rows` of them (None: all)."""
+    if not path.is_file():
+        raise TaskError(f"task.path: no data file at {path}")
+    return itertools.islice(jsonl_objects(path), max_rows)
+
+
+def file_problems(rows: Sequence[Problem], split: str, seed: int) -> Iterator[Problem]:
+    """A data file's problems in a seeded order per split: training and the supervised warm-up cycle through
+    reshuffled epochs (a small file lasts any number of steps); evaluation and the tokenizer corpus are one
+    pass, each problem once."""
+    order = list(range(len(rows)))
+    rng = random.Random(split_seed(seed, split))
+    for _ in itertools.count() if split in CYCLING_SPLITS else range(1):
+        rng.shuffle(order)
+        yield from (rows[i] for i in order)

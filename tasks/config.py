@@ -38,4 +38,26 @@ class GSM8KConfig:
     max_rows: int | None = _doc("use only the first rows (none: all)", None)
 
 
-TASK_CONFIGS: dict[str, type] = {"arithmetic": ArithmeticConfig, "countdown": CountdownConfig, "gsm8k": GSM8KConfig}
+@dataclass(frozen=True)
+class DatasetConfig:
+    """Your own problems from a JSONL file, scored by a built-in verifier or by your own reward function."""
+
+    path: str = _doc("JSONL file, one problem per line", "")
+    prompt_field: str = _doc("the field with the prompt: text, or a list of chat messages {role, content}", "prompt")
+    answer_field: str = _doc("the field with the gold answer (text or a number) the reward compares with", "answer")
+    reward: str = _doc(
+        "'math' (the last <answer></answer> is the gold by math-verify), 'exact' (its text is the gold), or your "
+        "own function as 'FILE.py:NAME' or 'module:NAME', called NAME(completion, answer, row) -> float",
+        "math",
+    )
+    answer_format: bool = _doc("end the last user message with the <answer></answer> instruction", True)
+    system_prompt: str | None = _doc("a system message put before every prompt (none: no system message)", None)
+    demonstration_field: str | None = _doc(
+        "the field with a worked completion for model.sft_warmup (none: '<answer>GOLD</answer>')", None
+    )
+    max_rows: int | None = _doc("use only the first rows (none: all)", None)
+
+
+TASK_CONFIGS: dict[str, type] = {
+    "arithmetic": ArithmeticConfig, "countdown": CountdownConfig, "gsm8k": GSM8KConfig, "dataset": DatasetConfig,
+}

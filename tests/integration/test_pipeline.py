@@ -249,6 +249,42 @@ def test_a_learner_the_cluster_cannot_place_fails_with_the_resources_named(local
     assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"), "nothing left reserved"
 
 
+DATASET_REWARD = """
+def score(completion, answer, row):
+    if row.get("explode"):
+        raise ValueError("the user's verifier failed on " + row["prompt"])
+    return row["weight"]
+"""
+
+
+def test_a_dataset_job_trains_on_the_users_rows_with_the_users_reward(local_ray, tmp_path):
+    """A JSONL file and a reward function in a .py file, as a user brings them. The driver and the spawned
+    reward workers load the function; every trained sample's reward is what it returned for its row (the
+    row's weight), and a row on which it raises fails only its own samples (reward 0, score errors)."""
+    rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, "weight": round(0.1 * n, 1)} for n in range(1, 7)]
+    rows[2]["prompt"] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 1?"}]
+    rows[3]["explode"] = True
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "my_reward.py").write_text(DATASET_REWARD)
+    task = {"name": "dataset", "path": str(data), "reward": f"{tmp_path}/my_reward.py:score"}
+    result = _run(tmp_path, max_lag=1, steps=3, task=task, learner={"num_ranks": 1},
+                  eval={"every_steps": 3, "num_problems": 6}, logging={"run_name": "dataset"})
+    expected = {f"mine-{line:06d}": 0.0 if row.get("explode") else row["weight"] for line, row in enumerate(rows, 1)}
+    ledger = [json.loads(line) for line in (result.run_dir / "ledger.jsonl").read_text().splitlines()]
+    errors = {r["problem_id"]: r["score_errors"] for r in ledger if r["event"] == "scored"}
+    assert set(errors) <= set(expected) and "mine-000004" in errors
+    assert {p: n for p, n in errors.items() if n} == {"mine-000004": 4}  # its 4 samples, no other
+    metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in (m for m in metrics if m["train/step"] > 0):
+        step = row["train/step"] - 1  # the ledger counts the policy version a group was trained on
+        trained = [r["problem_id"] for r in ledger if r["event"] == "trained" and r["trained_step"] == step]
+        assert row["rollout/reward_mean"] == pytest.approx(sum(expected[p] for p in trained) / len(trained))
+    final = metrics[-1]
+    assert final["eval/problems"] == 6 and final["eval/score_errors"] == 1
+    assert final["eval/reward_mean"] == pytest.approx(sum(expected.values()) / 6)
+
+
 def test_bad_job_file_names_the_field_and_starts_nothing(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("task: {name: arithmetic}\nlearner: {num_ranks: two}\nasync: {max_lag: -3}\n"

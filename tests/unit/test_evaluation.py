@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.driver import evaluation_set
-from cluster.job import job_task, validate_job
+from cluster.job import evaluation_set, job_task, validate_job
 
 FIXTURE = Path(__file__).resolve().parents[2] / "tasks" / "fixtures" / "gsm8k_sample.jsonl"
 

@@ -25,11 +25,25 @@ def test_minimal_job_gets_the_defaults():
     assert job.async_.max_lag == 1 and job.learner.zero_stage == 2
 
 
-def test_every_deploy_job_validates():
+DATA_ON_THE_CLUSTER = {"cluster.yaml"}  # its task.path is a file on the cluster's head node
+
+
+def test_every_deploy_job_validates(monkeypatch, capsys):
+    """`stableasync validate` from the repository root, as the README runs them: the schema, then the task
+    (data rows, reward function) and the evaluation set."""
+    from cluster.cli import main as cli_main
+
     jobs = sorted((ROOT / "deploy" / "jobs").glob("*.yaml"))
-    assert jobs, "deploy/jobs holds the demo job"
+    assert len(jobs) >= 2, "deploy/jobs holds the demo job and the dataset template"
+    monkeypatch.chdir(ROOT)
     for path in jobs:
-        load_job(path)
+        relative = str(path.relative_to(ROOT))
+        assert cli_main(["validate", "--schema-only", relative]) == 0, capsys.readouterr().err
+        if path.name in DATA_ON_THE_CLUSTER:
+            assert cli_main(["validate", relative]) == 2
+            assert "task.path: no data file at /home/ubuntu/" in capsys.readouterr().err
+        else:
+            assert cli_main(["validate", relative]) == 0, capsys.readouterr().err
 
 
 def test_all_errors_at_once_with_field_paths():

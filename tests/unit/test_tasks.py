@@ -1,15 +1,20 @@
 """Tasks: every score branch, demonstrations that score 1.0, seeded streams, bad data rows."""
 
+import json
 from itertools import islice
 from pathlib import Path
 
 import pytest
 
-from tasks.base import Problem, build_task, last_answer
-from tasks.config import ArithmeticConfig, CountdownConfig, GSM8KConfig
+from cluster.cli import main as cli_main
+from tasks.base import ANSWER_FORMAT, Problem, TaskError, build_task, last_answer
+from tasks.config import ArithmeticConfig, CountdownConfig, DatasetConfig, GSM8KConfig
 from tasks.countdown import evaluate, solve
+from tasks.scoring import ScorePool
 
-FIXTURE = Path(__file__).resolve().parents[2] / "tasks" / "fixtures" / "gsm8k_sample.jsonl"
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = ROOT / "tasks" / "fixtures" / "gsm8k_sample.jsonl"
+DATASET = ROOT / "tasks" / "fixtures" / "dataset_sample.jsonl"
 SHARED_GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
@@ -99,7 +104,7 @@ def test_gsm8k_bad_rows_name_file_and_line(tmp_path, line, message):
 
 
 def test_gsm8k_missing_file_and_unknown_task():
-    with pytest.raises(FileNotFoundError, match="task.path"):
+    with pytest.raises(TaskError, match="task.path: no data file"):
         build_task("gsm8k", GSM8KConfig(path="/nonexistent/gsm8k.jsonl"))
     with pytest.raises(KeyError, match="registered: arithmetic"):
         build_task("chess", None)
@@ -112,3 +117,177 @@ def test_real_gsm8k_test_split_loads_and_demonstrations_verify():
     assert len(problems) == 1319
     for problem in problems[:200]:  # math-verify on all 1319 takes long; the loader checked every row
         assert task.score(problem, task.demonstration(problem)) == 1.0
+
+
+def _dataset(**config):
+    return build_task("dataset", DatasetConfig(**{"path": str(DATASET), **config}))
+
+
+def _by_line(task, line: int) -> Problem:
+    return next(p for p in task.rows if p.problem_id == f"dataset_sample-{line:06d}")
+
+
+def test_dataset_prompts_become_chat_messages():
+    task = _dataset(system_prompt="Think step by step.")
+    assert task.messages(_by_line(task, 1)) == [
+        {"role": "system", "content": "Think step by step."},
+        {"role": "user", "content": f"What is 3 + 4? {ANSWER_FORMAT}"}]
+    own_system = task.messages(_by_line(task, 3))  # a row's own system message is kept, not doubled
+    assert [m["role"] for m in own_system] == ["system", "user"]
+    assert own_system[0]["content"] == "You are a careful tutor."
+    turns = task.messages(_by_line(task, 4))  # earlier turns stay; the instruction ends the last user turn
+    assert [m["role"] for m in turns] == ["system", "user", "assistant", "user"]
+    assert turns[-1]["content"] == f"And 10 - 3? {ANSWER_FORMAT}" and turns[1]["content"] == "What is 10 - 2?"
+    plain = _dataset(answer_format=False)
+    assert plain.messages(_by_line(plain, 1)) == [{"role": "user", "content": "What is 3 + 4?"}]
+
+
+def test_dataset_built_in_rewards():
+    math, exact = _dataset(), _dataset(reward="exact")
+    seven = _by_line(math, 1)
+    assert seven.answer == "7"  # a number in the file is compared as text
+    assert [math.score(seven, c) for c in ("<answer>7</answer>", "<answer>7.0</answer>", "<answer>8</answer>", "7")] \
+        == [1.0, 1.0, 0.1, 0.0]
+    assert exact.score(_by_line(exact, 1), "<answer>7.0</answer>") == 0.1
+    assert math.score(_by_line(math, 2), "<answer> Paris </answer>") == 1.0  # text golds count when equal
+    assert math.score(_by_line(math, 3), "<answer>0.75</answer>") == 1.0
+    for task in (math, exact):
+        for problem in task.rows:
+            assert task.score(problem, task.demonstration(problem)) == 1.0
+    with pytest.raises(TaskError, match=r"dataset_sample.jsonl:1: field 'solution' \(task.demonstration_field\)"):
+        _dataset(demonstration_field="solution")  # every row needs one, not only line 3
+
+
+def test_dataset_demonstrations_from_a_field(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "q", "answer": "3/4", "solution": "halve\n<answer>3/4</answer>"}) + "\n")
+    task = _dataset(path=str(path), demonstration_field="solution")
+    assert task.demonstration(task.rows[0]) == "halve\n<answer>3/4</answer>"
+
+
+def test_dataset_training_and_warm_up_cycle_evaluation_is_one_pass():
+    task = _dataset()
+    assert len(list(islice(task.problems("train", 0), 10))) == 10
+    assert len(list(islice(task.problems("sft", 0), 10))) == 10  # a warm-up longer than the file
+    once = list(islice(task.problems("eval", 0), 10))
+    assert sorted(p.problem_id for p in once) == sorted(p.problem_id for p in task.rows)
+    assert [p.problem_id for p in islice(task.problems("train", 1), 4)] == \
+        [p.problem_id for p in islice(task.problems("train", 1), 4)]
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"answer": 1}, "field 'prompt' must be text or a non-empty list"),
+    ({"prompt": "  ", "answer": 1}, "field 'prompt' is empty"),
+    ({"prompt": [], "answer": 1}, "must be text or a non-empty list"),
+    ({"prompt": [{"role": "robot", "content": "hi"}], "answer": 1}, r"field 'prompt'\[0\] must be \{role"),
+    ({"prompt": [{"role": "user", "content": 3}], "answer": 1}, r"field 'prompt'\[0\]"),
+    ({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "answer": 1},
+     "must end with a user message"),
+    ({"prompt": "q"}, "field 'answer' \\(task.answer_field\\) is missing"),
+    ({"prompt": "q", "answer": True}, "must be non-empty text or a number"),
+    ({"prompt": "q", "answer": ["a"]}, "must be non-empty text or a number"),
+    ({"prompt": "q", "answer": " "}, "must be non-empty text or a number"),
+    ([1, 2], "a row must be a JSON object"),
+])
+def test_dataset_bad_rows_name_file_line_and_field(tmp_path, row, message):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"prompt": "ok", "answer": 1}) + "\n\n" + json.dumps(row) + "\n")
+    with pytest.raises(TaskError, match=rf"mine.jsonl:3: .*{message}"):
+        _dataset(path=str(path))
+
+
+def test_dataset_file_errors():
+    with pytest.raises(TaskError, match="task.path: the dataset task needs"):
+        build_task("dataset", DatasetConfig())
+    with pytest.raises(TaskError, match="task.path: no data file at /nonexistent"):
+        _dataset(path="/nonexistent/data.jsonl")
+
+
+REWARD_MODULE = """
+calls = []
+
+def score(completion, answer, row):
+    if row.get("explode"):
+        raise RuntimeError("boom on " + row["prompt"])
+    return row["weight"] * (1.0 if str(answer) in completion else 0.5)
+
+def two_arguments(completion, answer):
+    return 1.0
+
+not_a_function = 3
+"""
+
+
+def _reward_data(tmp_path) -> Path:
+    rows = [{"prompt": "a", "answer": 7, "weight": 0.4}, {"prompt": "b", "answer": {"tests": [1]}, "weight": 1.0},
+            {"prompt": "c", "answer": 1, "weight": 1.0, "explode": True}]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
+    return path
+
+
+def test_dataset_custom_reward_from_a_file_or_a_module(tmp_path, monkeypatch):
+    data = _reward_data(tmp_path)
+    task = _dataset(path=str(data), reward=f"{tmp_path}/my_rewards.py:score")
+    first, second, _ = task.rows
+    assert task.score(first, "it is 7") == pytest.approx(0.4)  # the gold as the file has it, and the row
+    assert task.score(first, "no") == pytest.approx(0.2)
+    assert second.metadata["gold"] == {"tests": [1]}  # any JSON value reaches a custom reward as it is
+    assert task.score(second, "{'tests': [1]}") == 1.0
+    monkeypatch.chdir(tmp_path)  # a relative FILE.py is found from the working directory
+    assert _dataset(path="data.jsonl", reward="my_rewards.py:score").score(first, "7") == pytest.approx(0.4)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _dataset(path=str(data), reward="my_rewards:score").score(first, "7") == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("reward, message", [
+    ("my_rewards.py:missing", "'my_rewards.py' has no function 'missing'"),
+    ("my_rewards.py:not_a_function", "has no function 'not_a_function'"),
+    ("my_rewards.py:two_arguments", r"two_arguments\(completion, answer\) cannot be called as "
+                                    r"two_arguments\(completion, answer, row\)"),
+    ("elsewhere.py:score", "task.reward: no file .*elsewhere.py"),
+    ("no_such_module_here:score", "importing 'no_such_module_here' failed: ModuleNotFoundError"),
+    ("math-verify", "neither a built-in \\(math, exact\\) nor 'FILE.py:NAME' or 'module:NAME'"),
+])
+def test_dataset_reward_function_errors_name_the_field(tmp_path, monkeypatch, reward, message):
+    data = _reward_data(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TaskError, match=rf"task.reward: .*{message}|{message}"):
+        _dataset(path=str(data), reward=reward)
+
+
+def test_a_custom_reward_that_raises_fails_its_sample_in_the_reward_worker(tmp_path):
+    """The reward workers (spawned processes) import the user's file themselves; its exception fails only
+    the sample it was raised on."""
+    data = _reward_data(tmp_path)
+    config = DatasetConfig(path=str(data), reward=f"{tmp_path}/my_rewards.py:score")
+    rows = build_task("dataset", config).rows
+    pool = ScorePool("dataset", config, max_workers=1, timeout_s=10.0)
+    try:
+        results = pool.score_many(rows, ["7", "x", "1"])
+    finally:
+        pool.close()
+    assert [r.reward for r in results] == [pytest.approx(0.4), 0.5, 0.0]
+    assert results[0].error is None and results[1].error is None
+    assert results[2].error == "raised RuntimeError: boom on c"
+
+
+def test_validate_checks_the_data_and_the_reward_function(tmp_path, capsys):
+    data = _reward_data(tmp_path)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"task: {{name: dataset, path: {data}, reward: '{tmp_path}/my_rewards.py:missing'}}\n")
+    assert cli_main(["validate", str(job)]) == 2
+    assert f"job.yaml: task.reward: '{tmp_path}/my_rewards.py' has no function 'missing'" in capsys.readouterr().err
+    job.write_text(f"task: {{name: dataset, path: {data}, reward: '{tmp_path}/my_rewards.py:score'}}\n"
+                   f"eval: {{every_steps: 5, task_path: {tmp_path}/held_out.jsonl}}\n")
+    assert cli_main(["validate", str(job)]) == 2
+    assert f"eval.task_path: task.path: no data file at {tmp_path}/held_out.jsonl" in capsys.readouterr().err
+    runs = tmp_path / "runs"
+    job.write_text(f"task: {{name: dataset, path: {data}, reward: '{tmp_path}/my_rewards.py:missing'}}\n"
+                   f"logging: {{run_dir: {runs}}}\n")
+    assert cli_main(["train", str(job)]) == 2  # train finds it before anything starts
+    assert capsys.readouterr().err.startswith("stableasync train: task.reward: ")
+    assert not runs.exists(), "no run directory for a job that never started"
+    job.write_text(f"task: {{name: dataset, path: {data}, reward: '{tmp_path}/my_rewards.py:score'}}\n")
+    assert cli_main(["validate", str(job)]) == 0

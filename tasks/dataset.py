@@ -1,0 +1,158 @@
+"""Your own problems from a JSONL file, scored by a built-in verifier or by your own reward function.
+
+Every row is checked when the task is built, in the driver and in each reward worker: a missing field,
+a prompt that is neither text nor chat messages, or a reward function that cannot be imported or called
+with (completion, answer, row) is a `TaskError` naming the field and the file's line, before anything
+starts. A reward function that raises, hangs or returns a non-number at run time fails only that sample
+(`tasks.scoring`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tasks.base import ANSWER_FORMAT, Problem, Task, TaskError, file_problems, last_answer, read_jsonl, register
+from tasks.config import DatasetConfig
+from tasks.gsm8k import math_equivalent
+
+ROLES = ("system", "user", "assistant")
+RewardFunction = Callable[[str, Any, dict[str, Any]], float]
+
+
+def _exact(gold: str, answer: str) -> bool:
+    return gold.strip() == answer.strip()
+
+
+def _math(gold: str, answer: str) -> bool:
+    return _exact(gold, answer) or math_equivalent(gold, answer)  # text golds ('Paris') count when equal
+
+
+BUILT_IN_REWARDS: dict[str, Callable[[str, str], bool]] = {"math": _math, "exact": _exact}
+
+
+@register("dataset")
+class Dataset(Task):
+    def __init__(self, config: DatasetConfig) -> None:
+        if not config.path:
+            raise TaskError("task.path: the dataset task needs the path of a JSONL file")
+        self.config = config
+        self.equivalent = BUILT_IN_REWARDS.get(config.reward)
+        self.reward_function = None if self.equivalent else load_reward_function(config.reward)
+        path = Path(config.path).expanduser()
+        self.rows = [self._problem(path, line, row) for line, row in read_jsonl(path, config.max_rows)]
+        if not self.rows:
+            raise TaskError(f"task.path: {config.path} has no rows")
+
+    def _problem(self, path: Path, line: int, row: dict[str, Any]) -> Problem:
+        where = f"{path}:{line}"
+        config = self.config
+        messages = _messages(row.get(config.prompt_field), f"{where}: field {config.prompt_field!r}")
+        if config.system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": config.system_prompt})
+        if config.answer_format:
+            messages[-1] = {"role": "user", "content": f"{messages[-1]['content']} {ANSWER_FORMAT}"}
+        if config.answer_field not in row:
+            raise TaskError(f"{where}: field {config.answer_field!r} (task.answer_field) is missing")
+        gold = row[config.answer_field]
+        if self.reward_function is None:  # the built-in verifiers compare text
+            if isinstance(gold, bool) or not isinstance(gold, (str, int, float)) or not str(gold).strip():
+                raise TaskError(f"{where}: field {config.answer_field!r} must be non-empty text or a number for "
+                                f"reward {config.reward!r}, got {json.dumps(gold)[:80]}")
+        demonstration = None
+        if config.demonstration_field is not None:
+            demonstration = row.get(config.demonstration_field)
+            if not isinstance(demonstration, str) or not demonstration.strip():
+                raise TaskError(f"{where}: field {config.demonstration_field!r} (task.demonstration_field) is "
+                                "missing or not text")
+        answer = gold if isinstance(gold, str) else json.dumps(gold)
+        return Problem(f"{path.stem}-{line:06d}", messages[-1]["content"], answer,
+                       {"messages": messages, "gold": gold, "row": row, "demonstration": demonstration})
+
+    def problems(self, split: str, seed: int) -> Iterator[Problem]:
+        return file_problems(self.rows, split, seed)
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        return [dict(message) for message in problem.metadata["messages"]]
+
+    def score(self, problem: Problem, completion: str) -> float:
+        if self.reward_function is not None:
+            return self.reward_function(completion, problem.metadata["gold"], problem.metadata["row"])
+        answer = last_answer(completion)
+        if answer is None:
+            return 0.0
+        return 1.0 if self.equivalent(problem.answer, answer) else 0.1
+
+    def demonstration(self, problem: Problem) -> str:
+        return problem.metadata["demonstration"] or f"<answer>{problem.answer}</answer>"
+
+
+def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
+    """A row's prompt as chat messages: text becomes one user message; a list must be {role, content}
+    messages ending with the user's."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise TaskError(f"{where} is empty")
+        return [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise TaskError(f"{where} must be text or a non-empty list of chat messages, got {json.dumps(prompt)[:80]}")
+    messages = []
+    for index, message in enumerate(prompt):
+        if (not isinstance(message, dict) or set(message) != {"role", "content"} or message["role"] not in ROLES
+                or not isinstance(message["content"], str)):
+            raise TaskError(f"{where}[{index}] must be {{role: {'|'.join(ROLES)}, content: text}}, got "
+                            f"{json.dumps(message)[:80]}")
+        messages.append(dict(message))
+    if messages[-1]["role"] != "user":
+        raise TaskError(f"{where} must end with a user message (the model answers it), not {messages[-1]['role']!r}")
+    return messages
+
+
+def load_reward_function(spec: str) -> RewardFunction:
+    """`task.reward` 'FILE.py:NAME' or 'module:NAME' as a function (completion, answer, row) -> float."""
+    source, _, name = spec.rpartition(":")
+    if not source or not name.isidentifier():
+        raise TaskError(f"task.reward: {spec!r} is neither a built-in ({', '.join(BUILT_IN_REWARDS)}) nor "
+                        "'FILE.py:NAME' or 'module:NAME'")
+    try:
+        module = _import_file(Path(source)) if source.endswith(".py") else importlib.import_module(source)
+    except TaskError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any error in the user's module is reported with its name
+        raise TaskError(f"task.reward: importing {source!r} failed: {type(error).__name__}: {error}") from error
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise TaskError(f"task.reward: {source!r} has no function {name!r}")
+    try:
+        inspect.signature(function).bind("completion", "answer", {})
+    except TypeError:
+        raise TaskError(f"task.reward: {name}{inspect.signature(function)} cannot be called as "
+                        f"{name}(completion, answer, row)") from None
+    except ValueError:  # no signature to inspect (some builtins): it is tried on the first sample
+        pass
+    return function
+
+
+def _import_file(path: Path) -> Any:
+    path = path.expanduser().resolve()
+    if not path.is_file():
+        raise TaskError(f"task.reward: no file {path}")
+    name = "stableasync_reward_" + re.sub(r"\W", "_", path.stem)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise TaskError(f"task.reward: {path} cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look a class's module up here
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
