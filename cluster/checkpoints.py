@@ -59,12 +59,21 @@ def write_checkpoint(run_dir: Path, version: int, keep: int, save_learners: Call
     return final
 
 
+class ModelSaveFailed(RuntimeError):
+    """A model folder that could not be written; nothing of it is left, and an older one stays as it was."""
+
+
 def write_model(folder: Path, save_model: Callable[[str], None]) -> Path:
     """A Hugging Face model folder (`RUN_DIR/model`, the trained policy, or an exported checkpoint). Written as
     `.NAME.tmp` beside it and renamed when complete, so the folder is never half-written."""
     partial = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(partial, ignore_errors=True)
-    save_model(str(partial))
+    try:
+        save_model(str(partial))  # a learner's OSError comes back as one (Ray's RayTaskError)
+    except OSError as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ModelSaveFailed(f"the model could not be written to {folder}: "
+                              f"{type(error).__name__}: {error}") from error
     if folder.exists():  # a resumed run that finished again replaces what it wrote before
         shutil.rmtree(folder)
     partial.rename(folder)

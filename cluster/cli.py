@@ -69,6 +69,9 @@ def _train(args: argparse.Namespace) -> int:
     if result.model_dir is not None:
         print(f"trained model: {result.model_dir}")
     print(f"ledger: {result.ledger_counts}")
+    if result.model_error is not None:  # every step ran, but what the user asked for at the end is missing
+        print(f"stableasync train: the run finished, but {result.model_error}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -206,7 +209,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from cluster.checkpoints import LEARNER, TAG, readable_checkpoints, write_model
+    from cluster.checkpoints import LEARNER, TAG, ModelSaveFailed, readable_checkpoints, write_model
     from cluster.job import job_task
     from cluster.model_prep import prepare_model
     from learner.export import save_checkpoint_model
@@ -226,7 +229,11 @@ def _export(args: argparse.Namespace) -> int:
         return 2
     base_model = prepare_model(job, job_task(job))
     out = Path(args.out) if args.out else run_dir / f"model-{name}"
-    write_model(out, lambda folder: save_checkpoint_model(usable[name] / LEARNER, TAG, base_model, folder))
+    try:
+        write_model(out, lambda folder: save_checkpoint_model(usable[name] / LEARNER, TAG, base_model, folder))
+    except ModelSaveFailed as failure:
+        print(f"stableasync export: {failure}", file=sys.stderr)
+        return 1
     print(f"model of {name}: {out}")
     return 0
 

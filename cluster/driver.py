@@ -37,8 +37,8 @@ from actors.generator import GeneratedGroup, GenerationRequest, GeneratorSpec
 from algorithms.config import STABILIZER_CONFIGS
 from algorithms.diagnostics import lag_stats
 from cluster import runtime
-from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, readable_checkpoints, restore_learners,
-                                 write_checkpoint, write_model)
+from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
+                                 restore_learners, write_checkpoint, write_model)
 from cluster.job import Job, dump_job, evaluation_set, job_task, section_config
 from cluster.metrics import MetricSink
 from cluster.model_prep import prepare_model, sft_samples
@@ -61,6 +61,7 @@ class RunResult:
     ledger_counts: dict[str, int]
     rewards: list[float] = field(default_factory=list)
     model_dir: Path | None = None  # the trained policy, a Hugging Face model folder
+    model_error: str | None = None  # why the trained policy could not be saved, and how to recover it
 
 
 def create_run_dir(job: Job) -> Path:
@@ -184,7 +185,8 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
         if state is not None:
             loop.restore(state)
         rewards = loop.run()
-        model_dir = _save_trained_model(run_dir, learners) if job.checkpoint.save_model else None
+        model_dir, model_error = _save_trained_model(run_dir, learners, sink) if job.checkpoint.save_model else (
+            None, None)
     finally:
         for closing in (ledger, sink):
             if closing is not None:
@@ -199,19 +201,33 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
                "generated_tokens": loop.generated_tokens, "generate_s": loop.generate_s,  # summed over generators
                "weight_loads": loop.weight_loads, "weight_load_s": loop.weight_load_s,  # likewise
                "generators": {"joined": loop.joined, "left": loop.left, **placement},  # nodes by Ray node id
-               "model": model_dir and str(model_dir), "checkpoint_failures": loop.checkpoint_failures}
+               "model": model_dir and str(model_dir), "model_error": model_error,
+               "checkpoint_failures": loop.checkpoint_failures}
     (run_dir / "summary.json").write_text(json.dumps(summary))
-    return RunResult(run_dir, job.learner.steps, counts, rewards, model_dir)
+    return RunResult(run_dir, job.learner.steps, counts, rewards, model_dir, model_error)
 
 
-def _save_trained_model(run_dir: Path, learners: runtime.LearnerGroup) -> Path:
-    """The finished run's policy as RUN_DIR/model: what users evaluate, serve or train on from (`model.path`)."""
+def _save_trained_model(run_dir: Path, learners: runtime.LearnerGroup,
+                        sink: MetricSink) -> tuple[Path | None, str | None]:
+    """The finished run's policy as RUN_DIR/model: what users evaluate, serve or train on from (`model.path`).
+
+    A model that cannot be written (a full disk) does not undo the finished run: (None, why) with the way to
+    the newest checkpoint's weights, alerted; the run directory keeps its metrics, ledger and summary.
+    """
     try:
         path = write_model(run_dir / MODEL, learners.save_model)
     except RayActorError as error:  # the newest checkpoint, if any, holds the final step: a resume saves again
         raise LearnerCrashed("a learner rank died while saving the trained model", run_dir) from error
+    except ModelSaveFailed as failure:
+        usable = readable_checkpoints(run_dir)
+        recovery = (f"the newest checkpoint, {usable[0][0].name}, holds the policy of step "
+                    f"{usable[0][1]['version']}: stableasync export {run_dir} writes it as a model folder" if usable
+                    else "no checkpoint holds the weights (checkpoint.every_steps is 0 or none was written)")
+        why = f"{failure}; {recovery}"
+        sink.alert("trained model not saved", why)
+        return None, why
     log.info("trained model saved to %s", path)
-    return path
+    return path, None
 
 
 class AsyncLoop:

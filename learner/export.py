@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from learner.rank import check_owned_by_me
+from learner.rank import check_owned_by_me, save_model_folder
 
 
 def save_checkpoint_model(learner_dir: Path, tag: str, base_model: str, folder: str) -> None:
     """Write the policy of the checkpoint in `learner_dir` (DeepSpeed's save folder, state under `tag`) to
     `folder`; `base_model` is the job's model folder, for the architecture and the tokenizer."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     check_owned_by_me(learner_dir / tag)  # DeepSpeed unpickles its checkpoint files
     weights = get_fp32_state_dict_from_zero_checkpoint(str(learner_dir), tag=tag)
@@ -28,5 +28,4 @@ def save_checkpoint_model(learner_dir: Path, tag: str, base_model: str, folder: 
     if unexpected or set(missing) - tied:
         raise ValueError(f"checkpoint {learner_dir} does not fit the job's model {base_model}: "
                          f"missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
-    model.save_pretrained(folder, safe_serialization=True)
-    AutoTokenizer.from_pretrained(base_model).save_pretrained(folder)
+    save_model_folder(model, base_model, folder)

@@ -10,7 +10,8 @@ import logging
 import math
 import os
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,32 @@ def check_owned_by_me(path: Path) -> None:
             raise PermissionError(f"refusing to load checkpoint {path}: {item} belongs to another user (uid {info.st_uid})")
         if info.st_mode & 0o002:
             raise PermissionError(f"refusing to load checkpoint {path}: {item} is writable by every user")
+
+
+@contextmanager
+def storage_errors(what: str) -> Iterator[None]:
+    """Any failure while writing `what` comes out as an OSError, which the driver treats as storage trouble
+    (an alert for a checkpoint, a reported model error): a full disk surfaces from torch.save as a
+    RuntimeError ("unexpected pos") and from safetensors as a SafetensorError, neither an OSError."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as error:  # noqa: BLE001 - reported with its type and message, never swallowed
+        raise OSError(f"writing {what} failed: {type(error).__name__}: {error}") from error
+
+
+def save_model_folder(model: Any, tokenizer_source: str, folder: str) -> None:
+    """`model` and the tokenizer of `tokenizer_source` as a Hugging Face folder that transformers and vLLM
+    load as it is; any failure to write it is an OSError (`storage_errors`)."""
+    from transformers import AutoTokenizer
+
+    with storage_errors(f"the model folder {folder}"):
+        model.save_pretrained(folder, safe_serialization=True)
+        AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
+    if not (Path(folder) / "config.json").is_file() or not any(Path(folder).glob("*.safetensors")):
+        # save_pretrained only logs, and returns, when `folder` is not a directory it can use
+        raise NotADirectoryError(f"{folder}: save_pretrained wrote no config.json and weights there")
 
 
 class LearnerRank:
@@ -280,8 +307,6 @@ class LearnerRank:
     def save_model(self, folder: str) -> None:
         """The policy as a Hugging Face model folder (config, safetensors, tokenizer) that transformers and
         vLLM load as they are; rank 0 writes it. A collective under ZeRO-3, which gathers the parameters."""
-        from transformers import AutoTokenizer
-
         module = self.engine.module
         gathered = nullcontext()
         if self.spec.zero_stage == 3:
@@ -290,15 +315,15 @@ class LearnerRank:
             gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
         with gathered:
             if self.rank == 0:
-                module.save_pretrained(folder, safe_serialization=True)
-                AutoTokenizer.from_pretrained(self.spec.model_path).save_pretrained(folder)
+                save_model_folder(module, self.spec.model_path, folder)
 
     # ---- checkpoints -------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         """Model, optimizer (each rank its ZeRO shard), policy version and RNG state; a collective."""
         client_state = {"version": self.version, "torch_rng": torch.get_rng_state()}
-        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
+        with storage_errors(f"learner rank {self.rank}'s checkpoint to {directory}"):
+            self.engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
 
     def load_checkpoint(self, directory: str, tag: str) -> int:
         """Restore what `save_checkpoint` wrote; returns the policy version. A collective."""

@@ -353,21 +353,28 @@ def test_killed_learner_resumes_from_its_checkpoint_by_itself(local_ray, tmp_pat
     _assert_each_group_ends_once(run_dir, steps=4)
 
 
-def test_a_checkpoint_the_learner_cannot_write_is_an_alert_and_the_run_goes_on(local_ray, tmp_path, monkeypatch,
-                                                                               caplog):
-    """Step 2's checkpoint meets a real filesystem error inside the learner (a file where DeepSpeed makes its
-    folder, as a full disk or a lost mount would fail it): the partial folder is removed, an alert names the
-    step and the error, and the run trains to its end with the checkpoints before and after it."""
+def test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_nothing(local_ray, tmp_path,
+                                                                                     monkeypatch, caplog):
+    """Step 2's checkpoint and then the trained model meet a real filesystem error inside the learner (a file
+    where DeepSpeed makes its folder, a folder where the weights file goes), as a full disk would fail them.
+    The checkpoint's partial folder is removed, an alert names the step and the error, and the run trains to
+    its end with the checkpoints before and after it. The model that cannot be written is an alert and a
+    `model_error` in the result and summary that points at the last checkpoint, which exports as said."""
     from cluster import runtime
 
-    save = runtime.LearnerGroup.save_checkpoint
+    save_checkpoint, save_model = runtime.LearnerGroup.save_checkpoint, runtime.LearnerGroup.save_model
 
     def blocked_at_step_2(self, directory: str, tag: str) -> None:
         if ".step-000002.tmp" in directory:
             Path(directory).write_text("in the way")
-        save(self, directory, tag)
+        save_checkpoint(self, directory, tag)
+
+    def blocked_model(self, directory: str) -> None:
+        (Path(directory) / "model.safetensors").mkdir(parents=True)  # where the weights file goes
+        save_model(self, directory)
 
     monkeypatch.setattr(runtime.LearnerGroup, "save_checkpoint", blocked_at_step_2)
+    monkeypatch.setattr(runtime.LearnerGroup, "save_model", blocked_model)
     run_dir = tmp_path / "runs" / "full-disk"
     with caplog.at_level("WARNING", logger="stableasync"):
         result = _run(tmp_path, max_lag=1, steps=3, logging={"run_name": "full-disk"},
@@ -376,9 +383,18 @@ def test_a_checkpoint_the_learner_cannot_write_is_an_alert_and_the_run_goes_on(l
     alerts = [r.getMessage() for r in caplog.records if "ALERT checkpoint failed" in r.getMessage()]
     assert len(alerts) == 1 and "step 2" in alerts[0] and "Error" in alerts[0], alerts
     assert "newest usable checkpoint is step-000001" in alerts[0]
-    assert json.loads((run_dir / "summary.json").read_text())["checkpoint_failures"] == 1
-    assert result.model_dir is not None and (result.model_dir / "config.json").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["checkpoint_failures"] == 1
     _assert_each_group_ends_once(run_dir, steps=3)
+
+    assert result.model_dir is None and summary["model"] is None and not (run_dir / "model").exists()
+    assert result.model_error == summary["model_error"]
+    assert f"could not be written to {run_dir / 'model'}: " in result.model_error
+    assert f"step-000003, holds the policy of step 3: stableasync export {run_dir}" in result.model_error
+    model_alerts = [r.getMessage() for r in caplog.records if "ALERT trained model not saved" in r.getMessage()]
+    assert len(model_alerts) == 1 and result.model_error in model_alerts[0]
+    assert cli_main(["export", str(run_dir)]) == 0  # the recovery the message gives
+    assert (run_dir / "model-step-000003" / "config.json").exists()
 
 
 def test_nan_rollouts_skip_steps_then_stop_the_job_with_a_checkpoint(local_ray, tmp_path, monkeypatch, caplog):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, readable_checkpoints, write_checkpoint,
-                                 write_model)
+from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
+                                 write_checkpoint, write_model)
 
 
 def _save(files: dict[str, str]):
@@ -34,9 +34,10 @@ def test_a_save_that_fails_leaves_the_previous_model_in_place(tmp_path):
         (Path(folder) / "config.json").write_text("half")
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ModelSaveFailed, match=rf"could not be written to {tmp_path / MODEL}: OSError: .*No space left"):
         write_model(tmp_path / MODEL, failing)
     assert (tmp_path / MODEL / "config.json").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MODEL]  # the partial folder is gone: its space is back
     write_model(tmp_path / MODEL, _save({"config.json": "second"}))  # a later save clears the partial folder
     assert sorted(p.name for p in tmp_path.iterdir()) == [MODEL]
 
@@ -52,3 +53,67 @@ def test_a_checkpoint_that_cannot_be_written_leaves_nothing_and_says_which_step(
         write_checkpoint(tmp_path, 7, keep=2, save_learners=save_learners, driver_state=state)
     assert list((tmp_path / CHECKPOINTS).iterdir()) == []  # the partial folder is gone: its space is back
     assert readable_checkpoints(tmp_path) == []
+
+
+def test_train_exits_1_when_the_finished_run_has_no_model(tmp_path, monkeypatch, capsys):
+    """Every step ran but the model the user asked for is missing: not a success (exit 1), and why is said."""
+    from cluster import driver
+    from cluster.cli import main as cli_main
+
+    job = tmp_path / "job.yaml"
+    job.write_text("task: {name: arithmetic}\n")
+    result = driver.RunResult(tmp_path / "run", 3, {"trained": 6}, model_error="the model could not be written")
+    monkeypatch.setattr(driver, "run_job", lambda *args: result)
+    assert cli_main(["train", str(job)]) == 1
+    captured = capsys.readouterr()
+    assert "stableasync train: the run finished, but the model could not be written" in captured.err
+    assert f"run directory: {tmp_path / 'run'}" in captured.out
+    monkeypatch.setattr(driver, "run_job", lambda *args: driver.RunResult(tmp_path / "run", 3, {"trained": 6}))
+    assert cli_main(["train", str(job)]) == 0
+
+
+FULL_DISK = """
+import json, resource, signal, sys
+import torch
+from safetensors.torch import save_file
+from learner.rank import storage_errors
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG) instead of killing
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+weights = {"weight": torch.zeros(100_000)}
+writers = {"torch.save": lambda: torch.save(weights, sys.argv[1] + "/a.pt"),
+           "safetensors": lambda: save_file(weights, sys.argv[1] + "/a.safetensors")}
+seen = {}
+for name, write in writers.items():
+    try:
+        write()
+        raw = "no error"
+    except Exception as error:
+        raw = type(error).__name__
+    try:
+        with storage_errors(name):
+            write()
+        wrapped = "no error"
+    except OSError as error:
+        wrapped = str(error)
+    seen[name] = [raw, wrapped]
+print(json.dumps(seen))
+"""
+
+
+def test_a_full_disk_under_torch_save_and_safetensors_is_an_oserror(tmp_path):
+    """A real failing write (a file-size limit, as a full disk fails it): torch.save raises RuntimeError and
+    safetensors SafetensorError, which the driver's OSError handling would miss; `storage_errors`, around
+    every checkpoint and model write of the learner and of export, turns them into OSError."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["torch.save"][0] == "RuntimeError" and seen["safetensors"][0] == "SafetensorError"
+    for name, (_, wrapped) in seen.items():
+        assert wrapped.startswith(f"writing {name} failed: "), wrapped
