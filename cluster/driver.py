@@ -216,8 +216,9 @@ def _save_trained_model(run_dir: Path, learners: runtime.LearnerGroup,
     """
     try:
         path = write_model(run_dir / MODEL, learners.save_model)
-    except RayActorError as error:  # the newest checkpoint, if any, holds the final step: a resume saves again
-        raise LearnerCrashed("a learner rank died while saving the trained model", run_dir) from error
+    except (RayActorError, runtime.LearnerGroupBroken) as error:  # a resume from the newest checkpoint saves again
+        raise LearnerCrashed(f"a learner rank died or broke the group while saving the trained model ({error})",
+                             run_dir) from error
     except ModelSaveFailed as failure:
         usable = readable_checkpoints(run_dir)
         recovery = (f"the newest checkpoint, {usable[0][0].name}, holds the policy of step "
@@ -597,9 +598,9 @@ class AsyncLoop:
         try:
             return write_checkpoint(self.run_dir, self.version, self.job.checkpoint.keep,
                                     self.learners.save_checkpoint, self._state())
-        except RayActorError as error:  # the half-written folder stays a .tmp that resume ignores
-            raise LearnerCrashed(f"a learner rank died while checkpointing step {self.version}",
-                                 self.run_dir) from error
+        except (RayActorError, runtime.LearnerGroupBroken) as error:  # the half-written .tmp is ignored on resume
+            raise LearnerCrashed(f"a learner rank died or broke the group while checkpointing step {self.version} "
+                                 f"({error})", self.run_dir) from error
 
     def _state(self) -> dict[str, Any]:
         rng_version, rng_internal, rng_gauss = self.rng.getstate()

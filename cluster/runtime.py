@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -166,8 +166,15 @@ def _free_address() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), sock.getsockname()[1]
 
 
+class LearnerGroupBroken(RuntimeError):
+    """A rank's call failed while other ranks stay inside it, waiting in a collective the failed rank left: the
+    group's collectives are out of step, and only new ranks (a restart from a checkpoint) go on."""
+
+
 class LearnerGroup:
     """R learner ranks in one placement group; every call goes to all ranks (they are collectives)."""
+
+    rank_straggle_s = 60.0  # after one rank's call fails, how long the others may still take to end theirs
 
     def __init__(self, spec: LearnerSpec, num_ranks: int, cpus_per_rank: float, gpus_per_rank: float,
                  name_prefix: str | None = None, placement_timeout_s: float = 600.0,
@@ -215,11 +222,36 @@ class LearnerGroup:
 
     def save_model(self, folder: str) -> None:
         """Rank 0 writes the policy as a Hugging Face model folder (every rank takes part under ZeRO-3)."""
-        ray.get([rank.save_model.remote(folder) for rank in self.ranks])
+        self._every_rank([rank.save_model.remote(folder) for rank in self.ranks], "save_model")
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         """Every rank writes its part (ZeRO shards) under `directory` (shared storage across nodes)."""
-        ray.get([rank.save_checkpoint.remote(directory, tag) for rank in self.ranks])
+        self._every_rank([rank.save_checkpoint.remote(directory, tag) for rank in self.ranks], "save_checkpoint")
+
+    def _every_rank(self, refs: list[ray.ObjectRef], call: str) -> list[Any]:
+        """Every rank's result of a collective `call`, or the first rank's error.
+
+        A rank whose write fails (its own shard on a full disk) leaves DeepSpeed's closing barrier, and the
+        other ranks wait there until the process group's timeout (30 minutes): when they have not ended
+        their call `rank_straggle_s` after a failure, `LearnerGroupBroken` says so instead of hanging.
+        """
+        pending = list(refs)
+        while pending:
+            (done,), pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done)
+            except RayActorError:
+                raise
+            except Exception as error:
+                ended, waiting = ray.wait(pending, num_returns=len(pending), timeout=self.rank_straggle_s)
+                if waiting:
+                    stuck = sorted(refs.index(ref) for ref in waiting)
+                    raise LearnerGroupBroken(
+                        f"learner rank {refs.index(done)} failed in {call} ({type(error).__name__}: {error}) and "
+                        f"rank(s) {stuck} had not ended theirs {self.rank_straggle_s:g} s later"
+                    ) from error
+                raise
+        return ray.get(refs)
 
     def load_checkpoint(self, directory: str, tag: str) -> int:
         return ray.get([rank.load_checkpoint.remote(directory, tag) for rank in self.ranks])[0]

@@ -58,6 +58,13 @@ def _run(tmp_path, **kwargs):
     return train(validate_job(_job(tmp_path, **kwargs)))
 
 
+def run_job_in(tmp_path, **kwargs):
+    """`_run` through `run_job`, which resumes a run whose learners crashed."""
+    from cluster.driver import run_job
+
+    return run_job(validate_job(_job(tmp_path, **kwargs)))
+
+
 def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     result = _run(tmp_path, max_lag=0, eval={"every_steps": 2, "num_problems": 5})
     trained = _trained(result.run_dir)
@@ -395,6 +402,42 @@ def test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_no
     assert len(model_alerts) == 1 and result.model_error in model_alerts[0]
     assert cli_main(["export", str(run_dir)]) == 0  # the recovery the message gives
     assert (run_dir / "model-step-000003" / "config.json").exists()
+
+
+@pytest.mark.slow  # 90 s: a run, a 5 s wait and a learner restart
+def test_one_rank_that_cannot_write_its_shard_restarts_the_learners_instead_of_hanging(local_ray, tmp_path,
+                                                                                       monkeypatch, caplog):
+    """Rank 1's ZeRO shard of step 2's checkpoint meets a real write error (a folder where the file goes) while
+    rank 0 has written its part and waits in DeepSpeed's closing barrier, which it would leave only at the
+    process group's 30-minute timeout. The driver sees rank 0 still inside the call after
+    `rank_straggle_s`, restarts the learners from step 1's checkpoint, and the run ends with every group
+    trained once."""
+    from cluster import runtime
+
+    save = runtime.LearnerGroup.save_checkpoint
+    blocked = []
+
+    def rank_1_blocked_once(self, directory: str, tag: str) -> None:
+        if ".step-000002.tmp" in directory and not blocked:
+            blocked.append(directory)
+            (Path(directory) / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").mkdir(parents=True)
+        save(self, directory, tag)
+
+    monkeypatch.setattr(runtime.LearnerGroup, "save_checkpoint", rank_1_blocked_once)
+    monkeypatch.setattr(runtime.LearnerGroup, "rank_straggle_s", 5.0)
+    run_dir = tmp_path / "runs" / "rank-1-full"
+    with caplog.at_level("WARNING", logger="stableasync"):
+        result = run_job_in(tmp_path, max_lag=1, steps=3, logging={"run_name": "rank-1-full"},
+                            checkpoint={"every_steps": 1, "keep": 3})
+    assert blocked, "step 2's checkpoint was blocked for rank 1"
+    resumed = [r.getMessage() for r in caplog.records if "from its latest checkpoint" in r.getMessage()]
+    assert len(resumed) == 1, resumed
+    assert "learner rank 1 failed in save_checkpoint (RayTaskError(OSError)" in resumed[0]
+    assert "rank(s) [0] had not ended theirs 5 s later" in resumed[0]
+    assert json.loads((result.run_dir / "summary.json").read_text())["learner_restarts"] == 1
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000001", "step-000002",
+                                                                           "step-000003"]
+    _assert_each_group_ends_once(run_dir, steps=3)
 
 
 def test_nan_rollouts_skip_steps_then_stop_the_job_with_a_checkpoint(local_ray, tmp_path, monkeypatch, caplog):
