@@ -34,6 +34,8 @@ KNOWN_METRICS: dict[str, str] = {
     "stability/chi2_token": "chi-square divergence of the token importance ratios",
     "stability/chi2_seq": "chi-square divergence of the sequence importance weights",
     "stability/m2": "mean squared token log-ratio (M2PO's second moment)",
+    "stability/entropy": "mean entropy of the learner's next-token distribution on loss tokens (nats); a collapse "
+    "to 0 means the policy stopped exploring",
     "stability/m2_after": "M2PO's second moment after masking or clipping",
     "stability/clip_frac": "fraction of loss tokens whose weight was clipped",
     "stability/clip_low": "lower clip bound of the ratio this step (BAPO, M2PO adaptive clip)",
@@ -87,6 +89,7 @@ SUMMARIES: dict[str, str] = {
     "stability/ess_ratio": "min,last",
     "stability/lr_scale": "min,last",
     "stability/kl_k3": "max,last",
+    "stability/entropy": "min,last",
     "stability/skipped_step": "max",
     "optim/grad_norm": "max,last",
     "rollout/reward_mean": "max,last",

@@ -88,6 +88,21 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+@torch.no_grad()
+def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of the learner's next-token distribution softmax(logits / T) at each position, [B, L-1], fp32.
+
+    One row at a time, so the extra softmax costs [L, V] of memory, not [B, L, V]; a policy whose entropy
+    collapses stops exploring, the usual way GRPO runs stall.
+    """
+    rows = []
+    for row in logits[:, :-1]:
+        scaled = row.float() / temperature
+        log_p = torch.log_softmax(scaled, dim=-1)
+        rows.append(-(log_p.exp() * log_p).sum(dim=-1))
+    return torch.stack(rows) if rows else logits.new_zeros(logits.shape[0], max(logits.shape[1] - 1, 0))
+
+
 def sequence_logprob_grad(logits: Tensor, input_ids: Tensor, loss_mask: Tensor, temperature: float = 1.0) -> Tensor:
     """d/d logits of sum of masked `token_logprobs`, [B, L, V] fp32: (onehot(next) - softmax(logits / T)) / T.
 

@@ -25,7 +25,7 @@ from algorithms.advantages import ADVANTAGES, group_mean_advantages
 from algorithms.aggregation import loss_denominator, policy_loss
 from algorithms.batch import PolicyBatch
 from algorithms.diagnostics import chi2_seq, ess_ratio, health_metrics
-from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs
+from learner.batch import TrainBatch, sequence_logprob_grad, token_entropy, token_logprobs
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
 from learner.weight_sync import PackedWeights
 
@@ -180,6 +180,8 @@ class LearnerRank:
         policy = PolicyBatch(logprobs, batch.behaviour_logprobs, advantages, batch.loss_mask)
         decision = self.stabilizer.token_weights(policy)
         metrics = {**health_metrics(policy), **decision.metrics, **baseline_metrics}
+        entropy = token_entropy(logits, self.spec.temperature) * batch.loss_mask
+        metrics["stability/entropy"] = entropy.sum() / batch.loss_mask.sum().clamp(min=1)
 
         denominator = self._all_reduce_sum(loss_denominator(decision.mask, self.spec.loss_aggregation, self.spec.constant_tokens))
         loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)

@@ -6,6 +6,7 @@ The lag bound is checked from the version tags the generator put on every traine
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,8 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     assert [m["train/step"] for m in rl_steps] == [1, 2, 3, 4]
     for key in ("stability/ess_ratio", "stability/lr_scale", "optim/grad_norm", "stability/kl_k3", "async/lag"):
         assert key in rl_steps[-1], key
+    # the policy's next-token entropy: positive, at most log(vocabulary) of the tiny model (512 tokens)
+    assert all(0.0 < m["stability/entropy"] <= math.log(512) for m in rl_steps)
     assert list((result.run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "W&B offline run file written"
     # every publish is loaded by the generator before its next call; the driver counts what it reports
     summary = json.loads((result.run_dir / "summary.json").read_text())

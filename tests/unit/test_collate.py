@@ -1,11 +1,12 @@
 """The learner's padded batch, element by element against the samples it came from."""
 
+import math
 import random
 
 import pytest
 import torch
 
-from learner.batch import collate
+from learner.batch import collate, token_entropy
 
 
 def _samples(seed: int, n: int = 12) -> list[dict]:
@@ -51,3 +52,18 @@ def test_a_sample_whose_log_probs_do_not_match_its_tokens_is_named():
         collate(samples, 0)
     with pytest.raises(ValueError, match="empty"):
         collate([], 0)
+
+
+def test_token_entropy_is_the_entropy_of_each_next_token_distribution():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, 11, generator=gen) * 3
+    logits[0, 0] = 0.0  # uniform: log V
+    logits[1, 2] = torch.tensor([80.0] + [0.0] * 10)  # all mass on one token: 0
+    for temperature in (1.0, 0.7):
+        expected = torch.distributions.Categorical(logits=logits[:, :-1] / temperature).entropy()
+        got = token_entropy(logits, temperature)
+        assert got.shape == (3, 5) and not got.requires_grad
+        torch.testing.assert_close(got, expected)
+    assert token_entropy(logits)[0, 0].item() == pytest.approx(math.log(11))
+    assert token_entropy(logits)[1, 2].item() == pytest.approx(0.0, abs=1e-6)
+    assert token_entropy(logits, 0.5).mean() < token_entropy(logits, 1.0).mean() < token_entropy(logits, 2.0).mean()
