@@ -1,4 +1,4 @@
-"""Stability alerts: ESS collapse and gradient-norm spikes, decided from each RL step's metrics.
+"""Stability alerts: ESS collapse, entropy collapse and gradient-norm spikes, from each RL step's metrics.
 
 Pure Python (no W&B, torch or ray) so each rule is tested on hand-made sequences; `MetricSink` raises
 what `StabilityAlerts.check` returns. A rule alerts once when its condition starts, not on every
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 ESS_KEY = "stability/ess_ratio"
+ENTROPY_KEY = "stability/entropy"
 GRAD_NORM_KEY = "optim/grad_norm"
 
 
@@ -27,6 +28,12 @@ class AlertThresholds(Protocol):
 
     @property
     def ess_collapse_steps(self) -> int: ...
+
+    @property
+    def entropy_below(self) -> float | None: ...
+
+    @property
+    def entropy_collapse_steps(self) -> int: ...
 
     @property
     def grad_norm_above(self) -> float | None: ...
@@ -46,38 +53,52 @@ class Alert:
     text: str
 
 
+class LowStreak:
+    """A metric below a threshold (or NaN) for N steps in a row: fires on the step the streak reaches N, once."""
+
+    def __init__(self, key: str, below: float | None, steps: int, title: str, setting: str, advice: str) -> None:
+        self.key, self.below, self.steps = key, below, steps
+        self.title, self.setting, self.advice = title, setting, advice
+        self.streak = 0
+
+    def check(self, step: int, value: float) -> list[Alert]:
+        if self.below is None:
+            return []
+        low = not math.isfinite(value) or value < self.below
+        self.streak = self.streak + 1 if low else 0
+        if self.streak != self.steps:
+            return []
+        return [Alert(self.title, f"step {step}: {self.key} = {value:.3g}, below {self.below:g} (or NaN) for "
+                      f"{self.steps} step(s) in a row (logging.alerts.{self.setting}); {self.advice}")]
+
+
 class StabilityAlerts:
-    """The ESS-collapse and gradient-norm-spike rules, with the little state they need between steps."""
+    """The ESS-collapse, entropy-collapse and gradient-norm-spike rules, with the state they keep between steps."""
 
     def __init__(self, thresholds: AlertThresholds) -> None:
         self.thresholds = thresholds
-        self.low_ess_steps = 0  # consecutive steps with ESS below the threshold (or NaN)
+        self.streaks = [
+            LowStreak(ESS_KEY, thresholds.ess_ratio_below, thresholds.ess_collapse_steps, "ESS collapse",
+                      "ess_ratio_below", "the rollouts are too off-policy for the stabilizer: lower async.max_lag "
+                      "or the learning rate"),
+            LowStreak(ENTROPY_KEY, thresholds.entropy_below, thresholds.entropy_collapse_steps, "entropy collapse",
+                      "entropy_below", "the policy has stopped exploring, so rewards will stop improving: lower "
+                      "the learning rate, raise generator.temperature, or use a clip-higher stabilizer"),
+        ]
         self.spiking = False  # whether the previous step with a grad norm was a spike
         self.recent_grad_norms: deque[float] = deque(maxlen=thresholds.grad_norm_window_steps)
 
     def check(self, step: int, metrics: Mapping[str, Any]) -> list[Alert]:
         """The alerts this step starts. A step without a metric leaves that rule's state unchanged."""
         alerts = []
-        ess_ratio = _number(metrics.get(ESS_KEY))
-        if ess_ratio is not None:
-            alerts += self._check_ess(step, ess_ratio)
+        for streak in self.streaks:
+            value = _number(metrics.get(streak.key))
+            if value is not None:
+                alerts += streak.check(step, value)
         grad_norm = _number(metrics.get(GRAD_NORM_KEY))
         if grad_norm is not None:
             alerts += self._check_grad_norm(step, grad_norm)
         return alerts
-
-    def _check_ess(self, step: int, ess_ratio: float) -> list[Alert]:
-        below = self.thresholds.ess_ratio_below
-        if below is None:
-            return []
-        collapsed = not math.isfinite(ess_ratio) or ess_ratio < below
-        self.low_ess_steps = self.low_ess_steps + 1 if collapsed else 0
-        needed = self.thresholds.ess_collapse_steps
-        if self.low_ess_steps != needed:  # fires on the step the streak reaches the limit, once
-            return []
-        return [Alert("ESS collapse", f"step {step}: {ESS_KEY} = {ess_ratio:.3g}, below {below:g} (or NaN) for "
-                      f"{needed} step(s) in a row (logging.alerts.ess_ratio_below); the rollouts are too "
-                      "off-policy for the stabilizer: lower async.max_lag or the learning rate")]
 
     def _check_grad_norm(self, step: int, grad_norm: float) -> list[Alert]:
         above, factor = self.thresholds.grad_norm_above, self.thresholds.grad_norm_spike_factor

@@ -179,6 +179,11 @@ class AlertsSection(Section):
         "steps in a row; null: no ESS alert"
     )
     ess_collapse_steps: int = Field(3, gt=0, description="consecutive low-ESS steps that make a collapse")
+    entropy_below: float | None = Field(
+        None, ge=0, description="entropy collapse: stability/entropy (nats per token) below this (or NaN) for "
+        "entropy_collapse_steps steps in a row; null: no entropy alert (a sensible value depends on the task)"
+    )
+    entropy_collapse_steps: int = Field(5, gt=0, description="consecutive low-entropy steps that make a collapse")
     grad_norm_above: float | None = Field(
         None, gt=0, description="gradient-norm spike: optim/grad_norm above this absolute value; null: no absolute limit"
     )

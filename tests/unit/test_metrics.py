@@ -257,6 +257,21 @@ def test_ess_collapse_rule_can_be_turned_off_and_ignores_steps_without_ess():
     assert [a.title for a in rules.check(3, {"stability/ess_ratio": 0.02})] == ["ESS collapse"]
 
 
+def test_entropy_collapse_is_off_by_default_and_alerts_once_per_collapse():
+    values = [2.0, 0.05, 0.04, NAN, 0.5, 0.01, 0.01, 0.01]
+    assert _alert_steps("stability/entropy", values) == []  # null unless the job sets a threshold
+    assert _alert_steps("stability/entropy", values, entropy_below=0.1, entropy_collapse_steps=3) == [4, 8]
+    assert _alert_steps("stability/entropy", values, entropy_below=0.1, entropy_collapse_steps=2) == [3, 7]
+    from cluster.alerts import StabilityAlerts
+    from cluster.job import AlertsSection
+
+    rules = StabilityAlerts(AlertsSection(entropy_below=0.2, entropy_collapse_steps=1, ess_collapse_steps=1))
+    alerts = rules.check(7, {"stability/entropy": 0.03, "stability/ess_ratio": 0.01})
+    assert [a.title for a in alerts] == ["ESS collapse", "entropy collapse"]  # independent streaks
+    assert alerts[1].text.startswith("step 7: stability/entropy = 0.03, below 0.2 (or NaN) for 1 step(s) in a row "
+                                     "(logging.alerts.entropy_below); the policy has stopped exploring")
+
+
 @pytest.mark.parametrize(("values", "expected"), [
     ([1.0, 6.0, 7.0, 1.0, 6.0], [2, 5]),  # above the absolute limit: once, again after it came back down
     ([1.0, NAN, NAN, 1.0, math.inf], [2, 5]),  # non-finite is a spike
