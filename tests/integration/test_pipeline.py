@@ -241,13 +241,52 @@ def test_a_generator_restarted_between_calls_is_noticed_and_gets_the_latest_weig
             raise AssertionError("Ray did not restart the generator")
 
     monkeypatch.setattr(driver.AsyncLoop, "_start_learner_step", kill_while_idle)
-    job = _job(tmp_path, max_lag=0, steps=4, logging={"run_name": "idle-kill"}, generator={"max_restarts": 1})
+    job = _job(tmp_path, max_lag=0, steps=4, logging={"run_name": "idle-kill"}, generator={"max_restarts": 1},
+               eval={"every_steps": 2, "num_problems": 4})
     result = driver.train(validate_job(job))
     assert killed, "the generator was killed between calls"
     assert "generator 0 was restarted between calls" in caplog.text
     assert json.loads((result.run_dir / "summary.json").read_text())["generator_restarts"] == 1
     rows = _assert_each_group_ends_once(result.run_dir, steps=4)
     assert {r["lag"] for r in rows if r["event"] == "trained"} == {0}, "nothing trained with stale weights"
+    metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = {m["train/step"]: m["eval/policy_version"] for m in metrics if "eval/policy_version" in m}
+    assert evaluated == {2: 2, 4: 4}, "the restarted generator evaluates the weights of the step, not its initial ones"
+
+
+@pytest.mark.slow  # 50 s: a run with a generator restart
+def test_a_generator_killed_before_an_evaluation_skips_it_with_an_alert_and_the_run_goes_on(local_ray, tmp_path,
+                                                                                            monkeypatch, caplog):
+    """The evaluating generator is SIGKILLed as step 1's evaluation is sent: its call fails, that evaluation
+    is skipped with an alert naming the step and the generator, Ray restarts the generator, and the steps
+    after it train and evaluate as usual on the weights of their step."""
+    import os
+    import signal
+
+    from cluster import driver
+
+    evaluate = driver.AsyncLoop._evaluate
+    killed: list[int] = []
+
+    def kill_then_evaluate(self):
+        if self.version == 1 and not killed:
+            killed.append(ray.get(self.generators[min(self.generators)].process_id.remote()))
+            os.kill(killed[0], signal.SIGKILL)
+        return evaluate(self)
+
+    monkeypatch.setattr(driver.AsyncLoop, "_evaluate", kill_then_evaluate)
+    job = _job(tmp_path, max_lag=0, steps=3, logging={"run_name": "eval-kill"}, generator={"max_restarts": 1},
+               eval={"every_steps": 1, "num_problems": 4})
+    with caplog.at_level("WARNING", logger="stableasync"):
+        result = driver.train(validate_job(job))
+    assert killed, "the generator was killed at step 1's evaluation"
+    skipped = [r.getMessage() for r in caplog.records if "ALERT evaluation skipped" in r.getMessage()]
+    assert len(skipped) == 1 and "step 1: generator 0 died during it" in skipped[0], skipped
+    metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = {m["train/step"]: m["eval/policy_version"] for m in metrics if "eval/policy_version" in m}
+    assert evaluated == {2: 2, 3: 3}
+    assert json.loads((result.run_dir / "summary.json").read_text())["generator_restarts"] == 1
+    _assert_each_group_ends_once(result.run_dir, steps=3)
 
 
 def test_a_learner_the_cluster_cannot_place_fails_with_the_resources_named(local_ray):
