@@ -750,6 +750,8 @@ def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
     stabilizer = job.algorithm.stabilizer
     return LearnerSpec(
         model_path=model_path, zero_stage=job.learner.zero_stage, learning_rate=job.learner.learning_rate,
+        total_steps=job.learner.steps, lr_warmup_steps=job.learner.lr_warmup_steps,
+        lr_schedule=job.learner.lr_schedule, lr_min_ratio=job.learner.lr_min_ratio,
         weight_decay=job.learner.weight_decay, adam_eps=job.learner.adam_eps,
         grad_clip=job.learner.grad_clip,
         temperature=job.generator.temperature, stabilizer_name=stabilizer.name,

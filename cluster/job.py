@@ -114,6 +114,14 @@ class LearnerSection(Section):
     steps: int = Field(100, gt=0, description="optimizer steps (policy versions) to train")
     prompts_per_step: int = Field(8, gt=0, description="prompt groups per optimizer step, over all ranks")
     learning_rate: float = Field(1e-6, gt=0)
+    lr_warmup_steps: int = Field(0, ge=0, description="RL steps over which the learning rate ramps up linearly to "
+                                 "learning_rate (the SFT warm-up has its own rate)")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after the warm-up: constant, or a linear or cosine decay to "
+        "lr_min_ratio x learning_rate at the last step"
+    )
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="where a linear or cosine decay ends, as a fraction of "
+                                "learning_rate")
     weight_decay: float = Field(0.0, ge=0)
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon; larger values damp steps of near-zero gradients")
     grad_clip: float = Field(1.0, gt=0)
@@ -316,6 +324,9 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
             f"{learner.prompts_per_step} prompt groups cannot be split evenly over {learner.num_ranks} ranks "
             "(each prompt group stays on one rank)",
         ))
+    if learner.lr_warmup_steps > learner.steps:
+        errors.append(JobError("learner.lr_warmup_steps",
+                               f"{learner.lr_warmup_steps} warm-up steps is more than the {learner.steps} steps"))
     if job.algorithm.loss_aggregation == "constant" and job.algorithm.constant_tokens is None:
         errors.append(JobError("algorithm.constant_tokens", "required when loss_aggregation is 'constant'"))
     if generator.max_new_tokens >= generator.max_model_len:

@@ -48,6 +48,8 @@ KNOWN_METRICS: dict[str, str] = {
     "stability/skipped_step": "1 if the step was skipped for non-finite loss or weights, else 0",
     "optim/loss": "policy loss of the step",
     "optim/grad_norm": "global gradient norm before clipping (NaN on a skipped step)",
+    "optim/lr": "learning rate of this step: learner.learning_rate x the schedule (warm-up, decay) x "
+    "stability/lr_scale (0 on a skipped step)",
     "opob/baseline_mean": "mean of VCPO's off-policy optimal baseline",
     "opob/group_mean_baseline_mean": "mean of the plain group-mean baseline, for comparison",
     "opob/baseline_shift_abs": "mean |optimal baseline - group-mean baseline|",

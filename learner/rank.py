@@ -27,6 +27,7 @@ from algorithms.batch import PolicyBatch
 from algorithms.diagnostics import chi2_seq, ess_ratio, health_metrics
 from learner.batch import TrainBatch, sequence_logprob_grad, token_entropy, token_logprobs
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
+from learner.lr_schedule import LRSchedule, lr_factor
 from learner.weight_sync import PackedWeights
 
 log = logging.getLogger("stableasync.learner")
@@ -50,6 +51,10 @@ class LearnerSpec:
     model_path: str
     zero_stage: int = 2
     learning_rate: float = 1e-6
+    total_steps: int = 1
+    lr_warmup_steps: int = 0
+    lr_schedule: LRSchedule = "constant"
+    lr_min_ratio: float = 0.0
     weight_decay: float = 0.0
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
@@ -190,11 +195,15 @@ class LearnerRank:
         metrics.update(self.stabilizer.global_metrics(global_log_w))
         if not self._all_finite(loss, decision.weights):
             self.engine.zero_grad()
+            metrics["optim/lr"] = torch.tensor(0.0)
             return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan, batch=batch)
 
         lr_scale = self.stabilizer.lr_scale(global_log_w)
         self._backward(loss, logprobs, sample_grads, batch.loss_mask)
-        grad_norm = self._step_with_lr_scale(lr_scale)
+        schedule = lr_factor(self.version, self.spec.total_steps, self.spec.lr_warmup_steps, self.spec.lr_schedule,
+                             self.spec.lr_min_ratio)
+        metrics["optim/lr"] = torch.tensor(self.spec.learning_rate * schedule * lr_scale)
+        grad_norm = self._step_with_lr_scale(lr_scale * schedule)
         return self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm, batch=batch)
 
     def _backward(self, loss: Tensor, logprobs: Tensor, sample_grads: SampleGradients | None, loss_mask: Tensor) -> None:

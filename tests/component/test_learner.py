@@ -284,3 +284,32 @@ def test_a_checkpoint_resumes_the_same_trajectory(tiny_qwen2, tmp_path):
         assert result["repeated"][key] == pytest.approx(result["continued"][key], rel=1e-5), key
     for name, tensor in result["weights"].items():
         assert torch.equal(tensor, result["resumed_weights"][name]), name
+
+
+def _schedule_main(rank: int, model_path: str, port: int, out: str, warmup_steps: int) -> None:
+    from learner.batch import collate
+    from learner.rank import LearnerRank, LearnerSpec
+
+    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
+                       total_steps=8, lr_warmup_steps=warmup_steps, loss_aggregation="token-mean")
+    learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
+    before = {name: tensor.clone() for name, tensor in learner.state_dict_for_publish().items()}
+    metrics = learner.train_step(collate(_batch_samples(), 0))
+    after = learner.state_dict_for_publish()
+    torch.save({"lr": metrics["optim/lr"], "delta": {name: after[name] - before[name] for name in before}}, out)
+
+
+def test_the_warm_up_scales_the_first_update(tiny_qwen2, tmp_path):
+    """Adam's first step is lr * g / (|g| + eps), so with the same gradient a warm-up of 4 steps (factor 1/4
+    at the first) moves every weight a quarter as far as no warm-up does, and logs that rate."""
+    runs = {}
+    for warmup in (0, 4):
+        out = tmp_path / f"warmup-{warmup}.pt"
+        mp.start_processes(_schedule_main, args=(tiny_qwen2, _free_port(), str(out), warmup), nprocs=1,
+                           start_method="spawn", join=True)
+        runs[warmup] = torch.load(out, weights_only=True)
+    full, ramped = runs[0], runs[4]
+    assert full["lr"] == pytest.approx(LEARNING_RATE) and ramped["lr"] == pytest.approx(LEARNING_RATE / 4)
+    assert any(delta.abs().max() > 0 for delta in full["delta"].values())
+    for name, delta in full["delta"].items():
+        torch.testing.assert_close(ramped["delta"][name], delta / 4, rtol=1e-3, atol=1e-7)
