@@ -28,12 +28,15 @@ def _validate(args: argparse.Namespace) -> int:
     if job is None:
         return 2
     from cluster.job import evaluation_set, job_task
+    from learner.models import KNOWN_MODELS, ModelPathError, resolve_model
     from tasks.base import TaskError
 
-    try:  # the data file's rows and the reward function, as a run here would load them
+    try:  # the data file's rows, the reward function and a local model folder, as a run here would load them
         if not args.schema_only:
             evaluation_set(job, job_task(job))
-    except TaskError as error:
+            if job.model.path not in ("tiny", *KNOWN_MODELS):
+                resolve_model(job.model.path)
+    except (TaskError, ModelPathError) as error:
         print(f"{args.job}: {error}", file=sys.stderr)
         return 2
     if args.dry_run:
@@ -54,6 +57,7 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     from cluster.driver import run_job
     from cluster.stopping import JobStopped, stop_on_signals
+    from learner.models import ModelPathError
     from tasks.base import TaskError
 
     with stop_on_signals() as stop:
@@ -62,7 +66,7 @@ def _train(args: argparse.Namespace) -> int:
         except JobStopped as stopped:
             print(stopped, file=sys.stderr)
             return stopped.exit_code
-        except TaskError as error:  # raised before anything starts
+        except (TaskError, ModelPathError) as error:  # raised before anything starts
             print(f"stableasync train: {error}", file=sys.stderr)
             return 2
     print(f"run directory: {result.run_dir}")

@@ -152,8 +152,8 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
         raise FileNotFoundError(f"no usable checkpoint under {resume_dir / CHECKPOINTS}")
     task = job_task(job)
     evaluation = evaluation_set(job, task)  # a bad data file or reward function fails here, before anything starts
+    model_path = prepare_model(job, task)  # and a model path that loads nothing, likewise
     run_dir = resume_dir if resume_dir is not None else create_run_dir(job)
-    model_path = prepare_model(job, task)
     runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace)
     if stop is not None:
         stop.take_signals()

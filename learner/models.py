@@ -157,6 +157,10 @@ def prepare_smollm2(cache_dir: Path | None = None) -> Path:
 KNOWN_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m": prepare_smollm2}
 
 
+class ModelPathError(ValueError):
+    """`model.path` names no model this machine can load; the message says which and why."""
+
+
 def resolve_model(name_or_path: str) -> str:
     """A local folder for a known name or an existing path; a hub id is returned unchanged."""
     if name_or_path in KNOWN_MODELS:
@@ -164,10 +168,10 @@ def resolve_model(name_or_path: str) -> str:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"model.path: {path} has no config.json (not a Hugging Face model folder)")
+            raise ModelPathError(f"model.path: {path} has no config.json (not a Hugging Face model folder)")
         return str(path.resolve())
     if name_or_path.startswith(("/", "./", "../", "~")) or path.exists():
-        raise FileNotFoundError(f"model.path: no model folder at {path}")
+        raise ModelPathError(f"model.path: no model folder at {path}")
     return name_or_path
 
 
@@ -175,6 +179,11 @@ def check_chat_template(model_path: str) -> None:
     """Tasks speak in chat messages: a tokenizer without a chat template cannot serve them."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as error:  # a hub id with no network, a folder without tokenizer files
+        raise ModelPathError(f"model.path: no tokenizer loads from {model_path!r} ({type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else ''}); give a local model folder, "
+                             f"or one of {', '.join(['tiny', *KNOWN_MODELS])}") from error
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"model.path: the tokenizer at {model_path} has no chat template, which the tasks need")
+        raise ModelPathError(f"model.path: the tokenizer at {model_path} has no chat template, which the tasks need")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.models import MARKER, build_tiny_model, check_chat_template, resolve_model
+from learner.models import MARKER, ModelPathError, build_tiny_model, check_chat_template, resolve_model
 
 CORPUS = [f"What is {a} + {b}? <answer>{a + b}</answer>" for a in range(10) for b in range(10)]
 
@@ -48,7 +48,7 @@ def test_rebuild_is_a_no_op_unless_the_parameters_change(tmp_path):
 
 
 def test_resolve_model_errors_name_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no model folder at"):
+    with pytest.raises(ModelPathError, match="model.path: no model folder at"):
         resolve_model(str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no config.json"):
@@ -64,8 +64,16 @@ def test_tokenizer_without_chat_template_is_refused(tmp_path):
     tokenizer.chat_template = None
     tokenizer.save_pretrained(tmp_path / "m")
     (tmp_path / "m" / "chat_template.jinja").unlink(missing_ok=True)
-    with pytest.raises(ValueError, match="no chat template"):
+    with pytest.raises(ModelPathError, match="no chat template"):
         check_chat_template(str(tmp_path / "m"))
+
+
+def test_a_tokenizer_that_does_not_load_is_named(tmp_path):
+    path = build_tiny_model(tmp_path / "m", CORPUS)
+    (path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelPathError, match=rf"model.path: no tokenizer loads from '{path}' \(JSONDecodeError: "
+                                             r".*\); give a local model folder, or one of tiny, smollm2-135m"):
+        check_chat_template(str(path))
 
 
 @pytest.mark.slow

@@ -189,3 +189,17 @@ def test_scoring_settings_default_validate_and_are_documented():
     assert all(field.description for field in ScoringSection.model_fields.values())
     readme = (ROOT / "README.md").read_text()
     assert all(f"`scoring.{name}`" in readme for name in ScoringSection.model_fields)
+
+
+def test_a_model_path_that_is_no_folder_stops_validate_and_train_before_anything_starts(tmp_path, capsys):
+    from cluster.cli import main as cli_main
+
+    runs = tmp_path / "runs"
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {{path: {tmp_path}/nowhere}}\ntask: {{name: arithmetic}}\nlogging: {{run_dir: {runs}}}\n")
+    assert cli_main(["validate", str(job)]) == 2
+    assert f"model.path: no model folder at {tmp_path}/nowhere" in capsys.readouterr().err
+    assert cli_main(["validate", "--schema-only", str(job)]) == 0
+    assert cli_main(["train", str(job)]) == 2
+    assert capsys.readouterr().err.startswith(f"stableasync train: model.path: no model folder at {tmp_path}/nowhere")
+    assert not runs.exists(), "no run directory for a job that never started"
