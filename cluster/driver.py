@@ -378,8 +378,9 @@ class AsyncLoop:
         A stopping run waits for its learner step only: what is still generating goes out again on resume.
         """
         if self.stop.requested:
-            return ray.wait(self.learner_refs[:1], num_returns=1)[0][0]
-        pending = list(self.generating) + self.learner_refs[:1] + list(self.starting)
+            return ray.wait(self.learner_refs, num_returns=1)[0][0]
+        # every rank's ref: a rank that raises wakes the loop even while the others wait in a collective
+        pending = list(self.generating) + self.learner_refs + list(self.starting)
         if not pending and not self.elastic:
             raise RuntimeError("nothing to wait for: the buffer admits no generation and no batch is ready")
         if not pending:  # every generator left: wait for a node to come back, for a while
@@ -403,10 +404,10 @@ class AsyncLoop:
             self._join(ref)
             return
         try:
-            metrics = ray.get(self.learner_refs)[0]
-        except RayActorError as error:
-            raise LearnerCrashed(f"a learner rank died during step {self.version + 1} ({type(error).__name__})",
-                                 self.run_dir) from error
+            metrics = self.learners.results(self.learner_refs, "train_step")[0]
+        except (RayActorError, runtime.LearnerGroupBroken) as error:
+            raise LearnerCrashed(f"a learner rank died or broke the group during step {self.version + 1} "
+                                 f"({type(error).__name__}: {error})", self.run_dir) from error
         self.learner_refs = []
         skipped = metrics.get("stability/skipped_step", 0.0) > 0
         if skipped:  # the weights did not move: these groups were not trained on, and the ledger says so

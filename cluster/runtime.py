@@ -222,18 +222,19 @@ class LearnerGroup:
 
     def save_model(self, folder: str) -> None:
         """Rank 0 writes the policy as a Hugging Face model folder (every rank takes part under ZeRO-3)."""
-        self._every_rank([rank.save_model.remote(folder) for rank in self.ranks], "save_model")
+        self.results([rank.save_model.remote(folder) for rank in self.ranks], "save_model")
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         """Every rank writes its part (ZeRO shards) under `directory` (shared storage across nodes)."""
-        self._every_rank([rank.save_checkpoint.remote(directory, tag) for rank in self.ranks], "save_checkpoint")
+        self.results([rank.save_checkpoint.remote(directory, tag) for rank in self.ranks], "save_checkpoint")
 
-    def _every_rank(self, refs: list[ray.ObjectRef], call: str) -> list[Any]:
-        """Every rank's result of a collective `call`, or the first rank's error.
+    def results(self, refs: list[ray.ObjectRef], call: str) -> list[Any]:
+        """Every rank's result of a collective `call` (one ref per rank), or the first rank's error.
 
-        A rank whose write fails (its own shard on a full disk) leaves DeepSpeed's closing barrier, and the
-        other ranks wait there until the process group's timeout (30 minutes): when they have not ended
-        their call `rank_straggle_s` after a failure, `LearnerGroupBroken` says so instead of hanging.
+        A rank that raises (its own shard on a full disk, an out-of-memory batch) leaves the collectives
+        of its call, and the other ranks wait in them until the process group's timeout (30 minutes): when
+        they have not ended their call `rank_straggle_s` after a failure, `LearnerGroupBroken` says so
+        instead of hanging.
         """
         pending = list(refs)
         while pending:

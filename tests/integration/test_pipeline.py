@@ -466,20 +466,55 @@ def test_one_rank_that_cannot_write_its_shard_restarts_the_learners_instead_of_h
         save(self, directory, tag)
 
     monkeypatch.setattr(runtime.LearnerGroup, "save_checkpoint", rank_1_blocked_once)
-    monkeypatch.setattr(runtime.LearnerGroup, "rank_straggle_s", 5.0)
-    run_dir = tmp_path / "runs" / "rank-1-full"
-    with caplog.at_level("WARNING", logger="stableasync"):
-        result = run_job_in(tmp_path, max_lag=1, steps=3, logging={"run_name": "rank-1-full"},
-                            checkpoint={"every_steps": 1, "keep": 3})
+    run_dir = _run_with_rank_1_failing_once(tmp_path, monkeypatch, caplog, "rank-1-full",
+                                            "learner rank 1 failed in save_checkpoint (RayTaskError(OSError)")
     assert blocked, "step 2's checkpoint was blocked for rank 1"
-    resumed = [r.getMessage() for r in caplog.records if "from its latest checkpoint" in r.getMessage()]
-    assert len(resumed) == 1, resumed
-    assert "learner rank 1 failed in save_checkpoint (RayTaskError(OSError)" in resumed[0]
-    assert "rank(s) [0] had not ended theirs 5 s later" in resumed[0]
-    assert json.loads((result.run_dir / "summary.json").read_text())["learner_restarts"] == 1
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000001", "step-000002",
                                                                            "step-000003"]
-    _assert_each_group_ends_once(run_dir, steps=3)
+
+
+def _run_with_rank_1_failing_once(tmp_path, monkeypatch, caplog, run_name: str, failure: str) -> Path:
+    """A 3-step, 2-rank run checkpointing every step, in which rank 1 fails once while rank 0 waits: the log
+    says the group broke with `failure`, the learners restarted once, and every group ends once."""
+    from cluster import runtime
+
+    monkeypatch.setattr(runtime.LearnerGroup, "rank_straggle_s", 5.0)
+    with caplog.at_level("WARNING", logger="stableasync"):
+        result = run_job_in(tmp_path, max_lag=1, steps=3, logging={"run_name": run_name},
+                            checkpoint={"every_steps": 1, "keep": 3})
+    resumed = [r.getMessage() for r in caplog.records if "from its latest checkpoint" in r.getMessage()]
+    assert len(resumed) == 1, resumed
+    assert failure in resumed[0] and "rank(s) [0] had not ended theirs 5 s later" in resumed[0], resumed[0]
+    assert json.loads((result.run_dir / "summary.json").read_text())["learner_restarts"] == 1
+    _assert_each_group_ends_once(result.run_dir, steps=3)
+    return result.run_dir
+
+
+@pytest.mark.slow  # 90 s: a run, a 5 s wait and a learner restart
+def test_one_rank_that_raises_in_a_step_restarts_the_learners_instead_of_hanging(local_ray, tmp_path, monkeypatch,
+                                                                                 caplog):
+    """Rank 1 raises in step 2's forward (a batch it cannot embed, as an out-of-memory batch would fail one
+    GPU) while rank 0 waits for it in the step's first all-reduce. The loop wakes on rank 1's error, sees rank
+    0 still inside the step `rank_straggle_s` later, and restarts the learners from step 1's checkpoint."""
+    import dataclasses
+
+    from cluster import driver
+
+    shards = driver.AsyncLoop._shards
+    broken: list[int] = []
+
+    def rank_1_unembeddable_once(self, groups):
+        batches = shards(self, groups)
+        if self.version == 1 and not broken:
+            broken.append(self.version)
+            batches[1] = dataclasses.replace(batches[1], input_ids=batches[1].input_ids.float())
+        return batches
+
+    monkeypatch.setattr(driver.AsyncLoop, "_shards", rank_1_unembeddable_once)
+    _run_with_rank_1_failing_once(tmp_path, monkeypatch, caplog, "rank-1-raises",
+                                  "broke the group during step 2 (LearnerGroupBroken: learner rank 1 failed in "
+                                  "train_step")
+    assert broken, "step 2's batch was broken for rank 1"
 
 
 def test_nan_rollouts_skip_steps_then_stop_the_job_with_a_checkpoint(local_ray, tmp_path, monkeypatch, caplog):
