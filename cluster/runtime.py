@@ -232,9 +232,9 @@ class LearnerGroup:
         """Every rank's result of a collective `call` (one ref per rank), or the first rank's error.
 
         A rank that raises (its own shard on a full disk, an out-of-memory batch) leaves the collectives
-        of its call, and the other ranks wait in them until the process group's timeout (30 minutes): when
-        they have not ended their call `rank_straggle_s` after a failure, `LearnerGroupBroken` says so
-        instead of hanging.
+        of its call, and the other ranks wait in them until the process-group timeout (DeepSpeed's default:
+        10 minutes, DEEPSPEED_TIMEOUT), then fail too: when they have not ended their call
+        `rank_straggle_s` after a failure, `LearnerGroupBroken` says so instead of waiting that long.
         """
         pending = list(refs)
         while pending:

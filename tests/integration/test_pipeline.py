@@ -451,9 +451,9 @@ def test_one_rank_that_cannot_write_its_shard_restarts_the_learners_instead_of_h
                                                                                        monkeypatch, caplog):
     """Rank 1's ZeRO shard of step 2's checkpoint meets a real write error (a folder where the file goes) while
     rank 0 has written its part and waits in DeepSpeed's closing barrier, which it would leave only at the
-    process group's 30-minute timeout. The driver sees rank 0 still inside the call after
-    `rank_straggle_s`, restarts the learners from step 1's checkpoint, and the run ends with every group
-    trained once."""
+    process-group timeout (DeepSpeed's default: 10 minutes). The driver sees rank 0 still inside the call
+    after `rank_straggle_s`, restarts the learners from step 1's checkpoint, and the run ends with every
+    group trained once."""
     from cluster import runtime
 
     save = runtime.LearnerGroup.save_checkpoint
