@@ -55,6 +55,17 @@ def _rank_main(rank: int, world: int, stage: int, model_path: str, port: int, ou
     if rank == 0:
         torch.save({"metrics": metrics, "weights": weights, "model_folder": out + ".model",
                     "checkpoint": out + ".checkpoint"}, out)
+    _leave_group()
+
+
+def _leave_group() -> None:
+    """Both ranks leave the process group together. A rank that exits while its peer is still writing its
+    results can abort in teardown: CI once saw rank 1 die of SIGABRT ("terminate called without an active
+    exception") after its steps, which failed the run."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -205,6 +216,7 @@ def _steps_main(rank: int, world: int, impl: str, model_path: str, port: int, ou
     weights = learner.state_dict_for_publish()
     if rank == 0:
         torch.save({"grad_norms": grad_norms, "weights": weights}, out)
+    _leave_group()
 
 
 def test_bookkeeping_keeps_matching_ghost_over_several_steps(tiny_qwen2, tmp_path):
@@ -271,6 +283,7 @@ def _checkpoint_main(rank: int, world: int, model_path: str, port: int, folder: 
     if rank == 0:
         torch.save({"version": version, "continued": continued, "repeated": repeated, "weights": weights,
                     "resumed_weights": resumed_weights, "resumed_version": resumed.version}, out)
+    _leave_group()
 
 
 def test_a_checkpoint_resumes_the_same_trajectory(tiny_qwen2, tmp_path):
