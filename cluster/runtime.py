@@ -244,7 +244,7 @@ class LearnerGroup:
             except RayActorError:
                 raise
             except Exception as error:
-                ended, waiting = ray.wait(pending, num_returns=len(pending), timeout=self.rank_straggle_s)
+                _, waiting = ray.wait(pending, num_returns=len(pending), timeout=self.rank_straggle_s)
                 if waiting:
                     stuck = sorted(refs.index(ref) for ref in waiting)
                     raise LearnerGroupBroken(

@@ -6,7 +6,7 @@ import random
 from collections.abc import Iterator
 from itertools import count
 
-from tasks.base import Problem, Task, last_answer, register, split_seed
+from tasks.base import Problem, Task, graded_answer, register, split_seed
 from tasks.config import ArithmeticConfig
 
 
@@ -31,16 +31,17 @@ class Arithmetic(Task):
             yield Problem(f"arithmetic-{split}-{index:06d}", f"What is {expression}?", str(value))
 
     def score(self, problem: Problem, completion: str) -> float:
-        answer = last_answer(completion)
-        if answer is None:
-            return 0.0
-        try:
-            return 1.0 if int(answer) == int(problem.answer) else 0.1
-        except ValueError:
-            return 0.1
+        return graded_answer(completion, lambda answer: _same_integer(answer, problem.answer))
 
     def demonstration(self, problem: Problem) -> str:
         return f"<answer>{problem.answer}</answer>"
+
+
+def _same_integer(answer: str, gold: str) -> bool:
+    try:
+        return int(answer) == int(gold)
+    except ValueError:
+        return False
 
 
 def _evaluate_left_to_right(expression: str) -> int:

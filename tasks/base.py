@@ -36,6 +36,15 @@ def last_answer(completion: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+def graded_answer(completion: str, is_correct: Callable[[str], bool]) -> float:
+    """The reward scale of the built-in verifiers, from the last <answer></answer>: 1.0 when `is_correct`
+    says so, 0.1 for a well-formed but wrong answer, 0.0 without one."""
+    answer = last_answer(completion)
+    if answer is None:
+        return 0.0
+    return 1.0 if is_correct(answer) else 0.1
+
+
 class Task:
     """Base class: subclasses set `name` and implement problems, score and demonstration."""
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from fractions import Fraction
 from itertools import count
 
-from tasks.base import Problem, Task, last_answer, register, split_seed
+from tasks.base import Problem, Task, graded_answer, register, split_seed
 from tasks.config import CountdownConfig
 
 _ALLOWED = re.compile(r"^[\d+\-*/().\s]+$")
@@ -45,6 +45,17 @@ def _search(items: list[tuple[Fraction, str]], target: Fraction) -> str | None:
                 if found is not None:
                     return found
     return None
+
+
+def _reaches_target(answer: str, problem: Problem) -> bool:
+    """Every given number used once, and the expression's value is the target."""
+    if sorted(int(n) for n in re.findall(r"\d+", answer)) != sorted(problem.metadata["numbers"]):
+        return False
+    try:
+        value = evaluate(answer)
+    except (ValueError, RecursionError):
+        return False
+    return abs(value - problem.metadata["target"]) < Fraction(1, 10**5)
 
 
 def evaluate(expression: str) -> Fraction:
@@ -105,17 +116,7 @@ class Countdown(Task):
                           {"numbers": numbers, "target": target, "solution": solution})
 
     def score(self, problem: Problem, completion: str) -> float:
-        answer = last_answer(completion)
-        if answer is None:
-            return 0.0
-        numbers = sorted(int(n) for n in re.findall(r"\d+", answer))
-        if numbers != sorted(problem.metadata["numbers"]):
-            return 0.1
-        try:
-            value = evaluate(answer)
-        except (ValueError, RecursionError):
-            return 0.1
-        return 1.0 if abs(value - problem.metadata["target"]) < Fraction(1, 10**5) else 0.1
+        return graded_answer(completion, lambda answer: _reaches_target(answer, problem))
 
     def demonstration(self, problem: Problem) -> str:
         return f"<answer>{problem.metadata['solution']}</answer>"

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks.base import ANSWER_FORMAT, Problem, Task, TaskError, file_problems, last_answer, read_jsonl, register
+from tasks.base import ANSWER_FORMAT, Problem, Task, TaskError, file_problems, graded_answer, read_jsonl, register
 from tasks.config import DatasetConfig
 from tasks.gsm8k import math_equivalent
 
@@ -85,10 +85,7 @@ class Dataset(Task):
     def score(self, problem: Problem, completion: str) -> float:
         if self.reward_function is not None:
             return self.reward_function(completion, problem.metadata["gold"], problem.metadata["row"])
-        answer = last_answer(completion)
-        if answer is None:
-            return 0.0
-        return 1.0 if self.equivalent(problem.answer, answer) else 0.1
+        return graded_answer(completion, lambda answer: self.equivalent(problem.answer, answer))
 
     def demonstration(self, problem: Problem) -> str:
         return problem.metadata["demonstration"] or f"<answer>{problem.answer}</answer>"

@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from tasks.base import Problem, Task, TaskError, file_problems, last_answer, read_jsonl, register
+from tasks.base import Problem, Task, TaskError, file_problems, graded_answer, read_jsonl, register
 from tasks.config import GSM8KConfig
 
 _CALC = re.compile(r"<<[^>]*>>")
@@ -47,10 +47,7 @@ class GSM8K(Task):
         return file_problems(self.rows, split, seed)
 
     def score(self, problem: Problem, completion: str) -> float:
-        answer = last_answer(completion)
-        if answer is None:
-            return 0.0
-        return 1.0 if math_equivalent(problem.answer, answer) else 0.1
+        return graded_answer(completion, lambda answer: math_equivalent(problem.answer, answer))
 
     def demonstration(self, problem: Problem) -> str:
         return f"{problem.metadata['reasoning']}\n<answer>{problem.answer}</answer>"
