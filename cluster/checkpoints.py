@@ -96,15 +96,21 @@ def readable_checkpoints(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     return usable
 
 
-def restore_learners(load: Callable[[str, str], int], candidates: list[tuple[Path, dict[str, Any]]]
-                     ) -> tuple[Path, dict[str, Any]]:
-    """Load the newest candidate the learner ranks accept; an older one when the newest fails."""
+def restore_learners(load: Callable[[str, str], int], candidates: list[tuple[Path, dict[str, Any]]],
+                     fatal: tuple[type[BaseException], ...] = ()) -> tuple[Path, dict[str, Any]]:
+    """Load the newest candidate the learner ranks accept; an older one when the newest fails.
+
+    An error of a `fatal` type (a rank died, or the ranks' collectives fell out of step) leaves ranks that
+    cannot load anything more, so it is raised rather than taken as that checkpoint's fault.
+    """
     errors = []
     for path, state in candidates:
         try:
             load(str(path / LEARNER), TAG)
             return path, state
-        except Exception as error:  # noqa: BLE001 - any failure to load means: try the next one
+        except fatal:
+            raise
+        except Exception as error:  # noqa: BLE001 - any other failure to load means: try the next one
             log.warning("learner state in %s did not load (%s); trying an older checkpoint", path,
                         str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__)
             errors.append(f"{path.name}: {type(error).__name__}")

@@ -171,7 +171,12 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     try:
         state = None
         if candidates:
-            checkpoint, state = restore_learners(learners.load_checkpoint, candidates)
+            try:
+                checkpoint, state = restore_learners(learners.load_checkpoint, candidates,
+                                                     fatal=(RayActorError, runtime.LearnerGroupBroken))
+            except (RayActorError, runtime.LearnerGroupBroken) as error:
+                raise LearnerCrashed(f"a learner rank died or broke the group while loading a checkpoint "
+                                     f"({type(error).__name__}: {error})", run_dir) from error
             log.info("resuming %s from %s (policy version %d)", run_dir, checkpoint.name, state["version"])
             keep_first_lines(run_dir / "metrics.jsonl", state["metrics_lines"])
         ledger = Ledger.resume(run_dir / "ledger.jsonl", state["ledger_lines"]) if state else Ledger(run_dir / "ledger.jsonl")
@@ -678,9 +683,9 @@ class AsyncLoop:
         start = time.perf_counter()
         try:
             self.publisher.publish(self.version)
-        except RayActorError as error:
-            raise LearnerCrashed(f"a learner rank died while publishing weights ({type(error).__name__})",
-                                 self.run_dir) from error
+        except (RayActorError, runtime.LearnerGroupBroken) as error:
+            raise LearnerCrashed(f"a learner rank died or broke the group while publishing weights "
+                                 f"({type(error).__name__}: {error})", self.run_dir) from error
         for member in self.members.values():
             member.weights_version = self.version
         return time.perf_counter() - start

@@ -214,11 +214,12 @@ class LearnerGroup:
         return [rank.train_step.remote(shard) for rank, shard in zip(self.ranks, shards)]
 
     def sft_step(self, shards: list[TrainBatch], learning_rate: float) -> dict[str, float]:
-        return ray.get([rank.sft_step.remote(shard, learning_rate) for rank, shard in zip(self.ranks, shards)])[0]
+        refs = [rank.sft_step.remote(shard, learning_rate) for rank, shard in zip(self.ranks, shards)]
+        return self.results(refs, "sft_step")[0]
 
     def publish(self) -> ray.ObjectRef:
         """The object-store reference of the full weights (all ranks take part in the gather)."""
-        return ray.get([rank.publish.remote() for rank in self.ranks])[0][0]
+        return self.results([rank.publish.remote() for rank in self.ranks], "publish")[0][0]
 
     def save_model(self, folder: str) -> None:
         """Rank 0 writes the policy as a Hugging Face model folder (every rank takes part under ZeRO-3)."""
@@ -255,7 +256,7 @@ class LearnerGroup:
         return ray.get(refs)
 
     def load_checkpoint(self, directory: str, tag: str) -> int:
-        return ray.get([rank.load_checkpoint.remote(directory, tag) for rank in self.ranks])[0]
+        return self.results([rank.load_checkpoint.remote(directory, tag) for rank in self.ranks], "load_checkpoint")[0]
 
     def shutdown(self) -> None:
         for rank in self.ranks:

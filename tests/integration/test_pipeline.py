@@ -368,6 +368,31 @@ def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, 
     assert json.loads((run_dir / "checkpoints" / "step-000004" / "driver.json").read_text())["version"] == 4
 
 
+@pytest.mark.slow  # 60 s: a 2-step run and its resume
+def test_a_checkpoint_whose_rank_1_shard_is_damaged_resumes_both_ranks_from_the_older_one(local_ray, tmp_path,
+                                                                                         caplog):
+    """Only rank 1's ZeRO optimizer shard of the newest checkpoint is damaged (cut short on disk). Rank 1 fails
+    to load it while rank 0 loads its own: `--resume` must not go on from two different steps, nor wait on a
+    rank, but load the older checkpoint on both ranks, train step 2 again, and write a whole step 2."""
+    job = _job(tmp_path, max_lag=1, steps=2, logging={"run_name": "damaged-shard"},
+               checkpoint={"every_steps": 1, "keep": 3})
+    run_dir = tmp_path / "runs" / "damaged-shard"
+    from cluster.driver import train
+
+    train(validate_job(job))
+    (shard,) = (run_dir / "checkpoints" / "step-000002").rglob("zero_pp_rank_1_*optim_states.pt")
+    whole = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:1000])
+
+    with caplog.at_level("INFO", logger="stableasync"):
+        assert cli_main(["train", "--resume", str(run_dir)]) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("step-000002 did not load" in m and "trying an older checkpoint" in m for m in messages), messages
+    assert any("from step-000001 (policy version 1)" in m for m in messages), messages
+    _assert_each_group_ends_once(run_dir, steps=2)
+    assert shard.stat().st_size == whole, "the resumed run wrote step 2's checkpoint again, whole"
+
+
 def _assert_the_last_checkpoint_exports_the_saved_model(run_dir: Path) -> None:
     """`stableasync export` merges the two ranks' ZeRO shards of the last step's checkpoint into a model
     folder with exactly the weights the finished run saved in RUN_DIR/model."""

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
-                                 write_checkpoint, write_model)
+                                 restore_learners, write_checkpoint, write_model)
 
 
 def _save(files: dict[str, str]):
@@ -117,3 +117,33 @@ def test_a_full_disk_under_torch_save_and_safetensors_is_an_oserror(tmp_path):
     assert seen["torch.save"][0] == "RuntimeError" and seen["safetensors"][0] == "SafetensorError"
     for name, (_, wrapped) in seen.items():
         assert wrapped.startswith(f"writing {name} failed: "), wrapped
+
+
+class _GroupBroke(RuntimeError):
+    pass
+
+
+def test_restore_takes_the_newest_checkpoint_that_loads_but_stops_at_a_fatal_error(tmp_path):
+    """A checkpoint that fails to load is passed over for an older one; an error of a fatal kind (the ranks can
+    load nothing more) is raised at once, and no older checkpoint is tried on those ranks."""
+    candidates = [(tmp_path / f"step-00000{n}", {"version": n}) for n in (3, 2, 1)]
+    tried = []
+
+    def load(directory: str, tag: str) -> int:
+        tried.append(Path(directory).parent.name)
+        if tried[-1] == "step-000003":
+            raise RuntimeError("PytorchStreamReader failed reading zip archive")
+        if tried[-1] == "step-000002" and broken:
+            raise _GroupBroke("learner rank 1 failed in load_checkpoint")
+        return 2
+
+    broken = False
+    assert restore_learners(load, candidates, fatal=(_GroupBroke,)) == candidates[1]
+    assert tried == ["step-000003", "step-000002"]
+
+    broken, tried = True, []
+    with pytest.raises(_GroupBroke, match="rank 1 failed in load_checkpoint"):
+        restore_learners(load, candidates, fatal=(_GroupBroke,))
+    assert tried == ["step-000003", "step-000002"], "nothing older is tried once the group broke"
+    tried = []
+    assert restore_learners(load, candidates) == candidates[2], "without it, a group error is that checkpoint's"
