@@ -346,7 +346,7 @@ def test_bad_job_file_names_the_field_and_starts_nothing(tmp_path, capsys):
     assert ray.is_initialized() == was_running
 
 
-def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, tmp_path):
+def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, tmp_path, capsys):
     """A run checkpoints at steps 2 and 4; with step 4's checkpoint damaged (a crash while it was
     being replaced), `--resume` falls back to step 2: the ledger and metrics are cut back there,
     in-flight groups are issued again, and every step's groups are trained exactly once."""
@@ -357,7 +357,7 @@ def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, 
     train(validate_job(job))
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["step-000002", "step-000004"]
-    _assert_the_last_checkpoint_exports_the_saved_model(run_dir)
+    _assert_the_last_checkpoint_exports_the_saved_model(run_dir, capsys)
     (run_dir / "checkpoints" / "step-000004" / "driver.json").write_text('{"version": 4, "trunc')
 
     assert cli_main(["train", "--resume", str(run_dir)]) == 0
@@ -393,12 +393,18 @@ def test_a_checkpoint_whose_rank_1_shard_is_damaged_resumes_both_ranks_from_the_
     assert shard.stat().st_size == whole, "the resumed run wrote step 2's checkpoint again, whole"
 
 
-def _assert_the_last_checkpoint_exports_the_saved_model(run_dir: Path) -> None:
+def _assert_the_last_checkpoint_exports_the_saved_model(run_dir: Path, capsys) -> None:
     """`stableasync export` merges the two ranks' ZeRO shards of the last step's checkpoint into a model
     folder with exactly the weights the finished run saved in RUN_DIR/model."""
     import torch
     from safetensors.torch import load_file
 
+    blocked = run_dir / "summary.json" / "model"  # under a file: no folder can be written there
+    assert cli_main(["export", str(run_dir), "--checkpoint", "step-000004", "--out", str(blocked)]) == 1
+    reason = capsys.readouterr().err.rstrip().splitlines()[-1]  # after the shard-writing progress bar
+    assert reason.startswith(f"stableasync export: the model could not be written to {blocked}: "), reason
+    assert "Not a directory" in reason, reason
+    assert not (run_dir / "summary.json").is_dir() and not list(run_dir.glob(".*.tmp"))
     assert cli_main(["export", str(run_dir), "--checkpoint", "step-000004"]) == 0
     exported = load_file(run_dir / "model-step-000004" / "model.safetensors")
     saved = load_file(run_dir / "model" / "model.safetensors")

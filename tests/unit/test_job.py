@@ -203,3 +203,23 @@ def test_a_model_path_that_is_no_folder_stops_validate_and_train_before_anything
     assert cli_main(["train", str(job)]) == 2
     assert capsys.readouterr().err.startswith(f"stableasync train: model.path: no model folder at {tmp_path}/nowhere")
     assert not runs.exists(), "no run directory for a job that never started"
+
+
+def test_a_hub_id_that_cannot_be_fetched_stops_train_with_its_reason_before_anything_starts(tmp_path):
+    """Models are not downloaded at run time here: a hub id (no local folder) whose tokenizer cannot be fetched
+    ends `train` with exit 2 and the way out, before a run directory exists. In a subprocess, because the hub
+    client reads HF_HUB_OFFLINE once, at import."""
+    import os
+    import subprocess
+    import sys
+
+    runs = tmp_path / "runs"
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {{path: some-org/not-a-model}}\ntask: {{name: arithmetic}}\nlogging: {{run_dir: {runs}}}\n")
+    done = subprocess.run([sys.executable, "-m", "cluster.cli", "train", str(job)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith("stableasync train: model.path: no tokenizer loads from 'some-org/not-a-model' "
+                                  "(OSError: "), done.stderr[-2000:]
+    assert done.stderr.rstrip().endswith("give a local model folder, or one of tiny, smollm2-135m"), done.stderr
+    assert not runs.exists(), "no run directory for a job that never started"
