@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from pathlib import Path
@@ -18,6 +19,7 @@ from learner.rank import LearnerRank, LearnerSpec
 from learner.weight_sync import CollectiveWeightSync, PackedWeights, TensorSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger("stableasync")
 
 # Environment every actor of a job gets: in-process vLLM, a shared DeepSpeed op cache, no noise.
 ACTOR_ENV = {
@@ -166,6 +168,17 @@ def _free_address() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), sock.getsockname()[1]
 
 
+def _failed(refs: list[ray.ObjectRef]) -> list[int]:
+    """The positions (ranks) of the ended calls in `refs` that raised."""
+    failed = []
+    for rank, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=0)
+        except Exception:  # noqa: BLE001 - any error counts: the caller raises the first one
+            failed.append(rank)
+    return failed
+
+
 class LearnerGroupBroken(RuntimeError):
     """A rank's call failed while other ranks stay inside it, waiting in a collective the failed rank left: the
     group's collectives are out of step, and only new ranks (a restart from a checkpoint) go on."""
@@ -252,6 +265,8 @@ class LearnerGroup:
                         f"learner rank {refs.index(done)} failed in {call} ({type(error).__name__}: {error}) and "
                         f"rank(s) {stuck} had not ended theirs {self.rank_straggle_s:g} s later"
                     ) from error
+                log.warning("learner rank(s) %s failed in %s; the error of rank %d follows", _failed(refs), call,
+                            refs.index(done))
                 raise
         return ray.get(refs)
 

@@ -373,7 +373,8 @@ def test_a_checkpoint_whose_rank_1_shard_is_damaged_resumes_both_ranks_from_the_
                                                                                          caplog):
     """Only rank 1's ZeRO optimizer shard of the newest checkpoint is damaged (cut short on disk). Rank 1 fails
     to load it while rank 0 loads its own: `--resume` must not go on from two different steps, nor wait on a
-    rank, but load the older checkpoint on both ranks, train step 2 again, and write a whole step 2."""
+    rank, but load the older checkpoint on both ranks, train step 2 again, and write a whole step 2. The log
+    names the rank that failed."""
     job = _job(tmp_path, max_lag=1, steps=2, logging={"run_name": "damaged-shard"},
                checkpoint={"every_steps": 1, "keep": 3})
     run_dir = tmp_path / "runs" / "damaged-shard"
@@ -388,6 +389,8 @@ def test_a_checkpoint_whose_rank_1_shard_is_damaged_resumes_both_ranks_from_the_
         assert cli_main(["train", "--resume", str(run_dir)]) == 0
     messages = [r.getMessage() for r in caplog.records]
     assert any("step-000002 did not load" in m and "trying an older checkpoint" in m for m in messages), messages
+    failed = [m for m in messages if "failed in load_checkpoint" in m]
+    assert failed == ["learner rank(s) [1] failed in load_checkpoint; the error of rank 1 follows"], messages
     assert any("from step-000001 (policy version 1)" in m for m in messages), messages
     _assert_each_group_ends_once(run_dir, steps=2)
     assert shard.stat().st_size == whole, "the resumed run wrote step 2's checkpoint again, whole"
