@@ -23,6 +23,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -98,6 +99,21 @@ class LearnerCrashed(RuntimeError):
         self.run_dir = run_dir
 
 
+# A learner rank died, or one failed while the others waited in a collective: the group cannot go on.
+LEARNER_GROUP_FAILURES = (RayActorError, runtime.LearnerGroupBroken)
+
+
+@contextmanager
+def learners_may_crash(doing: str, run_dir: Path) -> Iterator[None]:
+    """A learner rank that dies, or a group whose collectives fell out of step, `doing` something: a
+    `LearnerCrashed`, so the job goes on from its latest checkpoint (a half-written .tmp is ignored)."""
+    try:
+        yield
+    except LEARNER_GROUP_FAILURES as error:
+        raise LearnerCrashed(f"a learner rank died or broke the group {doing} ({type(error).__name__}: {error})",
+                             run_dir) from error
+
+
 class NumericalFailure(RuntimeError):
     """Too many steps in a row were skipped for non-finite values: stop, with a checkpoint to resume from."""
 
@@ -171,12 +187,9 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     try:
         state = None
         if candidates:
-            try:
+            with learners_may_crash("while loading a checkpoint", run_dir):
                 checkpoint, state = restore_learners(learners.load_checkpoint, candidates,
-                                                     fatal=(RayActorError, runtime.LearnerGroupBroken))
-            except (RayActorError, runtime.LearnerGroupBroken) as error:
-                raise LearnerCrashed(f"a learner rank died or broke the group while loading a checkpoint "
-                                     f"({type(error).__name__}: {error})", run_dir) from error
+                                                     fatal=LEARNER_GROUP_FAILURES)
             log.info("resuming %s from %s (policy version %d)", run_dir, checkpoint.name, state["version"])
             keep_first_lines(run_dir / "metrics.jsonl", state["metrics_lines"])
         ledger = Ledger.resume(run_dir / "ledger.jsonl", state["ledger_lines"]) if state else Ledger(run_dir / "ledger.jsonl")
@@ -220,10 +233,8 @@ def _save_trained_model(run_dir: Path, learners: runtime.LearnerGroup,
     the newest checkpoint's weights, alerted; the run directory keeps its metrics, ledger and summary.
     """
     try:
-        path = write_model(run_dir / MODEL, learners.save_model)
-    except (RayActorError, runtime.LearnerGroupBroken) as error:  # a resume from the newest checkpoint saves again
-        raise LearnerCrashed(f"a learner rank died or broke the group while saving the trained model ({error})",
-                             run_dir) from error
+        with learners_may_crash("while saving the trained model", run_dir):  # the resumed run saves it again
+            path = write_model(run_dir / MODEL, learners.save_model)
     except ModelSaveFailed as failure:
         usable = readable_checkpoints(run_dir)
         recovery = (f"the newest checkpoint, {usable[0][0].name}, holds the policy of step "
@@ -408,11 +419,8 @@ class AsyncLoop:
         if ref in self.starting:
             self._join(ref)
             return
-        try:
+        with learners_may_crash(f"during step {self.version + 1}", self.run_dir):
             metrics = self.learners.results(self.learner_refs, "train_step")[0]
-        except (RayActorError, runtime.LearnerGroupBroken) as error:
-            raise LearnerCrashed(f"a learner rank died or broke the group during step {self.version + 1} "
-                                 f"({type(error).__name__}: {error})", self.run_dir) from error
         self.learner_refs = []
         skipped = metrics.get("stability/skipped_step", 0.0) > 0
         if skipped:  # the weights did not move: these groups were not trained on, and the ledger says so
@@ -601,12 +609,9 @@ class AsyncLoop:
                             f"{newest} (failed so far: {self.checkpoint_failures})")
 
     def _checkpoint(self) -> Path:
-        try:
+        with learners_may_crash(f"while checkpointing step {self.version}", self.run_dir):
             return write_checkpoint(self.run_dir, self.version, self.job.checkpoint.keep,
                                     self.learners.save_checkpoint, self._state())
-        except (RayActorError, runtime.LearnerGroupBroken) as error:  # the half-written .tmp is ignored on resume
-            raise LearnerCrashed(f"a learner rank died or broke the group while checkpointing step {self.version} "
-                                 f"({error})", self.run_dir) from error
 
     def _state(self) -> dict[str, Any]:
         rng_version, rng_internal, rng_gauss = self.rng.getstate()
@@ -681,11 +686,8 @@ class AsyncLoop:
     def _sync_weights(self) -> float:
         """Publish the learner's weights; each generator loads them before its next request."""
         start = time.perf_counter()
-        try:
+        with learners_may_crash("while publishing weights", self.run_dir):
             self.publisher.publish(self.version)
-        except (RayActorError, runtime.LearnerGroupBroken) as error:
-            raise LearnerCrashed(f"a learner rank died or broke the group while publishing weights "
-                                 f"({type(error).__name__}: {error})", self.run_dir) from error
         for member in self.members.values():
             member.weights_version = self.version
         return time.perf_counter() - start
