@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import random
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,6 +39,7 @@ from algorithms.diagnostics import lag_stats
 from cluster import runtime
 from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
                                  restore_learners, write_checkpoint, write_model)
+from cluster.evaluation import Evaluator
 from cluster.job import Job, dump_job, evaluation_set, job_task, section_config
 from cluster.metrics import MetricSink
 from cluster.model_prep import prepare_model, sft_samples
@@ -292,7 +292,8 @@ class AsyncLoop:
         self.rewards: list[float] = []
         self.skips = SkipStreak(job.learner.max_skipped_steps_in_a_row)
         self.checkpoint_failures = 0
-        self.evaluation = evaluation  # (problem, chat messages), the same at every evaluation
+        self.evaluator = Evaluator(evaluation, job.eval.temperature, job.seed, self.scorer, sink)
+        self.evaluations_to_redo: list[int] = []  # policy versions a checkpoint was still evaluating
 
     @property
     def generator_restarts(self) -> int:
@@ -301,6 +302,7 @@ class AsyncLoop:
 
     def run(self) -> list[float]:
         self._sync_weights()  # generators start from the learner's weights (after any warm-up or resume)
+        self._redo_evaluations()
         self._reissue_resumed()
         try:
             while self.version < self.job.learner.steps:
@@ -312,6 +314,7 @@ class AsyncLoop:
                     self._issue_generation()
                     self._start_learner_step()
                 self._handle(self._wait_one())
+            self.evaluator.wait()  # the last step's evaluation
         finally:
             self.scorer.close()
         self._end_unfinished_groups("run finished", wait_for_generation=True)
@@ -321,6 +324,8 @@ class AsyncLoop:
         """Checkpoint the run where it stands, which holds the groups in flight and buffered; the ledger
         ends them as dropped (a resume cuts it back to the checkpoint and picks them up again)."""
         checkpoint = self._checkpoint()
+        self.evaluator.abandon(f"the run stopped (a resume from {checkpoint.name} evaluates again what it was "
+                               "evaluating)")
         self._end_unfinished_groups(f"run stopped by {self.stop.signal_name} at step {self.version} (resumable)",
                                     wait_for_generation=False)
         return JobStopped(self.stop.signal_name, self.version, checkpoint, self.run_dir)
@@ -396,7 +401,7 @@ class AsyncLoop:
         if self.stop.requested:
             return ray.wait(self.learner_refs, num_returns=1)[0][0]
         # every rank's ref: a rank that raises wakes the loop even while the others wait in a collective
-        pending = list(self.generating) + self.learner_refs + list(self.starting)
+        pending = list(self.generating) + self.learner_refs + list(self.starting) + list(self.evaluator.running)
         if not pending and not self.elastic:
             raise RuntimeError("nothing to wait for: the buffer admits no generation and no batch is ready")
         if not pending:  # every generator left: wait for a node to come back, for a while
@@ -419,6 +424,9 @@ class AsyncLoop:
         if ref in self.starting:
             self._join(ref)
             return
+        if ref in self.evaluator.running:
+            self.evaluator.finish(ref)
+            return
         with learners_may_crash(f"during step {self.version + 1}", self.run_dir):
             metrics = self.learners.results(self.learner_refs, "train_step")[0]
         self.learner_refs = []
@@ -433,8 +441,9 @@ class AsyncLoop:
         self.version += 1
         sync_s = self._sync_weights()
         step_s = time.perf_counter() - self.step_started
-        evaluation = self._evaluate() if self._due(self.job.eval.every_steps) else {}
-        self._log_step({**metrics, **evaluation}, lags, sync_s, step_s)
+        if self._due(self.job.eval.every_steps):
+            self._start_evaluation()
+        self._log_step(metrics, lags, sync_s, step_s)
         if self._due(self.job.checkpoint.every_steps):
             self._periodic_checkpoint()
         self._check_skipped(skipped)
@@ -443,38 +452,23 @@ class AsyncLoop:
         """Whether something done every N steps and at the last (checkpoints, evaluation) is due now; 0: never."""
         return bool(every_steps) and (self.version % every_steps == 0 or self.version == self.job.learner.steps)
 
-    def _evaluate(self) -> dict[str, float]:
-        """The policy just published answers the fixed evaluation set on one generator, which loads the new
-        weights first; the loop waits for it. A generator that dies meanwhile costs this evaluation only."""
+    def _redo_evaluations(self) -> None:
+        """On resume: evaluate again what the checkpoint was still evaluating (its row came after the cut), if
+        the weights are the ones just restored."""
+        for step in self.evaluations_to_redo:
+            if step == self.version:
+                log.info("evaluating step %d again: its evaluation was in flight at the checkpoint", step)
+                self._start_evaluation()
+            else:
+                log.warning("the evaluation of step %d was in flight at the checkpoint of step %d and is lost: "
+                            "the weights of step %d are not kept", step, self.version, step)
+        self.evaluations_to_redo = []
+
+    def _start_evaluation(self) -> None:
+        """The policy just published answers the fixed evaluation set on one generator while the loop goes on
+        (`cluster.evaluation`); its row is logged when the answers are scored."""
         index = min(self.generators)
-        requests = [GenerationRequest(-1 - i, problem.problem_id, messages, self.job.seed + i)
-                    for i, (problem, messages) in enumerate(self.evaluation)]
-        start = time.perf_counter()
-        try:
-            groups = ray.get(self.generators[index].generate.remote(requests, 1, self.job.eval.temperature))
-        except RayActorError as error:
-            self.sink.alert("evaluation skipped", f"step {self.version}: generator {index} died during it "
-                            f"({type(error).__name__}); the next one is at its step")
-            return {}
-        if groups[0].version_start != self.version:  # a generator restarted since its last call: not loaded yet
-            self.sink.alert("evaluation skipped", f"step {self.version}: generator {index} still had the weights "
-                            f"of step {groups[0].version_start}")
-            return {}
-        answers = [group.completions[0] for group in groups]
-        scores = self.scorer.score_many([problem for problem, _ in self.evaluation], [a["text"] for a in answers])
-        rewards = [score.reward for score in scores]
-        solved, reward_mean = sum(reward >= 1.0 for reward in rewards), statistics.fmean(rewards)
-        log.info("evaluation at step %d: %d of %d problems solved, mean reward %.3f", self.version, solved,
-                 len(rewards), reward_mean)
-        return {
-            "eval/reward_mean": reward_mean,
-            "eval/solved": solved / len(rewards),  # the full reward: a correct answer
-            "eval/response_len": statistics.fmean(len(a["completion_ids"]) for a in answers),
-            "eval/score_errors": sum(score.error is not None for score in scores),
-            "eval/policy_version": groups[0].version_start,
-            "eval/problems": len(rewards),
-            "eval/seconds": time.perf_counter() - start,
-        }
+        self.evaluator.start(self.generators[index], index, self.version)
 
     def _check_skipped(self, skipped: bool) -> None:
         """Alert on every skipped step; stop with a checkpoint after too many in a row."""
@@ -623,6 +617,7 @@ class AsyncLoop:
             "ready": [asdict(group) for group in self.buffer.ready],
             "in_flight": [{"request": asdict(r), "problem": asdict(self.problem_of[r.group_id])} for r in in_flight],
             "rewards": self.rewards, "restarts": sorted((index, m.restarts) for index, m in self.members.items()),
+            "evaluating": self.evaluator.steps_running(),
             "ledger_lines": self.buffer.ledger.lines, "metrics_lines": self.sink.lines,
         }
 
@@ -636,6 +631,7 @@ class AsyncLoop:
         self.rng.setstate((version, tuple(internal), gauss))
         self.buffer.ready.extend(ScoredGroup(**group) for group in state["ready"])
         self.rewards = list(state["rewards"])
+        self.evaluations_to_redo = list(state.get("evaluating", []))  # checkpoints before it lack the key
         for index, count in state["restarts"]:
             if index in self.members:
                 self.members[index].restarts = count

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.alerts import AlertThresholds, StabilityAlerts
+from cluster.run_files import EVAL_PREFIX
 
 log = logging.getLogger("stableasync")
 
@@ -79,7 +80,7 @@ KNOWN_METRICS: dict[str, str] = {
     "eval/score_errors": "evaluation answers whose verifier failed (scored 0)",
     "eval/policy_version": "policy version the evaluation answers were generated with",
     "eval/problems": "problems in the evaluation set",
-    "eval/seconds": "seconds the evaluation took (the training loop waits for it)",
+    "eval/seconds": "seconds from sending the evaluation to its scored answers (training goes on meanwhile)",
     "sft/loss": "supervised warm-up loss (token-mean cross-entropy)",
     "sft/grad_norm": "supervised warm-up gradient norm",
 }
@@ -157,6 +158,21 @@ class MetricSink:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record one step. Lists (histograms) go to JSONL as lists and to W&B as histograms. RL steps
         (step > 0) go through the stability alert rules; SFT warm-up steps have no ESS to judge."""
+        row = self._write(step, metrics)
+        if self._progress:
+            self._print_progress(step, row)
+        if self._alerts is not None and step > 0:
+            for alert in self._alerts.check(step, metrics):
+                self.alert(alert.title, alert.text)
+
+    def log_evaluation(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record an evaluation of policy version `step` as its own row, written when it finishes (the steps
+        after it may already be logged); only `eval/*` keys, see `is_evaluation_row`."""
+        if not all(key.startswith(EVAL_PREFIX) for key in metrics):
+            raise ValueError(f"an evaluation row holds eval/* metrics only, not {sorted(metrics)}")
+        self._write(step, metrics)
+
+    def _write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         row = {STEP_KEY: step, WALL_KEY: round(time.monotonic() - self._started, 3), **metrics}
         self._jsonl.write(json.dumps(_jsonable(row)) + "\n")
         self._jsonl.flush()
@@ -167,11 +183,7 @@ class MetricSink:
             except Exception as error:  # noqa: BLE001
                 log.warning("W&B logging failed (%s); continuing with JSONL only", error)
                 self._wandb = None
-        if self._progress:
-            self._print_progress(step, row)
-        if self._alerts is not None and step > 0:
-            for alert in self._alerts.check(step, metrics):
-                self.alert(alert.title, alert.text)
+        return row
 
     def alert(self, title: str, text: str) -> None:
         """A log line always; a W&B alert when W&B is up."""

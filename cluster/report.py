@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from cluster.run_files import metric_number, read_jsonl_rows
+from cluster.run_files import is_evaluation_row, metric_number, read_jsonl_rows
 
 STEP_KEY = "train/step"
 WALL_KEY = "time/wall_s"
@@ -37,7 +37,8 @@ REWARD_DROP_FRACTION = 0.5  # collapse: final reward below this share of the bes
 DEFAULT_ESS_COLLAPSE_BELOW = 0.1  # the job schema's logging.alerts defaults, for an older job.yaml
 DEFAULT_ESS_COLLAPSE_STEPS = 3
 
-Row = dict[str, Any]  # one RL row of metrics.jsonl: floats (NaN/inf parsed), lists for histograms
+# one RL row of metrics.jsonl (a step's, or an evaluation's own): floats (NaN/inf parsed), lists for histograms
+Row = dict[str, Any]
 
 
 class ReportError(ValueError):
@@ -69,7 +70,7 @@ class RunSummary:
     stabilizer: str
     max_lag: int | None
     steps_planned: int | None
-    steps_done: int  # RL rows in metrics.jsonl
+    steps_done: int  # RL step rows in metrics.jsonl (evaluation rows not counted)
     wall_s: float | None  # run wall time at the last RL row
     final_reward: float | None
     best_reward_ma: float | None  # best trailing moving average of the reward
@@ -313,7 +314,8 @@ def summarise(run: RunData, target_reward: float | None = None, collapse_below: 
     finite_wall = [w for w in run.wall_s if math.isfinite(w)]
     return RunSummary(
         run_dir=run.path, label=run.label, stabilizer=run.stabilizer, max_lag=run.max_lag,
-        steps_planned=run.steps_planned, steps_done=len(run.rows), wall_s=finite_wall[-1] if finite_wall else None,
+        steps_planned=run.steps_planned, steps_done=sum(not is_evaluation_row(row) for row in run.rows),
+        wall_s=finite_wall[-1] if finite_wall else None,
         final_reward=final_reward, best_reward_ma=best_ma, eval_solved=evaluations[-1] if evaluations else None,
         target_reward=target_reward,
         target_step=target_step, target_wall_s=target_wall_s,

@@ -8,6 +8,8 @@ from typing import Any
 
 from tasks.base import jsonl_objects
 
+EVAL_PREFIX = "eval/"  # an evaluation's metrics: they make up its own row (`MetricSink.log_evaluation`)
+
 
 def metric_number(value: Any) -> float:
     """A logged metric as a float: the strings "nan", "inf", "-inf" (how the sink writes non-finite floats)
@@ -25,3 +27,11 @@ def read_jsonl_rows(path: Path, error: type[Exception] = ValueError) -> list[dic
     if not path.is_file():
         raise error(f"{path}: not found (a finished run directory holds job.yaml and metrics.jsonl)")
     return [row for _, row in jsonl_objects(path, error)]
+
+
+def is_evaluation_row(row: dict[str, Any]) -> bool:
+    """Whether a metrics.jsonl row is an evaluation's own row (its `train/step` is the policy version it
+    evaluated) rather than a step's: readers that count or time steps leave these out. Runs from before
+    evaluations ran beside training have their `eval/*` keys in step rows, which stay step rows."""
+    return any(key.startswith(EVAL_PREFIX) for key in row) and all(
+        key.startswith(EVAL_PREFIX) or key in ("train/step", "time/wall_s") for key in row)

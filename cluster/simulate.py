@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
-from cluster.run_files import metric_number, read_jsonl_rows
+from cluster.run_files import is_evaluation_row, metric_number, read_jsonl_rows
 
 
 def _doc(text: str, default: object) -> Any:
@@ -405,7 +405,8 @@ def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
     """
     job = _job_sections(run_dir / "job.yaml")
     metrics = run_dir / "metrics.jsonl"
-    rows = [row for row in read_jsonl_rows(metrics, CalibrationError) if metric_number(row.get("train/step")) > 0]
+    rows = [row for row in read_jsonl_rows(metrics, CalibrationError)
+            if metric_number(row.get("train/step")) > 0 and not is_evaluation_row(row)]
     if not rows:
         raise CalibrationError(f"{metrics}: no RL steps (rows with train/step > 0)")
     g, learner, async_ = job["generator"], job["learner"], job["async"]

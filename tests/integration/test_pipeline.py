@@ -17,6 +17,7 @@ pytest.importorskip("vllm")
 
 from cluster.cli import main as cli_main  # noqa: E402
 from cluster.job import validate_job  # noqa: E402
+from cluster.run_files import is_evaluation_row  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     assert {r["lag"] for r in trained} == {0}
     assert len({r["group_id"] for r in trained}) == len(trained)
     metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    rl_steps = [m for m in metrics if m["train/step"] > 0]
+    rl_steps = [m for m in metrics if m["train/step"] > 0 and not is_evaluation_row(m)]
     assert [m["train/step"] for m in rl_steps] == [1, 2, 3, 4]
     for key in ("stability/ess_ratio", "stability/lr_scale", "optim/grad_norm", "stability/kl_k3", "async/lag"):
         assert key in rl_steps[-1], key
@@ -88,12 +89,16 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     busy = [m["time/generator_busy_s"] for m in rl_steps]
     assert min(busy) > 0 and sum(busy) == pytest.approx(summary["generate_s"] + summary["weight_load_s"])
     _assert_the_trained_model_is_saved(result, summary)
-    # evaluated at steps 2 and 4, on the weights just published: 5 greedy answers, scored
-    evaluated = {m["train/step"]: m for m in rl_steps if "eval/reward_mean" in m}
+    # evaluated at steps 2 and 4, on the weights just published: 5 greedy answers, scored. The loop does not
+    # wait: each evaluation is its own row, written after its step's row; the last one before the run ends.
+    order = [(m["train/step"], is_evaluation_row(m)) for m in metrics if m["train/step"] > 0]
+    assert order.index((2, True)) > order.index((2, False)) and order[-1] == (4, True), order
+    evaluated = {m["train/step"]: m for m in metrics if is_evaluation_row(m)}
     assert sorted(evaluated) == [2, 4]
     for step, row in evaluated.items():
         assert row["eval/policy_version"] == step and row["eval/problems"] == 5 and row["eval/score_errors"] == 0
         assert 0.0 <= row["eval/solved"] <= row["eval/reward_mean"] <= 1.0 and row["eval/response_len"] > 0
+        assert row["eval/seconds"] > 0
 
 
 def _assert_the_trained_model_is_saved(result, summary: dict) -> None:
@@ -183,7 +188,8 @@ def _assert_each_group_ends_once(run_dir: Path, steps: int, prompts_per_step: in
     trained_steps = sorted(r["trained_step"] for r in rows if r["event"] == "trained")
     assert trained_steps == sorted(list(range(steps)) * prompts_per_step), "each step trained its groups once"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["train/step"] for m in metrics if m["train/step"] > 0] == list(range(1, steps + 1))
+    steps_logged = [m["train/step"] for m in metrics if m["train/step"] > 0 and not is_evaluation_row(m)]
+    assert steps_logged == list(range(1, steps + 1))
     return rows
 
 
@@ -265,7 +271,7 @@ def test_a_generator_killed_before_an_evaluation_skips_it_with_an_alert_and_the_
 
     from cluster import driver
 
-    evaluate = driver.AsyncLoop._evaluate
+    evaluate = driver.AsyncLoop._start_evaluation
     killed: list[int] = []
 
     def kill_then_evaluate(self):
@@ -274,7 +280,7 @@ def test_a_generator_killed_before_an_evaluation_skips_it_with_an_alert_and_the_
             os.kill(killed[0], signal.SIGKILL)
         return evaluate(self)
 
-    monkeypatch.setattr(driver.AsyncLoop, "_evaluate", kill_then_evaluate)
+    monkeypatch.setattr(driver.AsyncLoop, "_start_evaluation", kill_then_evaluate)
     job = _job(tmp_path, max_lag=0, steps=3, logging={"run_name": "eval-kill"}, generator={"max_restarts": 1},
                eval={"every_steps": 1, "num_problems": 4})
     with caplog.at_level("WARNING", logger="stableasync"):
@@ -325,11 +331,12 @@ def test_a_dataset_job_trains_on_the_users_rows_with_the_users_reward(local_ray,
     assert set(errors) <= set(expected) and "mine-000004" in errors
     assert {p: n for p, n in errors.items() if n} == {"mine-000004": 4}  # its 4 samples, no other
     metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    for row in (m for m in metrics if m["train/step"] > 0):
+    for row in (m for m in metrics if m["train/step"] > 0 and not is_evaluation_row(m)):
         step = row["train/step"] - 1  # the ledger counts the policy version a group was trained on
         trained = [r["problem_id"] for r in ledger if r["event"] == "trained" and r["trained_step"] == step]
         assert row["rollout/reward_mean"] == pytest.approx(sum(expected[p] for p in trained) / len(trained))
-    final = metrics[-1]
+    final = metrics[-1]  # the last evaluation, of step 3, is the last row
+    assert is_evaluation_row(final) and final["eval/policy_version"] == 3
     assert final["eval/problems"] == 6 and final["eval/score_errors"] == 1
     assert final["eval/reward_mean"] == pytest.approx(sum(expected.values()) / 6)
 
@@ -346,11 +353,14 @@ def test_bad_job_file_names_the_field_and_starts_nothing(tmp_path, capsys):
     assert ray.is_initialized() == was_running
 
 
-def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, tmp_path, capsys):
+def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, tmp_path, capsys, caplog):
     """A run checkpoints at steps 2 and 4; with step 4's checkpoint damaged (a crash while it was
     being replaced), `--resume` falls back to step 2: the ledger and metrics are cut back there,
-    in-flight groups are issued again, and every step's groups are trained exactly once."""
-    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "resumed"}, checkpoint={"every_steps": 2})
+    in-flight groups are issued again, and every step's groups are trained exactly once. Step 2's
+    evaluation was still running at its checkpoint (its row came after the cut): the resume answers it
+    again on the restored weights, so each evaluation has one row."""
+    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "resumed"}, checkpoint={"every_steps": 2},
+               eval={"every_steps": 2, "num_problems": 4})
     run_dir = tmp_path / "runs" / "resumed"
     from cluster.driver import train
 
@@ -360,8 +370,14 @@ def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, 
     _assert_the_last_checkpoint_exports_the_saved_model(run_dir, capsys)
     (run_dir / "checkpoints" / "step-000004" / "driver.json").write_text('{"version": 4, "trunc')
 
-    assert cli_main(["train", "--resume", str(run_dir)]) == 0
+    assert json.loads((run_dir / "checkpoints" / "step-000002" / "driver.json").read_text())["evaluating"] == [2]
+
+    with caplog.at_level("INFO", logger="stableasync"):
+        assert cli_main(["train", "--resume", str(run_dir)]) == 0
+    assert "evaluating step 2 again: its evaluation was in flight at the checkpoint" in caplog.text
     _assert_each_group_ends_once(run_dir, steps=4)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["train/step"], m["eval/policy_version"]) for m in metrics if is_evaluation_row(m)] == [(2, 2), (4, 4)]
     cut = json.loads((run_dir / "checkpoints" / "step-000002" / "driver.json").read_text())["ledger_lines"]
     assert (run_dir / f"ledger.after-{cut}.jsonl").exists()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000004"]

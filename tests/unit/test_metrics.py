@@ -35,6 +35,29 @@ def test_a_failing_wandb_never_stops_training(tmp_path, monkeypatch, caplog):
     assert "W&B disabled" in caplog.text and "unreachable" in caplog.text
 
 
+def test_an_evaluation_row_holds_its_metrics_only_and_readers_can_tell_it_from_a_step_row(tmp_path, capsys):
+    """`log_evaluation` writes the evaluated step's own row: no progress line, no stability rules, and only
+    eval/* keys, so `is_evaluation_row` tells it apart (a run from before has eval/* keys in step rows)."""
+    from cluster.job import AlertsSection
+    from cluster.metrics import MetricSink
+    from cluster.run_files import is_evaluation_row
+
+    sink = MetricSink(tmp_path, "run", {}, "disabled", progress_bar=True, alerts=AlertsSection())
+    sink.log(1, {"stability/ess_ratio": 0.9})
+    capsys.readouterr()
+    sink.log_evaluation(1, {"eval/solved": 0.5, "eval/policy_version": 1})
+    assert capsys.readouterr().err == "", "an evaluation prints no progress line"
+    with pytest.raises(ValueError, match=r"eval/\* metrics only.*stability/ess_ratio"):
+        sink.log_evaluation(1, {"eval/solved": 0.5, "stability/ess_ratio": 0.9})
+    sink.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["train/step"], is_evaluation_row(row)) for row in rows] == [(1, False), (1, True)]
+    assert rows[1]["eval/solved"] == 0.5 and set(rows[1]) == {"train/step", "time/wall_s", "eval/solved",
+                                                              "eval/policy_version"}
+    assert not is_evaluation_row({"train/step": 4, "time/step_s": 2.0, "eval/solved": 0.5})  # an older step row
+    assert not is_evaluation_row({"train/step": 4, "time/wall_s": 9.0})
+
+
 # ---- the metric table, the W&B workspace file ---------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,13 +206,16 @@ def test_offline_wandb_run_holds_the_metrics_histograms_groups_and_alerts(tmp_pa
     assert sink._wandb is not None, "offline W&B started"
     for step, metrics in steps.items():
         sink.log(step, metrics)
+    evaluation = {"eval/solved": 0.625, "eval/policy_version": 2}
+    sink.log_evaluation(2, evaluation)  # step 2's evaluation, ended after step 3: plotted at step 2
     sink.close()  # returns only once wandb-core has saved every record (read at once below)
 
     files = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1
     records = list(_wandb_records(files[0]))
     history = [_nested(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
-    assert [row["train/step"] for row in history] == [1, 2, 3]
+    assert [row["train/step"] for row in history] == [1, 2, 3, 2]
+    assert {key: history[3][key] for key in evaluation} == evaluation and "stability/ess_ratio" not in history[3]
     for row, metrics in zip(history, steps.values()):
         for key, value in metrics.items():
             if key == "async/lag":
@@ -213,6 +239,7 @@ def test_offline_wandb_run_holds_the_metrics_histograms_groups_and_alerts(tmp_pa
             _nested(record.summary.update, summary)
     assert summary["stability/ess_ratio"] == {"min": 0.04, "last": 0.04}
     assert summary["optim/grad_norm"] == {"max": 2.5, "last": 0.5}
+    assert summary["eval/solved"] == {"max": 0.625, "last": 0.625}
 
     alerts = [r.alert for r in records if r.WhichOneof("record_type") == "alert"]
     assert [(a.title, a.level) for a in alerts] == [("ESS collapse", "WARN")]

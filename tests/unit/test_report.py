@@ -171,6 +171,23 @@ def test_a_healthy_run_does_not_collapse(tmp_path):
     assert (summary.stabilizer, summary.max_lag, summary.label) == ("tis_seq", 2, "tis_seq lag 2")
 
 
+def test_evaluation_rows_count_as_evaluations_not_steps(tmp_path):
+    """Evaluations run beside training: each is its own row at the step it evaluated, written when it ends,
+    after later steps' rows. The report counts steps and times rewards from step rows only."""
+    rewards = [0.1 * step for step in range(1, 7)]
+    run_dir = _write_run(tmp_path / "run", rewards)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    late = [{"train/step": step, "time/wall_s": _wall_s(step + 1) + 0.5, "eval/solved": solved,
+             "eval/policy_version": step} for step, solved in ((2, 0.5), (4, 0.625))]
+    rows = rows[:SFT_STEPS + 3] + [late[0]] + rows[SFT_STEPS + 3:SFT_STEPS + 5] + [late[1]] + rows[SFT_STEPS + 5:]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    summary = summarise(load_run(run_dir), target_reward=0.3)
+    assert summary.steps_done == len(rewards)
+    assert summary.eval_solved == 0.625
+    assert summary.target_step == 6 and summary.target_wall_s == pytest.approx(_wall_s(6))  # one full window: 6 steps
+    assert summary.final_reward == pytest.approx(rewards[-1])
+
+
 # ---- reading ----------------------------------------------------------------------------------------
 
 

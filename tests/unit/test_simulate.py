@@ -208,6 +208,22 @@ def test_calibration_reproduces_a_runs_step_time(tmp_path, max_lag, gen_s, train
     assert result.step_s_mean == pytest.approx(period_s, rel=0.2)
 
 
+def test_calibration_leaves_out_evaluation_rows(tmp_path):
+    """An evaluation's own row (its step's number, written when it ends, after later steps) is not a step:
+    the measured steps, step time and period are those of the step rows alone."""
+    _write_run(tmp_path / "run", 1, 4.0, 2.0, sync_s=0.5, overhead_s=0.3)
+    _, before = calibrate(tmp_path / "run")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for evaluated in (5, 2):  # each written after the row of the step that follows it
+        at = next(i for i, row in enumerate(rows) if row["train/step"] == evaluated + 1) + 1
+        rows.insert(at, {"train/step": evaluated, "time/wall_s": rows[at - 1]["time/wall_s"] + 0.1,
+                         "eval/solved": 0.5})
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    _, after = calibrate(tmp_path / "run")
+    assert after == before and after.steps == sum(row["train/step"] > 0 for row in rows) - 2
+
+
 @pytest.mark.parametrize("max_lag", [0, 1])
 def test_calibration_counts_the_generators_weight_load(tmp_path, max_lag):
     _, period_s = _write_run(tmp_path / "run", max_lag, 4.0, 2.0, sync_s=0.5, overhead_s=0.0, load_s=0.8)

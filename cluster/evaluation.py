@@ -1,0 +1,103 @@
+"""Periodic evaluation beside training: the fixed evaluation set answered on a generator while the loop goes on.
+
+The driver sends a publish's weight load to every generator before anything else it sends, and a generator
+runs its calls in the order they were sent; so an evaluation sent right after the publish of step N is
+answered with exactly step N's policy even though the loop does not wait for it. Its result is logged as its
+own row of `metrics.jsonl` (and W&B) at `train/step` N, holding only `eval/*` metrics, whenever it arrives.
+One evaluation runs at a time: the next one, and the end of the run, wait for the one in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from actors.generator import GeneratedGroup, GenerationRequest
+from cluster.metrics import MetricSink
+from tasks.base import Problem
+from tasks.scoring import ScorePool
+
+log = logging.getLogger("stableasync")
+
+
+@dataclass
+class RunningEvaluation:
+    """An evaluation in flight: the generator answering it, the policy version it evaluates, when it was sent."""
+
+    index: int
+    step: int
+    sent: float
+
+
+class Evaluator:
+    """Sends the fixed evaluation set to a generator, and scores and logs the answers when they come back."""
+
+    def __init__(self, problems: list[tuple[Problem, list[dict[str, str]]]], temperature: float, seed: int,
+                 scorer: ScorePool, sink: MetricSink) -> None:
+        self.requests = [GenerationRequest(-1 - i, problem.problem_id, messages, seed + i)
+                         for i, (problem, messages) in enumerate(problems)]
+        self.problems = [problem for problem, _ in problems]
+        self.temperature, self.scorer, self.sink = temperature, scorer, sink
+        self.running: dict[ray.ObjectRef, RunningEvaluation] = {}
+
+    def start(self, generator: Any, index: int, step: int) -> None:
+        """Evaluate step `step`'s policy on `generator` (`index`); call it right after that step's publish."""
+        self.wait()
+        ref = generator.generate.remote(self.requests, 1, self.temperature)
+        self.running[ref] = RunningEvaluation(index, step, time.perf_counter())
+
+    def wait(self) -> None:
+        """Finish the evaluation in flight, if any."""
+        for ref in list(self.running):
+            self.finish(ref)
+
+    def steps_running(self) -> list[int]:
+        """The policy versions being evaluated (a checkpoint records them, so a resume can answer again)."""
+        return [evaluation.step for evaluation in self.running.values()]
+
+    def abandon(self, why: str) -> None:
+        """Stop waiting for the evaluations in flight (the run is stopping); the log says which."""
+        for evaluation in self.running.values():
+            log.info("evaluation of step %d not waited for: %s", evaluation.step, why)
+        self.running.clear()
+
+    def finish(self, ref: ray.ObjectRef) -> None:
+        """Take one evaluation's answers; a generator that died meanwhile costs this evaluation only, with an
+        alert."""
+        evaluation = self.running.pop(ref)
+        try:
+            groups = ray.get(ref)
+        except RayActorError as error:
+            self.sink.alert("evaluation skipped", f"step {evaluation.step}: generator {evaluation.index} died "
+                            f"during it ({type(error).__name__}); the next one is at its step")
+            return
+        self.record(evaluation, groups)
+
+    def record(self, evaluation: RunningEvaluation, groups: list[GeneratedGroup]) -> None:
+        """Score the answers and log the evaluation's row. Answers from other weights than the step's (a
+        generator restarted before it loaded them) are not its evaluation: skipped, with an alert."""
+        if groups[0].version_start != evaluation.step:
+            self.sink.alert("evaluation skipped", f"step {evaluation.step}: generator {evaluation.index} still had "
+                            f"the weights of step {groups[0].version_start}")
+            return
+        answers = [group.completions[0] for group in groups]
+        scores = self.scorer.score_many(self.problems, [answer["text"] for answer in answers])
+        rewards = [score.reward for score in scores]
+        solved, reward_mean = sum(reward >= 1.0 for reward in rewards), statistics.fmean(rewards)
+        log.info("evaluation at step %d: %d of %d problems solved, mean reward %.3f", evaluation.step, solved,
+                 len(rewards), reward_mean)
+        self.sink.log_evaluation(evaluation.step, {
+            "eval/reward_mean": reward_mean,
+            "eval/solved": solved / len(rewards),  # the full reward: a correct answer
+            "eval/response_len": statistics.fmean(len(answer["completion_ids"]) for answer in answers),
+            "eval/score_errors": sum(score.error is not None for score in scores),
+            "eval/policy_version": groups[0].version_start,
+            "eval/problems": len(rewards),
+            "eval/seconds": time.perf_counter() - evaluation.sent,
+        })
