@@ -292,7 +292,8 @@ class AsyncLoop:
         self.rewards: list[float] = []
         self.skips = SkipStreak(job.learner.max_skipped_steps_in_a_row)
         self.checkpoint_failures = 0
-        self.evaluator = Evaluator(evaluation, job.eval.temperature, job.seed, self.scorer, sink)
+        self.evaluator = Evaluator(evaluation, job.eval.temperature, job.eval.samples_per_problem, job.seed,
+                                   self.scorer, sink)
         self.evaluations_to_redo: list[int] = []  # policy versions a checkpoint was still evaluating
 
     @property

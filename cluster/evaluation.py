@@ -9,6 +9,7 @@ One evaluation runs at a time: the next one, and the end of the run, wait for th
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 import time
@@ -38,18 +39,19 @@ class RunningEvaluation:
 class Evaluator:
     """Sends the fixed evaluation set to a generator, and scores and logs the answers when they come back."""
 
-    def __init__(self, problems: list[tuple[Problem, list[dict[str, str]]]], temperature: float, seed: int,
-                 scorer: ScorePool, sink: MetricSink) -> None:
+    def __init__(self, problems: list[tuple[Problem, list[dict[str, str]]]], temperature: float,
+                 samples_per_problem: int, seed: int, scorer: ScorePool, sink: MetricSink) -> None:
         self.requests = [GenerationRequest(-1 - i, problem.problem_id, messages, seed + i)
                          for i, (problem, messages) in enumerate(problems)]
         self.problems = [problem for problem, _ in problems]
-        self.temperature, self.scorer, self.sink = temperature, scorer, sink
+        self.temperature, self.samples = temperature, samples_per_problem
+        self.scorer, self.sink = scorer, sink
         self.running: dict[ray.ObjectRef, RunningEvaluation] = {}
 
     def start(self, generator: Any, index: int, step: int) -> None:
         """Evaluate step `step`'s policy on `generator` (`index`); call it right after that step's publish."""
         self.wait()
-        ref = generator.generate.remote(self.requests, 1, self.temperature)
+        ref = generator.generate.remote(self.requests, self.samples, self.temperature)
         self.running[ref] = RunningEvaluation(index, step, time.perf_counter())
 
     def wait(self) -> None:
@@ -86,18 +88,23 @@ class Evaluator:
             self.sink.alert("evaluation skipped", f"step {evaluation.step}: generator {evaluation.index} still had "
                             f"the weights of step {groups[0].version_start}")
             return
-        answers = [group.completions[0] for group in groups]
-        scores = self.scorer.score_many(self.problems, [answer["text"] for answer in answers])
+        answers = [answer for group in groups for answer in group.completions]
+        problems = [problem for problem, group in zip(self.problems, groups) for _ in group.completions]
+        scores = self.scorer.score_many(problems, [answer["text"] for answer in answers])
         rewards = [score.reward for score in scores]
-        solved, reward_mean = sum(reward >= 1.0 for reward in rewards), statistics.fmean(rewards)
-        log.info("evaluation at step %d: %d of %d problems solved, mean reward %.3f", evaluation.step, solved,
-                 len(rewards), reward_mean)
+        correct = [reward >= 1.0 for reward in rewards]  # the full reward: a correct answer
+        bounds = list(itertools.accumulate((len(group.completions) for group in groups), initial=0))
+        solved = sum(any(correct[start:end]) for start, end in zip(bounds, bounds[1:]))  # problems
+        log.info("evaluation at step %d: %d of %d problems solved, %.1f%% of %d answers correct, mean reward %.3f",
+                 evaluation.step, solved, len(groups), 100 * statistics.fmean(correct), len(answers),
+                 statistics.fmean(rewards))
         self.sink.log_evaluation(evaluation.step, {
-            "eval/reward_mean": reward_mean,
-            "eval/solved": solved / len(rewards),  # the full reward: a correct answer
+            "eval/reward_mean": statistics.fmean(rewards),
+            "eval/solved": statistics.fmean(correct),  # avg@k: each answer counts alike
+            "eval/pass_at_k": solved / len(groups),
             "eval/response_len": statistics.fmean(len(answer["completion_ids"]) for answer in answers),
             "eval/score_errors": sum(score.error is not None for score in scores),
             "eval/policy_version": groups[0].version_start,
-            "eval/problems": len(rewards),
+            "eval/problems": len(groups),
             "eval/seconds": time.perf_counter() - evaluation.sent,
         })

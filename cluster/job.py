@@ -246,7 +246,10 @@ class EvalSection(Section):
 
     every_steps: int = Field(0, ge=0, description="evaluate after every N learner steps and the last; 0: never")
     num_problems: int = Field(64, gt=0, description="size of the fixed evaluation set (fewer if the data has fewer)")
-    temperature: float = Field(0.0, ge=0, description="sampling temperature; 0: greedy, one answer per problem")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature; 0: greedy")
+    samples_per_problem: int = Field(1, gt=0, description="answers per problem (needs temperature > 0 when above "
+                                     "1); eval/solved is then the mean over all answers (avg@k), and "
+                                     "eval/pass_at_k the share of problems with a correct answer among them")
     task_path: str | None = Field(None, description="data file of the evaluation set for a task that reads one "
                                   "(gsm8k: the test split); default: the task's own data, drawn in another order")
 
@@ -347,6 +350,9 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
         if job.async_.weight_sync != "object_store":
             errors.append(JobError("async.weight_sync", "elastic generators (generator.max_generators) need "
                                    "object_store: a collective weight group cannot take new members"))
+    if job.eval.samples_per_problem > 1 and job.eval.temperature == 0:
+        errors.append(JobError("eval.samples_per_problem", f"{job.eval.samples_per_problem} greedy answers "
+                               "(eval.temperature 0) would all be the same; set eval.temperature > 0, or 1 answer"))
     if job.eval.task_path is not None and not hasattr(job.task, "path"):
         errors.append(JobError("eval.task_path", f"task {job.task.name!r} reads no data file; leave it unset"))
     if job.model.path == "tiny" and job.model.tiny.num_heads % job.model.tiny.num_kv_heads:

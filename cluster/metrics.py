@@ -75,7 +75,10 @@ KNOWN_METRICS: dict[str, str] = {
     "reported since the previous step: over a run, its mean / generators is each generator's busy time per step",
     WALL_KEY: "seconds since the metric sink started",
     "eval/reward_mean": "mean reward of the policy's answers on the fixed evaluation set (eval.every_steps)",
-    "eval/solved": "share of evaluation problems answered with the full reward (correct)",
+    "eval/solved": "share of evaluation answers with the full reward (correct); with eval.samples_per_problem k "
+    "answers per problem, the mean over all of them (avg@k)",
+    "eval/pass_at_k": "share of evaluation problems with at least one correct answer among their "
+    "eval.samples_per_problem answers (pass@k; the same as eval/solved for one answer)",
     "eval/response_len": "mean length of the evaluation answers (tokens)",
     "eval/score_errors": "evaluation answers whose verifier failed (scored 0)",
     "eval/policy_version": "policy version the evaluation answers were generated with",

@@ -324,7 +324,8 @@ def test_a_dataset_job_trains_on_the_users_rows_with_the_users_reward(local_ray,
     (tmp_path / "my_reward.py").write_text(DATASET_REWARD)
     task = {"name": "dataset", "path": str(data), "reward": f"{tmp_path}/my_reward.py:score"}
     result = _run(tmp_path, max_lag=1, steps=3, task=task, learner={"num_ranks": 1},
-                  eval={"every_steps": 3, "num_problems": 6}, logging={"run_name": "dataset"})
+                  eval={"every_steps": 3, "num_problems": 6, "samples_per_problem": 2, "temperature": 1.0},
+                  logging={"run_name": "dataset"})
     expected = {f"mine-{line:06d}": 0.0 if row.get("explode") else row["weight"] for line, row in enumerate(rows, 1)}
     ledger = [json.loads(line) for line in (result.run_dir / "ledger.jsonl").read_text().splitlines()]
     errors = {r["problem_id"]: r["score_errors"] for r in ledger if r["event"] == "scored"}
@@ -337,7 +338,7 @@ def test_a_dataset_job_trains_on_the_users_rows_with_the_users_reward(local_ray,
         assert row["rollout/reward_mean"] == pytest.approx(sum(expected[p] for p in trained) / len(trained))
     final = metrics[-1]  # the last evaluation, of step 3, is the last row
     assert is_evaluation_row(final) and final["eval/policy_version"] == 3
-    assert final["eval/problems"] == 6 and final["eval/score_errors"] == 1
+    assert final["eval/problems"] == 6 and final["eval/score_errors"] == 2  # the raising row's two answers
     assert final["eval/reward_mean"] == pytest.approx(sum(expected.values()) / 6)
 
 

@@ -1,9 +1,12 @@
-"""The fixed evaluation set: from the task's eval stream, or from held-out data named by eval.task_path."""
+"""The fixed evaluation set (from the task's eval stream, or from held-out data named by eval.task_path), and how
+an evaluation's answers are scored and logged."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 from cluster.job import evaluation_set, job_task, validate_job
 
@@ -41,15 +44,17 @@ def test_eval_task_path_takes_the_held_out_file(tmp_path):
 # ---- scoring and logging an evaluation's answers (Evaluator.record: no Ray, the real verifier workers) ----
 
 
-def _answers(problems, texts: list[str], version: int):
+def _answers(problems, texts: list[list[str]], version: int):
+    """One generated group per problem, with its answers (answer j of problem i is i + 1 tokens long)."""
     from actors.generator import GeneratedGroup
 
-    return [GeneratedGroup(-1 - i, problem.problem_id, [1, 2], [{"completion_ids": [7] * (i + 1), "text": text}],
+    return [GeneratedGroup(-1 - i, problem.problem_id, [1, 2],
+                           [{"completion_ids": [7] * (i + 1), "text": text} for text in answers],
                            version_start=version, version_end=version)
-            for i, (problem, text) in enumerate(zip(problems, texts))]
+            for i, (problem, answers) in enumerate(zip(problems, texts))]
 
 
-def _evaluator(tmp_path, problems):
+def _evaluator(tmp_path, problems, samples_per_problem: int = 1):
     from cluster.evaluation import Evaluator
     from cluster.job import section_config
     from cluster.metrics import MetricSink
@@ -59,7 +64,7 @@ def _evaluator(tmp_path, problems):
     job = validate_job({"task": {"name": "arithmetic"}})
     scorer = ScorePool("arithmetic", section_config(job.task, TASK_CONFIGS))
     sink = MetricSink(tmp_path, "run", {}, "disabled", progress_bar=False)
-    return Evaluator(problems, 0.0, 0, scorer, sink), scorer, sink
+    return Evaluator(problems, 1.0, samples_per_problem, 0, scorer, sink), scorer, sink
 
 
 def test_an_evaluation_is_scored_into_its_own_row_and_answers_from_other_weights_are_skipped(tmp_path, caplog):
@@ -71,8 +76,8 @@ def test_an_evaluation_is_scored_into_its_own_row_and_answers_from_other_weights
     problems = _set({"task": {"name": "arithmetic"}, "eval": {"every_steps": 5, "num_problems": 4}})
     evaluator, scorer, sink = _evaluator(tmp_path, problems)
     gold = [problem.answer for problem, _ in problems]
-    texts = [f"<answer>{gold[0]}</answer>", f"so <answer>{gold[1]}</answer>", f"<answer>{int(gold[2]) + 1}</answer>",
-             "no idea"]
+    texts = [[f"<answer>{gold[0]}</answer>"], [f"so <answer>{gold[1]}</answer>"],
+             [f"<answer>{int(gold[2]) + 1}</answer>"], ["no idea"]]
     try:
         with caplog.at_level("INFO", logger="stableasync"):
             evaluator.record(RunningEvaluation(index=1, step=5, sent=0.0), _answers([p for p, _ in problems], texts, 5))
@@ -84,7 +89,40 @@ def test_an_evaluation_is_scored_into_its_own_row_and_answers_from_other_weights
     assert len(rows) == 1
     row = rows[0]
     assert row["train/step"] == 5 and row["eval/policy_version"] == 5 and row["eval/problems"] == 4
-    assert row["eval/solved"] == 0.5 and row["eval/reward_mean"] == (1.0 + 1.0 + 0.1 + 0.0) / 4
+    assert row["eval/solved"] == row["eval/pass_at_k"] == 0.5 and row["eval/reward_mean"] == (1.0 + 1.0 + 0.1 + 0.0) / 4
     assert row["eval/response_len"] == 2.5 and row["eval/score_errors"] == 0 and row["eval/seconds"] > 0
-    assert "evaluation at step 5: 2 of 4 problems solved, mean reward 0.525" in caplog.text
+    assert "evaluation at step 5: 2 of 4 problems solved, 50.0% of 4 answers correct, mean reward 0.525" in caplog.text
     assert "ALERT evaluation skipped: step 6: generator 1 still had the weights of step 3" in caplog.text
+
+
+def test_several_answers_per_problem_give_the_mean_over_answers_and_pass_at_k(tmp_path):
+    """Two sampled answers per problem: eval/solved counts every answer alike (avg@2: 3 of 8 correct), and
+    eval/pass_at_k counts the problems with a correct one among theirs (2 of 4)."""
+    from cluster.evaluation import RunningEvaluation
+
+    problems = _set({"task": {"name": "arithmetic"},
+                     "eval": {"every_steps": 5, "num_problems": 4, "samples_per_problem": 2, "temperature": 1.0}})
+    evaluator, scorer, sink = _evaluator(tmp_path, problems, samples_per_problem=2)
+    gold = [int(problem.answer) for problem, _ in problems]
+    texts = [[f"<answer>{gold[0]}</answer>", f"<answer>{gold[0] + 1}</answer>"],  # one of two right
+             [f"<answer>{gold[1] + 1}</answer>", "no idea"],
+             [f"<answer>{gold[2]}</answer>", f"= <answer>{gold[2]}</answer>"],  # both right
+             ["?", "??"]]
+    try:
+        evaluator.record(RunningEvaluation(index=0, step=5, sent=0.0), _answers([p for p, _ in problems], texts, 5))
+    finally:
+        scorer.close()
+        sink.close()
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["eval/solved"] == 3 / 8 and row["eval/pass_at_k"] == 2 / 4 and row["eval/problems"] == 4
+    assert row["eval/reward_mean"] == pytest.approx((1.0 + 0.1 + 0.1 + 0.0 + 1.0 + 1.0 + 0.0 + 0.0) / 8)
+
+
+def test_several_greedy_answers_are_refused():
+    from cluster.job import JobValidationError
+
+    with pytest.raises(JobValidationError, match=r"eval.samples_per_problem.*eval.temperature > 0"):
+        validate_job({"task": {"name": "arithmetic"}, "eval": {"every_steps": 5, "samples_per_problem": 4}})
+    job = validate_job({"task": {"name": "arithmetic"},
+                        "eval": {"every_steps": 5, "samples_per_problem": 4, "temperature": 0.6}})
+    assert job.eval.samples_per_problem == 4
