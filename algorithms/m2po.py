@@ -56,6 +56,15 @@ class _Sum:
         return self
 
 
+def _over_budget(region_m2: Tensor, n_region: int, total: _Sum, tau: float) -> _Sum | None:
+    """`total`, settled against the budget tau * n_region, when the trust region's mean exceeds tau; None
+    when it is within budget (or empty), where both M2PO forms leave every token alone."""
+    if n_region == 0:
+        return None
+    total = total.settled(region_m2, tau * n_region)
+    return total if total.value > tau * n_region else None
+
+
 def _sum_of(values: Tensor, group: int = 16) -> _Sum:
     """The sum of non-negative fp32 `values`, at half the cost of converting each to fp64 on CPU.
 
@@ -184,7 +193,8 @@ def _drop_within_budget(region_m2: Tensor, n_region: int, total: _Sum, tau: floa
     find the smallest m whose remaining mean is <= tau. Each removed value was the maximum of a set
     whose mean exceeded tau, so only values above tau can be removed, largest first.
     """
-    if n_region == 0 or (total := total.settled(region_m2, tau * n_region)).value <= tau * n_region:
+    total = _over_budget(region_m2, n_region, total, tau)
+    if total is None:
         return torch.zeros(0, dtype=torch.long, device=region_m2.device), None
 
     def remaining_over_budget(j: Any, value: Any, others: Any) -> Any:
@@ -224,7 +234,8 @@ class _Cap:
 def _solve_adaptive_clip(region_m2: Tensor, n_region: int, total: _Sum, tau: float) -> _Cap | None:
     """`adaptive_clip_tau` on values that may hold zeros beyond the n_region trust-region ones (they
     never cap and add nothing), with the capped sum and the clipped tokens."""
-    if n_region == 0 or (total := total.settled(region_m2, tau * n_region)).value <= tau * n_region:
+    total = _over_budget(region_m2, n_region, total, tau)
+    if total is None:
         return None
 
     def capped_over_budget(j: Any, value: Any, others: Any) -> Any:
