@@ -39,7 +39,7 @@ from algorithms.diagnostics import lag_stats
 from cluster import runtime
 from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
                                  restore_learners, write_checkpoint, write_model)
-from cluster.evaluation import Evaluator
+from cluster.evaluation import Evaluator, evaluate_again_on_resume, evaluation_generator
 from cluster.job import Job, dump_job, evaluation_set, job_task, section_config
 from cluster.metrics import MetricSink
 from cluster.model_prep import prepare_model, sft_samples
@@ -442,9 +442,8 @@ class AsyncLoop:
         self.version += 1
         sync_s = self._sync_weights()
         step_s = time.perf_counter() - self.step_started
-        if self._due(self.job.eval.every_steps):
-            self._start_evaluation()
-        self._log_step(metrics, lags, sync_s, step_s)
+        eval_wait_s = self._start_evaluation() if self._due(self.job.eval.every_steps) else 0.0
+        self._log_step(metrics, lags, sync_s, step_s, eval_wait_s)
         if self._due(self.job.checkpoint.every_steps):
             self._periodic_checkpoint()
         self._check_skipped(skipped)
@@ -456,20 +455,16 @@ class AsyncLoop:
     def _redo_evaluations(self) -> None:
         """On resume: evaluate again what the checkpoint was still evaluating (its row came after the cut), if
         the weights are the ones just restored."""
-        for step in self.evaluations_to_redo:
-            if step == self.version:
-                log.info("evaluating step %d again: its evaluation was in flight at the checkpoint", step)
-                self._start_evaluation()
-            else:
-                log.warning("the evaluation of step %d was in flight at the checkpoint of step %d and is lost: "
-                            "the weights of step %d are not kept", step, self.version, step)
+        if evaluate_again_on_resume(self.evaluations_to_redo, self.version):
+            self._start_evaluation()
         self.evaluations_to_redo = []
 
-    def _start_evaluation(self) -> None:
+    def _start_evaluation(self) -> float:
         """The policy just published answers the fixed evaluation set on one generator while the loop goes on
-        (`cluster.evaluation`); its row is logged when the answers are scored."""
-        index = min(self.generators)
-        self.evaluator.start(self.generators[index], index, self.version)
+        (`cluster.evaluation`); its row is logged when the answers are scored. Returns the seconds the loop
+        waited for the evaluation before it."""
+        index = evaluation_generator(self.generators, [call.index for call in self.generating.values()])
+        return self.evaluator.start(self.generators[index], index, self.version)
 
     def _check_skipped(self, skipped: bool) -> None:
         """Alert on every skipped step; stop with a checkpoint after too many in a row."""
@@ -689,7 +684,8 @@ class AsyncLoop:
             member.weights_version = self.version
         return time.perf_counter() - start
 
-    def _log_step(self, metrics: dict[str, float], lags: list[int], publish_s: float, step_s: float) -> None:
+    def _log_step(self, metrics: dict[str, float], lags: list[int], publish_s: float, step_s: float,
+                  eval_wait_s: float) -> None:
         stats = lag_stats(torch.tensor(lags), self.job.async_.max_lag)
         row = {
             **metrics,
@@ -706,6 +702,7 @@ class AsyncLoop:
             "async/num_generators": len(self.generators),
             "time/step_s": step_s,
             "time/generator_busy_s": self.generator_busy_s,
+            "time/eval_wait_s": eval_wait_s,  # the loop held up by the previous evaluation
         }
         self.generator_busy_s = 0.0
         self.rewards.append(metrics.get("rollout/reward_mean", math.nan))

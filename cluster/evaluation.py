@@ -4,7 +4,8 @@ The driver sends a publish's weight load to every generator before anything else
 runs its calls in the order they were sent; so an evaluation sent right after the publish of step N is
 answered with exactly step N's policy even though the loop does not wait for it. Its result is logged as its
 own row of `metrics.jsonl` (and W&B) at `train/step` N, holding only `eval/*` metrics, whenever it arrives.
-One evaluation runs at a time: the next one, and the end of the run, wait for the one in flight.
+One evaluation runs at a time: the next one, and the end of the run, wait for the one in flight; the step row
+says how long (`time/eval_wait_s`), so an evaluation slower than its interval shows.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import itertools
 import logging
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,17 +49,32 @@ class Evaluator:
         self.temperature, self.samples = temperature, samples_per_problem
         self.scorer, self.sink = scorer, sink
         self.running: dict[ray.ObjectRef, RunningEvaluation] = {}
+        self.warned_slow = False  # the first wait is logged; the step rows show every one
 
-    def start(self, generator: Any, index: int, step: int) -> None:
-        """Evaluate step `step`'s policy on `generator` (`index`); call it right after that step's publish."""
-        self.wait()
+    def start(self, generator: Any, index: int, step: int) -> float:
+        """Evaluate step `step`'s policy on `generator` (`index`); call it right after that step's publish.
+
+        Returns the seconds the loop waited first for the evaluation before it (0 when none was running).
+        """
+        earlier = self.steps_running()
+        waited_s = self.wait()
+        if earlier and not self.warned_slow:
+            self.warned_slow = True
+            log.warning("the evaluation of step %d was still running when step %d's was due: the loop waited %.2f s "
+                        "for it (time/eval_wait_s in each step's row). Raise eval.every_steps or lower "
+                        "eval.num_problems to keep evaluation off training's path", earlier[0], step, waited_s)
         ref = generator.generate.remote(self.requests, self.samples, self.temperature)
         self.running[ref] = RunningEvaluation(index, step, time.perf_counter())
+        return waited_s
 
-    def wait(self) -> None:
-        """Finish the evaluation in flight, if any."""
+    def wait(self) -> float:
+        """Finish the evaluation in flight, if any; the seconds that took."""
+        if not self.running:
+            return 0.0
+        started = time.perf_counter()
         for ref in list(self.running):
             self.finish(ref)
+        return time.perf_counter() - started
 
     def steps_running(self) -> list[int]:
         """The policy versions being evaluated (a checkpoint records them, so a resume can answer again)."""
@@ -108,3 +125,26 @@ class Evaluator:
             "eval/problems": len(groups),
             "eval/seconds": time.perf_counter() - evaluation.sent,
         })
+
+
+def evaluation_generator(generators: Iterable[int], busy_in_send_order: Iterable[int]) -> int:
+    """Which generator answers an evaluation: the lowest-index idle one, whose answers come back soonest; when
+    all are generating, the one whose call was sent first (it is likely to finish first)."""
+    busy = list(busy_in_send_order)
+    idle = sorted(set(generators) - set(busy))
+    return idle[0] if idle else busy[0]
+
+
+def evaluate_again_on_resume(in_flight: list[int], restored_step: int) -> bool:
+    """On resume: whether to evaluate the restored step again, because the checkpoint was still evaluating it
+    (its row fell after the metrics cut). An evaluation of an earlier step is lost, with a warning: the
+    checkpoint keeps only its own step's weights."""
+    for step in in_flight:
+        if step != restored_step:
+            log.warning("the evaluation of step %d was in flight at the checkpoint of step %d and is lost: the "
+                        "weights of step %d are not kept", step, restored_step, step)
+    if restored_step in in_flight:
+        log.info("evaluating step %d again: its evaluation was in flight at the checkpoint", restored_step)
+        return True
+    return False
+

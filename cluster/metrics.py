@@ -73,6 +73,8 @@ KNOWN_METRICS: dict[str, str] = {
     "time/learner_step_s": "seconds the learner spent in the step",
     "time/generator_busy_s": "generator seconds (generate calls and weight loads, summed over generators) "
     "reported since the previous step: over a run, its mean / generators is each generator's busy time per step",
+    "time/eval_wait_s": "seconds the loop waited, after this step, for the previous evaluation to end before "
+    "sending this step's (0 unless evaluation is slower than eval.every_steps steps)",
     WALL_KEY: "seconds since the metric sink started",
     "eval/reward_mean": "mean reward of the policy's answers on the fixed evaluation set (eval.every_steps)",
     "eval/solved": "share of evaluation answers with the full reward (correct); with eval.samples_per_problem k "

@@ -99,6 +99,8 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
         assert row["eval/policy_version"] == step and row["eval/problems"] == 5 and row["eval/score_errors"] == 0
         assert 0.0 <= row["eval/solved"] <= row["eval/reward_mean"] <= 1.0 and row["eval/response_len"] > 0
         assert row["eval/seconds"] > 0
+    # each evaluation ends before the next step's generation (queued behind it): the loop never waited for one
+    assert [m["time/eval_wait_s"] for m in rl_steps] == [0.0] * 4
 
 
 def _assert_the_trained_model_is_saved(result, summary: dict) -> None:
@@ -293,6 +295,43 @@ def test_a_generator_killed_before_an_evaluation_skips_it_with_an_alert_and_the_
     assert evaluated == {2: 2, 3: 3}
     assert json.loads((result.run_dir / "summary.json").read_text())["generator_restarts"] == 1
     _assert_each_group_ends_once(result.run_dir, steps=3)
+
+
+def test_an_evaluation_due_while_the_previous_one_runs_waits_for_it(local_ray, tmp_path, tiny_qwen2, caplog):
+    """Two evaluations sent back to back to a real generator: the second is sent only once the first is
+    scored and logged (one evaluation at a time), the seconds the loop waited come back for the step row's
+    time/eval_wait_s, and that first wait logs a warning naming the knobs."""
+    from actors.generator import GeneratorSpec
+    from cluster import runtime
+    from cluster.evaluation import Evaluator
+    from cluster.job import evaluation_set, job_task, section_config
+    from cluster.metrics import MetricSink
+    from tasks.config import TASK_CONFIGS
+    from tasks.scoring import ScorePool
+
+    job = validate_job({"task": {"name": "arithmetic"}, "eval": {"every_steps": 1, "num_problems": 32}})
+    generator = runtime.start_generator(GeneratorSpec(model_path=tiny_qwen2, samples_per_prompt=1, max_new_tokens=8,
+                                                      temperature=0.0, max_model_len=96), 0, cpus=1, gpus=0)
+    scorer = ScorePool("arithmetic", section_config(job.task, TASK_CONFIGS))
+    sink = MetricSink(tmp_path, "run", {}, "disabled", progress_bar=False)
+    evaluator = Evaluator(evaluation_set(job, job_task(job)), 0.0, 1, 0, scorer, sink)
+    try:
+        ray.get(generator.ready.remote())
+        with caplog.at_level("WARNING", logger="stableasync"):
+            first_wait_s = evaluator.start(generator, 0, step=0)
+            second_wait_s = evaluator.start(generator, 0, step=0)
+            rows_when_the_second_was_sent = (tmp_path / "metrics.jsonl").read_text().splitlines()
+            evaluator.wait()
+    finally:
+        scorer.close()
+        sink.close()
+        ray.kill(generator)
+    assert first_wait_s == 0.0 and second_wait_s > 0
+    assert len(rows_when_the_second_was_sent) == 1, "the first evaluation ended before the second was sent"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["train/step"], r["eval/problems"]) for r in rows] == [(0, 32), (0, 32)]
+    waits = [r.getMessage() for r in caplog.records if "was still running" in r.getMessage()]
+    assert len(waits) == 1 and "eval.every_steps" in waits[0] and "time/eval_wait_s" in waits[0], waits
 
 
 def test_a_learner_the_cluster_cannot_place_fails_with_the_resources_named(local_ray):

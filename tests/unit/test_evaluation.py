@@ -126,3 +126,33 @@ def test_several_greedy_answers_are_refused():
     job = validate_job({"task": {"name": "arithmetic"},
                         "eval": {"every_steps": 5, "samples_per_problem": 4, "temperature": 0.6}})
     assert job.eval.samples_per_problem == 4
+
+
+# ---- where an evaluation runs, and what a resume does with one in flight at its checkpoint ----
+
+
+def test_an_evaluation_goes_to_an_idle_generator_else_to_the_one_sent_its_call_first():
+    from cluster.evaluation import evaluation_generator
+
+    assert evaluation_generator([0, 1, 2], busy_in_send_order=[0, 2]) == 1
+    assert evaluation_generator([0, 1, 2, 3], busy_in_send_order=[0]) == 1  # the lowest idle one
+    assert evaluation_generator([0, 1, 2], busy_in_send_order=[2, 0, 1]) == 2  # all busy: its call is oldest
+    assert evaluation_generator([4, 7], busy_in_send_order=[]) == 4  # elastic indices need not start at 0
+
+
+def test_a_resume_answers_again_its_own_steps_evaluation_and_warns_of_an_earlier_one(caplog):
+    """A checkpoint of step 4 taken while step 4 was being evaluated: the resume evaluates step 4 again on the
+    restored weights. Taken while step 3 was (eval every 3 steps, checkpoints every 4): step 3's weights are
+    gone, so its evaluation is lost, and the log says so."""
+    from cluster.evaluation import evaluate_again_on_resume
+
+    with caplog.at_level("INFO", logger="stableasync"):
+        assert evaluate_again_on_resume([4], restored_step=4)
+        assert "evaluating step 4 again" in caplog.text and "lost" not in caplog.text
+        caplog.clear()
+        assert not evaluate_again_on_resume([3], restored_step=4)
+        assert ("the evaluation of step 3 was in flight at the checkpoint of step 4 and is lost: the weights of "
+                "step 3 are not kept") in caplog.text
+        assert [r.levelname for r in caplog.records] == ["WARNING"]
+        caplog.clear()
+        assert not evaluate_again_on_resume([], restored_step=4) and not caplog.records
