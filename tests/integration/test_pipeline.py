@@ -492,6 +492,38 @@ def test_killed_learner_resumes_from_its_checkpoint_by_itself(local_ray, tmp_pat
     _assert_each_group_ends_once(run_dir, steps=4)
 
 
+@pytest.mark.slow  # 60 s: a run and a learner restart
+def test_a_learner_killed_while_publishing_resumes_from_its_checkpoint(local_ray, tmp_path, monkeypatch, caplog):
+    """The learner rank is SIGKILLed as step 2's weights are published (step 2 trained, its row and checkpoint
+    not yet written): the publish fails, the job restarts the learners from step 1's checkpoint on its own,
+    says it was publishing, and every group is trained exactly once."""
+    import os
+    import signal
+
+    from cluster import runtime
+    from cluster.driver import run_job
+
+    publish = runtime.ObjectStorePublisher.publish
+    killed: list[int] = []
+
+    def kill_then_publish(self, version: int) -> None:
+        if version == 2 and not killed:
+            killed.append(ray.get(self.learners.ranks[0].process_id.remote()))
+            os.kill(killed[0], signal.SIGKILL)
+        publish(self, version)
+
+    monkeypatch.setattr(runtime.ObjectStorePublisher, "publish", kill_then_publish)
+    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "killed-publishing"},
+               checkpoint={"every_steps": 1}, learner={"num_ranks": 1, "max_restarts": 1})
+    with caplog.at_level("WARNING", logger="stableasync"):
+        result = run_job(validate_job(job))
+    assert killed, "the learner was killed at step 2's publish"
+    resumed = [r.getMessage() for r in caplog.records if "from its latest checkpoint" in r.getMessage()]
+    assert len(resumed) == 1 and "while publishing weights (ActorDiedError" in resumed[0], resumed
+    assert json.loads((result.run_dir / "summary.json").read_text())["learner_restarts"] == 1
+    _assert_each_group_ends_once(result.run_dir, steps=4)
+
+
 def test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_nothing(local_ray, tmp_path,
                                                                                      monkeypatch, caplog):
     """Step 2's checkpoint and then the trained model meet a real filesystem error inside the learner (a file
