@@ -14,12 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from cluster.alerts import AlertThresholds, StabilityAlerts
-from cluster.run_files import EVAL_PREFIX
+from cluster.run_files import EVAL_PREFIX, STEP_KEY, WALL_KEY
 
 log = logging.getLogger("stableasync")
-
-STEP_KEY = "train/step"  # the x-axis of every W&B chart: the policy version (negative during the SFT warm-up)
-WALL_KEY = "time/wall_s"
 
 # Every key the project logs, with what it means. The W&B workspace (deploy/wandb/workspace.yaml) may
 # only plot these, and tests/unit/test_metrics.py checks this table against the keys in the source.

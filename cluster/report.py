@@ -19,10 +19,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from cluster.run_files import is_evaluation_row, metric_number, read_jsonl_rows
+from cluster.run_files import STEP_KEY, WALL_KEY, is_evaluation_row, metric_number, read_jsonl_rows
 
-STEP_KEY = "train/step"
-WALL_KEY = "time/wall_s"
 REWARD_KEY = "rollout/reward_mean"
 ESS_KEY = "stability/ess_ratio"
 GRAD_NORM_KEY = "optim/grad_norm"

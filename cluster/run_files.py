@@ -8,6 +8,8 @@ from typing import Any
 
 from tasks.base import jsonl_objects
 
+STEP_KEY = "train/step"  # the x-axis of every W&B chart: the policy version (negative during the SFT warm-up)
+WALL_KEY = "time/wall_s"  # seconds since the metric sink started, in every row
 EVAL_PREFIX = "eval/"  # an evaluation's metrics: they make up its own row (`MetricSink.log_evaluation`)
 
 
@@ -34,4 +36,4 @@ def is_evaluation_row(row: dict[str, Any]) -> bool:
     evaluated) rather than a step's: readers that count or time steps leave these out. Runs from before
     evaluations ran beside training have their `eval/*` keys in step rows, which stay step rows."""
     return any(key.startswith(EVAL_PREFIX) for key in row) and all(
-        key.startswith(EVAL_PREFIX) or key in ("train/step", "time/wall_s") for key in row)
+        key.startswith(EVAL_PREFIX) or key in (STEP_KEY, WALL_KEY) for key in row)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
-from cluster.run_files import is_evaluation_row, metric_number, read_jsonl_rows
+from cluster.run_files import STEP_KEY, WALL_KEY, is_evaluation_row, metric_number, read_jsonl_rows
 
 
 def _doc(text: str, default: object) -> Any:
@@ -406,7 +406,7 @@ def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
     job = _job_sections(run_dir / "job.yaml")
     metrics = run_dir / "metrics.jsonl"
     rows = [row for row in read_jsonl_rows(metrics, CalibrationError)
-            if metric_number(row.get("train/step")) > 0 and not is_evaluation_row(row)]
+            if metric_number(row.get(STEP_KEY)) > 0 and not is_evaluation_row(row)]
     if not rows:
         raise CalibrationError(f"{metrics}: no RL steps (rows with train/step > 0)")
     g, learner, async_ = job["generator"], job["learner"], job["async"]
@@ -458,8 +458,8 @@ def _measured_period(rows: list[dict[str, Any]]) -> float | None:
     """Mean wall-clock between consecutive RL rows (a resume restarts `time/wall_s`: those pairs are skipped)."""
     gaps = []
     for before, after in zip(rows, rows[1:]):
-        gap = metric_number(after.get("time/wall_s")) - metric_number(before.get("time/wall_s"))
-        if metric_number(after.get("train/step")) == metric_number(before.get("train/step")) + 1 and gap > 0:
+        gap = metric_number(after.get(WALL_KEY)) - metric_number(before.get(WALL_KEY))
+        if metric_number(after.get(STEP_KEY)) == metric_number(before.get(STEP_KEY)) + 1 and gap > 0:
             gaps.append(gap)
     return statistics.fmean(gaps) if gaps else None
 
