@@ -464,6 +464,10 @@ class AsyncLoop:
         (`cluster.evaluation`); its row is logged when the answers are scored. Returns the seconds the loop
         waited for the evaluation before it."""
         index = evaluation_generator(self.generators, [call.index for call in self.generating.values()])
+        if index is None:
+            self.sink.alert("evaluation skipped", f"step {self.version}: no generator is left to answer it (every "
+                            "one left the elastic job); the next one is at its step")
+            return 0.0
         return self.evaluator.start(self.generators[index], index, self.version)
 
     def _check_skipped(self, skipped: bool) -> None:

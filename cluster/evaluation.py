@@ -127,12 +127,14 @@ class Evaluator:
         })
 
 
-def evaluation_generator(generators: Iterable[int], busy_in_send_order: Iterable[int]) -> int:
+def evaluation_generator(generators: Iterable[int], busy_in_send_order: Iterable[int]) -> int | None:
     """Which generator answers an evaluation: the lowest-index idle one, whose answers come back soonest; when
-    all are generating, the one whose call was sent first (it is likely to finish first)."""
-    busy = list(busy_in_send_order)
-    idle = sorted(set(generators) - set(busy))
-    return idle[0] if idle else busy[0]
+    all are generating, the one whose call was sent first (it is likely to finish first). None when an elastic
+    job has no generator left."""
+    members = set(generators)
+    busy = [index for index in busy_in_send_order if index in members]
+    idle = sorted(members - set(busy))
+    return idle[0] if idle else (busy[0] if busy else None)
 
 
 def evaluate_again_on_resume(in_flight: list[int], restored_step: int) -> bool:

@@ -138,6 +138,8 @@ def test_an_evaluation_goes_to_an_idle_generator_else_to_the_one_sent_its_call_f
     assert evaluation_generator([0, 1, 2, 3], busy_in_send_order=[0]) == 1  # the lowest idle one
     assert evaluation_generator([0, 1, 2], busy_in_send_order=[2, 0, 1]) == 2  # all busy: its call is oldest
     assert evaluation_generator([4, 7], busy_in_send_order=[]) == 4  # elastic indices need not start at 0
+    assert evaluation_generator([4, 7], busy_in_send_order=[3, 7, 4]) == 7  # 3 left the job since its call
+    assert evaluation_generator([], busy_in_send_order=[]) is None  # every generator left an elastic job
 
 
 def test_a_resume_answers_again_its_own_steps_evaluation_and_warns_of_an_earlier_one(caplog):
