@@ -149,4 +149,3 @@ def evaluate_again_on_resume(in_flight: list[int], restored_step: int) -> bool:
         log.info("evaluating step %d again: its evaluation was in flight at the checkpoint", restored_step)
         return True
     return False
-
