@@ -39,7 +39,7 @@ from algorithms.diagnostics import lag_stats
 from cluster import runtime
 from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
                                  restore_learners, write_checkpoint, write_model)
-from cluster.evaluation import Evaluator, evaluate_again_on_resume, evaluation_generator
+from cluster.evaluation import Evaluator, evaluate_again_on_resume
 from cluster.job import Job, dump_job, evaluation_set, job_task, section_config
 from cluster.metrics import MetricSink
 from cluster.model_prep import prepare_model, sft_samples
@@ -463,12 +463,7 @@ class AsyncLoop:
         """The policy just published answers the fixed evaluation set on one generator while the loop goes on
         (`cluster.evaluation`); its row is logged when the answers are scored. Returns the seconds the loop
         waited for the evaluation before it."""
-        index = evaluation_generator(self.generators, [call.index for call in self.generating.values()])
-        if index is None:
-            self.sink.alert("evaluation skipped", f"step {self.version}: no generator is left to answer it (every "
-                            "one left the elastic job); the next one is at its step")
-            return 0.0
-        return self.evaluator.start(self.generators[index], index, self.version)
+        return self.evaluator.start(self.generators, [call.index for call in self.generating.values()], self.version)
 
     def _check_skipped(self, skipped: bool) -> None:
         """Alert on every skipped step; stop with a checkpoint after too many in a row."""

@@ -14,7 +14,7 @@ import itertools
 import logging
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +51,18 @@ class Evaluator:
         self.running: dict[ray.ObjectRef, RunningEvaluation] = {}
         self.warned_slow = False  # the first wait is logged; the step rows show every one
 
-    def start(self, generator: Any, index: int, step: int) -> float:
-        """Evaluate step `step`'s policy on `generator` (`index`); call it right after that step's publish.
+    def start(self, generators: Mapping[int, Any], busy_in_send_order: Iterable[int], step: int) -> float:
+        """Evaluate step `step`'s policy on one of `generators` (index -> actor, as `evaluation_generator` picks);
+        call it right after that step's publish. When an elastic job has no generator left, the evaluation is
+        skipped with an alert.
 
         Returns the seconds the loop waited first for the evaluation before it (0 when none was running).
         """
+        index = evaluation_generator(generators, busy_in_send_order)
+        if index is None:
+            self.sink.alert("evaluation skipped", f"step {step}: no generator is left to answer it (every one left "
+                            "the elastic job); the next one is at its step")
+            return 0.0
         earlier = self.steps_running()
         waited_s = self.wait()
         if earlier and not self.warned_slow:
@@ -63,7 +70,7 @@ class Evaluator:
             log.warning("the evaluation of step %d was still running when step %d's was due: the loop waited %.2f s "
                         "for it (time/eval_wait_s in each step's row). Raise eval.every_steps or lower "
                         "eval.num_problems to keep evaluation off training's path", earlier[0], step, waited_s)
-        ref = generator.generate.remote(self.requests, self.samples, self.temperature)
+        ref = generators[index].generate.remote(self.requests, self.samples, self.temperature)
         self.running[ref] = RunningEvaluation(index, step, time.perf_counter())
         return waited_s
 

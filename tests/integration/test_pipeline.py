@@ -318,8 +318,8 @@ def test_an_evaluation_due_while_the_previous_one_runs_waits_for_it(local_ray, t
     try:
         ray.get(generator.ready.remote())
         with caplog.at_level("WARNING", logger="stableasync"):
-            first_wait_s = evaluator.start(generator, 0, step=0)
-            second_wait_s = evaluator.start(generator, 0, step=0)
+            first_wait_s = evaluator.start({0: generator}, [], step=0)
+            second_wait_s = evaluator.start({0: generator}, [], step=0)
             rows_when_the_second_was_sent = (tmp_path / "metrics.jsonl").read_text().splitlines()
             evaluator.wait()
     finally:
