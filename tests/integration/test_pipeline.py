@@ -492,35 +492,50 @@ def test_killed_learner_resumes_from_its_checkpoint_by_itself(local_ray, tmp_pat
     _assert_each_group_ends_once(run_dir, steps=4)
 
 
-@pytest.mark.slow  # 60 s: a run and a learner restart
-def test_a_learner_killed_while_publishing_resumes_from_its_checkpoint(local_ray, tmp_path, monkeypatch, caplog):
+@pytest.mark.slow  # 90 s: a run and two learner restarts
+def test_a_learner_killed_while_publishing_and_again_while_loading_resumes_from_its_checkpoint(local_ray, tmp_path,
+                                                                                               monkeypatch, caplog):
     """The learner rank is SIGKILLed as step 2's weights are published (step 2 trained, its row and checkpoint
-    not yet written): the publish fails, the job restarts the learners from step 1's checkpoint on its own,
-    says it was publishing, and every group is trained exactly once."""
+    not yet written), and the restarted rank again while it loads step 1's checkpoint. Each time the job
+    restarts the learners from its latest checkpoint on its own and says what they were doing; the third
+    group loads it, and every group is trained exactly once."""
     import os
     import signal
 
     from cluster import runtime
     from cluster.driver import run_job
 
-    publish = runtime.ObjectStorePublisher.publish
-    killed: list[int] = []
+    publish, load_checkpoint = runtime.ObjectStorePublisher.publish, runtime.LearnerGroup.load_checkpoint
+    killed: list[str] = []
+
+    def kill_rank_0(learners: runtime.LearnerGroup, doing: str) -> None:
+        killed.append(doing)
+        os.kill(ray.get(learners.ranks[0].process_id.remote()), signal.SIGKILL)
 
     def kill_then_publish(self, version: int) -> None:
-        if version == 2 and not killed:
-            killed.append(ray.get(self.learners.ranks[0].process_id.remote()))
-            os.kill(killed[0], signal.SIGKILL)
+        if version == 2 and "publishing" not in killed:
+            kill_rank_0(self.learners, "publishing")
         publish(self, version)
 
+    def kill_then_load(self, directory: str, tag: str) -> int:
+        if "loading" not in killed:
+            kill_rank_0(self, "loading")
+        return load_checkpoint(self, directory, tag)
+
     monkeypatch.setattr(runtime.ObjectStorePublisher, "publish", kill_then_publish)
+    monkeypatch.setattr(runtime.LearnerGroup, "load_checkpoint", kill_then_load)
     job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "killed-publishing"},
-               checkpoint={"every_steps": 1}, learner={"num_ranks": 1, "max_restarts": 1})
-    with caplog.at_level("WARNING", logger="stableasync"):
+               checkpoint={"every_steps": 1}, learner={"num_ranks": 1, "max_restarts": 2})
+    with caplog.at_level("INFO", logger="stableasync"):
         result = run_job(validate_job(job))
-    assert killed, "the learner was killed at step 2's publish"
+    assert killed == ["publishing", "loading"]
     resumed = [r.getMessage() for r in caplog.records if "from its latest checkpoint" in r.getMessage()]
-    assert len(resumed) == 1 and "while publishing weights (ActorDiedError" in resumed[0], resumed
-    assert json.loads((result.run_dir / "summary.json").read_text())["learner_restarts"] == 1
+    assert len(resumed) == 2, resumed
+    assert "while publishing weights (ActorDiedError" in resumed[0] and "(restart 1 of 2)" in resumed[0], resumed
+    assert "while loading a checkpoint (ActorDiedError" in resumed[1] and "(restart 2 of 2)" in resumed[1], resumed
+    loaded = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming ")]
+    assert len(loaded) == 1 and "from step-000001 (policy version 1)" in loaded[0], loaded
+    assert json.loads((result.run_dir / "summary.json").read_text())["learner_restarts"] == 2
     _assert_each_group_ends_once(result.run_dir, steps=4)
 
 
