@@ -498,7 +498,7 @@ def test_a_learner_killed_while_publishing_and_again_while_loading_resumes_from_
     """The learner rank is SIGKILLed as step 2's weights are published (step 2 trained, its row and checkpoint
     not yet written), and the restarted rank again while it loads step 1's checkpoint. Each time the job
     restarts the learners from its latest checkpoint on its own and says what they were doing; the third
-    group loads it, and every group is trained exactly once."""
+    learner group loads it, and every group is trained exactly once."""
     import os
     import signal
 

@@ -142,7 +142,6 @@ def test_an_evaluation_goes_to_an_idle_generator_else_to_the_one_sent_its_call_f
     assert evaluation_generator([], busy_in_send_order=[]) is None  # every generator left an elastic job
 
 
-
 def test_an_evaluation_due_when_no_generator_is_left_is_skipped_with_an_alert(tmp_path, caplog):
     """Every generator of an elastic job has left when step 7 is to be evaluated: an alert naming the step, and the
     loop goes on (no wait, nothing in flight, no row), where picking a generator from none used to end the run."""
@@ -158,6 +157,7 @@ def test_an_evaluation_due_when_no_generator_is_left_is_skipped_with_an_alert(tm
         "ALERT evaluation skipped: step 7: no generator is left to answer it (every one left the elastic job); "
         "the next one is at its step"]
     assert evaluator.steps_running() == [] and (tmp_path / "metrics.jsonl").read_text() == ""
+
 
 def test_a_resume_answers_again_its_own_steps_evaluation_and_warns_of_an_earlier_one(caplog):
     """A checkpoint of step 4 taken while step 4 was being evaluated: the resume evaluates step 4 again on the
