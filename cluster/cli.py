@@ -184,6 +184,14 @@ def _report(args: argparse.Namespace) -> int:
                           args.ess_collapse_steps)
 
 
+def _int_list(text: str, flag: str) -> list[int]:
+    """Comma-separated integers, or a ValueError naming the flag and the item."""
+    try:
+        return [int(item) for item in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, not {text!r}") from None
+
+
 def _sweep(args: argparse.Namespace) -> int:
     from cluster.report import ReportError, markdown_table
     from cluster.stopping import JobStopped, stop_on_signals
@@ -199,8 +207,9 @@ def _sweep(args: argparse.Namespace) -> int:
         overrides.setdefault("learner", {})["learning_rate"] = args.learning_rate
     with stop_on_signals() as stop:
         try:
-            summaries = sweep(job, args.stabilizers.split(","), [int(k) for k in args.max_lag.split(",")],
-                              Path(args.out), overrides, args.target_reward, stop)
+            summaries = sweep(job, args.stabilizers.split(","), _int_list(args.max_lag, "--max-lag"), Path(args.out),
+                              overrides, args.target_reward, stop,
+                              None if args.seeds is None else _int_list(args.seeds, "--seeds"))
         except (ValueError, FileExistsError, ReportError) as error:
             print(f"stableasync sweep: {error}", file=sys.stderr)
             return 2
@@ -313,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("job")
     sweep.add_argument("--stabilizers", default="none,tis_seq,mis_seq,m2po,vcpo", help="comma-separated names")
     sweep.add_argument("--max-lag", default="0,2,8,16", help="comma-separated lag bounds")
+    sweep.add_argument("--seeds", help="comma-separated job seeds: the whole grid runs once per seed, and the "
+                       "report adds a table over the seeds of each cell (default: the job's seed, once)")
     sweep.add_argument("--out", default="runs/sweep", help="folder for the runs and the report")
     sweep.add_argument("--steps", type=int, help="learner.steps of every cell (default: the job's)")
     sweep.add_argument("--learning-rate", type=float, help="learner.learning_rate of every cell (default: the job's)")

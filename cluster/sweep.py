@@ -2,8 +2,10 @@
 
 Every cell is the same job (same seed, so the same prompts and the same initial model) with only
 `algorithm.stabilizer` and `async.max_lag` changed, run one after another on the current Ray cluster.
-A cell that fails (a numerical stop, a crash) is recorded and the sweep goes on: a collapse is a
-result, not an error.
+With `seeds`, the whole grid runs once per job seed (prompt order, sampling, warm-up data), one seed
+after another, so a stopped sweep still holds complete grids; the report then adds a table over the
+seeds of each cell. A cell that fails (a numerical stop, a crash) is recorded and the sweep goes on: a
+collapse is a result, not an error.
 """
 
 from __future__ import annotations
@@ -25,30 +27,40 @@ class Cell:
     stabilizer: str
     max_lag: int
     job: Job
+    run_name: str
 
-    @property
-    def run_name(self) -> str:
-        return f"{self.stabilizer}-lag{self.max_lag}"
+
+def _repeated(values: list[Any]) -> list[Any]:
+    return sorted({value for value in values if values.count(value) > 1}, key=str)
 
 
 def grid(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
-         overrides: dict[str, dict[str, Any]] | None = None) -> list[Cell]:
-    """Every (stabilizer, max_lag) variant of `job`, validated up front: a bad cell stops the sweep before
-    anything runs, with the cell named. `overrides` are section updates applied to every cell."""
+         overrides: dict[str, dict[str, Any]] | None = None, seeds: list[int] | None = None) -> list[Cell]:
+    """Every (seed, stabilizer, max_lag) variant of `job`, validated up front: a bad cell stops the sweep
+    before anything runs, with the cell named. `overrides` are section updates applied to every cell.
+    `seeds` None: the job's own seed, and run names without one (`tis_seq-lag2`); else each seed in turn
+    (`tis_seq-lag2-seed1`)."""
+    problems = [f"{what} {value!r} is listed twice" for what, values in
+                (("stabilizer", stabilizers), ("max_lag", max_lags), ("seed", seeds or []))
+                for value in _repeated(values)]
+    if problems:
+        raise ValueError("sweep grid: " + "; ".join(problems))
     base = job.model_dump(mode="json", by_alias=True)
     for section, values in (overrides or {}).items():
         base[section] = {**base[section], **values}
     cells, errors = [], []
-    for stabilizer in stabilizers:
-        for max_lag in max_lags:
-            data = {**base, "algorithm": {**base["algorithm"], "stabilizer": {"name": stabilizer}},
-                    "async": {**base["async"], "max_lag": max_lag},
-                    "logging": {**base["logging"], "run_dir": str(out_dir / "runs"),
-                                "run_name": f"{stabilizer}-lag{max_lag}"}}
-            try:
-                cells.append(Cell(stabilizer, max_lag, validate_job(data, f"{stabilizer} max_lag {max_lag}")))
-            except JobValidationError as error:
-                errors.append(str(error))
+    for seed in seeds if seeds is not None else [job.seed]:
+        for stabilizer in stabilizers:
+            for max_lag in max_lags:
+                run_name = f"{stabilizer}-lag{max_lag}" + ("" if seeds is None else f"-seed{seed}")
+                data = {**base, "seed": seed, "algorithm": {**base["algorithm"], "stabilizer": {"name": stabilizer}},
+                        "async": {**base["async"], "max_lag": max_lag},
+                        "logging": {**base["logging"], "run_dir": str(out_dir / "runs"), "run_name": run_name}}
+                where = f"{stabilizer} max_lag {max_lag}" + ("" if seeds is None else f" seed {seed}")
+                try:
+                    cells.append(Cell(stabilizer, max_lag, validate_job(data, where), run_name))
+                except JobValidationError as error:
+                    errors.append(str(error))
     if errors:
         raise ValueError("sweep cells that are not valid jobs:\n" + "\n".join(errors))
     return cells
@@ -56,7 +68,7 @@ def grid(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
 
 def sweep(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
           overrides: dict[str, dict[str, Any]] | None = None, target_reward: float | None = None,
-          stop: StopRequest | None = None) -> list[Any]:
+          stop: StopRequest | None = None, seeds: list[int] | None = None) -> list[Any]:
     """Run every cell, then write the report (table, plots, HTML) over the runs into `out_dir`.
 
     A cell that `stop` stops raises `JobStopped`: the sweep ends there, with no report.
@@ -64,7 +76,7 @@ def sweep(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
     from cluster.driver import run_job
     from cluster.report import write_report
 
-    cells = grid(job, stabilizers, max_lags, out_dir, overrides)
+    cells = grid(job, stabilizers, max_lags, out_dir, overrides, seeds)
     run_dirs = []
     for n, cell in enumerate(cells, 1):
         run_dir = out_dir / "runs" / cell.run_name

@@ -23,6 +23,23 @@ def test_cells_differ_only_in_stabilizer_and_lag(tmp_path):
     assert len({c.job.logging.run_name for c in cells}) == 4
 
 
+def test_seeds_repeat_the_whole_grid_one_seed_after_another(tmp_path):
+    cells = grid(validate_job(BASE), ["none", "m2po"], [0, 4], tmp_path, seeds=[3, 11])
+    assert [(c.job.seed, c.stabilizer, c.max_lag) for c in cells] == [
+        (3, "none", 0), (3, "none", 4), (3, "m2po", 0), (3, "m2po", 4),
+        (11, "none", 0), (11, "none", 4), (11, "m2po", 0), (11, "m2po", 4)]
+    assert [c.run_name for c in cells[:2]] == ["none-lag0-seed3", "none-lag4-seed3"]
+    assert [c.job.logging.run_name for c in cells] == [c.run_name for c in cells]
+    assert len({c.run_name for c in cells}) == 8
+    assert {c.job.model.tiny.seed for c in cells} == {0}, "the job seed varies; the initial model stays the same"
+
+
+def test_a_value_listed_twice_stops_the_sweep_before_anything_runs(tmp_path):
+    with pytest.raises(ValueError) as error:
+        grid(validate_job(BASE), ["none", "none"], [0, 2], tmp_path, seeds=[1, 2, 1])
+    assert str(error.value) == "sweep grid: stabilizer 'none' is listed twice; seed 1 is listed twice"
+
+
 def test_an_unknown_stabilizer_or_bad_lag_stops_the_sweep_before_anything_runs(tmp_path):
     with pytest.raises(ValueError) as error:
         grid(validate_job(BASE), ["tis_seq", "no_such"], [1, -2], tmp_path)
@@ -71,3 +88,15 @@ def test_a_stopped_sweep_says_so_and_exits_as_the_signal_did(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert "stopped by SIGTERM after step 5" in err and "the cells after it did not run" in err
     assert f"stableasync train --resume {tmp_path / 'runs' / 'none-lag0'}" in err
+
+
+def test_seeds_that_are_not_integers_are_named_before_anything_runs(tmp_path, capsys):
+    import json
+
+    from cluster.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps(BASE))
+    assert main(["sweep", str(job), "--out", str(tmp_path), "--seeds", "0,one"]) == 2
+    assert "--seeds takes comma-separated integers, not '0,one'" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
