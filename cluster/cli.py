@@ -193,7 +193,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from cluster.report import ReportError, markdown_table
+    from cluster.report import ReportError, print_tables
     from cluster.stopping import JobStopped, stop_on_signals
     from cluster.sweep import sweep
 
@@ -216,7 +216,7 @@ def _sweep(args: argparse.Namespace) -> int:
         except JobStopped as stopped:
             print(f"stableasync sweep: the cell running {stopped}; the cells after it did not run", file=sys.stderr)
             return stopped.exit_code
-    print(markdown_table(summaries), end="")
+    print_tables(summaries)
     print(f"\nruns in {Path(args.out) / 'runs'}; report: {Path(args.out) / 'report.html'}")
     return 0
 
@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "report.html (no Ray, no GPU)")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                         help="finished run directories (job.yaml, metrics.jsonl)")
-    report.add_argument("--out", default="report", help="folder for table.md, table.csv, the PNGs and report.html")
+    report.add_argument("--out", default="report",
+                        help="folder for table.md, table.csv, cells.md, cells.csv, the PNGs and report.html")
     report.add_argument("--target-reward", type=float, help="report the first step and wall time at which the "
                         "10-step moving average of the reward reaches this")
     report.add_argument("--ess-collapse-below", type=float, help="ESS ratio collapse threshold (default: each "

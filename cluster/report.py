@@ -52,6 +52,7 @@ class RunData:
     label: str  # legend and table name, e.g. "tis_seq lag 2"; made unique by `write_report`
     stabilizer: str  # algorithm.stabilizer.name ("?" when job.yaml lacks it)
     max_lag: int | None  # async.max_lag
+    seed: int | None  # the job's seed (prompt order, sampling, warm-up data)
     steps_planned: int | None  # learner.steps
     ess_collapse_below: float | None  # logging.alerts.ess_ratio_below (None: the job turned the ESS rule off)
     ess_collapse_steps: int  # logging.alerts.ess_collapse_steps
@@ -67,6 +68,7 @@ class RunSummary:
     label: str
     stabilizer: str
     max_lag: int | None
+    seed: int | None
     steps_planned: int | None
     steps_done: int  # RL step rows in metrics.jsonl (evaluation rows not counted)
     wall_s: float | None  # run wall time at the last RL row
@@ -174,6 +176,7 @@ def load_run(path: str | Path) -> RunData:
     stabilizer = _section(job, "algorithm.stabilizer", job_path).get("name") or "?"
     max_lag = _int_or_none(_section(job, "async", job_path).get("max_lag"), "async.max_lag", job_path)
     steps_planned = _int_or_none(_section(job, "learner", job_path).get("steps"), "learner.steps", job_path)
+    seed = _int_or_none(job.get("seed"), "seed", job_path)
     alerts = _section(job, "logging.alerts", job_path)
     below = alerts.get("ess_ratio_below", DEFAULT_ESS_COLLAPSE_BELOW)
     if below is not None and (isinstance(below, bool) or not isinstance(below, (int, float))):
@@ -186,7 +189,7 @@ def load_run(path: str | Path) -> RunData:
     return RunData(
         path=run_dir, name=str(job.get("name") or run_dir.name),
         label=f"{stabilizer} lag {'?' if max_lag is None else max_lag}",
-        stabilizer=str(stabilizer), max_lag=max_lag, steps_planned=steps_planned,
+        stabilizer=str(stabilizer), max_lag=max_lag, seed=seed, steps_planned=steps_planned,
         ess_collapse_below=None if below is None else float(below),
         ess_collapse_steps=needed if needed is not None else DEFAULT_ESS_COLLAPSE_STEPS,
         rows=[row for row, _ in rl], wall_s=[w for _, w in rl],
@@ -311,7 +314,7 @@ def summarise(run: RunData, target_reward: float | None = None, collapse_below: 
     fired.sort(key=lambda item: item[0])
     finite_wall = [w for w in run.wall_s if math.isfinite(w)]
     return RunSummary(
-        run_dir=run.path, label=run.label, stabilizer=run.stabilizer, max_lag=run.max_lag,
+        run_dir=run.path, label=run.label, stabilizer=run.stabilizer, max_lag=run.max_lag, seed=run.seed,
         steps_planned=run.steps_planned, steps_done=sum(not is_evaluation_row(row) for row in run.rows),
         wall_s=finite_wall[-1] if finite_wall else None,
         final_reward=final_reward, best_reward_ma=best_ma, eval_solved=evaluations[-1] if evaluations else None,
@@ -345,6 +348,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("run", "label", _plain),
     ("stabilizer", "stabilizer", _plain),
     ("max lag", "max_lag", _plain),
+    ("seed", "seed", _plain),
     ("steps", "steps_done", _plain),
     ("final reward", "final_reward", _fixed(3)),
     ("best reward MA", "best_reward_ma", _fixed(3)),
@@ -367,26 +371,153 @@ def _cells(summary: RunSummary) -> list[str]:
     return [MISSING if getattr(summary, attr) is None else show(getattr(summary, attr)) for _, attr, show in COLUMNS]
 
 
-def markdown_table(summaries: Sequence[RunSummary]) -> str:
-    """One row per run, for the terminal and table.md ("—": the run logged nothing to compute it from)."""
+def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     def line(cells: Sequence[str]) -> str:
         return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
-    header = [name for name, _, _ in COLUMNS]
-    lines = [line(header), "|" + "|".join("---" for _ in header) + "|"]
-    lines += [line(_cells(summary)) for summary in summaries]
-    return "\n".join(lines) + "\n"
+    return "\n".join([line(header), "|" + "|".join("---" for _ in header) + "|"] + [line(row) for row in rows]) + "\n"
 
 
-def write_csv(summaries: Sequence[RunSummary], path: Path) -> None:
-    """table.csv: every `RunSummary` field at full precision for other tools (header: the field names);
-    empty cell for None, "nan"/"inf" for non-finite values."""
-    names = [f.name for f in fields(RunSummary)]
+def markdown_table(summaries: Sequence[RunSummary]) -> str:
+    """One row per run, for the terminal and table.md ("—": the run logged nothing to compute it from)."""
+    return _markdown([name for name, _, _ in COLUMNS], [_cells(summary) for summary in summaries])
+
+
+def _write_dataclass_csv(kind: type, rows: Sequence[Any], path: Path) -> None:
+    """Every dataclass field at full precision for other tools (header: the field names); empty cell for
+    None, "nan"/"inf" for non-finite values, tuples joined by ";"."""
+    names = [f.name for f in fields(kind)]
     with path.open("w", newline="") as out:
         writer = csv.writer(out)
         writer.writerow(names)
-        for summary in summaries:
-            writer.writerow(["" if getattr(summary, name) is None else getattr(summary, name) for name in names])
+        for row in rows:
+            values = [getattr(row, name) for name in names]
+            writer.writerow([";".join("" if item is None else str(item) for item in value) if isinstance(value, tuple)
+                             else "" if value is None else value for value in values])
+
+
+def write_csv(summaries: Sequence[RunSummary], path: Path) -> None:
+    """table.csv: every `RunSummary` field."""
+    _write_dataclass_csv(RunSummary, summaries, path)
+
+
+# ---- the cells: one row per (stabilizer, max lag) over its seeds ---------------------------------------
+
+
+@dataclass(frozen=True)
+class CellSummary:
+    """The runs of one (stabilizer, max_lag) cell, usually one per seed (`stableasync sweep --seeds`).
+    Rules: means and ranges over the runs that have the value; "lower median" is the middle run's value
+    (the lower of the two middle ones for an even count), NaN ranked lowest, so a run whose ESS was never
+    finite pulls the median down instead of vanishing."""
+
+    stabilizer: str
+    max_lag: int | None
+    runs: int
+    seeds: tuple[int | None, ...]
+    collapsed: int  # runs flagged collapsed
+    final_reward_mean: float | None
+    final_reward_min: float | None
+    final_reward_max: float | None
+    best_reward_ma_mean: float | None
+    target_reached: int  # runs whose moving average reached the target
+    target_step_median: int | None  # lower median over the runs that reached it
+    target_wall_s_median: float | None  # lower median, same runs
+    ess_ratio_min_median: float | None  # lower median over runs of each run's minimum ESS ratio
+    ess_ratio_min_lowest: float | None
+    grad_norm_max: float | None  # the largest over runs (NaN if any run logged a NaN)
+    lag_mean: float | None  # mean over runs of each run's mean lag
+    wall_s_mean: float | None
+
+
+def _present(values: Sequence[Any]) -> list[Any]:
+    return [value for value in values if value is not None]
+
+
+def _nan_lowest(value: float) -> float:
+    return -math.inf if math.isnan(value) else value
+
+
+def _lower_median(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    return sorted(values, key=_nan_lowest)[(len(values) - 1) // 2]
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def summarise_cells(summaries: Sequence[RunSummary]) -> list[CellSummary]:
+    """Group runs by (stabilizer, max_lag), in the order cells first appear."""
+    cells: dict[tuple[str, int | None], list[RunSummary]] = {}
+    for summary in summaries:
+        cells.setdefault((summary.stabilizer, summary.max_lag), []).append(summary)
+    out = []
+    for (stabilizer, max_lag), runs in cells.items():
+        finals = _present([run.final_reward for run in runs])
+        reached = [run for run in runs if run.target_step is not None]
+        ess = _present([run.ess_ratio_min for run in runs])
+        out.append(CellSummary(
+            stabilizer=stabilizer, max_lag=max_lag, runs=len(runs), seeds=tuple(run.seed for run in runs),
+            collapsed=sum(run.collapsed for run in runs),
+            final_reward_mean=_mean(finals), final_reward_min=min(finals, default=None),
+            final_reward_max=max(finals, default=None),
+            best_reward_ma_mean=_mean(_present([run.best_reward_ma for run in runs])),
+            target_reached=len(reached),
+            target_step_median=_lower_median([run.target_step for run in reached]),
+            target_wall_s_median=_lower_median(_present([run.target_wall_s for run in reached])),
+            ess_ratio_min_median=_lower_median(ess),
+            ess_ratio_min_lowest=min(ess, key=_nan_lowest, default=None),
+            grad_norm_max=_grad_norm_max(_present([run.grad_norm_max for run in runs])),
+            lag_mean=_mean(_present([run.lag_mean for run in runs])),
+            wall_s_mean=_mean(_present([run.wall_s for run in runs])),
+        ))
+    return out
+
+
+def _shown(value: Any, show: Callable[[Any], str]) -> str:
+    return MISSING if value is None else show(value)
+
+
+def _of_runs(count: int, cell: CellSummary) -> str:
+    return f"{count}/{cell.runs}"
+
+
+# (header, how the markdown/HTML table shows a cell)
+CELL_COLUMNS: list[tuple[str, Callable[[CellSummary], str]]] = [
+    ("stabilizer", lambda c: c.stabilizer),
+    ("max lag", lambda c: _shown(c.max_lag, _plain)),
+    ("seeds", lambda c: ",".join(MISSING if seed is None else str(seed) for seed in c.seeds)),
+    ("collapsed", lambda c: _of_runs(c.collapsed, c)),
+    ("final reward mean", lambda c: _shown(c.final_reward_mean, _fixed(3))),
+    ("final reward min–max", lambda c: MISSING if c.final_reward_min is None
+        else f"{_fixed(3)(c.final_reward_min)}–{_fixed(3)(c.final_reward_max)}"),
+    ("best reward MA mean", lambda c: _shown(c.best_reward_ma_mean, _fixed(3))),
+    ("reached target", lambda c: _of_runs(c.target_reached, c)),
+    ("median target step", lambda c: _shown(c.target_step_median, _plain)),
+    ("median target wall s", lambda c: _shown(c.target_wall_s_median, _fixed(0))),
+    ("median min ESS ratio", lambda c: _shown(c.ess_ratio_min_median, _fixed(3))),
+    ("lowest min ESS ratio", lambda c: _shown(c.ess_ratio_min_lowest, _fixed(3))),
+    ("max grad norm", lambda c: _shown(c.grad_norm_max, _general)),
+    ("mean lag", lambda c: _shown(c.lag_mean, _fixed(2))),
+    ("mean wall s", lambda c: _shown(c.wall_s_mean, _fixed(0))),
+]
+
+
+def cells_markdown_table(cells: Sequence[CellSummary]) -> str:
+    """One row per (stabilizer, max lag) over its runs, for the terminal and cells.md."""
+    return _markdown([name for name, _ in CELL_COLUMNS], [[show(cell) for _, show in CELL_COLUMNS] for cell in cells])
+
+
+def write_cells_csv(cells: Sequence[CellSummary], path: Path) -> None:
+    """cells.csv: every `CellSummary` field."""
+    _write_dataclass_csv(CellSummary, cells, path)
+
+
+def has_repeats(cells: Sequence[CellSummary]) -> bool:
+    """Whether any cell holds more than one run (then the cell table says more than the run table)."""
+    return any(cell.runs > 1 for cell in cells)
 
 
 # ---- the plots --------------------------------------------------------------------------------------
@@ -497,11 +628,79 @@ def plot_runs(runs: Sequence[RunData], summaries: Sequence[RunSummary], out_dir:
     return paths
 
 
+def _reward_ma_by_step(run: RunData) -> dict[int, float]:
+    finite = [(step, value) for step, _, value in _series(run, REWARD_KEY) if math.isfinite(value)]
+    moving = reward_moving_average([value for _, value in finite])
+    return dict(zip([step for step, _ in finite][len(finite) - len(moving):], moving))
+
+
+def plot_cells(runs: Sequence[RunData], out_dir: Path, target_reward: float | None = None) -> Path:
+    """reward_by_cell.png: per (stabilizer, max lag), the mean over its runs of the reward moving average
+    at each step every run reached, with the runs' min–max as a band: the seed-to-seed spread next to the
+    gaps between cells."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    cells: dict[tuple[str, int | None], list[dict[int, float]]] = {}
+    for run in runs:
+        cells.setdefault((run.stabilizer, run.max_lag), []).append(_reward_ma_by_step(run))
+    lags = sorted({lag for _, lag in cells}, key=lambda lag: -1 if lag is None else lag)
+    figure = Figure(figsize=(4.2 * max(1, len(lags)), 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, max(1, len(lags)), sharey=True, squeeze=False)[0]
+    stabilizers = list(dict.fromkeys(stabilizer for stabilizer, _ in cells))
+    any_line = False
+    for ax, lag in zip(axes, lags):
+        for (stabilizer, max_lag), curves in cells.items():
+            if max_lag != lag:
+                continue
+            steps = sorted(set.intersection(*(set(curve) for curve in curves)))
+            if not steps:
+                continue
+            any_line = True
+            color = _style(stabilizers.index(stabilizer))["color"]
+            values = [[curve[step] for curve in curves] for step in steps]
+            ax.plot(steps, [statistics.fmean(v) for v in values], color=color,
+                    label=f"{stabilizer} ({len(curves)} run{'s' if len(curves) > 1 else ''})")
+            if len(curves) > 1:
+                ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.15)
+        if target_reward is not None:
+            ax.axhline(target_reward, color="black", linestyle="--", linewidth=0.8, label=f"target {target_reward:g}")
+        ax.set_title(f"max lag {'?' if lag is None else lag}")
+        ax.set_xlabel("RL step (policy version)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small", loc="best")
+    axes[0].set_ylabel(f"reward, trailing {MOVING_AVERAGE_STEPS}-step moving average")
+    if not any_line:
+        axes[0].text(0.5, 0.5, f"no run logged {REWARD_KEY}", ha="center", va="center", transform=axes[0].transAxes)
+    figure.suptitle("reward by cell: mean over runs (band: min–max over runs)")
+    path = out_dir / "reward_by_cell.png"
+    figure.savefig(path, dpi=90)
+    return path
+
+
 # ---- the HTML page ----------------------------------------------------------------------------------
 
 
+def _cells_html(cells: Sequence[CellSummary]) -> str:
+    """The table over each cell's runs, when some cell has more than one (else it repeats the run table)."""
+    if not has_repeats(cells):
+        return ""
+    esc = html.escape
+    head = "".join(f"<th>{esc(name)}</th>" for name, _ in CELL_COLUMNS)
+    body = "".join(
+        "<tr" + (' class="collapsed"' if cell.collapsed else "") + ">"
+        + "".join(f"<td>{esc(show(cell))}</td>" for _, show in CELL_COLUMNS) + "</tr>\n"
+        for cell in cells
+    )
+    return (f"<h2>Over seeds: one row per stabilizer and max lag</h2>\n<p>Means and min–max over each cell's "
+            f"runs; medians are the middle run's value. A row is shaded when any of its runs collapsed.</p>\n"
+            f"<table><thead><tr>{head}</tr></thead><tbody>\n{body}</tbody></table>\n<h2>Every run</h2>\n")
+
+
 def render_html(summaries: Sequence[RunSummary], images: Sequence[Path], target_reward: float | None) -> str:
-    """One self-contained page: the table and every PNG inline as base64 data URIs (no external
+    """One self-contained page: the tables and every PNG inline as base64 data URIs (no external
     files, scripts or network), so it can be mailed or attached to an issue as is."""
     esc = html.escape
     head = "".join(f"<th>{esc(name)}</th>" for name, _, _ in COLUMNS)
@@ -542,7 +741,7 @@ figure {{ margin: 1em 0; }}
 {len(summaries)} run director{'y' if len(summaries) == 1 else 'ies'}:</p>
 <ul>{sources}</ul>
 <p>{rules}</p>
-<table><thead><tr>{head}</tr></thead><tbody>
+{_cells_html(summarise_cells(summaries))}<table><thead><tr>{head}</tr></thead><tbody>
 {body}</tbody></table>
 {figures}</body></html>
 """
@@ -552,11 +751,21 @@ figure {{ margin: 1em 0; }}
 
 
 def _unique_labels(runs: list[RunData]) -> list[RunData]:
-    """Runs sharing a label (same stabilizer and lag) get their directory name added, then a number."""
-    counts: dict[str, int] = {}
+    """Runs sharing a label (same stabilizer and lag) get their seed added when that tells them apart,
+    else their directory name, then a number."""
+    seeds: dict[str, list[int | None]] = {}
     for run in runs:
-        counts[run.label] = counts.get(run.label, 0) + 1
-    runs = [replace(run, label=f"{run.label} ({run.path.name})") if counts[run.label] > 1 else run for run in runs]
+        seeds.setdefault(run.label, []).append(run.seed)
+
+    def told_apart(run: RunData) -> str:
+        same = seeds[run.label]
+        if len(same) == 1:
+            return run.label
+        if None not in same and len(set(same)) == len(same):
+            return f"{run.label} seed {run.seed}"
+        return f"{run.label} ({run.path.name})"
+
+    runs = [replace(run, label=told_apart(run)) for run in runs]
     seen: dict[str, int] = {}
     unique = []
     for run in runs:
@@ -567,9 +776,10 @@ def _unique_labels(runs: list[RunData]) -> list[RunData]:
 
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path = "report", target_reward: float | None = None,
                  collapse_below: float | None = None, collapse_steps: int | None = None) -> list[RunSummary]:
-    """Read every run (all errors before anything is written), then write table.md, table.csv, the
-    PNGs and report.html into `out_dir`; returns the summaries in the order given. `collapse_below` and
-    `collapse_steps` None: each run's own `logging.alerts`. Raises `ReportError` for an unreadable run."""
+    """Read every run (all errors before anything is written), then write table.md, table.csv, cells.md
+    and cells.csv (one row per stabilizer and max lag, over its seeds), the PNGs and report.html into
+    `out_dir`; returns the summaries in the order given. `collapse_below` and `collapse_steps` None: each
+    run's own `logging.alerts`. Raises `ReportError` for an unreadable run."""
     if not run_dirs:
         raise ReportError("no run directories given")
     if collapse_below is not None and not (collapse_below >= 0):
@@ -585,7 +795,10 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path = "report",
         raise ReportError(f"{out}: cannot create the output folder ({error})") from None
     (out / "table.md").write_text(markdown_table(summaries))
     write_csv(summaries, out / "table.csv")
-    images = plot_runs(runs, summaries, out, target_reward)
+    cells = summarise_cells(summaries)
+    (out / "cells.md").write_text(cells_markdown_table(cells))
+    write_cells_csv(cells, out / "cells.csv")
+    images = plot_runs(runs, summaries, out, target_reward) + [plot_cells(runs, out, target_reward)]
     (out / "report.html").write_text(render_html(summaries, images, target_reward))
     return summaries
 
@@ -600,8 +813,17 @@ def run_cli(run_dirs: Sequence[str], out_dir: str, target_reward: float | None, 
     except ReportError as error:
         print(f"stableasync report: {error}", file=sys.stderr)
         return 2
-    print(markdown_table(summaries), end="")
+    print_tables(summaries)
     out = Path(out_dir)
-    print(f"\nwrote {out / 'report.html'} (self-contained), table.md, table.csv and "
-          f"{len(CURVES) + 1} PNGs in {out}")
+    print(f"\nwrote {out / 'report.html'} (self-contained), table.md, table.csv, cells.md, cells.csv and "
+          f"{len(CURVES) + 2} PNGs in {out}")
     return 0
+
+
+def print_tables(summaries: Sequence[RunSummary]) -> None:
+    """The run table, then the table over seeds when some cell holds more than one run."""
+    print(markdown_table(summaries), end="")
+    cells = summarise_cells(summaries)
+    if has_repeats(cells):
+        print("\nover seeds, one row per stabilizer and max lag:\n")
+        print(cells_markdown_table(cells), end="")

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.report import ReportError, _unique_labels, load_run, summarise, write_report
+from cluster.report import ReportError, _unique_labels, load_run, summarise, summarise_cells, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SFT_STEPS = 2
@@ -29,13 +29,16 @@ def _json_value(value: Any) -> Any:
 
 
 def _write_run(run_dir: Path, rewards: list[float], *, stabilizer: str = "tis_seq", max_lag: int = 2,
-               alerts: dict[str, Any] | None = None, step_s: float = 2.0, **series: list[Any]) -> Path:
+               alerts: dict[str, Any] | None = None, step_s: float = 2.0, seed: int | None = None,
+               **series: list[Any]) -> Path:
     """A run directory as the driver leaves it: job.yaml, metrics.jsonl (SFT rows first), summary.json.
     `series` maps a metric key with "__" for "/" (e.g. stability__ess_ratio) to one value per RL step;
     None leaves the key out of that row."""
     run_dir.mkdir(parents=True)
     job = {"name": run_dir.name, "algorithm": {"stabilizer": {"name": stabilizer}}, "async": {"max_lag": max_lag},
            "learner": {"steps": len(rewards)}, "logging": {"alerts": alerts or {}}}
+    if seed is not None:
+        job["seed"] = seed
     (run_dir / "job.yaml").write_text(yaml.safe_dump(job))
     rows = [{"train/step": -SFT_STEPS + i, "time/wall_s": 1.0 + i, "sft/loss": 2.0, "sft/grad_norm": "nan"}
             for i in range(SFT_STEPS)]
@@ -281,6 +284,66 @@ def test_runs_sharing_a_label_get_their_directory_name(tmp_path):
     assert labels[:3] == ["tis_seq lag 2 (a)", "tis_seq lag 2 (b)", "tis_seq lag 0"]
 
 
+def test_runs_sharing_a_label_are_told_apart_by_seed_when_the_seeds_differ(tmp_path):
+    seeded = [load_run(_write_run(tmp_path / f"s{seed}", [0.5], seed=seed)) for seed in (0, 1)]
+    same_seed = [load_run(_write_run(tmp_path / f"t{i}", [0.5], max_lag=0, seed=3)) for i in (0, 1)]
+    labels = [run.label for run in _unique_labels(seeded + same_seed)]
+    assert labels == ["tis_seq lag 2 seed 0", "tis_seq lag 2 seed 1", "tis_seq lag 0 (t0)", "tis_seq lag 0 (t1)"]
+    assert [run.seed for run in seeded] == [0, 1]
+
+
+def test_cells_aggregate_each_stabilizer_and_lag_over_its_seeds(tmp_path):
+    n = 20
+    ramp = [0.05 * i for i in range(n)]  # moving average reaches 0.4 at step 13
+    runs = [
+        _write_run(tmp_path / "a", ramp, seed=0, stability__ess_ratio=[0.5] * n, optim__grad_norm=[2.0] * n),
+        _write_run(tmp_path / "b", [r + 0.1 for r in ramp], seed=1, stability__ess_ratio=[0.2] * n,
+                   optim__grad_norm=[5.0] * n),
+        _write_run(tmp_path / "c", [0.8] * 10 + [0.1] * 10, seed=2,  # falls below half its best: collapsed
+                   stability__ess_ratio=[math.nan] * n, optim__grad_norm=[1.0] * n),
+        _write_run(tmp_path / "d", [0.3] * n, stabilizer="none", max_lag=0, seed=0),
+    ]
+    summaries = [summarise(load_run(run), target_reward=0.4) for run in runs]
+    cells = summarise_cells(summaries)
+    assert [(c.stabilizer, c.max_lag, c.runs, c.seeds) for c in cells] == [("tis_seq", 2, 3, (0, 1, 2)),
+                                                                           ("none", 0, 1, (0,))]
+    tis, none = cells
+    finals = [s.final_reward for s in summaries[:3]]
+    assert (tis.final_reward_mean, tis.final_reward_min, tis.final_reward_max) == pytest.approx(
+        (statistics.fmean(finals), min(finals), max(finals)))
+    assert tis.collapsed == 1 and [s.collapsed for s in summaries[:3]] == [False, False, True]
+    steps = sorted(s.target_step for s in summaries[:3])
+    assert tis.target_reached == 3 and tis.target_step_median == steps[1]
+    assert math.isnan(tis.ess_ratio_min_lowest) and tis.ess_ratio_min_median == pytest.approx(0.2)  # NaN ranks lowest
+    assert tis.grad_norm_max == 5.0
+    assert (none.runs, none.collapsed, none.target_reached, none.target_step_median) == (1, 0, 0, None)
+    assert none.final_reward_mean == pytest.approx(0.3) and none.ess_ratio_min_median is None
+
+
+def test_the_report_adds_a_table_over_seeds_only_when_a_cell_repeats(tmp_path, capsys):
+    n = 12
+    seeded = [_write_run(tmp_path / f"vcpo{seed}", [0.1 * seed + 0.02 * i for i in range(n)], stabilizer="vcpo",
+                         seed=seed) for seed in range(3)]
+    other = _write_run(tmp_path / "none", [0.2] * n, stabilizer="none", seed=0)
+    out = tmp_path / "out"
+    assert main(["report", *map(str, seeded + [other]), "--out", str(out), "--target-reward", "0.5"]) == 0
+    printed = capsys.readouterr().out
+    assert "over seeds" in printed and "| vcpo | 2 | 0,1,2 | 0/3 |" in printed
+    assert "| vcpo lag 2 seed 1 |" in printed
+    cells = (out / "cells.md").read_text().splitlines()
+    assert len(cells) == 2 + 2 and cells[2].startswith("| vcpo | 2 | 0,1,2 |")
+    rows = list(csv.DictReader((out / "cells.csv").open()))
+    assert [(row["stabilizer"], row["runs"], row["seeds"]) for row in rows] == [("vcpo", "3", "0;1;2"),
+                                                                               ("none", "1", "0")]
+    assert "Over seeds" in (out / "report.html").read_text()
+    assert (out / "reward_by_cell.png").read_bytes()[:8] == PNG_SIGNATURE
+
+    single = tmp_path / "single"
+    assert main(["report", str(seeded[0]), str(other), "--out", str(single)]) == 0
+    assert "over seeds" not in capsys.readouterr().out
+    assert "Over seeds" not in (single / "report.html").read_text() and (single / "cells.md").is_file()
+
+
 # ---- the files --------------------------------------------------------------------------------------
 
 
@@ -314,7 +377,7 @@ def test_write_report_returns_a_summary_per_run_in_order(three_runs, report):
 def test_pngs_are_written_and_valid(report):
     out, _ = report
     pngs = sorted(out.glob("*.png"))
-    assert {p.stem for p in pngs} == {"reward", "ess_ratio", "grad_norm", "kl_k3", "lag_hist"}
+    assert {p.stem for p in pngs} == {"reward", "ess_ratio", "grad_norm", "kl_k3", "lag_hist", "reward_by_cell"}
     for png in pngs:
         data = png.read_bytes()
         assert data[:8] == PNG_SIGNATURE and len(data) > 1000, png
@@ -365,7 +428,7 @@ def test_cli_writes_the_report(tmp_path, capsys, three_runs):
                  "--ess-collapse-below", "0.95", "--ess-collapse-steps", "2"]) == 0
     printed = capsys.readouterr().out
     assert "| vcpo lag 1 |" in printed and "| none lag 4 |" in printed and "report.html" in printed
-    assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 5
+    assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 6
     healthy = next(csv.DictReader((out / "table.csv").open()))  # ESS 0.9 every step: low for the flags' rule
     assert (healthy["collapsed"], healthy["collapse_step"], healthy["ess_collapse_below"]) == ("True", "2", "0.95")
 
