@@ -87,6 +87,7 @@ class RunSummary:
     collapsed: bool
     collapse_step: int | None  # earliest step at which a collapse rule fired
     collapse_reason: str  # "" when not collapsed
+    reward_fell: bool  # rule (c) fired: the final reward fell below half the best moving average
 
 
 # ---- reading a run directory ------------------------------------------------------------------------
@@ -303,8 +304,9 @@ def summarise(run: RunData, target_reward: float | None = None, collapse_below: 
         if not math.isfinite(value):
             fired.append((step, f"grad norm {value} at step {step}"))
             break
-    if best_ma is not None and final_reward is not None and best_ma > 0 \
-            and final_reward < REWARD_DROP_FRACTION * best_ma:
+    reward_fell = best_ma is not None and final_reward is not None and best_ma > 0 \
+        and final_reward < REWARD_DROP_FRACTION * best_ma
+    if reward_fell:
         peak = moving.index(best_ma)
         drop = next((i for i in range(peak + 1, len(moving)) if moving[i] < REWARD_DROP_FRACTION * best_ma),
                     len(moving) - 1)
@@ -324,7 +326,7 @@ def summarise(run: RunData, target_reward: float | None = None, collapse_below: 
         grad_norm_max=_grad_norm_max([v for _, _, v in grad_norms]), kl_k3_max=max(kl) if kl else None,
         lag_mean=_lag_mean(run), ess_collapse_below=below, ess_collapse_steps=needed,
         collapsed=bool(fired), collapse_step=fired[0][0] if fired else None,
-        collapse_reason="; ".join(why for _, why in fired),
+        collapse_reason="; ".join(why for _, why in fired), reward_fell=reward_fell,
     )
 
 
@@ -415,7 +417,8 @@ class CellSummary:
     max_lag: int | None
     runs: int
     seeds: tuple[int | None, ...]
-    collapsed: int  # runs flagged collapsed
+    collapsed: int  # runs flagged collapsed, by any rule
+    reward_fell: int  # runs flagged by the reward rule (c): the outcome, not only the ESS warning
     final_reward_mean: float | None
     final_reward_min: float | None
     final_reward_max: float | None
@@ -449,18 +452,21 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def summarise_cells(summaries: Sequence[RunSummary]) -> list[CellSummary]:
-    """Group runs by (stabilizer, max_lag), in the order cells first appear."""
+    """Group runs by (stabilizer, max_lag): stabilizers in the order they first appear, each one's lags
+    ascending (a shell glob lists lag 16 before lag 2)."""
     cells: dict[tuple[str, int | None], list[RunSummary]] = {}
     for summary in summaries:
         cells.setdefault((summary.stabilizer, summary.max_lag), []).append(summary)
+    first_seen = {stabilizer: i for i, (stabilizer, _) in reversed(list(enumerate(cells)))}
     out = []
-    for (stabilizer, max_lag), runs in cells.items():
+    for (stabilizer, max_lag), runs in sorted(cells.items(), key=lambda item: (
+            first_seen[item[0][0]], -1 if item[0][1] is None else item[0][1])):
         finals = _present([run.final_reward for run in runs])
         reached = [run for run in runs if run.target_step is not None]
         ess = _present([run.ess_ratio_min for run in runs])
         out.append(CellSummary(
             stabilizer=stabilizer, max_lag=max_lag, runs=len(runs), seeds=tuple(run.seed for run in runs),
-            collapsed=sum(run.collapsed for run in runs),
+            collapsed=sum(run.collapsed for run in runs), reward_fell=sum(run.reward_fell for run in runs),
             final_reward_mean=_mean(finals), final_reward_min=min(finals, default=None),
             final_reward_max=max(finals, default=None),
             best_reward_ma_mean=_mean(_present([run.best_reward_ma for run in runs])),
@@ -490,6 +496,7 @@ CELL_COLUMNS: list[tuple[str, Callable[[CellSummary], str]]] = [
     ("max lag", lambda c: _shown(c.max_lag, _plain)),
     ("seeds", lambda c: ",".join(MISSING if seed is None else str(seed) for seed in c.seeds)),
     ("collapsed", lambda c: _of_runs(c.collapsed, c)),
+    ("reward fell", lambda c: _of_runs(c.reward_fell, c)),
     ("final reward mean", lambda c: _shown(c.final_reward_mean, _fixed(3))),
     ("final reward min–max", lambda c: MISSING if c.final_reward_min is None
         else f"{_fixed(3)(c.final_reward_min)}–{_fixed(3)(c.final_reward_max)}"),

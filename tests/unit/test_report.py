@@ -296,7 +296,8 @@ def test_cells_aggregate_each_stabilizer_and_lag_over_its_seeds(tmp_path):
     n = 20
     ramp = [0.05 * i for i in range(n)]  # moving average reaches 0.4 at step 13
     runs = [
-        _write_run(tmp_path / "a", ramp, seed=0, stability__ess_ratio=[0.5] * n, optim__grad_norm=[2.0] * n),
+        _write_run(tmp_path / "a", ramp, seed=0, stability__ess_ratio=[0.05] * n,  # ESS collapse, reward holds
+                   optim__grad_norm=[2.0] * n),
         _write_run(tmp_path / "b", [r + 0.1 for r in ramp], seed=1, stability__ess_ratio=[0.2] * n,
                    optim__grad_norm=[5.0] * n),
         _write_run(tmp_path / "c", [0.8] * 10 + [0.1] * 10, seed=2,  # falls below half its best: collapsed
@@ -311,13 +312,23 @@ def test_cells_aggregate_each_stabilizer_and_lag_over_its_seeds(tmp_path):
     finals = [s.final_reward for s in summaries[:3]]
     assert (tis.final_reward_mean, tis.final_reward_min, tis.final_reward_max) == pytest.approx(
         (statistics.fmean(finals), min(finals), max(finals)))
-    assert tis.collapsed == 1 and [s.collapsed for s in summaries[:3]] == [False, False, True]
+    assert [s.collapsed for s in summaries[:3]] == [True, False, True]
+    assert [s.reward_fell for s in summaries[:3]] == [False, False, True]
+    assert (tis.collapsed, tis.reward_fell) == (2, 1)
     steps = sorted(s.target_step for s in summaries[:3])
     assert tis.target_reached == 3 and tis.target_step_median == steps[1]
-    assert math.isnan(tis.ess_ratio_min_lowest) and tis.ess_ratio_min_median == pytest.approx(0.2)  # NaN ranks lowest
+    assert math.isnan(tis.ess_ratio_min_lowest) and tis.ess_ratio_min_median == pytest.approx(0.05)  # NaN ranks lowest
     assert tis.grad_norm_max == 5.0
     assert (none.runs, none.collapsed, none.target_reached, none.target_step_median) == (1, 0, 0, None)
     assert none.final_reward_mean == pytest.approx(0.3) and none.ess_ratio_min_median is None
+
+
+def test_cells_list_each_stabilizers_lags_in_numeric_order(tmp_path):
+    order = [("vcpo", 16), ("vcpo", 2), ("none", 8), ("vcpo", 0), ("none", 0)]  # as a shell glob lists them
+    summaries = [summarise(load_run(_write_run(tmp_path / f"{name}{lag}", [0.5], stabilizer=name, max_lag=lag)))
+                 for name, lag in order]
+    assert [(c.stabilizer, c.max_lag) for c in summarise_cells(summaries)] == [
+        ("vcpo", 0), ("vcpo", 2), ("vcpo", 16), ("none", 0), ("none", 8)]
 
 
 def test_the_report_adds_a_table_over_seeds_only_when_a_cell_repeats(tmp_path, capsys):
@@ -328,7 +339,7 @@ def test_the_report_adds_a_table_over_seeds_only_when_a_cell_repeats(tmp_path, c
     out = tmp_path / "out"
     assert main(["report", *map(str, seeded + [other]), "--out", str(out), "--target-reward", "0.5"]) == 0
     printed = capsys.readouterr().out
-    assert "over seeds" in printed and "| vcpo | 2 | 0,1,2 | 0/3 |" in printed
+    assert "over seeds" in printed and "| vcpo | 2 | 0,1,2 | 0/3 | 0/3 |" in printed
     assert "| vcpo lag 2 seed 1 |" in printed
     cells = (out / "cells.md").read_text().splitlines()
     assert len(cells) == 2 + 2 and cells[2].startswith("| vcpo | 2 | 0,1,2 |")
