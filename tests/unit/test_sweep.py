@@ -100,3 +100,36 @@ def test_seeds_that_are_not_integers_are_named_before_anything_runs(tmp_path, ca
     assert main(["sweep", str(job), "--out", str(tmp_path), "--seeds", "0,one"]) == 2
     assert "--seeds takes comma-separated integers, not '0,one'" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_sweep_with_seeds_prints_a_row_per_cell_over_its_seeds(tmp_path, monkeypatch, capsys):
+    """The CLI end to end but for the driver: each cell leaves a run directory as run_job does."""
+    import json
+
+    import yaml
+
+    from cluster import driver
+    from cluster.cli import main
+
+    def run_job(job, resume_dir=None, stop=None):
+        run_dir = tmp_path / "out" / "runs" / job.logging.run_name
+        run_dir.mkdir(parents=True)
+        stabilizer = job.algorithm.stabilizer.name
+        (run_dir / "job.yaml").write_text(yaml.safe_dump(
+            {"name": job.name, "seed": job.seed, "algorithm": {"stabilizer": {"name": stabilizer}},
+             "async": {"max_lag": job.async_.max_lag}}))
+        reward = 0.1 * job.seed + (0.5 if stabilizer == "m2po" else 0.0)
+        rows = [{"train/step": step, "time/wall_s": float(step), "rollout/reward_mean": reward} for step in range(1, 4)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    monkeypatch.setattr(driver, "run_job", run_job)
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps(BASE))
+    assert main(["sweep", str(job), "--stabilizers", "none,m2po", "--max-lag", "0,2", "--seeds", "1,3",
+                 "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "| none lag 0 seed 1 |" in printed and "| m2po lag 2 seed 3 |" in printed
+    cells = printed.split("over seeds")[1]
+    assert "| none | 0 | 1,3 | 0/2 | 0/2 | 0.200 | 0.100–0.300 |" in cells
+    assert "| m2po | 2 | 1,3 | 0/2 | 0/2 | 0.700 | 0.600–0.800 |" in cells
+    assert (tmp_path / "out" / "cells.csv").is_file()
