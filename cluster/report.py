@@ -451,16 +451,24 @@ def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _lag_order(max_lag: int | None) -> int:
+    return -1 if max_lag is None else max_lag
+
+
+def _by_cell(runs: Sequence[Any]) -> dict[tuple[str, int | None], list[Any]]:
+    """Runs (anything with `stabilizer` and `max_lag`) grouped by cell: stabilizers in the order they first
+    appear, each one's lags ascending (a shell glob lists lag 16 before lag 2)."""
+    stabilizers = list(dict.fromkeys(run.stabilizer for run in runs))
+    cells: dict[tuple[str, int | None], list[Any]] = {}
+    for run in sorted(runs, key=lambda run: (stabilizers.index(run.stabilizer), _lag_order(run.max_lag))):
+        cells.setdefault((run.stabilizer, run.max_lag), []).append(run)
+    return cells
+
+
 def summarise_cells(summaries: Sequence[RunSummary]) -> list[CellSummary]:
-    """Group runs by (stabilizer, max_lag): stabilizers in the order they first appear, each one's lags
-    ascending (a shell glob lists lag 16 before lag 2)."""
-    cells: dict[tuple[str, int | None], list[RunSummary]] = {}
-    for summary in summaries:
-        cells.setdefault((summary.stabilizer, summary.max_lag), []).append(summary)
-    first_seen = {stabilizer: i for i, (stabilizer, _) in reversed(list(enumerate(cells)))}
+    """One row per (stabilizer, max_lag) cell, in `_by_cell` order."""
     out = []
-    for (stabilizer, max_lag), runs in sorted(cells.items(), key=lambda item: (
-            first_seen[item[0][0]], -1 if item[0][1] is None else item[0][1])):
+    for (stabilizer, max_lag), runs in _by_cell(summaries).items():
         finals = _present([run.final_reward for run in runs])
         reached = [run for run in runs if run.target_step is not None]
         ess = _present([run.ess_ratio_min for run in runs])
@@ -648,10 +656,8 @@ def plot_cells(runs: Sequence[RunData], out_dir: Path, target_reward: float | No
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    cells: dict[tuple[str, int | None], list[dict[int, float]]] = {}
-    for run in runs:
-        cells.setdefault((run.stabilizer, run.max_lag), []).append(_reward_ma_by_step(run))
-    lags = sorted({lag for _, lag in cells}, key=lambda lag: -1 if lag is None else lag)
+    cells = {key: [_reward_ma_by_step(run) for run in same] for key, same in _by_cell(runs).items()}
+    lags = sorted({lag for _, lag in cells}, key=_lag_order)
     figure = Figure(figsize=(4.2 * max(1, len(lags)), 4.2), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(1, max(1, len(lags)), sharey=True, squeeze=False)[0]
@@ -690,32 +696,35 @@ def plot_cells(runs: Sequence[RunData], out_dir: Path, target_reward: float | No
 # ---- the HTML page ----------------------------------------------------------------------------------
 
 
+def _html_table(header: Sequence[str], rows: Sequence[tuple[Sequence[str], bool]]) -> str:
+    """A table of (cells, shaded) rows; shaded rows (a collapse) get the `collapsed` class."""
+    esc = html.escape
+    head = "".join(f"<th>{esc(name)}</th>" for name in header)
+    body = "".join(
+        "<tr" + (' class="collapsed"' if shaded else "") + ">"
+        + "".join(f"<td>{esc(cell)}</td>" for cell in cells) + "</tr>\n"
+        for cells, shaded in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>\n{body}</tbody></table>\n"
+
+
 def _cells_html(cells: Sequence[CellSummary]) -> str:
     """The table over each cell's runs, when some cell has more than one (else it repeats the run table)."""
     if not has_repeats(cells):
         return ""
-    esc = html.escape
-    head = "".join(f"<th>{esc(name)}</th>" for name, _ in CELL_COLUMNS)
-    body = "".join(
-        "<tr" + (' class="collapsed"' if cell.collapsed else "") + ">"
-        + "".join(f"<td>{esc(show(cell))}</td>" for _, show in CELL_COLUMNS) + "</tr>\n"
-        for cell in cells
-    )
+    table = _html_table([name for name, _ in CELL_COLUMNS],
+                        [([show(cell) for _, show in CELL_COLUMNS], cell.collapsed > 0) for cell in cells])
     return (f"<h2>Over seeds: one row per stabilizer and max lag</h2>\n<p>Means and min–max over each cell's "
             f"runs; medians are the middle run's value. A row is shaded when any of its runs collapsed.</p>\n"
-            f"<table><thead><tr>{head}</tr></thead><tbody>\n{body}</tbody></table>\n<h2>Every run</h2>\n")
+            f"{table}<h2>Every run</h2>\n")
 
 
-def render_html(summaries: Sequence[RunSummary], images: Sequence[Path], target_reward: float | None) -> str:
+def render_html(summaries: Sequence[RunSummary], cells: Sequence[CellSummary], images: Sequence[Path],
+                target_reward: float | None) -> str:
     """One self-contained page: the tables and every PNG inline as base64 data URIs (no external
     files, scripts or network), so it can be mailed or attached to an issue as is."""
     esc = html.escape
-    head = "".join(f"<th>{esc(name)}</th>" for name, _, _ in COLUMNS)
-    body = "".join(
-        "<tr" + (' class="collapsed"' if s.collapsed else "") + ">"
-        + "".join(f"<td>{esc(cell)}</td>" for cell in _cells(s)) + "</tr>\n"
-        for s in summaries
-    )
+    table = _html_table([name for name, _, _ in COLUMNS], [(_cells(s), s.collapsed) for s in summaries])
     sources = "".join(f"<li><code>{esc(str(s.run_dir.resolve()))}</code> ({esc(s.label)})</li>" for s in summaries)
     figures = "".join(
         f'<figure><img alt="{esc(path.stem)}" src="data:image/png;base64,'
@@ -748,9 +757,7 @@ figure {{ margin: 1em 0; }}
 {len(summaries)} run director{'y' if len(summaries) == 1 else 'ies'}:</p>
 <ul>{sources}</ul>
 <p>{rules}</p>
-{_cells_html(summarise_cells(summaries))}<table><thead><tr>{head}</tr></thead><tbody>
-{body}</tbody></table>
-{figures}</body></html>
+{_cells_html(cells)}{table}{figures}</body></html>
 """
 
 
@@ -806,7 +813,7 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path = "report",
     (out / "cells.md").write_text(cells_markdown_table(cells))
     write_cells_csv(cells, out / "cells.csv")
     images = plot_runs(runs, summaries, out, target_reward) + [plot_cells(runs, out, target_reward)]
-    (out / "report.html").write_text(render_html(summaries, images, target_reward))
+    (out / "report.html").write_text(render_html(summaries, cells, images, target_reward))
     return summaries
 
 
