@@ -7,8 +7,9 @@ text the job schema shows for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import operator
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, Literal
 
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"]
 
@@ -17,109 +18,143 @@ LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-s
 LOG_RATIO_BOUND = 20.0
 
 
-def _doc(text: str, default: object) -> object:
-    return field(default=default, metadata={"doc": text})
+def _doc(text: str, default: object, **bounds: float) -> object:
+    """A field with the text the job schema shows for it and the bounds (gt, ge, lt, le) its value must keep."""
+    return field(default=default, metadata={"doc": text, "bounds": bounds})
+
+
+_BOUND_TESTS = {"gt": (operator.gt, "above"), "ge": (operator.ge, "at least"), "lt": (operator.lt, "below"),
+                "le": (operator.le, "at most")}
+
+
+class CheckedConfig:
+    """Refuses, on construction, a value outside its field's bounds or a pair in `ORDERED` out of order.
+
+    A bad value would otherwise surface steps into a run (a log of 0, a bound walk that never ends);
+    the message names the field, and the job schema reports it under the stabilizer's path.
+    """
+
+    ORDERED: ClassVar[tuple[tuple[str, str], ...]] = ()  # (a, b): a must not exceed b
+
+    def __post_init__(self) -> None:
+        for item in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, item.name)
+            for rule, bound in item.metadata.get("bounds", {}).items():
+                test, words = _BOUND_TESTS[rule]
+                if not test(value, bound):
+                    raise ValueError(f"{item.name} must be {words} {bound}, got {value}")
+        for first, second in self.ORDERED:
+            if not getattr(self, first) <= getattr(self, second):
+                raise ValueError(f"{first} ({getattr(self, first)}) must not exceed {second} ({getattr(self, second)})")
 
 
 @dataclass(frozen=True)
-class NoneConfig:
+class NoneConfig(CheckedConfig):
     """On-policy REINFORCE/GRPO: behaviour log-probs are ignored (the synchronous baseline)."""
 
 
 @dataclass(frozen=True)
-class PPOClipConfig:
+class PPOClipConfig(CheckedConfig):
     """Token PPO clipped surrogate against the behaviour policy, with dual clip for A < 0."""
 
-    eps_low: float = _doc("lower clip: ratios below 1 - eps_low get no gradient when A < 0", 0.2)
-    eps_high: float = _doc("upper clip: ratios above 1 + eps_high get no gradient when A > 0", 0.2)
-    dual_clip_c: float = _doc("dual clip for A < 0: ratios above c get no gradient (verl 3.0)", 3.0)
+    eps_low: float = _doc("lower clip: ratios below 1 - eps_low get no gradient when A < 0", 0.2, ge=0)
+    eps_high: float = _doc("upper clip: ratios above 1 + eps_high get no gradient when A > 0", 0.2, ge=0)
+    dual_clip_c: float = _doc("dual clip for A < 0: ratios above c get no gradient (verl 3.0)", 3.0, gt=0)
 
 
 @dataclass(frozen=True)
-class TISConfig:
+class TISConfig(CheckedConfig):
     """Truncated importance sampling: detached weight min(ratio, cap)."""
 
-    cap: float = _doc("truncation cap C on the importance weight (verl/slime default 2.0)", 2.0)
+    cap: float = _doc("truncation cap C on the importance weight (verl/slime default 2.0)", 2.0, gt=0)
 
 
 @dataclass(frozen=True)
-class MISConfig:
+class MISConfig(CheckedConfig):
     """Masked importance sampling: weight = ratio inside [low, high], else the unit is masked out."""
 
-    low: float = _doc("lower bound on the ratio statistic; below it the unit is masked", 0.5)
-    high: float = _doc("upper bound on the ratio statistic; above it the unit is masked", 2.0)
+    ORDERED = (("low", "high"),)
+
+    low: float = _doc("lower bound on the ratio statistic; below it the unit is masked", 0.5, gt=0)
+    high: float = _doc("upper bound on the ratio statistic; above it the unit is masked", 2.0, gt=0)
 
 
 @dataclass(frozen=True)
-class MISGeoConfig:
+class MISGeoConfig(CheckedConfig):
     """Geometric-mean sequence masking: bounds must hug 1 (per-token drift compounds)."""
 
-    low: float = _doc("lower bound on exp(mean_t log-ratio)", 0.999)
-    high: float = _doc("upper bound on exp(mean_t log-ratio)", 1.001)
+    ORDERED = (("low", "high"),)
+
+    low: float = _doc("lower bound on exp(mean_t log-ratio)", 0.999, gt=0)
+    high: float = _doc("upper bound on exp(mean_t log-ratio)", 1.001, gt=0)
 
 
 @dataclass(frozen=True)
-class IcePopConfig:
+class IcePopConfig(CheckedConfig):
     """IcePop: token weight = ratio inside [low, high], else 0; the token stays in the denominator."""
 
-    low: float = _doc("alpha: lower ratio bound (verl/OpenRLHF default 0.5)", 0.5)
-    high: float = _doc("beta: upper ratio bound (verl/OpenRLHF default 5.0)", 5.0)
+    ORDERED = (("low", "high"),)
+
+    low: float = _doc("alpha: lower ratio bound (verl/OpenRLHF default 0.5)", 0.5, gt=0)
+    high: float = _doc("beta: upper ratio bound (verl/OpenRLHF default 5.0)", 5.0, gt=0)
 
 
 @dataclass(frozen=True)
-class OPSMConfig:
+class OPSMConfig(CheckedConfig):
     """DeepSeek-V3.2 off-policy sequence masking of negative-advantage sequences."""
 
-    delta: float = _doc("mask when A < 0 and mean_t log(mu / pi) exceeds delta (slime 1e-4)", 1e-4)
+    delta: float = _doc("mask when A < 0 and mean_t log(mu / pi) exceeds delta (slime 1e-4)", 1e-4, ge=0)
 
 
 @dataclass(frozen=True)
-class M2POConfig:
+class M2POConfig(CheckedConfig):
     """Second-moment trust region (M2PO)."""
 
-    tau: float = _doc("second-moment budget: mean (log r)^2 over trust-region tokens", 0.04)
+    tau: float = _doc("second-moment budget: mean (log r)^2 over trust-region tokens", 0.04, ge=0)
     mode: Literal["mask", "adaptive_clip"] = _doc(
         "mask: the paper's Algorithm 1; adaptive_clip: the released code's clip range", "mask"
     )
 
 
 @dataclass(frozen=True)
-class GSPOConfig:
+class GSPOConfig(CheckedConfig):
     """Group sequence policy optimisation: clipped geometric-mean sequence ratio."""
 
-    eps_low: float = _doc("lower clip on the geometric sequence ratio", 3e-4)
-    eps_high: float = _doc("upper clip on the geometric sequence ratio", 4e-4)
+    eps_low: float = _doc("lower clip on the geometric sequence ratio", 3e-4, ge=0)
+    eps_high: float = _doc("upper clip on the geometric sequence ratio", 4e-4, ge=0)
 
 
 @dataclass(frozen=True)
-class CISPOConfig:
+class CISPOConfig(CheckedConfig):
     """CISPO: detached clipped token weight, so clipped tokens still get gradient."""
 
-    eps_low: float = _doc("weight floor is max(0, 1 - eps_low); 10 means no floor", 10.0)
-    eps_high: float = _doc("weight ceiling 1 + eps_high", 0.2)
+    eps_low: float = _doc("weight floor is max(0, 1 - eps_low); 10 means no floor", 10.0, ge=0)
+    eps_high: float = _doc("weight ceiling 1 + eps_high", 0.2, ge=0)
 
 
 @dataclass(frozen=True)
-class BAPOConfig:
+class BAPOConfig(CheckedConfig):
     """BAPO: PPO clip with bounds adapted each step until positive tokens hold a target share."""
 
+    ORDERED = (("clip_low_min", "clip_low_max"), ("clip_high_min", "clip_high_max"))
+
     positive_share: float = _doc(
-        "rho_0: target share of the positive-advantage tokens in the total loss contribution", 0.5
+        "rho_0: target share of the positive-advantage tokens in the total loss contribution", 0.5, ge=0, le=1
     )
-    clip_low_min: float = _doc("a-: lowest lower ratio bound", 0.6)
+    clip_low_min: float = _doc("a-: lowest lower ratio bound", 0.6, gt=0)
     clip_low_max: float = _doc("b-: highest lower ratio bound", 0.9)
-    clip_high_min: float = _doc("a+: lowest upper ratio bound", 1.2)
+    clip_high_min: float = _doc("a+: lowest upper ratio bound", 1.2, gt=0)
     clip_high_max: float = _doc("b+: highest upper ratio bound", 3.0)
-    step: float = _doc("increment of each bound per adaptation move", 0.05)
-    dual_clip_c: float = _doc("dual clip for A < 0", 3.0)
+    step: float = _doc("increment of each bound per adaptation move", 0.05, gt=0)
+    dual_clip_c: float = _doc("dual clip for A < 0", 3.0, gt=0)
 
 
 @dataclass(frozen=True)
-class VCPOConfig:
+class VCPOConfig(CheckedConfig):
     """VCPO: seq-TIS base loss, ESS-scaled learning rate and the off-policy optimal baseline."""
 
-    cap: float = _doc("sequence TIS cap C of the base loss (official scripts: 8)", 8.0)
-    rho_on: float = _doc("on-policy reference ESS ratio; LR shrinks when ESS ratio is below it", 1.0)
+    cap: float = _doc("sequence TIS cap C of the base loss (official scripts: 8)", 8.0, gt=0)
+    rho_on: float = _doc("on-policy reference ESS ratio; LR shrinks when ESS ratio is below it", 1.0, gt=0)
     lr_rule: Literal["sqrt", "linear"] = _doc("LR factor sqrt(s) or s, s = min(1, ess/rho_on)", "sqrt")
     ess_from_clipped: bool = _doc("compute the ESS from capped weights (official default: no)", False)
     use_baseline: bool = _doc("replace the group mean with the off-policy optimal baseline", True)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from algorithms.config import STABILIZER_CONFIGS, LossAggregation
 from tasks.config import TASK_CONFIGS
@@ -31,13 +31,21 @@ class Section(BaseModel):
 
 
 def _section_from_dataclass(name: str, config_cls: type, suffix: str) -> type[BaseModel]:
-    """A pydantic section `{name: <name>, **fields}` mirroring one config dataclass."""
+    """A pydantic section `{name: <name>, **fields}` mirroring one config dataclass: its fields' bounds
+    become the schema's, and the dataclass's own checks across fields run on the validated section."""
     hints = typing.get_type_hints(config_cls)
     fields: dict[str, Any] = {"name": (Literal[name], Field(description=f"selects `{name}`"))}
     for field in dataclasses.fields(config_cls):
         default = field.default if field.default is not dataclasses.MISSING else ...
-        fields[field.name] = (hints[field.name], Field(default, description=field.metadata.get("doc")))
-    return create_model(f"{config_cls.__name__}{suffix}_{name}", __base__=Section, **fields)
+        bounds = field.metadata.get("bounds", {})
+        fields[field.name] = (hints[field.name], Field(default, description=field.metadata.get("doc"), **bounds))
+
+    def dataclass_accepts(section: BaseModel) -> BaseModel:
+        config_cls(**section.model_dump(exclude={"name"}))  # a ValueError names the fields out of order
+        return section
+
+    checks = {"dataclass_accepts": model_validator(mode="after")(dataclass_accepts)}
+    return create_model(f"{config_cls.__name__}{suffix}_{name}", __base__=Section, __validators__=checks, **fields)
 
 
 def _union(configs: dict[str, type], suffix: str) -> Any:
@@ -298,7 +306,7 @@ def _pydantic_errors(error: ValidationError) -> list[JobError]:
     out = []
     for item in error.errors():
         path = ".".join(_user_path([str(part) for part in item["loc"]])) or "(top level)"
-        out.append(JobError(path, item["msg"]))
+        out.append(JobError(path, item["msg"].removeprefix("Value error, ")))  # a check's own words
     return out
 
 

@@ -73,6 +73,18 @@ def test_stabilizer_sections_carry_reference_defaults():
     assert vcpo.cap == 8.0 and vcpo.rho_on == 1.0 and vcpo.use_baseline and vcpo.opob_impl == "bookkeeping"
 
 
+def test_stabilizer_values_out_of_their_bounds_name_the_field():
+    # each of these used to pass validation and fail steps into the run: log(0) for a cap of 0, a BAPO
+    # bound walk with step 0 that never ends, an MIS band that masks everything
+    assert "greater than 0" in _errors({**MINIMAL, "algorithm": {"stabilizer": {"name": "tis_seq", "cap": 0}}})[
+        "algorithm.stabilizer.cap"]
+    assert "greater than 0" in _errors({**MINIMAL, "algorithm": {"stabilizer": {"name": "bapo", "step": 0}}})[
+        "algorithm.stabilizer.step"]
+    swapped = _errors({**MINIMAL, "algorithm": {"stabilizer": {"name": "mis_token", "low": 2.0, "high": 0.5}}})
+    assert "low (2.0) must not exceed high (0.5)" in swapped["algorithm.stabilizer"]
+    assert validate_job({**MINIMAL, "algorithm": {"stabilizer": {"name": "mis_token", "low": 0.2, "high": 4}}})
+
+
 def test_vcpo_gradient_norm_path_is_a_closed_choice():
     errors = _errors({**MINIMAL, "algorithm": {"stabilizer": {"name": "vcpo", "opob_impl": "vmap"}}})
     assert "ghost" in errors["algorithm.stabilizer.opob_impl"]

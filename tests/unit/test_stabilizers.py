@@ -1,5 +1,6 @@
 """Hand-computed cases per stabilizer, and the weight form checked against each literal objective."""
 
+import dataclasses
 import math
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from algorithms import registry
 from algorithms.aggregation import policy_gradient_loss
 from algorithms.batch import PolicyBatch
+from algorithms.config import STABILIZER_CONFIGS
 
 LOG = math.log
 
@@ -41,6 +43,28 @@ def test_unknown_name_and_unknown_config_key_are_clear_errors():
         registry.get("tis")
     with pytest.raises(TypeError, match="cap_value"):
         registry.build("tis_seq", cap_value=3)
+
+
+def _past(bound_rule: str, bound: float) -> float:
+    return {"gt": bound, "ge": bound - 0.5, "lt": bound, "le": bound + 0.5}[bound_rule]
+
+
+@pytest.mark.parametrize("name", sorted(STABILIZER_CONFIGS))
+def test_config_values_past_their_bounds_or_out_of_order_are_refused_by_name(name):
+    config_cls = STABILIZER_CONFIGS[name]
+    for field in dataclasses.fields(config_cls):
+        for rule, bound in field.metadata.get("bounds", {}).items():
+            with pytest.raises(ValueError, match=f"^{field.name} must be"):
+                registry.build(name, **{field.name: _past(rule, bound)})
+    for first, second in config_cls.ORDERED:
+        low, high = getattr(config_cls(), first), getattr(config_cls(), second)
+        with pytest.raises(ValueError, match=f"{first} .* must not exceed {second}"):
+            registry.build(name, **{first: high + 1.0, second: high + 0.5})
+        registry.build(name, **{first: low, second: low})  # equal is in order
+    ordered = {name for pair in config_cls.ORDERED for name in pair}
+    unchecked = [field.name for field in dataclasses.fields(config_cls)
+                 if field.type == "float" and not field.metadata.get("bounds") and field.name not in ordered]
+    assert not unchecked, f"float fields with neither bounds nor an order: {unchecked}"
 
 
 def test_reference_defaults():
