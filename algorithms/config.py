@@ -107,6 +107,13 @@ class OPSMConfig(CheckedConfig):
 
 
 @dataclass(frozen=True)
+class TOPRConfig(CheckedConfig):
+    """Tapered off-policy REINFORCE: no IS weight for A >= 0, truncated sequence weight for A < 0."""
+
+    cap: float = _doc("truncation of the sequence IS weight of A < 0 samples (the paper's [0, 1])", 1.0, gt=0)
+
+
+@dataclass(frozen=True)
 class M2POConfig(CheckedConfig):
     """Second-moment trust region (M2PO)."""
 
@@ -181,6 +188,7 @@ STABILIZER_CONFIGS: dict[str, type] = {
     "mis_geo": MISGeoConfig,
     "icepop": IcePopConfig,
     "opsm": OPSMConfig,
+    "topr": TOPRConfig,
     "m2po": M2POConfig,
     "gspo": GSPOConfig,
     "cispo": CISPOConfig,

@@ -1,8 +1,9 @@
 """Importance-weighting stabilizers: the REINFORCE form sg(weight) * A * grad log pi.
 
 Truncation (TIS) caps the weight; masking (MIS, IcePop, OPSM) zeroes it. CISPO is a two-sided
-truncation. Ratios are learner over behaviour (verl's bypass mode): the generator's log-probs are the
-only behaviour record an asynchronous rollout carries.
+truncation; TOPR truncates the negative-advantage sequences only. Ratios are learner over behaviour
+(verl's bypass mode): the generator's log-probs are the only behaviour record an asynchronous
+rollout carries.
 
 Token rules start from the batch's cached ratio (0 on padding, its exp shared with the health
 metrics) and use float 0/1 arithmetic; sequence rules decide per sequence and spend one [B, T] pass
@@ -170,6 +171,25 @@ class OffPolicySequenceMasking(Stabilizer):
             "stability/seq_mask_frac": _sequence_fraction(drop, batch),
         }
         return TokenWeights(_per_token(1.0 - drop, batch), batch.mask, metrics)
+
+
+@register("topr")
+class TOPR(Stabilizer):
+    """Tapered off-policy REINFORCE: sequences with A >= 0 keep weight 1, those with A < 0 get sg(min(w, C)).
+
+    A stale good answer is learned from as if on-policy, however unlikely the learner now finds it; a
+    stale bad one is pushed down only as far as the learner still produces it, which keeps the
+    objective bounded (the paper's C is 1).
+    """
+
+    def token_weights(self, batch: PolicyBatch) -> TokenWeights:
+        log_cap = math.log(self.config.cap)
+        negative = batch.seq_advantages < 0
+        seq_weights = torch.where(negative, torch.exp(batch.seq_log_ratio.clamp(max=log_cap)), torch.ones(()))
+        metrics = _sequence_weight_metrics(batch, seq_weights)
+        capped = torch.sign(batch.seq_log_ratio - log_cap).clamp_(min=0) * negative.float()
+        metrics["stability/clip_frac"] = (capped * batch.token_lengths).sum() / batch.token_count
+        return TokenWeights(_per_token(seq_weights, batch), batch.mask, metrics)
 
 
 @register("cispo")

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,8 +35,13 @@ def _weights(name, batch, **config):
 
 def test_every_issue_stabilizer_is_registered():
     expected = {"none", "ppo_clip", "tis_token", "tis_seq", "mis_token", "mis_seq", "mis_geo", "icepop",
-                "opsm", "m2po", "gspo", "cispo", "bapo", "vcpo"}
+                "opsm", "topr", "m2po", "gspo", "cispo", "bapo", "vcpo"}
     assert set(registry.STABILIZERS) == expected
+
+
+def test_every_stabilizer_has_a_row_in_the_docs():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "stabilizers.md").read_text()
+    assert [name for name in registry.STABILIZERS if f"| `{name}`" not in docs] == []
 
 
 def test_unknown_name_and_unknown_config_key_are_clear_errors():
@@ -126,6 +132,20 @@ def test_opsm_masks_only_stale_negative_sequences():
     out = _weights("opsm", _batch([stale, stale, [1.0, 1.0]], advantages=[-1.0, 1.0, -1.0]))
     assert out.weights.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
     assert out.mask.all()
+
+
+def test_topr_truncates_only_negative_sequences():
+    # products: 3 (A > 0: weight 1, no IS), 0.5 (A < 0: 0.5), 3 (A < 0: capped at 1), 0.25 (A = 0: weight 1)
+    batch = _batch([[1.5, 2.0], [0.5, 1.0], [3.0, 1.0], [0.5, 0.5]], advantages=[1.0, -1.0, -1.0, 0.0],
+                   mask=[[1, 1], [1, 1], [1, 1], [1, 0]])
+    out = _weights("topr", batch)
+    assert torch.allclose(out.weights, torch.tensor([[1.0, 1.0], [0.5, 0.5], [1.0, 1.0], [1.0, 0.0]]))
+    assert out.mask.equal(batch.mask)
+    assert out.metrics["stability/clip_frac"].item() == pytest.approx(2 / 7)  # the capped sequence's 2 tokens
+    assert out.metrics["stability/is_weight_mean"].item() == pytest.approx((2 + 1 + 2 + 1) / 7)
+    # per-token advantages: the sign of the sequence's token mean decides
+    per_token = _batch([[0.5, 1.0]], advantages=[[1.0, -3.0]])
+    assert torch.allclose(_weights("topr", per_token, cap=2.0).weights, torch.tensor([[0.5, 0.5]]))
 
 
 def test_cispo_clips_but_keeps_gradient():
