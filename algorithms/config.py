@@ -18,7 +18,7 @@ LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-s
 LOG_RATIO_BOUND = 20.0
 
 
-def _doc(text: str, default: object, **bounds: float) -> object:
+def config_field(text: str, default: object, **bounds: float) -> object:
     """A field with the text the job schema shows for it and the bounds (gt, ge, lt, le) its value must keep."""
     return field(default=default, metadata={"doc": text, "bounds": bounds})
 
@@ -39,6 +39,8 @@ class CheckedConfig:
     def __post_init__(self) -> None:
         for item in fields(self):  # type: ignore[arg-type]
             value = getattr(self, item.name)
+            if value is None:  # an optional field left unset
+                continue
             for rule, bound in item.metadata.get("bounds", {}).items():
                 test, words = _BOUND_TESTS[rule]
                 if not test(value, bound):
@@ -57,16 +59,16 @@ class NoneConfig(CheckedConfig):
 class PPOClipConfig(CheckedConfig):
     """Token PPO clipped surrogate against the behaviour policy, with dual clip for A < 0."""
 
-    eps_low: float = _doc("lower clip: ratios below 1 - eps_low get no gradient when A < 0", 0.2, ge=0)
-    eps_high: float = _doc("upper clip: ratios above 1 + eps_high get no gradient when A > 0", 0.2, ge=0)
-    dual_clip_c: float = _doc("dual clip for A < 0: ratios above c get no gradient (verl 3.0)", 3.0, gt=0)
+    eps_low: float = config_field("lower clip: ratios below 1 - eps_low get no gradient when A < 0", 0.2, ge=0)
+    eps_high: float = config_field("upper clip: ratios above 1 + eps_high get no gradient when A > 0", 0.2, ge=0)
+    dual_clip_c: float = config_field("dual clip for A < 0: ratios above c get no gradient (verl 3.0)", 3.0, gt=0)
 
 
 @dataclass(frozen=True)
 class TISConfig(CheckedConfig):
     """Truncated importance sampling: detached weight min(ratio, cap)."""
 
-    cap: float = _doc("truncation cap C on the importance weight (verl/slime default 2.0)", 2.0, gt=0)
+    cap: float = config_field("truncation cap C on the importance weight (verl/slime default 2.0)", 2.0, gt=0)
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,8 @@ class MISConfig(CheckedConfig):
 
     ORDERED = (("low", "high"),)
 
-    low: float = _doc("lower bound on the ratio statistic; below it the unit is masked", 0.5, gt=0)
-    high: float = _doc("upper bound on the ratio statistic; above it the unit is masked", 2.0, gt=0)
+    low: float = config_field("lower bound on the ratio statistic; below it the unit is masked", 0.5, gt=0)
+    high: float = config_field("upper bound on the ratio statistic; above it the unit is masked", 2.0, gt=0)
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,8 @@ class MISGeoConfig(CheckedConfig):
 
     ORDERED = (("low", "high"),)
 
-    low: float = _doc("lower bound on exp(mean_t log-ratio)", 0.999, gt=0)
-    high: float = _doc("upper bound on exp(mean_t log-ratio)", 1.001, gt=0)
+    low: float = config_field("lower bound on exp(mean_t log-ratio)", 0.999, gt=0)
+    high: float = config_field("upper bound on exp(mean_t log-ratio)", 1.001, gt=0)
 
 
 @dataclass(frozen=True)
@@ -95,30 +97,30 @@ class IcePopConfig(CheckedConfig):
 
     ORDERED = (("low", "high"),)
 
-    low: float = _doc("alpha: lower ratio bound (verl/OpenRLHF default 0.5)", 0.5, gt=0)
-    high: float = _doc("beta: upper ratio bound (verl/OpenRLHF default 5.0)", 5.0, gt=0)
+    low: float = config_field("alpha: lower ratio bound (verl/OpenRLHF default 0.5)", 0.5, gt=0)
+    high: float = config_field("beta: upper ratio bound (verl/OpenRLHF default 5.0)", 5.0, gt=0)
 
 
 @dataclass(frozen=True)
 class OPSMConfig(CheckedConfig):
     """DeepSeek-V3.2 off-policy sequence masking of negative-advantage sequences."""
 
-    delta: float = _doc("mask when A < 0 and mean_t log(mu / pi) exceeds delta (slime 1e-4)", 1e-4, ge=0)
+    delta: float = config_field("mask when A < 0 and mean_t log(mu / pi) exceeds delta (slime 1e-4)", 1e-4, ge=0)
 
 
 @dataclass(frozen=True)
 class TOPRConfig(CheckedConfig):
     """Tapered off-policy REINFORCE: no IS weight for A >= 0, truncated sequence weight for A < 0."""
 
-    cap: float = _doc("truncation of the sequence IS weight of A < 0 samples (the paper's [0, 1])", 1.0, gt=0)
+    cap: float = config_field("truncation of the sequence IS weight of A < 0 samples (the paper's [0, 1])", 1.0, gt=0)
 
 
 @dataclass(frozen=True)
 class M2POConfig(CheckedConfig):
     """Second-moment trust region (M2PO)."""
 
-    tau: float = _doc("second-moment budget: mean (log r)^2 over trust-region tokens", 0.04, ge=0)
-    mode: Literal["mask", "adaptive_clip"] = _doc(
+    tau: float = config_field("second-moment budget: mean (log r)^2 over trust-region tokens", 0.04, ge=0)
+    mode: Literal["mask", "adaptive_clip"] = config_field(
         "mask: the paper's Algorithm 1; adaptive_clip: the released code's clip range", "mask"
     )
 
@@ -127,16 +129,16 @@ class M2POConfig(CheckedConfig):
 class GSPOConfig(CheckedConfig):
     """Group sequence policy optimisation: clipped geometric-mean sequence ratio."""
 
-    eps_low: float = _doc("lower clip on the geometric sequence ratio", 3e-4, ge=0)
-    eps_high: float = _doc("upper clip on the geometric sequence ratio", 4e-4, ge=0)
+    eps_low: float = config_field("lower clip on the geometric sequence ratio", 3e-4, ge=0)
+    eps_high: float = config_field("upper clip on the geometric sequence ratio", 4e-4, ge=0)
 
 
 @dataclass(frozen=True)
 class CISPOConfig(CheckedConfig):
     """CISPO: detached clipped token weight, so clipped tokens still get gradient."""
 
-    eps_low: float = _doc("weight floor is max(0, 1 - eps_low); 10 means no floor", 10.0, ge=0)
-    eps_high: float = _doc("weight ceiling 1 + eps_high", 0.2, ge=0)
+    eps_low: float = config_field("weight floor is max(0, 1 - eps_low); 10 means no floor", 10.0, ge=0)
+    eps_high: float = config_field("weight ceiling 1 + eps_high", 0.2, ge=0)
 
 
 @dataclass(frozen=True)
@@ -145,32 +147,32 @@ class BAPOConfig(CheckedConfig):
 
     ORDERED = (("clip_low_min", "clip_low_max"), ("clip_high_min", "clip_high_max"))
 
-    positive_share: float = _doc(
+    positive_share: float = config_field(
         "rho_0: target share of the positive-advantage tokens in the total loss contribution", 0.5, ge=0, le=1
     )
-    clip_low_min: float = _doc("a-: lowest lower ratio bound", 0.6, gt=0)
-    clip_low_max: float = _doc("b-: highest lower ratio bound", 0.9)
-    clip_high_min: float = _doc("a+: lowest upper ratio bound", 1.2, gt=0)
-    clip_high_max: float = _doc("b+: highest upper ratio bound", 3.0)
-    step: float = _doc("increment of each bound per adaptation move", 0.05, gt=0)
-    dual_clip_c: float = _doc("dual clip for A < 0", 3.0, gt=0)
+    clip_low_min: float = config_field("a-: lowest lower ratio bound", 0.6, gt=0)
+    clip_low_max: float = config_field("b-: highest lower ratio bound", 0.9)
+    clip_high_min: float = config_field("a+: lowest upper ratio bound", 1.2, gt=0)
+    clip_high_max: float = config_field("b+: highest upper ratio bound", 3.0)
+    step: float = config_field("increment of each bound per adaptation move", 0.05, gt=0)
+    dual_clip_c: float = config_field("dual clip for A < 0", 3.0, gt=0)
 
 
 @dataclass(frozen=True)
 class VCPOConfig(CheckedConfig):
     """VCPO: seq-TIS base loss, ESS-scaled learning rate and the off-policy optimal baseline."""
 
-    cap: float = _doc("sequence TIS cap C of the base loss (official scripts: 8)", 8.0, gt=0)
-    rho_on: float = _doc("on-policy reference ESS ratio; LR shrinks when ESS ratio is below it", 1.0, gt=0)
-    lr_rule: Literal["sqrt", "linear"] = _doc("LR factor sqrt(s) or s, s = min(1, ess/rho_on)", "sqrt")
-    ess_from_clipped: bool = _doc("compute the ESS from capped weights (official default: no)", False)
-    use_baseline: bool = _doc("replace the group mean with the off-policy optimal baseline", True)
-    baseline_is_weight: Literal["once", "twice"] = _doc(
+    cap: float = config_field("sequence TIS cap C of the base loss (official scripts: 8)", 8.0, gt=0)
+    rho_on: float = config_field("on-policy reference ESS ratio; LR shrinks when ESS ratio is below it", 1.0, gt=0)
+    lr_rule: Literal["sqrt", "linear"] = config_field("LR factor sqrt(s) or s, s = min(1, ess/rho_on)", "sqrt")
+    ess_from_clipped: bool = config_field("compute the ESS from capped weights (official default: no)", False)
+    use_baseline: bool = config_field("replace the group mean with the off-policy optimal baseline", True)
+    baseline_is_weight: Literal["once", "twice"] = config_field(
         "once: W = w^2 |grad log pi|^2 (paper); twice: also min(w, C)^2 (official code)", "once"
     )
-    normalize_by_length: bool = _doc("divide the baseline weight by T_i^2", False)
-    norm_by_std: bool = _doc("divide advantages by the group reward std (official scripts: yes)", True)
-    opob_impl: Literal["bookkeeping", "ghost", "per_sample_loop"] = _doc(
+    normalize_by_length: bool = config_field("divide the baseline weight by T_i^2", False)
+    norm_by_std: bool = config_field("divide advantages by the group reward std (official scripts: yes)", True)
+    opob_impl: Literal["bookkeeping", "ghost", "per_sample_loop"] = config_field(
         "how the learner gets per-sample gradient norms: bookkeeping (one backward; the update is formed from "
         "the per-sample gradients it keeps), ghost (a norms-only backward, then the loss backward: less memory) "
         "or per_sample_loop (one backward per sample, the reference)",

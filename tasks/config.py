@@ -1,61 +1,71 @@
-"""Typed task configs. Standard library only: the job schema builds its task sections from these."""
+"""Typed task configs. Standard library only: the job schema builds its task sections from these.
+
+They use the stabilizer configs' field helper and checks, so a bad value is an error of `validate`
+that names the field, before a run starts.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-
-def _doc(text: str, default: object) -> object:
-    return field(default=default, metadata={"doc": text})
+from algorithms.config import CheckedConfig, config_field
 
 
 @dataclass(frozen=True)
-class ArithmeticConfig:
+class ArithmeticConfig(CheckedConfig):
     """Seeded integer arithmetic: 'What is 3 + 5?' answered as <answer>8</answer>."""
 
-    min_operand: int = _doc("smallest operand", 0)
-    max_operand: int = _doc("largest operand", 9)
-    operations: tuple[Literal["+", "-", "*"], ...] = _doc("operators drawn uniformly", ("+",))
-    num_operands: int = _doc("operands per problem", 2)
+    ORDERED = (("min_operand", "max_operand"),)
+
+    min_operand: int = config_field("smallest operand", 0)
+    max_operand: int = config_field("largest operand", 9)
+    operations: tuple[Literal["+", "-", "*"], ...] = config_field("operators drawn uniformly", ("+",))
+    num_operands: int = config_field("operands per problem", 2, ge=2)
 
 
 @dataclass(frozen=True)
-class CountdownConfig:
+class CountdownConfig(CheckedConfig):
     """Countdown: reach the target with every given number once, using + - * / (solvable by construction)."""
 
-    min_numbers: int = _doc("fewest numbers per problem", 3)
-    max_numbers: int = _doc("most numbers per problem", 4)
-    min_target: int = _doc("smallest target", 10)
-    max_target: int = _doc("largest target", 100)
+    ORDERED = (("min_numbers", "max_numbers"), ("min_target", "max_target"))
+
+    min_numbers: int = config_field("fewest numbers per problem", 3, ge=2)
+    max_numbers: int = config_field("most numbers per problem", 4)
+    min_target: int = config_field("smallest target", 10, ge=1)
+    max_target: int = config_field("largest target", 100)
 
 
 @dataclass(frozen=True)
-class GSM8KConfig:
+class GSM8KConfig(CheckedConfig):
     """GSM8K from a JSONL file (question, answer with the gold after '####'), scored with math-verify."""
 
-    path: str = _doc("JSONL file of GSM8K rows", "")
-    max_rows: int | None = _doc("use only the first rows (none: all)", None)
+    path: str = config_field("JSONL file of GSM8K rows", "")
+    max_rows: int | None = config_field("use only the first rows (none: all)", None, ge=1)
 
 
 @dataclass(frozen=True)
-class DatasetConfig:
+class DatasetConfig(CheckedConfig):
     """Your own problems from a JSONL file, scored by a built-in verifier or by your own reward function."""
 
-    path: str = _doc("JSONL file, one problem per line", "")
-    prompt_field: str = _doc("the field with the prompt: text, or a list of chat messages {role, content}", "prompt")
-    answer_field: str = _doc("the field with the gold answer (text or a number) the reward compares with", "answer")
-    reward: str = _doc(
+    path: str = config_field("JSONL file, one problem per line", "")
+    prompt_field: str = config_field(
+        "the field with the prompt: text, or a list of chat messages {role, content}", "prompt"
+    )
+    answer_field: str = config_field(
+        "the field with the gold answer (text or a number) the reward compares with", "answer"
+    )
+    reward: str = config_field(
         "'math' (the last <answer></answer> is the gold by math-verify), 'exact' (its text is the gold), or your "
         "own function as 'FILE.py:NAME' or 'module:NAME', called NAME(completion, answer, row) -> float",
         "math",
     )
-    answer_format: bool = _doc("end the last user message with the <answer></answer> instruction", True)
-    system_prompt: str | None = _doc("a system message put before every prompt (none: no system message)", None)
-    demonstration_field: str | None = _doc(
+    answer_format: bool = config_field("end the last user message with the <answer></answer> instruction", True)
+    system_prompt: str | None = config_field("a system message put before every prompt (none: no system message)", None)
+    demonstration_field: str | None = config_field(
         "the field with a worked completion for model.sft_warmup (none: '<answer>GOLD</answer>')", None
     )
-    max_rows: int | None = _doc("use only the first rows (none: all)", None)
+    max_rows: int | None = config_field("use only the first rows (none: all)", None, ge=1)
 
 
 TASK_CONFIGS: dict[str, type] = {

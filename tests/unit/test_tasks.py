@@ -273,6 +273,20 @@ def test_a_custom_reward_that_raises_fails_its_sample_in_the_reward_worker(tmp_p
     assert results[2].error == "raised RuntimeError: boom on c"
 
 
+def test_validate_names_a_task_setting_out_of_range_instead_of_raising(tmp_path, capsys):
+    # these were checked only when the task was built, and `validate` printed a traceback
+    job = tmp_path / "job.yaml"
+    job.write_text("task: {name: arithmetic, min_operand: 5, max_operand: 1}\n")
+    assert cli_main(["validate", str(job)]) == 2
+    assert "  task: min_operand (5) must not exceed max_operand (1)" in capsys.readouterr().err
+    job.write_text("task: {name: countdown, min_numbers: 1, min_target: 50, max_target: 20}\n")
+    assert cli_main(["validate", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert "task.min_numbers: Input should be greater than or equal to 2" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="min_target .* must not exceed max_target"):
+        CountdownConfig(min_target=50, max_target=20)
+
+
 def test_validate_checks_the_data_and_the_reward_function(tmp_path, capsys):
     data = _reward_data(tmp_path)
     job = tmp_path / "job.yaml"
