@@ -23,31 +23,41 @@ def config_field(text: str, default: object, **bounds: float) -> object:
     return field(default=default, metadata={"doc": text, "bounds": bounds})
 
 
-_BOUND_TESTS = {"gt": (operator.gt, "above"), "ge": (operator.ge, "at least"), "lt": (operator.lt, "below"),
-                "le": (operator.le, "at most")}
+_BOUND_TESTS = {
+    "gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.lt, "<"), "le": (operator.le, "<="),
+}
 
 
 class CheckedConfig:
-    """Refuses, on construction, a value outside its field's bounds or a pair in `ORDERED` out of order.
+    """Refuses, on construction, values outside their fields' bounds or pairs in `ORDERED` out of order.
 
-    A bad value would otherwise surface steps into a run (a log of 0, a bound walk that never ends);
-    the message names the field, and the job schema reports it under the stabilizer's path.
+    A bad value would otherwise surface steps into a run (a log of 0, a bound walk that never ends).
+    Every problem is reported at once, each naming its field; the job schema reports them under the
+    section's path.
     """
 
     ORDERED: ClassVar[tuple[tuple[str, str], ...]] = ()  # (a, b): a must not exceed b
 
     def __post_init__(self) -> None:
+        found = self.problems()
+        if found:
+            raise ValueError("; ".join(found))
+
+    def problems(self) -> list[str]:
+        """What is wrong with these values; a subclass adds its checks across fields."""
+        found = []
         for item in fields(self):  # type: ignore[arg-type]
             value = getattr(self, item.name)
             if value is None:  # an optional field left unset
                 continue
             for rule, bound in item.metadata.get("bounds", {}).items():
-                test, words = _BOUND_TESTS[rule]
+                test, symbol = _BOUND_TESTS[rule]
                 if not test(value, bound):
-                    raise ValueError(f"{item.name} must be {words} {bound}, got {value}")
+                    found.append(f"{item.name} must be {symbol} {bound}, got {value}")
         for first, second in self.ORDERED:
             if not getattr(self, first) <= getattr(self, second):
-                raise ValueError(f"{first} ({getattr(self, first)}) must not exceed {second} ({getattr(self, second)})")
+                found.append(f"{first} ({getattr(self, first)}) must not exceed {second} ({getattr(self, second)})")
+        return found
 
 
 @dataclass(frozen=True)

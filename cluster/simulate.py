@@ -17,86 +17,100 @@ import math
 import random
 import statistics
 import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
+from algorithms.config import CheckedConfig, config_field
 from cluster.run_files import STEP_KEY, WALL_KEY, is_evaluation_row, metric_number, read_jsonl_rows
 
 
-def _doc(text: str, default: object) -> Any:
-    return field(default=default, metadata={"doc": text})
-
-
 @dataclass(frozen=True)
-class SimConfig:
+class SimConfig(CheckedConfig):
     """One asynchronous setting and its costs. Defaults: an illustrative ~1.5B model on H100-class GPUs,
     not a measurement; `--calibrate` derives the costs from a real run instead."""
 
-    generators: int = _doc("G: generator GPUs, one engine each (generator.num_generators)", 4)
-    learners: int = _doc("L: learner GPUs (learner.num_ranks); a step's tokens are split evenly over them", 2)
-    max_lag: int = _doc(
-        "async.max_lag: learner version minus rollout version allowed at train time; 0 is synchronous",
-        1,
+    generators: int = config_field("G: generator GPUs, one engine each (generator.num_generators)", 4, gt=0)
+    learners: int = config_field(
+        "L: learner GPUs (learner.num_ranks); a step's tokens are split evenly over them",
+        2, gt=0,
     )
-    stale_policy: Literal["wait", "drop"] = _doc(
+    max_lag: int = config_field(
+        "async.max_lag: learner version minus rollout version allowed at train time; 0 is synchronous",
+        1, ge=0,
+    )
+    stale_policy: Literal["wait", "drop"] = config_field(
         "async.stale_policy: throttle generation (wait) or drop stale groups",
         "wait",
     )
-    samples_per_prompt: int = _doc("responses per prompt group (generator.samples_per_prompt)", 8)
-    prompts_per_request: int = _doc("prompt groups one generate call samples (generator.prompts_per_request)", 16)
-    prompts_per_step: int = _doc("prompt groups one learner step trains on (learner.prompts_per_step)", 64)
-    steps: int = _doc("learner steps to simulate", 200)
-    response_len_mean: float = _doc("mean response length, tokens (before the cap)", 1024.0)
-    response_len_cv: float = _doc(
-        "coefficient of variation of the log-normal response length; 0: every response is the mean",
-        0.6,
+    samples_per_prompt: int = config_field("responses per prompt group (generator.samples_per_prompt)", 8, gt=0)
+    prompts_per_request: int = config_field(
+        "prompt groups one generate call samples (generator.prompts_per_request)",
+        16, gt=0,
     )
-    max_response_len: int = _doc("cap on a response, tokens (generator.max_new_tokens)", 4096)
-    prompt_len: float = _doc("prompt tokens per sample; costs the learner only", 256.0)
-    gen_tokens_per_s: float = _doc("generation throughput of one generator GPU, generated tokens per second", 6000.0)
-    gen_decode_step_s: float = _doc("seconds per decode step of a call's longest response (the straggler tail)", 0.006)
-    gen_call_overhead_s: float = _doc("fixed seconds per generate call (scheduling, prefill, transfer)", 0.5)
-    gen_weight_load_s: float = _doc(
+    prompts_per_step: int = config_field(
+        "prompt groups one learner step trains on (learner.prompts_per_step)",
+        64, gt=0,
+    )
+    steps: int = config_field("learner steps to simulate", 200, gt=0)
+    response_len_mean: float = config_field("mean response length, tokens (before the cap)", 1024.0, gt=0)
+    response_len_cv: float = config_field(
+        "coefficient of variation of the log-normal response length; 0: every response is the mean",
+        0.6, ge=0,
+    )
+    max_response_len: int = config_field("cap on a response, tokens (generator.max_new_tokens)", 4096, gt=0)
+    prompt_len: float = config_field("prompt tokens per sample; costs the learner only", 256.0, ge=0)
+    gen_tokens_per_s: float = config_field(
+        "generation throughput of one generator GPU, generated tokens per second",
+        6000.0, gt=0,
+    )
+    gen_decode_step_s: float = config_field(
+        "seconds per decode step of a call's longest response (the straggler tail)",
+        0.006, ge=0,
+    )
+    gen_call_overhead_s: float = config_field(
+        "fixed seconds per generate call (scheduling, prefill, transfer)",
+        0.5, ge=0,
+    )
+    gen_weight_load_s: float = config_field(
         "seconds a generator spends loading each new weight version into its engine, before its next call "
         "(object-store sync; a collective publish includes the load in sync_s instead)",
-        0.0,
+        0.0, ge=0,
     )
-    learner_tokens_per_s: float = _doc(
+    learner_tokens_per_s: float = config_field(
         "training throughput of one learner GPU, prompt + response tokens per second",
-        12000.0,
+        12000.0, gt=0,
     )
-    learner_overhead_s: float = _doc("fixed seconds per learner step (optimizer step, collectives, dispatch)", 1.0)
-    sync_fixed_s: float = _doc("fixed seconds per weight publish", 0.5)
-    weight_bytes: float = _doc("bytes of weights published per step (1.5B parameters in bf16: 3.1e9)", 3.1e9)
-    sync_bytes_per_s: float = _doc("weight publish bandwidth, bytes per second", 10e9)
-    sync_waits_for_generation: bool = _doc(
+    learner_overhead_s: float = config_field(
+        "fixed seconds per learner step (optimizer step, collectives, dispatch)",
+        1.0, ge=0,
+    )
+    sync_fixed_s: float = config_field("fixed seconds per weight publish", 0.5, ge=0)
+    weight_bytes: float = config_field(
+        "bytes of weights published per step (1.5B parameters in bf16: 3.1e9)",
+        3.1e9, ge=0,
+    )
+    sync_bytes_per_s: float = config_field("weight publish bandwidth, bytes per second", 10e9, gt=0)
+    sync_waits_for_generation: bool = config_field(
         "a collective publish (weight_sync nccl/gloo) starts only when every generator has finished its current call",
         False,
     )
-    step_end_barrier: bool = _doc("the driver waits for every generator's current call at the end of each step "
-                                  "(what it did before generate results carried their own timing)", False)
-    seed: int = _doc("seed of the response lengths", 0)
+    step_end_barrier: bool = config_field(
+        "the driver waits for every generator's current call at the end of each step "
+        "(what it did before generate results carried their own timing)",
+        False,
+    )
+    seed: int = config_field("seed of the response lengths", 0)
 
-    def __post_init__(self) -> None:
-        positive = ("generators", "learners", "samples_per_prompt", "prompts_per_request", "prompts_per_step", "steps",
-                    "response_len_mean", "max_response_len", "gen_tokens_per_s", "learner_tokens_per_s",
-                    "sync_bytes_per_s")
-        non_negative = ("max_lag", "response_len_cv", "prompt_len", "gen_decode_step_s", "gen_call_overhead_s",
-                        "gen_weight_load_s",
-                        "learner_overhead_s", "sync_fixed_s", "weight_bytes")
-        problems = [f"{name} must be > 0, got {getattr(self, name)}"
-                    for name in positive if not getattr(self, name) > 0]
-        problems += [f"{name} must be >= 0, got {getattr(self, name)}"
-                     for name in non_negative if not getattr(self, name) >= 0]
+    def problems(self) -> list[str]:
+        found = super().problems()
         if self.stale_policy not in ("wait", "drop"):
-            problems.append(f"stale_policy must be 'wait' or 'drop', got {self.stale_policy!r}")
-        if self.prompts_per_step % self.learners:
-            problems.append(f"prompts_per_step ({self.prompts_per_step}) must divide evenly over "
-                            f"{self.learners} learners")
-        if problems:
-            raise ValueError("; ".join(problems))
+            found.append(f"stale_policy must be 'wait' or 'drop', got {self.stale_policy!r}")
+        if self.learners > 0 and self.prompts_per_step % self.learners:
+            found.append(f"prompts_per_step ({self.prompts_per_step}) must divide evenly over "
+                         f"{self.learners} learners")
+        return found
 
     @property
     def sync_s(self) -> float:

@@ -142,6 +142,9 @@ def test_bad_setting_names_the_field():
         SimConfig(generators=0)
     with pytest.raises(ValueError, match="divide evenly"):
         SimConfig(learners=3, prompts_per_step=8)
+    # every problem at once; 0 learners used to raise ZeroDivisionError from the divisibility check
+    with pytest.raises(ValueError, match="^learners must be > 0, got 0; max_lag must be >= 0, got -1$"):
+        SimConfig(learners=0, max_lag=-1)
 
 
 def test_no_torch_ray_or_numpy():
