@@ -9,8 +9,10 @@ import argparse
 import logging
 import os
 import sys
+import typing
 from pathlib import Path
 
+from algorithms.config import LossAggregation
 from cluster.job import Job, JobValidationError, dump_job, load_job
 
 
@@ -205,6 +207,8 @@ def _sweep(args: argparse.Namespace) -> int:
         overrides.setdefault("learner", {})["steps"] = args.steps
     if args.learning_rate is not None:
         overrides.setdefault("learner", {})["learning_rate"] = args.learning_rate
+    if args.loss_aggregation is not None:
+        overrides.setdefault("algorithm", {})["loss_aggregation"] = args.loss_aggregation
     with stop_on_signals() as stop:
         try:
             summaries = sweep(job, args.stabilizers.split(","), _int_list(args.max_lag, "--max-lag"), Path(args.out),
@@ -327,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--out", default="runs/sweep", help="folder for the runs and the report")
     sweep.add_argument("--steps", type=int, help="learner.steps of every cell (default: the job's)")
     sweep.add_argument("--learning-rate", type=float, help="learner.learning_rate of every cell (default: the job's)")
+    sweep.add_argument("--loss-aggregation", choices=typing.get_args(LossAggregation),
+                       help="algorithm.loss_aggregation of every cell (default: the job's)")
     sweep.add_argument("--target-reward", type=float, help="report the time each cell takes to reach this reward")
     sweep.set_defaults(run=_sweep)
     report = commands.add_parser("report", help="compare finished runs: a table, plots and a self-contained "

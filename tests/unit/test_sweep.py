@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cluster.job import validate_job
@@ -102,17 +104,17 @@ def test_seeds_that_are_not_integers_are_named_before_anything_runs(tmp_path, ca
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_sweep_with_seeds_prints_a_row_per_cell_over_its_seeds(tmp_path, monkeypatch, capsys):
-    """The CLI end to end but for the driver: each cell leaves a run directory as run_job does."""
+def _runs_without_the_driver(monkeypatch, out: Path, jobs_seen: list) -> None:
+    """Swap the driver for a function that leaves a run directory as run_job does, reward from the cell."""
     import json
 
     import yaml
 
     from cluster import driver
-    from cluster.cli import main
 
     def run_job(job, resume_dir=None, stop=None):
-        run_dir = tmp_path / "out" / "runs" / job.logging.run_name
+        jobs_seen.append(job)
+        run_dir = out / "runs" / job.logging.run_name
         run_dir.mkdir(parents=True)
         stabilizer = job.algorithm.stabilizer.name
         (run_dir / "job.yaml").write_text(yaml.safe_dump(
@@ -123,6 +125,32 @@ def test_a_sweep_with_seeds_prints_a_row_per_cell_over_its_seeds(tmp_path, monke
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
     monkeypatch.setattr(driver, "run_job", run_job)
+
+
+def test_sweep_flags_set_the_steps_learning_rate_and_loss_aggregation_of_every_cell(tmp_path, monkeypatch):
+    import json
+
+    from cluster.cli import main
+
+    seen: list = []
+    _runs_without_the_driver(monkeypatch, tmp_path / "out", seen)
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps(BASE))
+    assert main(["sweep", str(job), "--stabilizers", "vcpo", "--max-lag", "0,2", "--steps", "7",
+                 "--learning-rate", "0.002", "--loss-aggregation", "seq-mean-token-mean",
+                 "--out", str(tmp_path / "out")]) == 0
+    assert [(j.learner.steps, j.learner.learning_rate, j.algorithm.loss_aggregation) for j in seen] == [
+        (7, 0.002, "seq-mean-token-mean")] * 2
+    assert seen[0].algorithm.stabilizer.name == "vcpo" and seen[0].algorithm.stabilizer.cap == 8.0
+
+
+def test_a_sweep_with_seeds_prints_a_row_per_cell_over_its_seeds(tmp_path, monkeypatch, capsys):
+    """The CLI end to end but for the driver: each cell leaves a run directory as run_job does."""
+    import json
+
+    from cluster.cli import main
+
+    _runs_without_the_driver(monkeypatch, tmp_path / "out", [])
     job = tmp_path / "job.yaml"
     job.write_text(json.dumps(BASE))
     assert main(["sweep", str(job), "--stabilizers", "none,m2po", "--max-lag", "0,2", "--seeds", "1,3",
