@@ -36,12 +36,17 @@ def _loss_tokens_above(batch: PolicyBatch, log_bound: float) -> Tensor:
     return torch.sub(batch.log_ratio, log_bound).sign_().clamp_(min=0).mul_(batch.mask_float).sum()
 
 
+def _token_mean_of(seq_values: Tensor, batch: PolicyBatch) -> Tensor:
+    """Mean over the loss tokens of a [B] value each token takes from its sequence (for 0/1 flags, the
+    share of the loss tokens whose sequence is flagged), from the [B] values alone."""
+    return (seq_values * batch.token_lengths).sum() / batch.token_count
+
+
 def _sequence_weight_metrics(batch: PolicyBatch, seq_weights: Tensor) -> dict[str, Tensor]:
     """`_weight_metrics` of weights shared by all tokens of a sequence, from the [B] values alone."""
-    lengths = batch.token_lengths
-    has_tokens = (lengths > 0).float()
+    has_tokens = (batch.token_lengths > 0).float()
     return {
-        "stability/is_weight_mean": (seq_weights * lengths).sum() / batch.token_count,
+        "stability/is_weight_mean": _token_mean_of(seq_weights, batch),
         # padding (weight 0) lowers no maximum of non-negative weights; an empty batch gives 0
         "stability/is_weight_max": (seq_weights * has_tokens).max(),
     }
@@ -76,13 +81,18 @@ class TokenTIS(Stabilizer):
         return TokenWeights(weights, batch.mask, _weight_metrics(batch, weights, capped))
 
 
+def _capped_sequence_weights(batch: PolicyBatch, cap: float) -> tuple[Tensor, Tensor]:
+    """min(w, C) per sequence [B], compared in log space, and a 0/1 flag [B] where the cap changed it."""
+    log_cap = math.log(cap)
+    capped = torch.sign(batch.seq_log_ratio - log_cap).clamp_(min=0)
+    return torch.exp(batch.seq_log_ratio.clamp(max=log_cap)), capped
+
+
 def sequence_tis_weights(batch: PolicyBatch, cap: float) -> TokenWeights:
     """sg(min(w, C)) on every token of a sequence, w = exp(clamp(sum_t l_t, +-20))."""
-    log_cap = math.log(cap)
-    seq_weights = torch.exp(batch.seq_log_ratio.clamp(max=log_cap))
+    seq_weights, capped = _capped_sequence_weights(batch, cap)
     metrics = _sequence_weight_metrics(batch, seq_weights)
-    capped = torch.sign(batch.seq_log_ratio - log_cap).clamp_(min=0)
-    metrics["stability/clip_frac"] = (capped * batch.token_lengths).sum() / batch.token_count
+    metrics["stability/clip_frac"] = _token_mean_of(capped, batch)
     return TokenWeights(_per_token(seq_weights, batch), batch.mask, metrics)
 
 
@@ -98,9 +108,8 @@ def _sequence_mis(batch: PolicyBatch, log_stat: Tensor, low: float, high: float)
     """MIS on a per-sequence log statistic [B]: weight exp(stat) inside [low, high], else the sequence leaves the loss."""
     keep = 1.0 - outside_band(log_stat, math.log(low), math.log(high))
     seq_weights = torch.exp(log_stat.clamp(max=math.log(high))) * keep
-    lengths = batch.token_lengths
     metrics = _sequence_weight_metrics(batch, seq_weights)
-    metrics["stability/mask_frac"] = 1 - (keep * lengths).sum() / batch.token_count
+    metrics["stability/mask_frac"] = 1 - _token_mean_of(keep, batch)
     metrics["stability/seq_mask_frac"] = _sequence_fraction(1.0 - keep, batch)
     return TokenWeights(_per_token(seq_weights, batch), _per_token(keep, batch), metrics)
 
@@ -167,7 +176,7 @@ class OffPolicySequenceMasking(Stabilizer):
         mean_log_mu_over_pi = -batch.seq_log_ratio / batch.token_lengths.clamp(min=1)
         drop = ((batch.seq_advantages < 0) & (mean_log_mu_over_pi > self.config.delta)).float()
         metrics = {
-            "stability/mask_frac": (drop * batch.token_lengths).sum() / batch.token_count,
+            "stability/mask_frac": _token_mean_of(drop, batch),
             "stability/seq_mask_frac": _sequence_fraction(drop, batch),
         }
         return TokenWeights(_per_token(1.0 - drop, batch), batch.mask, metrics)
@@ -183,12 +192,11 @@ class TOPR(Stabilizer):
     """
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        log_cap = math.log(self.config.cap)
         negative = batch.seq_advantages < 0
-        seq_weights = torch.where(negative, torch.exp(batch.seq_log_ratio.clamp(max=log_cap)), torch.ones(()))
+        truncated, capped = _capped_sequence_weights(batch, self.config.cap)
+        seq_weights = torch.where(negative, truncated, torch.ones(()))
         metrics = _sequence_weight_metrics(batch, seq_weights)
-        capped = torch.sign(batch.seq_log_ratio - log_cap).clamp_(min=0) * negative.float()
-        metrics["stability/clip_frac"] = (capped * batch.token_lengths).sum() / batch.token_count
+        metrics["stability/clip_frac"] = _token_mean_of(capped * negative.float(), batch)
         return TokenWeights(_per_token(seq_weights, batch), batch.mask, metrics)
 
 
