@@ -2,8 +2,10 @@
 
 Lag of a group at train time = learner version - the version its responses were sampled with.
 `wait` (default) throttles generation so no group can exceed `max_lag`; `drop` lets generators run
-ahead and drops groups that went stale, recording why. Either way the ledger accounts for every
-prompt group: issued, scored, trained (at which step) or dropped (with a reason).
+ahead and drops groups that went stale, recording why. With `drop_uniform_groups` (DAPO's dynamic
+sampling) a group whose responses all scored the same is dropped on arrival, and the generators sample
+another in its place. Either way the ledger accounts for every prompt group: issued, scored, trained (at
+which step) or dropped (with a reason).
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ class ScoredGroup:
     @property
     def rewards(self) -> list[float]:
         return [c["reward"] for c in self.completions]
+
+    @property
+    def uniform_rewards(self) -> bool:
+        """Whether every response scored the same (all solved, or all failed). Each group-relative advantage
+        (GRPO, Dr.GRPO, RLOO, group-mean REINFORCE, VCPO's baseline) is then 0: the group adds tokens to the
+        loss's denominator and no learning signal."""
+        return max(self.rewards) == min(self.rewards)
 
     def samples(self) -> list[dict[str, Any]]:
         """One training sample per response (the learner's collate input)."""
@@ -175,13 +184,17 @@ class RolloutBuffer:
     it, at version `learner_version + busy + queued // prompts_per_step`.
     """
 
-    def __init__(self, max_lag: int, prompts_per_step: int, stale_policy: Literal["wait", "drop"], ledger: Ledger) -> None:
+    def __init__(self, max_lag: int, prompts_per_step: int, stale_policy: Literal["wait", "drop"], ledger: Ledger,
+                 drop_uniform_groups: bool = False) -> None:
         if max_lag < 0:
             raise ValueError(f"max_lag must be >= 0, got {max_lag}")
         self.max_lag, self.prompts_per_step, self.stale_policy = max_lag, prompts_per_step, stale_policy
         self.ledger = ledger
+        self.drop_uniform_groups = drop_uniform_groups
         self.ready: deque[ScoredGroup] = deque()
         self.in_flight = 0
+        self.uniform_dropped = 0  # groups dropped for uniform rewards since the caller last reset it
+        self.uniform_in_a_row = 0  # arrivals with uniform rewards since the last group kept
 
     def can_issue(self, learner_version: int, learner_busy: bool, generator_version: int) -> bool:
         """Whether a generator at `generator_version` may start one more group now."""
@@ -197,9 +210,16 @@ class RolloutBuffer:
         self.in_flight += 1
 
     def add(self, group: ScoredGroup, score_errors: int = 0) -> None:
-        """A generated and scored group arrives."""
+        """A generated and scored group arrives; with `drop_uniform_groups`, one with uniform rewards ends here."""
         self.in_flight -= 1
         self.ledger.scored(group.group_id, score_errors)
+        if self.drop_uniform_groups and group.uniform_rewards:
+            self.uniform_dropped += 1
+            self.uniform_in_a_row += 1
+            self.ledger.dropped(group.group_id, f"uniform rewards: all {len(group.completions)} responses scored "
+                                f"{group.rewards[0]:g}, so every advantage is 0 (algorithm.drop_uniform_groups)")
+            return
+        self.uniform_in_a_row = 0
         self.ready.append(group)
 
     def reissue(self, group_id: int, version: int, generator_index: int, reason: str) -> None:

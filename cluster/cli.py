@@ -57,7 +57,7 @@ def _train(args: argparse.Namespace) -> int:
     job = _load(str(resume_dir / "job.yaml") if resume_dir else args.job)
     if job is None:
         return 2
-    from cluster.driver import run_job
+    from cluster.driver import RunHalted, run_job
     from cluster.stopping import JobStopped, stop_on_signals
     from learner.models import ModelPathError
     from tasks.base import TaskError
@@ -71,6 +71,9 @@ def _train(args: argparse.Namespace) -> int:
         except (TaskError, ModelPathError) as error:  # raised before anything starts
             print(f"stableasync train: {error}", file=sys.stderr)
             return 2
+        except RunHalted as halted:  # the run stopped itself with a checkpoint; the message says what to fix
+            print(f"stableasync train: {halted}", file=sys.stderr)
+            return 1
     print(f"run directory: {result.run_dir}")
     if result.model_dir is not None:
         print(f"trained model: {result.model_dir}")

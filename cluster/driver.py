@@ -114,8 +114,17 @@ def learners_may_crash(doing: str, run_dir: Path) -> Iterator[None]:
                              run_dir) from error
 
 
-class NumericalFailure(RuntimeError):
+class RunHalted(RuntimeError):
+    """The run stopped itself, with a checkpoint to resume from, for a reason the user must fix first."""
+
+
+class NumericalFailure(RunHalted):
     """Too many steps in a row were skipped for non-finite values: stop, with a checkpoint to resume from."""
+
+
+class UniformRewards(RunHalted):
+    """With algorithm.drop_uniform_groups, too many groups in a row scored the same for every response: the
+    generators would sample on forever without a learning signal."""
 
 
 @dataclass
@@ -263,7 +272,9 @@ class AsyncLoop:
         sync = job.async_.weight_sync
         self.publisher = (runtime.ObjectStorePublisher(learners, self.generators) if sync == "object_store"
                           else runtime.CollectivePublisher(learners, self.generators, backend=sync))
-        self.buffer = RolloutBuffer(job.async_.max_lag, job.learner.prompts_per_step, job.async_.stale_policy, ledger)
+        self.buffer = RolloutBuffer(job.async_.max_lag, job.learner.prompts_per_step, job.async_.stale_policy, ledger,
+                                    job.algorithm.drop_uniform_groups)
+        self.scored_rewards: list[float] = []  # of every response scored since the last step row
         self.problems: Iterator[Problem] = task.problems("train", job.seed)
         self.problem_of: dict[int, Problem] = {}
         self.problems_drawn = 0
@@ -315,6 +326,7 @@ class AsyncLoop:
                     self._issue_generation()
                     self._start_learner_step()
                 self._handle(self._wait_one())
+                self._check_uniform_streak()
             self.evaluator.wait()  # the last step's evaluation
         finally:
             self.scorer.close()
@@ -478,6 +490,22 @@ class AsyncLoop:
                 f"(learner.max_skipped_steps_in_a_row = {self.skips.limit}); checkpoint at {path}. Fix the cause "
                 f"(learning rate, data, stabilizer), then: stableasync train --resume {self.run_dir}"
             )
+
+    def _check_uniform_streak(self) -> None:
+        """Stop with a checkpoint once algorithm.max_uniform_groups_in_a_row groups in a row were dropped for
+        uniform rewards; only between learner steps, so the checkpoint holds every group still to train."""
+        limit = self.job.algorithm.max_uniform_groups_in_a_row
+        if self.buffer.uniform_in_a_row < limit or self.learner_refs:
+            return
+        path = self._checkpoint()
+        self._end_unfinished_groups(f"run halted at step {self.version} (resumable)", wait_for_generation=False)
+        raise UniformRewards(
+            f"{self.buffer.uniform_in_a_row} prompt groups in a row were dropped because every response scored the "
+            f"same (algorithm.max_uniform_groups_in_a_row = {limit}): for this policy the task is all solved or all "
+            f"failed, so no step can fill; checkpoint at {path}. Choose harder or easier problems, or set "
+            f"algorithm.drop_uniform_groups: false in {self.run_dir / 'job.yaml'}, then: "
+            f"stableasync train --resume {self.run_dir}"
+        )
 
     def _handle_generation(self, ref: ray.ObjectRef) -> None:
         call = self.generating.pop(ref)
@@ -661,6 +689,7 @@ class AsyncLoop:
             {**c, "reward": r.reward, "score_error": r.error} for c, r in zip(group.completions, results)
         ]
         errors = sum(r.error is not None for r in results)
+        self.scored_rewards += [r.reward for r in results]
         scored = ScoredGroup(group.group_id, group.problem_id, group.prompt_ids, completions,
                              group.version_start, group.version_end, group.generator_index)
         self.buffer.add(scored, errors)
@@ -703,6 +732,11 @@ class AsyncLoop:
             "time/generator_busy_s": self.generator_busy_s,
             "time/eval_wait_s": eval_wait_s,  # the loop held up by the previous evaluation
         }
+        if self.buffer.drop_uniform_groups:
+            row["rollout/uniform_groups_dropped"] = self.buffer.uniform_dropped
+            row["rollout/scored_reward_mean"] = (sum(self.scored_rewards) / len(self.scored_rewards)
+                                                 if self.scored_rewards else math.nan)
+        self.buffer.uniform_dropped, self.scored_rewards = 0, []
         self.generator_busy_s = 0.0
         self.rewards.append(metrics.get("rollout/reward_mean", math.nan))
         self.sink.log(self.version, row)

@@ -150,6 +150,15 @@ class AlgorithmSection(Section):
     advantage: Literal["grpo", "dr_grpo", "reinforce", "rloo"] = "grpo"
     loss_aggregation: LossAggregation = "token-mean"
     constant_tokens: int | None = Field(None, gt=0, description="the constant length of `constant` aggregation")
+    drop_uniform_groups: bool = Field(
+        False, description="DAPO's dynamic sampling: a prompt group whose responses all scored the same (all solved "
+        "or all failed, so every advantage is 0) is dropped when scored, in the ledger with why, and the generators "
+        "sample another in its place: each step trains prompts_per_step groups that carry a learning signal"
+    )
+    max_uniform_groups_in_a_row: int = Field(
+        256, gt=0, description="with drop_uniform_groups: after this many groups in a row are dropped so, the job "
+        "stops with a checkpoint (for this policy the task is all solved or all failed)"
+    )
 
 
 class AsyncSection(Section):
@@ -338,6 +347,9 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
     if learner.lr_warmup_steps > learner.steps:
         errors.append(JobError("learner.lr_warmup_steps",
                                f"{learner.lr_warmup_steps} warm-up steps is more than the {learner.steps} steps"))
+    if job.algorithm.drop_uniform_groups and generator.samples_per_prompt == 1:
+        errors.append(JobError("algorithm.drop_uniform_groups", "every group of one response "
+                               "(generator.samples_per_prompt 1) has uniform rewards: all would be dropped"))
     if job.algorithm.loss_aggregation == "constant" and job.algorithm.constant_tokens is None:
         errors.append(JobError("algorithm.constant_tokens", "required when loss_aggregation is 'constant'"))
     if generator.max_new_tokens >= generator.max_model_len:

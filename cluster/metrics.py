@@ -24,6 +24,10 @@ KNOWN_METRICS: dict[str, str] = {
     STEP_KEY: "policy version after this step (optimizer steps); the SFT warm-up's N steps are -N..-1",
     "rollout/reward_mean": "mean reward of the step's trained samples",
     "rollout/response_len": "mean completion length of the step's trained samples (tokens)",
+    "rollout/uniform_groups_dropped": "prompt groups dropped since the previous step because every response "
+    "scored the same (algorithm.drop_uniform_groups)",
+    "rollout/scored_reward_mean": "mean reward of every response scored since the previous step, the dropped "
+    "uniform groups included (logged with algorithm.drop_uniform_groups, where rollout/reward_mean leaves them out)",
     "stability/ess_ratio": "effective sample size / samples of the sequence importance weights (1: on-policy)",
     "stability/ess_ratio_clipped": "ESS ratio of the capped sequence weights (VCPO)",
     "stability/lr_scale": "learning-rate multiplier of this step (VCPO's ESS rule; 0 on a skipped step)",

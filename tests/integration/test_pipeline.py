@@ -381,6 +381,62 @@ def test_a_dataset_job_trains_on_the_users_rows_with_the_users_reward(local_ray,
     assert final["eval/reward_mean"] == pytest.approx(sum(expected.values()) / 6)
 
 
+SOMETIMES_UNIFORM_REWARD = """
+import random
+
+def score(completion, answer, row):
+    return row["reward"] if "reward" in row else float(random.random() < 0.5)
+"""
+
+
+def _dataset_task(tmp_path: Path, rows: list[dict]) -> dict:
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "sometimes_uniform.py").write_text(SOMETIMES_UNIFORM_REWARD)
+    return {"name": "dataset", "path": str(data), "reward": f"{tmp_path}/sometimes_uniform.py:score"}
+
+
+def test_uniform_reward_groups_are_dropped_and_replaced_so_every_step_trains_groups_with_signal(local_ray, tmp_path):
+    """Half the rows score the same for every response (their groups carry no advantage), the other half score
+    each response at random. With algorithm.drop_uniform_groups, the first kind never reaches the learner: each
+    is dropped with why, and the steps fill up with the second kind."""
+    rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, **({"reward": 1.0} if n % 2 else {})} for n in range(6)]
+    result = _run(tmp_path, max_lag=1, steps=3, task=_dataset_task(tmp_path, rows), learner={"num_ranks": 1},
+                  algorithm={"drop_uniform_groups": True}, logging={"run_name": "uniform"})
+    ledger = [json.loads(line) for line in (result.run_dir / "ledger.jsonl").read_text().splitlines()]
+    uniform_rows = {f"rows-{line:06d}" for line, row in enumerate(rows, 1) if "reward" in row}
+    trained = [r["problem_id"] for r in ledger if r["event"] == "trained"]
+    assert len(trained) == 3 * 2 and not uniform_rows & set(trained)
+    dropped = [r for r in ledger if r["event"] == "dropped" and r["reason"].startswith("uniform rewards")]
+    assert {r["problem_id"] for r in dropped} >= uniform_rows  # every such row was drawn, none trained
+    assert all(r["reason"] == "uniform rewards: all 4 responses scored 1, so every advantage is 0 "
+               "(algorithm.drop_uniform_groups)" for r in dropped if r["problem_id"] in uniform_rows)
+    steps = [m for m in (json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines())
+             if m["train/step"] > 0 and not is_evaluation_row(m)]
+    assert len(steps) == 3 and all(0 <= m["rollout/scored_reward_mean"] <= 1 for m in steps)
+    assert 0 < sum(m["rollout/uniform_groups_dropped"] for m in steps) <= len(dropped)
+
+
+def test_a_task_whose_groups_all_score_uniformly_halts_with_a_checkpoint_instead_of_sampling_forever(
+        local_ray, tmp_path, capsys):
+    from actors.buffer import audit_ledger
+
+    rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, "reward": 0.0} for n in range(4)]
+    job = _job(tmp_path, max_lag=1, steps=3, task=_dataset_task(tmp_path, rows), learner={"num_ranks": 1},
+               algorithm={"drop_uniform_groups": True, "max_uniform_groups_in_a_row": 5},
+               logging={"run_name": "all-uniform"})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert cli_main(["train", str(tmp_path / "job.yaml")]) == 1
+    error = capsys.readouterr().err
+    assert "prompt groups in a row were dropped because every response scored the same" in error, error
+    assert "(algorithm.max_uniform_groups_in_a_row = 5)" in error and "stableasync train --resume" in error
+    run_dir = tmp_path / "runs" / "all-uniform"
+    assert (run_dir / "checkpoints" / "step-000000" / "driver.json").exists()
+    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert audit_ledger(ledger) == [] and not [r for r in ledger if r["event"] == "trained"]
+    assert sum(r["event"] == "dropped" and r["reason"].startswith("uniform rewards") for r in ledger) >= 5
+
+
 def test_bad_job_file_names_the_field_and_starts_nothing(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("task: {name: arithmetic}\nlearner: {num_ranks: two}\nasync: {max_lag: -3}\n"

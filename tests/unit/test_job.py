@@ -104,6 +104,16 @@ def test_cross_field_checks():
     assert "needs 3 CPUs" in errors["cluster.num_cpus"]
 
 
+def test_dropping_uniform_groups_needs_groups_of_more_than_one_response():
+    errors = _errors({**MINIMAL, "algorithm": {"drop_uniform_groups": True, "max_uniform_groups_in_a_row": 0},
+                      "generator": {"samples_per_prompt": 1}})
+    assert "all would be dropped" in errors["algorithm.drop_uniform_groups"]
+    assert "greater than 0" in errors["algorithm.max_uniform_groups_in_a_row"]
+    job = validate_job({**MINIMAL, "algorithm": {"drop_uniform_groups": True}, "generator": {"samples_per_prompt": 2}})
+    assert job.algorithm.drop_uniform_groups and job.algorithm.max_uniform_groups_in_a_row == 256
+    assert not validate_job(MINIMAL).algorithm.drop_uniform_groups  # off unless asked for
+
+
 def test_field_and_cross_field_errors_come_in_one_pass():
     errors = _errors({
         "task": {"name": "countdown", "extra": 1},
