@@ -36,11 +36,12 @@ from actors.buffer import Ledger, RolloutBuffer, ScoredGroup, keep_first_lines
 from actors.generator import GeneratedGroup, GenerationRequest, GeneratorSpec
 from algorithms.config import STABILIZER_CONFIGS
 from algorithms.diagnostics import lag_stats
+from algorithms.rewards import overlong_penalty
 from cluster import runtime
 from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
                                  restore_learners, write_checkpoint, write_model)
 from cluster.evaluation import Evaluator, evaluate_again_on_resume
-from cluster.job import Job, dump_job, evaluation_set, job_task, section_config
+from cluster.job import AlgorithmSection, Job, dump_job, evaluation_set, job_task, section_config
 from cluster.metrics import MetricSink
 from cluster.model_prep import prepare_model, sft_samples
 from cluster.stopping import JobStopped, StopRequest
@@ -112,6 +113,27 @@ def learners_may_crash(doing: str, run_dir: Path) -> Iterator[None]:
     except LEARNER_GROUP_FAILURES as error:
         raise LearnerCrashed(f"a learner rank died or broke the group {doing} ({type(error).__name__}: {error})",
                              run_dir) from error
+
+
+@dataclass
+class ScoredSinceStep:
+    """The responses scored since the last step row, trained or not: that row reports them, then they start over."""
+
+    rewards: list[float] = field(default_factory=list)  # as trained on: the verifier's, plus any overlong penalty
+    overlong_penalties: list[float] = field(default_factory=list)
+    truncated: int = 0  # responses the generator cut off at max_new_tokens
+
+    def metrics(self, algorithm: AlgorithmSection) -> dict[str, float]:
+        """`rollout/*` keys of the step row; those of options the job leaves off are not logged."""
+        def mean(values: list[float]) -> float:
+            return sum(values) / len(values) if values else math.nan
+
+        row = {"rollout/truncated_share": self.truncated / len(self.rewards) if self.rewards else math.nan}
+        if algorithm.drop_uniform_groups:
+            row["rollout/scored_reward_mean"] = mean(self.rewards)
+        if algorithm.overlong_buffer_tokens:
+            row["rollout/overlong_penalty_mean"] = mean(self.overlong_penalties)
+        return row
 
 
 class RunHalted(RuntimeError):
@@ -274,7 +296,7 @@ class AsyncLoop:
                           else runtime.CollectivePublisher(learners, self.generators, backend=sync))
         self.buffer = RolloutBuffer(job.async_.max_lag, job.learner.prompts_per_step, job.async_.stale_policy, ledger,
                                     job.algorithm.drop_uniform_groups)
-        self.scored_rewards: list[float] = []  # of every response scored since the last step row
+        self.scored = ScoredSinceStep()
         self.problems: Iterator[Problem] = task.problems("train", job.seed)
         self.problem_of: dict[int, Problem] = {}
         self.problems_drawn = 0
@@ -501,9 +523,10 @@ class AsyncLoop:
         self._end_unfinished_groups(f"run halted at step {self.version} (resumable)", wait_for_generation=False)
         raise UniformRewards(
             f"{self.buffer.uniform_in_a_row} prompt groups in a row were dropped because every response scored the "
-            f"same (algorithm.max_uniform_groups_in_a_row = {limit}): for this policy the task is all solved or all "
-            f"failed, so no step can fill; checkpoint at {path}. Choose harder or easier problems, or set "
-            f"algorithm.drop_uniform_groups: false in {self.run_dir / 'job.yaml'}, then: "
+            f"same (algorithm.max_uniform_groups_in_a_row = {limit}): the policy solves every problem it draws "
+            f"always or never (a task too easy or too hard for it, or a policy that stopped exploring: see "
+            f"stability/entropy), so no step can fill; checkpoint at {path}. Change the problems or "
+            f"generator.temperature, or set algorithm.drop_uniform_groups: false in {self.run_dir / 'job.yaml'}, then: "
             f"stableasync train --resume {self.run_dir}"
         )
 
@@ -685,11 +708,16 @@ class AsyncLoop:
             self.orphans.append((request, "generated while the run was stopping"))
             return
         del self.problem_of[group.group_id]
-        completions = [
-            {**c, "reward": r.reward, "score_error": r.error} for c, r in zip(group.completions, results)
-        ]
+        algorithm = self.job.algorithm
+        penalties = [overlong_penalty(len(c["completion_ids"]), self.job.generator.max_new_tokens,
+                                      algorithm.overlong_buffer_tokens, algorithm.overlong_penalty)
+                     for c in group.completions]
+        completions = [{**c, "reward": r.reward + penalty, "score_error": r.error}
+                       for c, r, penalty in zip(group.completions, results, penalties)]
         errors = sum(r.error is not None for r in results)
-        self.scored_rewards += [r.reward for r in results]
+        self.scored.rewards += [c["reward"] for c in completions]
+        self.scored.overlong_penalties += penalties
+        self.scored.truncated += sum(c["finish_reason"] == "length" for c in completions)
         scored = ScoredGroup(group.group_id, group.problem_id, group.prompt_ids, completions,
                              group.version_start, group.version_end, group.generator_index)
         self.buffer.add(scored, errors)
@@ -732,11 +760,10 @@ class AsyncLoop:
             "time/generator_busy_s": self.generator_busy_s,
             "time/eval_wait_s": eval_wait_s,  # the loop held up by the previous evaluation
         }
+        row.update(self.scored.metrics(self.job.algorithm))
         if self.buffer.drop_uniform_groups:
             row["rollout/uniform_groups_dropped"] = self.buffer.uniform_dropped
-            row["rollout/scored_reward_mean"] = (sum(self.scored_rewards) / len(self.scored_rewards)
-                                                 if self.scored_rewards else math.nan)
-        self.buffer.uniform_dropped, self.scored_rewards = 0, []
+        self.buffer.uniform_dropped, self.scored = 0, ScoredSinceStep()
         self.generator_busy_s = 0.0
         self.rewards.append(metrics.get("rollout/reward_mean", math.nan))
         self.sink.log(self.version, row)

@@ -155,9 +155,16 @@ class AlgorithmSection(Section):
         "or all failed, so every advantage is 0) is dropped when scored, in the ledger with why, and the generators "
         "sample another in its place: each step trains prompts_per_step groups that carry a learning signal"
     )
+    overlong_buffer_tokens: int = Field(
+        0, ge=0, description="DAPO's soft overlong punishment: over the last N tokens before generator.max_new_tokens, "
+        "a response's reward falls linearly, down to -overlong_penalty at the cap; 0: off"
+    )
+    overlong_penalty: float = Field(1.0, ge=0, description="the reward a response reaching generator.max_new_tokens "
+                                    "loses (with overlong_buffer_tokens)")
     max_uniform_groups_in_a_row: int = Field(
         256, gt=0, description="with drop_uniform_groups: after this many groups in a row are dropped so, the job "
-        "stops with a checkpoint (for this policy the task is all solved or all failed)"
+        "stops with a checkpoint (the policy solves each problem it draws always or never: the task is too easy or "
+        "too hard for it, or it stopped exploring)"
     )
 
 
@@ -350,6 +357,9 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
     if job.algorithm.drop_uniform_groups and generator.samples_per_prompt == 1:
         errors.append(JobError("algorithm.drop_uniform_groups", "every group of one response "
                                "(generator.samples_per_prompt 1) has uniform rewards: all would be dropped"))
+    if job.algorithm.overlong_buffer_tokens > generator.max_new_tokens:
+        errors.append(JobError("algorithm.overlong_buffer_tokens", f"{job.algorithm.overlong_buffer_tokens} is more "
+                               f"than the {generator.max_new_tokens} tokens a response may have (generator.max_new_tokens)"))
     if job.algorithm.loss_aggregation == "constant" and job.algorithm.constant_tokens is None:
         errors.append(JobError("algorithm.constant_tokens", "required when loss_aggregation is 'constant'"))
     if generator.max_new_tokens >= generator.max_model_len:

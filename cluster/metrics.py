@@ -28,6 +28,10 @@ KNOWN_METRICS: dict[str, str] = {
     "scored the same (algorithm.drop_uniform_groups)",
     "rollout/scored_reward_mean": "mean reward of every response scored since the previous step, the dropped "
     "uniform groups included (logged with algorithm.drop_uniform_groups, where rollout/reward_mean leaves them out)",
+    "rollout/truncated_share": "share of the responses scored since the previous step that the generator cut off "
+    "at generator.max_new_tokens (trained or not)",
+    "rollout/overlong_penalty_mean": "mean overlong penalty (algorithm.overlong_buffer_tokens) of the responses "
+    "scored since the previous step; the rewards trained on include it",
     "stability/ess_ratio": "effective sample size / samples of the sequence importance weights (1: on-policy)",
     "stability/ess_ratio_clipped": "ESS ratio of the capped sequence weights (VCPO)",
     "stability/lr_scale": "learning-rate multiplier of this step (VCPO's ESS rule; 0 on a skipped step)",

@@ -417,6 +417,26 @@ def test_uniform_reward_groups_are_dropped_and_replaced_so_every_step_trains_gro
     assert 0 < sum(m["rollout/uniform_groups_dropped"] for m in steps) <= len(dropped)
 
 
+def test_overlong_shaping_lowers_the_rewards_trained_on_by_length_and_leaves_evaluation_alone(local_ray, tmp_path):
+    """Every response scores 1 from the verifier. With the whole response inside the overlong buffer (8 of
+    max_new_tokens 8) at penalty 0.5, a response of n tokens is trained on with reward 1 - n / 16: below 1 for
+    every response, at least 0.5. Evaluation scores correctness, unshaped: exactly 1."""
+    rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, "reward": 1.0} for n in range(4)]
+    result = _run(tmp_path, max_lag=1, steps=3, task=_dataset_task(tmp_path, rows), learner={"num_ranks": 1},
+                  algorithm={"overlong_buffer_tokens": 8, "overlong_penalty": 0.5},
+                  eval={"every_steps": 3, "num_problems": 4}, logging={"run_name": "overlong"})
+    metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if m["train/step"] > 0 and not is_evaluation_row(m)]
+    assert len(steps) == 3
+    assert all(0.5 <= step["rollout/reward_mean"] <= 1 - 1 / 16 for step in steps), steps
+    # responses scored since the previous row: none between some rows (logged "nan"), so not every row has them
+    scored = [step for step in steps if step["rollout/overlong_penalty_mean"] != "nan"]
+    assert scored and all(-0.5 <= step["rollout/overlong_penalty_mean"] <= -1 / 16 for step in scored), steps
+    assert all(0 <= step["rollout/truncated_share"] <= 1 for step in scored)
+    evaluation = metrics[-1]
+    assert is_evaluation_row(evaluation) and evaluation["eval/reward_mean"] == 1.0
+
+
 def test_a_task_whose_groups_all_score_uniformly_halts_with_a_checkpoint_instead_of_sampling_forever(
         local_ray, tmp_path, capsys):
     from actors.buffer import audit_ledger

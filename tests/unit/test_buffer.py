@@ -1,6 +1,7 @@
 """The lag bound and the ledger, without Ray: admission, stale drops, exactly-once accounting."""
 
 import json
+import math
 
 import pytest
 
@@ -160,3 +161,17 @@ def test_ledger_audit_names_every_kind_of_gap():
     assert audit_ledger(rows[:5]) == ["group 2 was issued but never trained or dropped",
                                       "group 3 was issued but never trained or dropped",
                                       "group 4 was issued but never trained or dropped"]
+
+
+def test_the_step_row_reports_the_responses_scored_since_the_last_one_with_each_options_keys():
+    from cluster.driver import ScoredSinceStep
+    from cluster.job import validate_job
+
+    scored = ScoredSinceStep(rewards=[1.0, 0.75, 0.0, 0.5], overlong_penalties=[0.0, -0.25, 0.0, -0.5], truncated=1)
+    plain = validate_job({"task": {"name": "arithmetic"}}).algorithm
+    assert scored.metrics(plain) == {"rollout/truncated_share": 0.25}
+    both = validate_job({"task": {"name": "arithmetic"}, "generator": {"max_new_tokens": 16},
+                         "algorithm": {"drop_uniform_groups": True, "overlong_buffer_tokens": 4}}).algorithm
+    assert scored.metrics(both) == {"rollout/truncated_share": 0.25, "rollout/scored_reward_mean": 0.5625,
+                                    "rollout/overlong_penalty_mean": -0.1875}
+    assert math.isnan(ScoredSinceStep().metrics(both)["rollout/scored_reward_mean"])  # nothing scored: no number

@@ -114,6 +114,13 @@ def test_dropping_uniform_groups_needs_groups_of_more_than_one_response():
     assert not validate_job(MINIMAL).algorithm.drop_uniform_groups  # off unless asked for
 
 
+def test_the_overlong_buffer_must_fit_in_a_response():
+    errors = _errors({**MINIMAL, "algorithm": {"overlong_buffer_tokens": 65, "overlong_penalty": -1}})
+    assert "more than the 64 tokens" in errors["algorithm.overlong_buffer_tokens"]
+    assert "greater than or equal to 0" in errors["algorithm.overlong_penalty"]
+    assert validate_job({**MINIMAL, "algorithm": {"overlong_buffer_tokens": 64}}).algorithm.overlong_penalty == 1.0
+
+
 def test_field_and_cross_field_errors_come_in_one_pass():
     errors = _errors({
         "task": {"name": "countdown", "extra": 1},
