@@ -193,7 +193,6 @@ class RolloutBuffer:
         self.drop_uniform_groups = drop_uniform_groups
         self.ready: deque[ScoredGroup] = deque()
         self.in_flight = 0
-        self.uniform_dropped = 0  # groups dropped for uniform rewards since the caller last reset it
         self.uniform_in_a_row = 0  # arrivals with uniform rewards since the last group kept
 
     def can_issue(self, learner_version: int, learner_busy: bool, generator_version: int) -> bool:
@@ -209,18 +208,19 @@ class RolloutBuffer:
         self.ledger.issued(group_id, problem_id, version, generator_index)
         self.in_flight += 1
 
-    def add(self, group: ScoredGroup, score_errors: int = 0) -> None:
-        """A generated and scored group arrives; with `drop_uniform_groups`, one with uniform rewards ends here."""
+    def add(self, group: ScoredGroup, score_errors: int = 0) -> bool:
+        """A generated and scored group arrives; with `drop_uniform_groups`, one with uniform rewards ends here.
+        Returns whether the group was kept to train on."""
         self.in_flight -= 1
         self.ledger.scored(group.group_id, score_errors)
         if self.drop_uniform_groups and group.uniform_rewards:
-            self.uniform_dropped += 1
             self.uniform_in_a_row += 1
             self.ledger.dropped(group.group_id, f"uniform rewards: all {len(group.completions)} responses scored "
                                 f"{group.rewards[0]:g}, so every advantage is 0 (algorithm.drop_uniform_groups)")
-            return
+            return False
         self.uniform_in_a_row = 0
         self.ready.append(group)
+        return True
 
     def reissue(self, group_id: int, version: int, generator_index: int, reason: str) -> None:
         """An in-flight group goes out again after its generator failed; it stays in flight."""

@@ -122,6 +122,7 @@ class ScoredSinceStep:
     rewards: list[float] = field(default_factory=list)  # as trained on: the verifier's, plus any overlong penalty
     overlong_penalties: list[float] = field(default_factory=list)
     truncated: int = 0  # responses the generator cut off at max_new_tokens
+    uniform_groups_dropped: int = 0  # by algorithm.drop_uniform_groups
 
     def metrics(self, algorithm: AlgorithmSection) -> dict[str, float]:
         """`rollout/*` keys of the step row; those of options the job leaves off are not logged."""
@@ -131,6 +132,7 @@ class ScoredSinceStep:
         row = {"rollout/truncated_share": self.truncated / len(self.rewards) if self.rewards else math.nan}
         if algorithm.drop_uniform_groups:
             row["rollout/scored_reward_mean"] = mean(self.rewards)
+            row["rollout/uniform_groups_dropped"] = self.uniform_groups_dropped
         if algorithm.overlong_buffer_tokens:
             row["rollout/overlong_penalty_mean"] = mean(self.overlong_penalties)
         return row
@@ -720,7 +722,7 @@ class AsyncLoop:
         self.scored.truncated += sum(c["finish_reason"] == "length" for c in completions)
         scored = ScoredGroup(group.group_id, group.problem_id, group.prompt_ids, completions,
                              group.version_start, group.version_end, group.generator_index)
-        self.buffer.add(scored, errors)
+        self.scored.uniform_groups_dropped += not self.buffer.add(scored, errors)
 
     def _shards(self, groups: list[ScoredGroup]) -> list[TrainBatch]:
         """Split whole prompt groups over the ranks (group statistics stay on one rank)."""
@@ -761,9 +763,7 @@ class AsyncLoop:
             "time/eval_wait_s": eval_wait_s,  # the loop held up by the previous evaluation
         }
         row.update(self.scored.metrics(self.job.algorithm))
-        if self.buffer.drop_uniform_groups:
-            row["rollout/uniform_groups_dropped"] = self.buffer.uniform_dropped
-        self.buffer.uniform_dropped, self.scored = 0, ScoredSinceStep()
+        self.scored = ScoredSinceStep()
         self.generator_busy_s = 0.0
         self.rewards.append(metrics.get("rollout/reward_mean", math.nan))
         self.sink.log(self.version, row)

@@ -413,7 +413,9 @@ def test_uniform_reward_groups_are_dropped_and_replaced_so_every_step_trains_gro
                "(algorithm.drop_uniform_groups)" for r in dropped if r["problem_id"] in uniform_rows)
     steps = [m for m in (json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines())
              if m["train/step"] > 0 and not is_evaluation_row(m)]
-    assert len(steps) == 3 and all(0 <= m["rollout/scored_reward_mean"] <= 1 for m in steps)
+    assert len(steps) == 3
+    # responses scored since the previous row: none between some rows (logged "nan"), so not every row has them
+    assert all(0 <= m["rollout/scored_reward_mean"] <= 1 for m in steps if m["rollout/scored_reward_mean"] != "nan")
     assert 0 < sum(m["rollout/uniform_groups_dropped"] for m in steps) <= len(dropped)
 
 

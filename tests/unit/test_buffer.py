@@ -77,16 +77,16 @@ def test_uniform_reward_groups_are_dropped_on_arrival_and_free_their_slot_for_an
     _issue(buffer, 0, 0)
     _issue(buffer, 1, 0)
     assert not buffer.can_issue(0, False, 0)  # two in flight fill step 0
-    buffer.add(_scored(0, [1.0, 1.0, 1.0]))
+    assert buffer.add(_scored(0, [1.0, 1.0, 1.0])) is False
     assert ledger.entries[0].status == "dropped" and ledger.entries[0].reason == (
         "uniform rewards: all 3 responses scored 1, so every advantage is 0 (algorithm.drop_uniform_groups)")
     assert buffer.can_issue(0, False, 0)  # the dropped group's slot goes to a new one
     _issue(buffer, 2, 0)
-    buffer.add(_scored(1, [0.0, 1.0, 0.0]))
-    buffer.add(_scored(2, [0.0, 0.0, 0.0]))
+    assert buffer.add(_scored(1, [0.0, 1.0, 0.0])) is True
+    assert buffer.add(_scored(2, [0.0, 0.0, 0.0])) is False
     assert [e.status for e in ledger.entries.values()] == ["dropped", "scored", "dropped"]
     assert "all 3 responses scored 0," in ledger.entries[2].reason
-    assert buffer.uniform_dropped == 2 and buffer.uniform_in_a_row == 1  # group 1 broke the first streak
+    assert buffer.uniform_in_a_row == 1  # group 1 broke the first streak
     assert buffer.take(0) is None and buffer.can_issue(0, False, 0)
     _issue(buffer, 3, 0)
     buffer.add(_scored(3, [0.5, 0.5, 0.25]))
@@ -97,8 +97,8 @@ def test_uniform_reward_groups_are_kept_unless_asked():
     ledger = Ledger()
     buffer = RolloutBuffer(max_lag=0, prompts_per_step=1, stale_policy="wait", ledger=ledger)
     _issue(buffer, 0, 0)
-    buffer.add(_scored(0, [1.0, 1.0]))
-    assert [g.group_id for g in buffer.take(0)] == [0] and buffer.uniform_dropped == 0
+    assert buffer.add(_scored(0, [1.0, 1.0])) is True
+    assert [g.group_id for g in buffer.take(0)] == [0]
 
 
 def test_ledger_refuses_double_training_and_unknown_groups(tmp_path):
@@ -167,11 +167,12 @@ def test_the_step_row_reports_the_responses_scored_since_the_last_one_with_each_
     from cluster.driver import ScoredSinceStep
     from cluster.job import validate_job
 
-    scored = ScoredSinceStep(rewards=[1.0, 0.75, 0.0, 0.5], overlong_penalties=[0.0, -0.25, 0.0, -0.5], truncated=1)
+    scored = ScoredSinceStep(rewards=[1.0, 0.75, 0.0, 0.5], overlong_penalties=[0.0, -0.25, 0.0, -0.5], truncated=1,
+                             uniform_groups_dropped=3)
     plain = validate_job({"task": {"name": "arithmetic"}}).algorithm
     assert scored.metrics(plain) == {"rollout/truncated_share": 0.25}
     both = validate_job({"task": {"name": "arithmetic"}, "generator": {"max_new_tokens": 16},
                          "algorithm": {"drop_uniform_groups": True, "overlong_buffer_tokens": 4}}).algorithm
     assert scored.metrics(both) == {"rollout/truncated_share": 0.25, "rollout/scored_reward_mean": 0.5625,
-                                    "rollout/overlong_penalty_mean": -0.1875}
+                                    "rollout/uniform_groups_dropped": 3, "rollout/overlong_penalty_mean": -0.1875}
     assert math.isnan(ScoredSinceStep().metrics(both)["rollout/scored_reward_mean"])  # nothing scored: no number
