@@ -343,6 +343,15 @@ def test_a_learner_the_cluster_cannot_place_fails_with_the_resources_named(local
     assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"), "nothing left reserved"
 
 
+def _dataset_task(tmp_path: Path, rows: list[dict], reward_source: str, stem: str = "rows") -> dict:
+    """A dataset task section as a user writes one: STEM.jsonl (problem ids STEM-000001, ...) and a reward
+    function `score` in STEM_reward.py."""
+    data = tmp_path / f"{stem}.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / f"{stem}_reward.py").write_text(reward_source)
+    return {"name": "dataset", "path": str(data), "reward": f"{tmp_path}/{stem}_reward.py:score"}
+
+
 DATASET_REWARD = """
 def score(completion, answer, row):
     if row.get("explode"):
@@ -358,10 +367,7 @@ def test_a_dataset_job_trains_on_the_users_rows_with_the_users_reward(local_ray,
     rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, "weight": round(0.1 * n, 1)} for n in range(1, 7)]
     rows[2]["prompt"] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 1?"}]
     rows[3]["explode"] = True
-    data = tmp_path / "mine.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (tmp_path / "my_reward.py").write_text(DATASET_REWARD)
-    task = {"name": "dataset", "path": str(data), "reward": f"{tmp_path}/my_reward.py:score"}
+    task = _dataset_task(tmp_path, rows, DATASET_REWARD, stem="mine")
     result = _run(tmp_path, max_lag=1, steps=3, task=task, learner={"num_ranks": 1},
                   eval={"every_steps": 3, "num_problems": 6, "samples_per_problem": 2, "temperature": 1.0},
                   logging={"run_name": "dataset"})
@@ -389,19 +395,12 @@ def score(completion, answer, row):
 """
 
 
-def _dataset_task(tmp_path: Path, rows: list[dict]) -> dict:
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (tmp_path / "sometimes_uniform.py").write_text(SOMETIMES_UNIFORM_REWARD)
-    return {"name": "dataset", "path": str(data), "reward": f"{tmp_path}/sometimes_uniform.py:score"}
-
-
 def test_uniform_reward_groups_are_dropped_and_replaced_so_every_step_trains_groups_with_signal(local_ray, tmp_path):
     """Half the rows score the same for every response (their groups carry no advantage), the other half score
     each response at random. With algorithm.drop_uniform_groups, the first kind never reaches the learner: each
     is dropped with why, and the steps fill up with the second kind."""
     rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, **({"reward": 1.0} if n % 2 else {})} for n in range(6)]
-    result = _run(tmp_path, max_lag=1, steps=3, task=_dataset_task(tmp_path, rows), learner={"num_ranks": 1},
+    result = _run(tmp_path, max_lag=1, steps=3, task=_dataset_task(tmp_path, rows, SOMETIMES_UNIFORM_REWARD), learner={"num_ranks": 1},
                   algorithm={"drop_uniform_groups": True}, logging={"run_name": "uniform"})
     ledger = [json.loads(line) for line in (result.run_dir / "ledger.jsonl").read_text().splitlines()]
     uniform_rows = {f"rows-{line:06d}" for line, row in enumerate(rows, 1) if "reward" in row}
@@ -424,7 +423,7 @@ def test_overlong_shaping_lowers_the_rewards_trained_on_by_length_and_leaves_eva
     max_new_tokens 8) at penalty 0.5, a response of n tokens is trained on with reward 1 - n / 16: below 1 for
     every response, at least 0.5. Evaluation scores correctness, unshaped: exactly 1."""
     rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, "reward": 1.0} for n in range(4)]
-    result = _run(tmp_path, max_lag=1, steps=3, task=_dataset_task(tmp_path, rows), learner={"num_ranks": 1},
+    result = _run(tmp_path, max_lag=1, steps=3, task=_dataset_task(tmp_path, rows, SOMETIMES_UNIFORM_REWARD), learner={"num_ranks": 1},
                   algorithm={"overlong_buffer_tokens": 8, "overlong_penalty": 0.5},
                   eval={"every_steps": 3, "num_problems": 4}, logging={"run_name": "overlong"})
     metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -444,7 +443,7 @@ def test_a_task_whose_groups_all_score_uniformly_halts_with_a_checkpoint_instead
     from actors.buffer import audit_ledger
 
     rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, "reward": 0.0} for n in range(4)]
-    job = _job(tmp_path, max_lag=1, steps=3, task=_dataset_task(tmp_path, rows), learner={"num_ranks": 1},
+    job = _job(tmp_path, max_lag=1, steps=3, task=_dataset_task(tmp_path, rows, SOMETIMES_UNIFORM_REWARD), learner={"num_ranks": 1},
                algorithm={"drop_uniform_groups": True, "max_uniform_groups_in_a_row": 5},
                logging={"run_name": "all-uniform"})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))

@@ -8,9 +8,10 @@ import pytest
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
 
 
-def _group(group_id, version):
-    completion = {"completion_ids": [1], "behaviour_logprobs": [-0.1], "text": "", "finish_reason": "stop", "reward": 1.0}
-    return ScoredGroup(group_id, f"p{group_id}", [5, 6], [completion], version, version, 0)
+def _group(group_id, version, rewards=(1.0,)):
+    completions = [{"completion_ids": [1], "behaviour_logprobs": [-0.1], "text": "", "finish_reason": "stop",
+                    "reward": reward} for reward in rewards]
+    return ScoredGroup(group_id, f"p{group_id}", [5, 6], completions, version, version, 0)
 
 
 def _issue(buffer, group_id, version):
@@ -65,31 +66,25 @@ def test_drop_policy_bounds_how_far_generators_run_ahead():
     assert issued == 2 * (0 + 2)
 
 
-def _scored(group_id, rewards):
-    completions = [{"completion_ids": [1], "behaviour_logprobs": [-0.1], "text": "", "finish_reason": "stop",
-                    "reward": reward} for reward in rewards]
-    return ScoredGroup(group_id, f"p{group_id}", [5, 6], completions, 0, 0, 0)
-
-
 def test_uniform_reward_groups_are_dropped_on_arrival_and_free_their_slot_for_another():
     ledger = Ledger()
     buffer = RolloutBuffer(max_lag=0, prompts_per_step=2, stale_policy="wait", ledger=ledger, drop_uniform_groups=True)
     _issue(buffer, 0, 0)
     _issue(buffer, 1, 0)
     assert not buffer.can_issue(0, False, 0)  # two in flight fill step 0
-    assert buffer.add(_scored(0, [1.0, 1.0, 1.0])) is False
+    assert buffer.add(_group(0, 0, [1.0, 1.0, 1.0])) is False
     assert ledger.entries[0].status == "dropped" and ledger.entries[0].reason == (
         "uniform rewards: all 3 responses scored 1, so every advantage is 0 (algorithm.drop_uniform_groups)")
     assert buffer.can_issue(0, False, 0)  # the dropped group's slot goes to a new one
     _issue(buffer, 2, 0)
-    assert buffer.add(_scored(1, [0.0, 1.0, 0.0])) is True
-    assert buffer.add(_scored(2, [0.0, 0.0, 0.0])) is False
+    assert buffer.add(_group(1, 0, [0.0, 1.0, 0.0])) is True
+    assert buffer.add(_group(2, 0, [0.0, 0.0, 0.0])) is False
     assert [e.status for e in ledger.entries.values()] == ["dropped", "scored", "dropped"]
     assert "all 3 responses scored 0," in ledger.entries[2].reason
     assert buffer.uniform_in_a_row == 1  # group 1 broke the first streak
     assert buffer.take(0) is None and buffer.can_issue(0, False, 0)
     _issue(buffer, 3, 0)
-    buffer.add(_scored(3, [0.5, 0.5, 0.25]))
+    buffer.add(_group(3, 0, [0.5, 0.5, 0.25]))
     assert buffer.uniform_in_a_row == 0 and [g.group_id for g in buffer.take(0)] == [1, 3]
 
 
@@ -97,7 +92,7 @@ def test_uniform_reward_groups_are_kept_unless_asked():
     ledger = Ledger()
     buffer = RolloutBuffer(max_lag=0, prompts_per_step=1, stale_policy="wait", ledger=ledger)
     _issue(buffer, 0, 0)
-    assert buffer.add(_scored(0, [1.0, 1.0])) is True
+    assert buffer.add(_group(0, 0, [1.0, 1.0])) is True
     assert [g.group_id for g in buffer.take(0)] == [0]
 
 
