@@ -28,3 +28,12 @@ ShareMemCommBuilder().load(verbose=False)
 print(f"stableasync: DeepSpeed shm op ready in {os.environ['TORCH_EXTENSIONS_DIR']}")
 PY
 fi
+# M2PO's and BAPO's fused CPU scans (algorithms/native.py), built once into the same cache; without
+# them those stabilizers take the slower torch path, which gives the same results.
+.venv/bin/python - <<'PY'
+from algorithms import native
+if native.module() is None:
+    print("stableasync: the fused CPU scans did not build (reason above); M2PO and BAPO take the torch path")
+else:
+    print(f"stableasync: fused CPU scans ready in {native.extensions_dir()}")
+PY

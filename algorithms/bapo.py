@@ -26,6 +26,9 @@ clipped-surrogate pass at those bounds is cheaper than the mover search. The sha
 the walk, so that pass alone decides whether the walk runs to its end. Consecutive steps tend to end
 alike, so a BAPO instance tries that pass first only when its last walk ran to the end: the result is
 the same either way, only the cost differs.
+
+On CPU the movers, their buckets and the stayers' sums come from one fused scan (algorithms/native.py);
+torch ops find the same ones elsewhere (CUDA, per-token advantages, no compiler).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from algorithms import native
 from algorithms.batch import PolicyBatch, TokenWeights, indices_above, zero_outside, zero_where_set
 from algorithms.clipping import clip_excess, clip_flags, clips_padding
 from algorithms.config import LOG_RATIO_BOUND, BAPOConfig
@@ -114,17 +118,45 @@ def _widest(batch: PolicyBatch, config: BAPOConfig) -> tuple[TokenWeights, float
     return TokenWeights(weights, batch.mask, {"stability/clip_frac": clip_frac}), share
 
 
-def _walk(
-    log_ratio: Tensor, ratio: Tensor, advantages: Tensor, mask_float: Tensor, config: BAPOConfig
-) -> tuple[_Walk, Tensor]:
-    """The BAPO walk on a log-ratio that is 0 on padding and its ratio exp(min(l, bound)), 0 on padding.
+@dataclass
+class _Movers:
+    """The tokens the narrowest clip [b-, a+] clips (flat indices), their ratios, their bucket keys and
+    the bucket sums of ratio * |A| (fp64); and the sums over every other token (the stayers, which keep
+    their gradient at every step of the walk): pos of ratio * A over A > 0, neg of ratio * |A| over A < 0."""
 
-    Also returns a fresh [B, T] tensor: the ratio with every mover zeroed, for the caller to finish.
-    """
+    index: Tensor
+    ratio: Tensor
+    key: Tensor
+    buckets: list[float]
+    pos_stayers: float
+    neg_stayers: float
+
+
+def _find_movers(
+    log_ratio: Tensor, ratio: Tensor, advantages: Tensor, mask_float: Tensor, config: BAPOConfig
+) -> tuple[_Movers, Tensor]:
+    """The movers of a log-ratio that is 0 on padding and its ratio exp(min(l, bound)), 0 on padding;
+    and a fresh [B, T] tensor, the ratio with every mover zeroed. Through the fused scan where it
+    applies (it selects the same movers); padding it would clip takes the torch path, which masks it."""
+    grids = _grids(config)
+    narrowest = (grids.lows[-1], grids.highs[0], config.dual_clip_c)
+    if not clips_padding(*narrowest) and native.usable((log_ratio, ratio), advantages):
+        interval = (math.log(narrowest[0]), math.log(narrowest[1]), math.log(config.dual_clip_c))
+        dual_clip_below_lows = config.dual_clip_c < grids.lows[-1]
+        index, movers_ratio, key, buckets, stayers, pos, neg = native.bapo_movers(
+            log_ratio, ratio, advantages, interval, grids.log_highs, grids.log_lows, dual_clip_below_lows
+        )
+        return _Movers(index, movers_ratio, key, buckets.tolist(), pos, neg), stayers
+    return _find_movers_torch(log_ratio, ratio, advantages, mask_float, config)
+
+
+def _find_movers_torch(
+    log_ratio: Tensor, ratio: Tensor, advantages: Tensor, mask_float: Tensor, config: BAPOConfig
+) -> tuple[_Movers, Tensor]:
+    """`_find_movers` in torch ops: any device, per-token advantages."""
     grids = _grids(config)
     lows, highs = grids.lows, grids.highs
     n_lows, n_highs = len(lows), len(highs)
-    # The movers: the tokens the narrowest clip [b-, a+] clips; every other token keeps its gradient.
     excess = clip_excess(log_ratio, advantages, lows[-1], highs[0], config.dual_clip_c)
     if clips_padding(lows[-1], highs[0], config.dual_clip_c):
         excess.mul_(mask_float)  # padding (log-ratio 0) would be clipped too
@@ -148,6 +180,21 @@ def _walk(
     movers_ratio = torch.take(ratio, index)
     contribution = (movers_ratio * movers_advantage.abs()).double()
     buckets = torch.bincount(key, contribution, n_highs + n_lows + 2).tolist()
+    return _Movers(index, movers_ratio, key, buckets, pos_stayers, neg_stayers), stayers
+
+
+def _walk(
+    log_ratio: Tensor, ratio: Tensor, advantages: Tensor, mask_float: Tensor, config: BAPOConfig
+) -> tuple[_Walk, Tensor]:
+    """The BAPO walk on a log-ratio that is 0 on padding and its ratio exp(min(l, bound)), 0 on padding.
+
+    Also returns a fresh [B, T] tensor: the ratio with every mover zeroed, for the caller to finish.
+    """
+    grids = _grids(config)
+    lows, highs = grids.lows, grids.highs
+    n_lows, n_highs = len(lows), len(highs)
+    movers, stayers = _find_movers(log_ratio, ratio, advantages, mask_float, config)
+    buckets, pos_stayers, neg_stayers = movers.buckets, movers.pos_stayers, movers.neg_stayers
     # pos at highs[k]: the stayers plus the positive movers with key <= k; neg at lows[j]: the stayers
     # plus the negative movers with j < key < n_lows.
     pos = list(itertools.accumulate(buckets[:n_highs], initial=pos_stayers))[1:]
@@ -160,8 +207,8 @@ def _walk(
             break
     # The final clip, per key: a positive mover above highs[k], a negative one below lows[j] or above c.
     clips = [0.0] * (k + 1) + [1.0] * (n_highs - k) + [1.0] * (j + 1) + [0.0] * (n_lows - j - 1) + [1.0]
-    clipped = torch.tensor(clips, device=key.device)[key]
-    return _Walk(lows[j], highs[k], share, index, movers_ratio, clipped), stayers
+    clipped = torch.tensor(clips, device=movers.key.device)[movers.key]
+    return _Walk(lows[j], highs[k], share, movers.index, movers.ratio, clipped), stayers
 
 
 def adapt_bounds(log_ratio: Tensor, advantages: Tensor, mask: Tensor, config: BAPOConfig) -> tuple[float, float, Tensor]:

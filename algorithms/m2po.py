@@ -10,6 +10,10 @@ Two forms, selected by `M2POConfig.mode`:
 - `adaptive_clip` (the released code): no masking; if the trust-region M2 exceeds tau, cap the
   (log r)^2 values at tau_c^2, with tau_c^2 the largest value whose capping keeps the M2 within budget,
   and apply the PPO clip range [exp(-tau_c), exp(tau_c)] (no dual clip).
+
+Both start from the trust region's token count, the sum of its (log r)^2 and its values above tau.
+On CPU the fused scan in algorithms/native.py finds those in one pass; elsewhere (CUDA, per-token
+advantages, no compiler) torch ops build the region and search it; both take the same decisions.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from algorithms import native
 from algorithms.batch import PolicyBatch, TokenWeights, largest_entries, zero_outside
 from algorithms.clipping import clipped_surrogate_weights
 from algorithms.stabilizer import Stabilizer, register
@@ -49,20 +54,11 @@ class _Sum:
     value: float
     error: float
 
-    def settled(self, values: Tensor, threshold: float) -> _Sum:
-        """This sum, or the fp64 sum of `values` where the error leaves its side of `threshold` open."""
+    def settled(self, values: Callable[[], Tensor], threshold: float) -> _Sum:
+        """This sum, or the fp64 sum of `values()` where the error leaves its side of `threshold` open."""
         if abs(self.value - threshold) <= self.error:
-            return _Sum(float(values.sum(dtype=torch.float64)), 0.0)
+            return _Sum(float(values().sum(dtype=torch.float64)), 0.0)
         return self
-
-
-def _over_budget(region_m2: Tensor, n_region: int, total: _Sum, tau: float) -> _Sum | None:
-    """`total`, settled against the budget tau * n_region, when the trust region's mean exceeds tau; None
-    when it is within budget (or empty), where both M2PO forms leave every token alone."""
-    if n_region == 0:
-        return None
-    total = total.settled(region_m2, tau * n_region)
-    return total if total.value > tau * n_region else None
 
 
 def _sum_of(values: Tensor, group: int = 16) -> _Sum:
@@ -87,6 +83,73 @@ def _largest_fp32_at_most(value: float) -> float:
     if nearest.item() > value:
         nearest = torch.nextafter(nearest, torch.tensor(-math.inf))
     return nearest.item()
+
+
+@dataclass
+class _Region:
+    """M2PO's trust region in one batch: its token count, the sum of its (log r)^2, and a search for
+    the values above tau.
+
+    The torch path builds `values` ([B, T]: (log r)^2 on the region, 0 elsewhere) and searches it in
+    columns. The fused scan (algorithms/native.py) finds the count, the sum and every value above the
+    fp32 `threshold` in one pass, without the [B, T] tensor; it is then built only when a sum too close
+    to call or the adaptive clip's last resort needs it.
+    """
+
+    n_region: int
+    total: _Sum
+    numel: int
+    device: torch.device
+    build_values: Callable[[], Tensor]
+    found: tuple[Tensor, Tensor] | None = None
+    threshold: float = math.nan
+    built: Tensor | None = None
+
+    @property
+    def values(self) -> Tensor:
+        if self.built is None:
+            self.built = self.build_values()
+        return self.built
+
+    def largest(self, above: float, count: int) -> tuple[Tensor, Tensor, float]:
+        """The largest values above `above`, largest first, their flat indices, and a floor: every value
+        above both `above` and the floor is among them. The scan's finds give the `count` largest (all
+        of them, floor -inf, when there are no more); the torch path searches `count` columns."""
+        if self.found is None or above != self.threshold:
+            return largest_entries(self.values, above, count)
+        found, index = self.found
+        if found.numel() <= count:
+            top, order = torch.sort(found, descending=True)
+            return top, index[order], -math.inf
+        top, order = torch.topk(found, count + 1)
+        floor = float(top[count])
+        taken = int(torch.searchsorted(-top, -floor))  # the values above the floor (ties with it stay out)
+        return top[:taken], index[order[:taken]], floor
+
+
+def trust_region(log_ratio: Tensor, advantages: Tensor, tau: float) -> _Region:
+    """The trust region of `log_ratio` (0 on padding), through the fused scan where it applies."""
+    def build() -> Tensor:
+        return _trust_region_m2(log_ratio, advantages)[0]
+
+    if not native.usable((log_ratio,), advantages):
+        values, n_region = _trust_region_m2(log_ratio, advantages)
+        return _Region(n_region, _sum_of(values), values.numel(), values.device, build, built=values)
+    threshold = _largest_fp32_at_most(tau)
+    n_region, total, found, index = native.m2po_region_scan(log_ratio, advantages, threshold)
+    # an fp64 sum of non-negative terms in numel + 9 B additions lies within that many 2^-53 of the
+    # exact sum (relative); twice that leaves room
+    error = 2.0 * (log_ratio.numel() + 9 * log_ratio.shape[0]) * 2.0**-53 * total
+    return _Region(n_region, _Sum(total, error), log_ratio.numel(), log_ratio.device, build, (found, index), threshold)
+
+
+def _over_budget(region: _Region, tau: float) -> _Sum | None:
+    """The region's total, settled against the budget tau * n_region, when the region's mean exceeds
+    tau; None when it is within budget (or empty), where both M2PO forms leave every token alone."""
+    if region.n_region == 0:
+        return None
+    total = region.total.settled(lambda: region.values, tau * region.n_region)
+    return total if total.value > tau * region.n_region else None
 
 
 @dataclass
@@ -146,26 +209,26 @@ def _exact_others(region_m2: Tensor, top: Tensor, cut: float) -> Tensor:
     return rest + torch.cat([from_small_end[1:], from_small_end.new_zeros(1)])
 
 
-def _first_fit(region_m2: Tensor, total: _Sum, tau: float, rule: BudgetRule, columns: int) -> _Fit:
+def _first_fit(region: _Region, total: _Sum, tau: float, rule: BudgetRule, columns: int) -> _Fit:
     """Walk the values above tau, largest first, to the first position where `rule` holds.
 
-    `total` is the sum of `region_m2`. Values are compared in fp32 against the fp32 number that
+    `total` is the region's settled sum. Values are compared in fp32 against the fp32 number that
     splits them exactly as tau does in fp64, so a value at tau never flips side. Only the largest few
     are found and sorted, more only while the rule holds nowhere among them. `others` is total minus
     the running sum; where that is too close to call, it is summed again without the cancellation.
     """
     threshold = _largest_fp32_at_most(tau)
     # bounds the error of the total and the rounding of total - running sum
-    slack = total.error + 4 * region_m2.numel() * 2.0**-53 * total.value
+    slack = total.error + 4 * region.numel * 2.0**-53 * total.value
     while True:
-        top, index, floor = largest_entries(region_m2, threshold, columns)
+        top, index, floor = region.largest(threshold, columns)
         if top.numel() <= _PYTHON_WALK:
             first, margins, others = _walk_floats(rule, top.tolist(), total.value)
         else:
             running = torch.cumsum(top, 0, dtype=torch.float64)
             first, margins, others = _walk_tensors(rule, top, total.value - running)
         if len(margins) and _close_call(margins, first, slack):
-            first, _, others = _walk_tensors(rule, top, _exact_others(region_m2, top, max(threshold, floor)))
+            first, _, others = _walk_tensors(rule, top, _exact_others(region.values, top, max(threshold, floor)))
         if first is not None or floor <= threshold:
             return _Fit(first, top, index, others)
         columns *= 8
@@ -178,29 +241,29 @@ def m2po_token_mask(log_ratio: Tensor, advantages: Tensor, mask: Tensor, tau: fl
     (log r)^2, removed until the mean over the remaining trust-region tokens is <= tau.
     """
     mask = mask.bool()
-    region_m2, n_region = _trust_region_m2(zero_outside(log_ratio.detach().float(), mask), advantages)
-    dropped, _ = _drop_within_budget(region_m2, n_region, _sum_of(region_m2), tau)
+    region = trust_region(zero_outside(log_ratio.detach().float(), mask), advantages.detach(), tau)
+    dropped, _ = _drop_within_budget(region, tau)
     keep = mask.clone()
     keep.view(-1)[dropped] = False
     return keep
 
 
-def _drop_within_budget(region_m2: Tensor, n_region: int, total: _Sum, tau: float) -> tuple[Tensor, float | None]:
-    """Algorithm 1 on (log r)^2 that is > 0 on the n_region trust-region tokens and 0 elsewhere.
+def _drop_within_budget(region: _Region, tau: float) -> tuple[Tensor, float | None]:
+    """Algorithm 1 on the trust region's (log r)^2.
 
-    `total` is the sum of `region_m2`. Returns the flat indices to mask and the M2 of the kept
-    trust-region tokens (None if nothing is masked). Removing the m largest is the sorted-prefix form:
+    Returns the flat indices to mask and the M2 of the kept trust-region tokens (None if nothing is
+    masked). Removing the m largest is the sorted-prefix form:
     find the smallest m whose remaining mean is <= tau. Each removed value was the maximum of a set
     whose mean exceeded tau, so only values above tau can be removed, largest first.
     """
-    total = _over_budget(region_m2, n_region, total, tau)
+    n_region, total = region.n_region, _over_budget(region, tau)
     if total is None:
-        return torch.zeros(0, dtype=torch.long, device=region_m2.device), None
+        return torch.zeros(0, dtype=torch.long, device=region.device), None
 
     def remaining_over_budget(j: Any, value: Any, others: Any) -> Any:
         return others - tau * (n_region - 1 - j)
 
-    fit = _first_fit(region_m2, total, tau, remaining_over_budget, columns=64)
+    fit = _first_fit(region, total, tau, remaining_over_budget, columns=64)
     n_drop = fit.top.numel() if fit.first is None else fit.first + 1
     if n_drop == 0:  # rounding put the mean above tau with no value above it: nothing to remove
         return fit.index, total.value / n_region
@@ -215,7 +278,9 @@ def adaptive_clip_tau(region_m2: Tensor, tau: float) -> float | None:
     Capping at the j-th largest value v_j (0-based) gives (sum of all but the j largest) + j v_j.
     Every value <= tau fits, so only values above tau and the largest value <= tau are candidates.
     """
-    cap = _solve_adaptive_clip(region_m2, region_m2.numel(), _sum_of(region_m2), tau)
+    n = region_m2.numel()
+    region = _Region(n, _sum_of(region_m2), n, region_m2.device, lambda: region_m2, built=region_m2)
+    cap = _solve_adaptive_clip(region, tau)
     return None if cap is None else cap.tau_c
 
 
@@ -231,10 +296,10 @@ class _Cap:
     clipped: Tensor
 
 
-def _solve_adaptive_clip(region_m2: Tensor, n_region: int, total: _Sum, tau: float) -> _Cap | None:
-    """`adaptive_clip_tau` on values that may hold zeros beyond the n_region trust-region ones (they
-    never cap and add nothing), with the capped sum and the clipped tokens."""
-    total = _over_budget(region_m2, n_region, total, tau)
+def _solve_adaptive_clip(region: _Region, tau: float) -> _Cap | None:
+    """`adaptive_clip_tau` on a trust region whose values may hold zeros beyond its n_region tokens
+    (they never cap and add nothing), with the capped sum and the clipped tokens."""
+    n_region, total = region.n_region, _over_budget(region, tau)
     if total is None:
         return None
 
@@ -242,23 +307,23 @@ def _solve_adaptive_clip(region_m2: Tensor, n_region: int, total: _Sum, tau: flo
         # capping at the j-th largest (0-based) keeps all but the j + 1 largest, plus j + 1 copies of it
         return others + (j + 1) * value - tau * n_region
 
-    fit = _first_fit(region_m2, total, tau, capped_over_budget, columns=256)
+    fit = _first_fit(region, total, tau, capped_over_budget, columns=256)
     if fit.first is not None:
         value = float(fit.top[fit.first])
         n_above = int((fit.top[: fit.first] > value).sum())  # a prefix: values tied with the cap stay
         return _Cap(math.sqrt(value), fit.others + (fit.first + 1) * value, fit.index[:n_above])
     # The cap is the largest value <= tau, and the search found every value above tau: those are clipped.
-    values = region_m2.double()
+    values = region.values.double()
     largest_within = float((values * (values <= tau)).max())
     return _Cap(math.sqrt(largest_within), float(values.clamp(max=largest_within).sum()), fit.index)
 
 
-def _ratio_zeroed_at(batch: PolicyBatch, index: Tensor, buffer: Tensor) -> Tensor:
+def _ratio_zeroed_at(batch: PolicyBatch, index: Tensor, buffer: Tensor | None) -> Tensor:
     """The batch's ratio with 0 at the flat `index` (the weights of both forms), written into `buffer`,
-    a [B, T] fp32 tensor the caller no longer needs; the ratio itself when nothing is zeroed."""
+    a [B, T] fp32 tensor the caller no longer needs (or a new one); the ratio itself when nothing is zeroed."""
     if index.numel() == 0:
         return batch.ratio
-    weights = buffer.copy_(batch.ratio)
+    weights = batch.ratio.clone() if buffer is None else buffer.copy_(batch.ratio)
     weights.view(-1)[index] = 0.0
     return weights
 
@@ -268,31 +333,30 @@ class M2PO(Stabilizer):
     """Second-moment trust region; see the module docstring for the two forms."""
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
-        region_m2, n_region = _trust_region_m2(batch.log_ratio, batch.advantages)
-        total = _sum_of(region_m2)
-        m2_before = total.value / max(n_region, 1)
+        region = trust_region(batch.log_ratio, batch.advantages, self.config.tau)
+        m2_before = region.total.value / max(region.n_region, 1)
         metrics = {"stability/m2": torch.tensor(m2_before, dtype=torch.float32)}
         if self.config.mode == "adaptive_clip":
-            return self._adaptive_clip(batch, region_m2, n_region, total, metrics)
-        dropped, m2_after = _drop_within_budget(region_m2, n_region, total, self.config.tau)
-        weights = _ratio_zeroed_at(batch, dropped, region_m2)
+            return self._adaptive_clip(batch, region, metrics)
+        dropped, m2_after = _drop_within_budget(region, self.config.tau)
+        weights = _ratio_zeroed_at(batch, dropped, region.built)
         metrics["stability/m2_after"] = torch.tensor(m2_before if m2_after is None else m2_after, dtype=torch.float32)
         metrics["stability/mask_frac"] = dropped.numel() / batch.token_count
         return TokenWeights(weights, batch.mask, metrics)
 
     def _adaptive_clip(
-        self, batch: PolicyBatch, region_m2: Tensor, n_region: int, total: _Sum, metrics: dict[str, Tensor]
+        self, batch: PolicyBatch, region: _Region, metrics: dict[str, Tensor]
     ) -> TokenWeights:
-        cap = _solve_adaptive_clip(region_m2, n_region, total, self.config.tau)
+        cap = _solve_adaptive_clip(region, self.config.tau)
         if cap is None:  # within budget the released code still clips, at [0, 1e5]
             low, high = 0.0, 1e5
             result = clipped_surrogate_weights(batch, low, high, None)
             result.metrics["stability/m2_after"] = metrics["stability/m2"]
         else:
             low, high = math.exp(-cap.tau_c), math.exp(cap.tau_c)
-            weights = _ratio_zeroed_at(batch, cap.clipped, region_m2)
+            weights = _ratio_zeroed_at(batch, cap.clipped, region.built)
             result = TokenWeights(weights, batch.mask, {"stability/clip_frac": cap.clipped.numel() / batch.token_count})
-            result.metrics["stability/m2_after"] = torch.tensor(cap.capped_sum / n_region, dtype=torch.float32)
+            result.metrics["stability/m2_after"] = torch.tensor(cap.capped_sum / region.n_region, dtype=torch.float32)
         result.metrics.update(metrics)
         result.metrics["stability/clip_low"] = torch.tensor(low)
         result.metrics["stability/clip_high"] = torch.tensor(high)

@@ -16,17 +16,23 @@ skips the log-ratio that every other stabilizer must compute.
 BAPO's cost depends on where its bound walk stops: on these inputs the default runs to the widest
 bounds (a single clipped-surrogate pass), while positive_share 0.455 stops it mid-way, which takes
 the bucket search over the tokens that change sides; both are listed.
+
+M2PO's trust region and BAPO's walk use the fused CPU scans (algorithms/native.py) when they are
+built; the rows marked "[torch path]" time the same stabilizers without them, in the same rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from algorithms import registry
+from algorithms import native, registry
 from algorithms.aggregation import policy_loss
 from algorithms.batch import PolicyBatch
 from algorithms.diagnostics import health_metrics
@@ -50,19 +56,28 @@ def make_inputs(
     return logprobs, behaviour, advantages, mask
 
 
-def time_once(stabilizer: Stabilizer, inputs: tuple[torch.Tensor, ...], with_health: bool, calls: int = 5) -> float:
+@dataclass
+class Variant:
+    """A stabilizer as timed: built with its options, on the fused scans or the torch path."""
+
+    stabilizer: Stabilizer
+    path: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def time_once(variant: Variant, inputs: tuple[torch.Tensor, ...], with_health: bool, calls: int = 5) -> float:
     """Seconds per call, averaged over `calls` back-to-back calls (one sample)."""
     logprobs, behaviour, advantages, mask = inputs
-    mode = RECOMMENDED_AGGREGATION.get(stabilizer.name, "token-mean")
+    mode = RECOMMENDED_AGGREGATION.get(variant.stabilizer.name, "token-mean")
     leaves = [logprobs.clone().requires_grad_(True) for _ in range(calls)]
-    start = time.perf_counter()
-    for leaf in leaves:
-        batch = PolicyBatch(leaf, behaviour, advantages, mask)
-        decision = stabilizer.token_weights(batch)
-        policy_loss(batch, decision, mode).backward()
-        if with_health:
-            health_metrics(batch)
-    return (time.perf_counter() - start) / calls
+    with variant.path():
+        start = time.perf_counter()
+        for leaf in leaves:
+            batch = PolicyBatch(leaf, behaviour, advantages, mask)
+            decision = variant.stabilizer.token_weights(batch)
+            policy_loss(batch, decision, mode).backward()
+            if with_health:
+                health_metrics(batch)
+        return (time.perf_counter() - start) / calls
 
 
 def main() -> None:
@@ -79,26 +94,32 @@ def main() -> None:
 
     inputs = make_inputs(args.batch, args.tokens, args.base_std, args.tail_share, args.tail_std)
     names = ["none"] + [name for name in registry.STABILIZERS if name != "none"]
-    variants = {name: registry.build(name) for name in names}
-    variants["m2po(adaptive_clip)"] = registry.build("m2po", mode="adaptive_clip")
-    variants["bapo(positive_share=0.455)"] = registry.build("bapo", positive_share=0.455)
-    for stabilizer in variants.values():  # warm-up: allocator and first-call costs
-        time_once(stabilizer, inputs, True)
+    variants = {name: Variant(registry.build(name)) for name in names}
+    variants["m2po(adaptive_clip)"] = Variant(registry.build("m2po", mode="adaptive_clip"))
+    variants["bapo(positive_share=0.455)"] = Variant(registry.build("bapo", positive_share=0.455))
+    fused = native.module() is not None
+    if fused:
+        for label in ("m2po", "m2po(adaptive_clip)", "bapo(positive_share=0.455)"):
+            variants[f"{label} [torch path]"] = Variant(variants[label].stabilizer, native.turned_off)
+    for variant in variants.values():  # warm-up: allocator and first-call costs
+        time_once(variant, inputs, True)
     loss_only: dict[str, list[float]] = {label: [] for label in variants}
     per_step: dict[str, list[float]] = {label: [] for label in variants}
     for _ in range(args.rounds):
-        for label, stabilizer in variants.items():
-            loss_only[label].append(time_once(stabilizer, inputs, False))
-            per_step[label].append(time_once(stabilizer, inputs, True))
+        for label, variant in variants.items():
+            loss_only[label].append(time_once(variant, inputs, False))
+            per_step[label].append(time_once(variant, inputs, True))
 
     print(
         f"B={args.batch} T={args.tokens} log-ratio std {args.base_std}, tail {args.tail_share:.0%} at std "
-        f"{args.tail_std}; rounds={args.rounds} threads={args.threads}"
+        f"{args.tail_std}; rounds={args.rounds} threads={args.threads}; fused CPU scans: "
+        + ("built" if fused else "not built, every row takes the torch path")
     )
-    print(f"{'':<27}{'per step: loss + health metrics':^36}{'loss only':^36}".rstrip())
-    print(f"{'stabilizer':<27}" + f"{'ms':>12}{'x none':>12}{'(median)':>12}" * 2)
+    width = max(len(label) for label in variants) + 2
+    print(f"{'':<{width}}{'per step: loss + health metrics':^36}{'loss only':^36}".rstrip())
+    print(f"{'stabilizer':<{width}}" + f"{'ms':>12}{'x none':>12}{'(median)':>12}" * 2)
     for label in variants:
-        row = f"{label:<27}"
+        row = f"{label:<{width}}"
         for samples in (per_step, loss_only):
             best, base = min(samples[label]), min(samples["none"])
             median_ratio = statistics.median(samples[label]) / statistics.median(samples["none"])
