@@ -74,8 +74,9 @@ def turned_off() -> Iterator[None]:
 def usable(token_tensors: tuple[Tensor, ...], advantages: Tensor) -> bool:
     """Whether the fused scans take these: fp32 [B, T] CPU tensors, contiguous, with one advantage per
     row (per-token advantages take the torch path), and the op available."""
-    if advantages.dim() != 1 or not all(t.dim() == 2 for t in token_tensors):
-        return False
+    shape = token_tensors[0].shape
+    if len(shape) != 2 or any(t.shape != shape for t in token_tensors) or advantages.shape != shape[:1]:
+        return False  # the C++ trusts these shapes; mismatches get the torch path's error
     for tensor in (*token_tensors, advantages):
         if tensor.device.type != "cpu" or tensor.dtype != torch.float32 or not tensor.is_contiguous():
             return False

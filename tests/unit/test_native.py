@@ -38,6 +38,8 @@ def test_only_fp32_contiguous_cpu_tensors_with_row_advantages_take_the_scans():
     assert not native.usable((tokens.double(),), rows)
     assert not native.usable((torch.zeros(6, 4).t(),), rows)  # not contiguous
     assert not native.usable((tokens,), rows.double())
+    assert not native.usable((tokens,), torch.zeros(5))  # one advantage too many: the torch path raises
+    assert not native.usable((tokens, torch.zeros(4, 7)), rows)
     with native.turned_off():
         assert not native.usable((tokens,), rows)
     assert native.usable((tokens,), rows)
