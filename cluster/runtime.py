@@ -14,6 +14,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.generator import Generator, GeneratorSpec
+from algorithms import native
 from learner.batch import TrainBatch
 from learner.rank import LearnerRank, LearnerSpec
 from learner.weight_sync import CollectiveWeightSync, PackedWeights, TensorSpec
@@ -21,7 +22,7 @@ from learner.weight_sync import CollectiveWeightSync, PackedWeights, TensorSpec
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("stableasync")
 
-# Environment every actor of a job gets: in-process vLLM, a shared DeepSpeed op cache, no noise.
+# Environment every actor of a job gets: in-process vLLM, a shared cache of built ops, no noise.
 ACTOR_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TOKENIZERS_PARALLELISM": "false",
@@ -31,9 +32,7 @@ ACTOR_ENV = {
 
 def actor_env() -> dict[str, str]:
     env = dict(ACTOR_ENV)
-    env["TORCH_EXTENSIONS_DIR"] = os.environ.get(
-        "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "stableasync" / "torch_extensions")
-    )
+    env["TORCH_EXTENSIONS_DIR"] = str(native.extensions_dir())  # DeepSpeed's op and the fused scans
     if os.environ.get("WANDB_API_KEY"):
         env["WANDB_API_KEY"] = os.environ["WANDB_API_KEY"]  # passed through, never written to the run dir
     return env
