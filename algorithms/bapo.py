@@ -141,7 +141,7 @@ def _find_movers(
     grids = _grids(config)
     narrowest = (grids.lows[-1], grids.highs[0], config.dual_clip_c)
     if not clips_padding(*narrowest) and native.usable((log_ratio, ratio), advantages):
-        interval = (math.log(narrowest[0]), math.log(narrowest[1]), math.log(config.dual_clip_c))
+        interval = (math.log(narrowest[0]), math.log(narrowest[1]), math.log(narrowest[2]))
         dual_clip_below_lows = config.dual_clip_c < grids.lows[-1]
         index, movers_ratio, key, buckets, stayers, pos, neg = native.bapo_movers(
             log_ratio, ratio, advantages, interval, grids.log_highs, grids.log_lows, dual_clip_below_lows

@@ -98,8 +98,7 @@ class _Region:
 
     n_region: int
     total: _Sum
-    numel: int
-    device: torch.device
+    tokens: Tensor  # a [B, T] tensor of the batch: the region's size and device
     build_values: Callable[[], Tensor]
     found: tuple[Tensor, Tensor] | None = None
     threshold: float = math.nan
@@ -134,13 +133,13 @@ def trust_region(log_ratio: Tensor, advantages: Tensor, tau: float) -> _Region:
 
     if not native.usable((log_ratio,), advantages):
         values, n_region = _trust_region_m2(log_ratio, advantages)
-        return _Region(n_region, _sum_of(values), values.numel(), values.device, build, built=values)
+        return _Region(n_region, _sum_of(values), values, build, built=values)
     threshold = _largest_fp32_at_most(tau)
     n_region, total, found, index = native.m2po_region_scan(log_ratio, advantages, threshold)
     # an fp64 sum of non-negative terms in numel + 9 B additions lies within that many 2^-53 of the
     # exact sum (relative); twice that leaves room
     error = 2.0 * (log_ratio.numel() + 9 * log_ratio.shape[0]) * 2.0**-53 * total
-    return _Region(n_region, _Sum(total, error), log_ratio.numel(), log_ratio.device, build, (found, index), threshold)
+    return _Region(n_region, _Sum(total, error), log_ratio, build, (found, index), threshold)
 
 
 def _over_budget(region: _Region, tau: float) -> _Sum | None:
@@ -219,7 +218,7 @@ def _first_fit(region: _Region, total: _Sum, tau: float, rule: BudgetRule, colum
     """
     threshold = _largest_fp32_at_most(tau)
     # bounds the error of the total and the rounding of total - running sum
-    slack = total.error + 4 * region.numel * 2.0**-53 * total.value
+    slack = total.error + 4 * region.tokens.numel() * 2.0**-53 * total.value
     while True:
         top, index, floor = region.largest(threshold, columns)
         if top.numel() <= _PYTHON_WALK:
@@ -258,7 +257,7 @@ def _drop_within_budget(region: _Region, tau: float) -> tuple[Tensor, float | No
     """
     n_region, total = region.n_region, _over_budget(region, tau)
     if total is None:
-        return torch.zeros(0, dtype=torch.long, device=region.device), None
+        return torch.zeros(0, dtype=torch.long, device=region.tokens.device), None
 
     def remaining_over_budget(j: Any, value: Any, others: Any) -> Any:
         return others - tau * (n_region - 1 - j)
@@ -278,8 +277,7 @@ def adaptive_clip_tau(region_m2: Tensor, tau: float) -> float | None:
     Capping at the j-th largest value v_j (0-based) gives (sum of all but the j largest) + j v_j.
     Every value <= tau fits, so only values above tau and the largest value <= tau are candidates.
     """
-    n = region_m2.numel()
-    region = _Region(n, _sum_of(region_m2), n, region_m2.device, lambda: region_m2, built=region_m2)
+    region = _Region(region_m2.numel(), _sum_of(region_m2), region_m2, lambda: region_m2, built=region_m2)
     cap = _solve_adaptive_clip(region, tau)
     return None if cap is None else cap.tau_c
 

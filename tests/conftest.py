@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
+from algorithms import native
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "stableasync" / "torch_extensions"))
+os.environ["TORCH_EXTENSIONS_DIR"] = str(native.extensions_dir())  # the cache install.sh built the ops into
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_SILENT", "true")
 

@@ -400,7 +400,8 @@ def test_uniform_reward_groups_are_dropped_and_replaced_so_every_step_trains_gro
     each response at random. With algorithm.drop_uniform_groups, the first kind never reaches the learner: each
     is dropped with why, and the steps fill up with the second kind."""
     rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, **({"reward": 1.0} if n % 2 else {})} for n in range(6)]
-    result = _run(tmp_path, max_lag=1, steps=3, task=_dataset_task(tmp_path, rows, SOMETIMES_UNIFORM_REWARD), learner={"num_ranks": 1},
+    task = _dataset_task(tmp_path, rows, SOMETIMES_UNIFORM_REWARD)
+    result = _run(tmp_path, max_lag=1, steps=3, task=task, learner={"num_ranks": 1},
                   algorithm={"drop_uniform_groups": True}, logging={"run_name": "uniform"})
     ledger = [json.loads(line) for line in (result.run_dir / "ledger.jsonl").read_text().splitlines()]
     uniform_rows = {f"rows-{line:06d}" for line, row in enumerate(rows, 1) if "reward" in row}
@@ -423,7 +424,8 @@ def test_overlong_shaping_lowers_the_rewards_trained_on_by_length_and_leaves_eva
     max_new_tokens 8) at penalty 0.5, a response of n tokens is trained on with reward 1 - n / 16: below 1 for
     every response, at least 0.5. Evaluation scores correctness, unshaped: exactly 1."""
     rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, "reward": 1.0} for n in range(4)]
-    result = _run(tmp_path, max_lag=1, steps=3, task=_dataset_task(tmp_path, rows, SOMETIMES_UNIFORM_REWARD), learner={"num_ranks": 1},
+    task = _dataset_task(tmp_path, rows, SOMETIMES_UNIFORM_REWARD)
+    result = _run(tmp_path, max_lag=1, steps=3, task=task, learner={"num_ranks": 1},
                   algorithm={"overlong_buffer_tokens": 8, "overlong_penalty": 0.5},
                   eval={"every_steps": 3, "num_problems": 4}, logging={"run_name": "overlong"})
     metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -443,7 +445,8 @@ def test_a_task_whose_groups_all_score_uniformly_halts_with_a_checkpoint_instead
     from actors.buffer import audit_ledger
 
     rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, "reward": 0.0} for n in range(4)]
-    job = _job(tmp_path, max_lag=1, steps=3, task=_dataset_task(tmp_path, rows, SOMETIMES_UNIFORM_REWARD), learner={"num_ranks": 1},
+    task = _dataset_task(tmp_path, rows, SOMETIMES_UNIFORM_REWARD)
+    job = _job(tmp_path, max_lag=1, steps=3, task=task, learner={"num_ranks": 1},
                algorithm={"drop_uniform_groups": True, "max_uniform_groups_in_a_row": 5},
                logging={"run_name": "all-uniform"})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
