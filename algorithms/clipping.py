@@ -113,6 +113,8 @@ def clipped_surrogate_weights(
 class PPOClip(Stabilizer):
     """Token PPO-clip against the behaviour policy, with dual clip: the DAPO/GRPO surrogate."""
 
+    decides_per_row = True
+
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         c = self.config
         return clipped_surrogate_weights(batch, 1.0 - c.eps_low, 1.0 + c.eps_high, c.dual_clip_c)
@@ -125,6 +127,8 @@ class GSPO(Stabilizer):
     With seq-mean-token-mean aggregation the weight s_i on each token reproduces
     grad s_i = s_i (1/|y_i|) sum_t grad log pi exactly.
     """
+
+    decides_per_row = True
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         c = self.config

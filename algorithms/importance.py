@@ -67,6 +67,8 @@ def _per_token(seq_values: Tensor, batch: PolicyBatch) -> Tensor:
 class NoStabilizer(Stabilizer):
     """On-policy REINFORCE/GRPO: every loss token has weight 1; behaviour log-probs are ignored."""
 
+    decides_per_row = True
+
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         return TokenWeights(batch.mask_float, batch.mask, {})
 
@@ -74,6 +76,8 @@ class NoStabilizer(Stabilizer):
 @register("tis_token")
 class TokenTIS(Stabilizer):
     """Token TIS: sg(min(rho_t, C))."""
+
+    decides_per_row = True
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         weights = batch.ratio.clamp(max=self.config.cap)
@@ -99,6 +103,8 @@ def sequence_tis_weights(batch: PolicyBatch, cap: float) -> TokenWeights:
 @register("tis_seq")
 class SequenceTIS(Stabilizer):
     """Sequence TIS: one truncated weight per sequence, shared by its tokens."""
+
+    decides_per_row = True
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         return sequence_tis_weights(batch, self.config.cap)
@@ -152,6 +158,8 @@ class GeometricMIS(Stabilizer):
 class IcePop(Stabilizer):
     """IcePop: weight rho_t inside [low, high], else 0; masked tokens keep their place in the denominator."""
 
+    decides_per_row = True
+
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         c = self.config
         zeroed = outside_band(batch.log_ratio, math.log(c.low), math.log(c.high))
@@ -172,6 +180,8 @@ class OffPolicySequenceMasking(Stabilizer):
     paper's formula, where the mask multiplies the summand.
     """
 
+    decides_per_row = True
+
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         mean_log_mu_over_pi = -batch.seq_log_ratio / batch.token_lengths.clamp(min=1)
         drop = ((batch.seq_advantages < 0) & (mean_log_mu_over_pi > self.config.delta)).float()
@@ -191,6 +201,8 @@ class TOPR(Stabilizer):
     objective bounded (the paper's C is 1).
     """
 
+    decides_per_row = True
+
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         negative = batch.seq_advantages < 0
         truncated, capped = _capped_sequence_weights(batch, self.config.cap)
@@ -203,6 +215,8 @@ class TOPR(Stabilizer):
 @register("cispo")
 class CISPO(Stabilizer):
     """CISPO: sg(clip(rho_t, 1 - eps_low, 1 + eps_high)); clipped tokens still get gradient."""
+
+    decides_per_row = True
 
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         low, high = max(0.0, 1.0 - self.config.eps_low), 1.0 + self.config.eps_high

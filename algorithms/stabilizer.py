@@ -20,6 +20,11 @@ class Stabilizer:
     """
 
     name: ClassVar[str] = ""
+    decides_per_row: ClassVar[bool] = False
+    """True when `token_weights` of any set of whole rows is the whole batch's decision on those rows and
+    keeps the batch's loss mask (so the loss denominator is known before any forward): the learner then
+    decides per micro-batch, one forward each. False (M2PO's trust region, BAPO's bounds, MIS masks that
+    change the denominator) costs the learner a no-grad pass over the batch first."""
 
     def __init__(self, config: Any | None = None) -> None:
         config_cls = STABILIZER_CONFIGS[self.name]

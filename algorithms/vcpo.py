@@ -86,6 +86,8 @@ def group_normalised_weights(log_weight: Tensor, group_ids: Tensor) -> Tensor:
 class VCPO(Stabilizer):
     """Seq-TIS base loss, ESS-scaled LR and the off-policy optimal baseline."""
 
+    decides_per_row = True
+
     @property
     def needs_grad_norms(self) -> bool:
         return self.config.use_baseline

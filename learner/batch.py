@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,21 @@ class TrainBatch:
     def rows(self, index: Tensor) -> TrainBatch:
         """The sub-batch of the given rows."""
         return TrainBatch(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
+
+    @property
+    def sequence_lengths(self) -> Tensor:
+        """Real (unpadded) tokens of each sequence, [B] long."""
+        return self.attention_mask.sum(dim=1)
+
+    def trimmed(self) -> TrainBatch:
+        """The same rows without the padding columns that no row of this batch uses."""
+        width = max(2, int(self.sequence_lengths.max())) if self.size else 2
+        return TrainBatch(self.input_ids[:, :width], self.attention_mask[:, :width], self.loss_mask[:, :width - 1],
+                          self.behaviour_logprobs[:, :width - 1], self.rewards, self.group_ids, self.versions)
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """Every tensor on `device` (the rank's): the model and the collectives see one device."""
+        return TrainBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
 def collate(samples: Sequence[dict[str, Any]], pad_token_id: int) -> TrainBatch:
@@ -75,32 +90,78 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int) -> TrainBatch:
     )
 
 
+# Positions x vocabulary entries of one fp32 chunk of logits: the largest fp32 [*, V] temporary the
+# log-softmax makes (64 MiB; 341 positions of SmolLM2's 49k vocabulary, 110 of a 152k one).
+CHUNK_LOGIT_ELEMENTS = 1 << 24
+
+
+def _position_chunks(positions: int, vocab: int) -> Iterator[slice]:
+    """Slices of positions whose [*, vocab] fp32 copy holds at most CHUNK_LOGIT_ELEMENTS numbers."""
+    size = max(1, CHUNK_LOGIT_ELEMENTS // max(1, vocab))
+    for start in range(0, positions, size):
+        yield slice(start, min(start + size, positions))
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """log softmax(logits / T)[target] per position, upcast to fp32 one chunk of positions at a time.
+
+    Autograd of `logsumexp(logits.float())` would keep an fp32 copy of every chunk until the backward;
+    this keeps only the logits themselves (in the model's dtype) and the [N] log-normalisers, and the
+    backward rebuilds each chunk's softmax.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float) -> Tensor:  # logits [N, V], targets [N]
+        logprobs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        normalisers = torch.empty_like(logprobs)
+        for rows in _position_chunks(*logits.shape):
+            chunk = logits[rows].float() / temperature
+            normalisers[rows] = torch.logsumexp(chunk, dim=-1)
+            logprobs[rows] = chunk.gather(-1, targets[rows, None]).squeeze(-1) - normalisers[rows]
+        ctx.save_for_backward(logits, targets, normalisers)
+        ctx.temperature = temperature
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, None, None]:
+        logits, targets, normalisers = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad_logits = torch.empty_like(logits)
+        for rows in _position_chunks(*logits.shape):
+            scale = (grad_output[rows] / temperature).unsqueeze(-1)
+            chunk = torch.exp(logits[rows].float() / temperature - normalisers[rows, None]).mul_(scale).neg_()
+            chunk.scatter_add_(-1, targets[rows, None], scale)  # d/dx of x[target]: + g / T
+            grad_logits[rows] = chunk
+        return grad_logits, None, None
+
+
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
     """log softmax(logits / T) of each next token, [B, L-1], in fp32.
 
-    The temperature matches the generator's processed log-probs, so on-policy ratios are 1.
+    The temperature matches the generator's processed log-probs, so on-policy ratios are 1. The fp32
+    upcast happens one chunk of positions at a time, in the forward and in the backward.
     """
-    logits = logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    # log_softmax at the target = target logit - logsumexp, without materialising the full log-softmax
-    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    batch, length, vocab = logits.shape
+    # score every position against the next token (the last one against a dummy) so the logits stay a view
+    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
+    flat = _TargetLogprobs.apply(logits.reshape(batch * length, vocab), targets, float(temperature))
+    return flat.view(batch, length)[:, :-1]
 
 
 @torch.no_grad()
 def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """Entropy of the learner's next-token distribution softmax(logits / T) at each position, [B, L-1], fp32.
 
-    One row at a time, so the extra softmax costs [L, V] of memory, not [B, L, V]; a policy whose entropy
-    collapses stops exploring, the usual way GRPO runs stall.
+    One chunk of positions at a time, so the extra softmax never costs more than one fp32 chunk; a policy
+    whose entropy collapses stops exploring, the usual way GRPO runs stall.
     """
-    rows = []
-    for row in logits[:, :-1]:
-        scaled = row.float() / temperature
-        log_p = torch.log_softmax(scaled, dim=-1)
-        rows.append(-(log_p.exp() * log_p).sum(dim=-1))
-    return torch.stack(rows) if rows else logits.new_zeros(logits.shape[0], max(logits.shape[1] - 1, 0))
+    batch, length, vocab = logits.shape
+    flat = logits.reshape(batch * length, vocab)
+    entropy = torch.empty(batch * length, dtype=torch.float32, device=logits.device)
+    for rows in _position_chunks(*flat.shape):
+        log_p = torch.log_softmax(flat[rows].float() / temperature, dim=-1)
+        entropy[rows] = -(log_p.exp() * log_p).sum(dim=-1)
+    return entropy.view(batch, length)[:, :-1]
 
 
 def sequence_logprob_grad(logits: Tensor, input_ids: Tensor, loss_mask: Tensor, temperature: float = 1.0) -> Tensor:

@@ -1,0 +1,61 @@
+"""Token-budget micro-batches: which rows of a rank's batch go through the model together.
+
+A micro-batch costs its rows times its longest row in padded tokens; `plan` keeps that within the
+budget, longest rows first so that rows of similar length share a micro-batch and padding stays small.
+Pure torch, no model: the learner asks it once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """The rows of each micro-batch, in the order they run."""
+
+    rows: list[Tensor]  # each [b] long: indices into the rank's batch, ascending
+    groups_whole: bool  # every prompt group sits inside one micro-batch (its baseline needs no other pass)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def plan(sequence_lengths: Tensor, group_ids: Tensor, max_tokens: int | None, keep_groups: bool) -> MicroBatchPlan:
+    """Micro-batches of at most `max_tokens` padded tokens (None: one micro-batch of every row).
+
+    With `keep_groups`, whole prompt groups are packed, so that anything computed per group (VCPO's
+    baseline) sees the group at once; a group longer than the budget on its own is split into rows,
+    and the plan says so.
+    """
+    size = int(sequence_lengths.shape[0])
+    if max_tokens is None or size == 0 or size * int(sequence_lengths.max()) <= max_tokens:
+        return MicroBatchPlan([torch.arange(size, device=sequence_lengths.device)], groups_whole=True)
+    lengths = sequence_lengths.tolist()
+    units = _groups(group_ids.tolist()) if keep_groups else [[row] for row in range(size)]
+    groups_whole = keep_groups
+    if keep_groups and any(len(unit) * max(lengths[r] for r in unit) > max_tokens for unit in units):
+        units, groups_whole = [[row] for row in range(size)], False
+    units.sort(key=lambda unit: (-max(lengths[r] for r in unit), unit[0]))
+    batches: list[list[int]] = []
+    width = 0  # the current micro-batch's longest row: its first unit's, as units come longest first
+    for unit in units:
+        unit_width = max(lengths[r] for r in unit)
+        if batches and (len(batches[-1]) + len(unit)) * max(width, unit_width) <= max_tokens:
+            batches[-1].extend(unit)
+            continue
+        batches.append(list(unit))
+        width = unit_width
+    return MicroBatchPlan([torch.tensor(sorted(rows), dtype=torch.long, device=sequence_lengths.device)
+                           for rows in batches], groups_whole)
+
+
+def _groups(group_ids: list[int]) -> list[list[int]]:
+    """Rows of each prompt group, groups in order of first appearance."""
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(group_ids):
+        members.setdefault(group, []).append(row)
+    return list(members.values())

@@ -1,0 +1,115 @@
+"""Token-budget micro-batch plans, the chunked log-softmax, and which stabilizers may decide per row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from algorithms import registry
+from algorithms.batch import PolicyBatch
+from learner import batch as learner_batch
+from learner import micro_batches
+
+
+def _plan(lengths, groups, budget, keep_groups=False):
+    return micro_batches.plan(torch.tensor(lengths), torch.tensor(groups), budget, keep_groups)
+
+
+def test_every_row_runs_once_within_the_budget():
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 60, (37,), generator=gen)
+    groups = torch.arange(37) // 4
+    for budget in (60, 100, 333, 1000):
+        plan = micro_batches.plan(lengths, groups, budget, keep_groups=False)
+        rows = torch.cat(plan.rows).sort().values
+        assert torch.equal(rows, torch.arange(37)), budget
+        for part in plan.rows:
+            assert len(part) * int(lengths[part].max()) <= budget, budget
+
+
+def test_rows_of_similar_length_share_a_micro_batch():
+    plan = _plan([10, 50, 11, 49, 12, 48], [0, 0, 1, 1, 2, 2], budget=150)
+    assert [part.tolist() for part in plan.rows] == [[1, 3, 5], [0, 2, 4]]
+    assert not plan.groups_whole
+
+
+def test_whole_groups_stay_together_and_a_group_too_long_for_the_budget_is_split():
+    plan = _plan([10, 50, 11, 49, 12, 48], [0, 0, 1, 1, 2, 2], budget=100, keep_groups=True)
+    assert plan.groups_whole
+    assert sorted(part.tolist() for part in plan.rows) == [[0, 1], [2, 3], [4, 5]]
+    split = _plan([10, 50, 11, 49], [0, 0, 0, 0], budget=100, keep_groups=True)
+    assert not split.groups_whole and len(split) == 2
+
+
+def test_no_budget_or_a_batch_that_fits_is_one_micro_batch():
+    assert len(_plan([5, 9, 7], [0, 0, 1], None)) == 1
+    assert len(_plan([5, 9, 7], [0, 0, 1], 27)) == 1
+    assert len(_plan([5, 9, 7], [0, 0, 1], 26)) == 2
+
+
+def test_trimming_drops_only_the_padding_no_row_uses():
+    samples = [dict(prompt_ids=[1, 2], completion_ids=[3] * k, behaviour_logprobs=[-1.0] * k, reward=0.0,
+                    group_id=0, version=0) for k in (2, 9)]
+    batch = learner_batch.collate(samples, 0)
+    short = batch.rows(torch.tensor([0])).trimmed()
+    assert short.input_ids.shape == (1, 4) and short.loss_mask.shape == (1, 3)
+    assert torch.equal(short.loss_mask[0], batch.loss_mask[0, :3]) and batch.loss_mask[0, 3:].sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logprobs_and_their_gradient_equal_the_plain_log_softmax(monkeypatch, dtype):
+    monkeypatch.setattr(learner_batch, "CHUNK_LOGIT_ELEMENTS", 3 * 50)  # 3 positions per chunk: many chunks
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 9, 50, generator=gen).to(dtype).requires_grad_()
+    ids = torch.randint(0, 50, (4, 9), generator=gen)
+    weights = torch.randn(4, 8, generator=gen)
+    got = learner_batch.token_logprobs(logits, ids, temperature=0.7)
+    (got * weights).sum().backward()
+    got_grad, logits.grad = logits.grad.clone(), None
+    plain = torch.log_softmax(logits[:, :-1].float() / 0.7, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    (plain * weights).sum().backward()
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, plain, atol=1e-5)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got_grad.float(), logits.grad.float(), atol=tolerance)
+
+
+def test_chunked_entropy_equals_the_whole_softmax(monkeypatch):
+    monkeypatch.setattr(learner_batch, "CHUNK_LOGIT_ELEMENTS", 2 * 30)
+    logits = torch.randn(3, 7, 30, generator=torch.Generator().manual_seed(1))
+    log_p = torch.log_softmax(logits[:, :-1] / 1.3, dim=-1)
+    assert torch.allclose(learner_batch.token_entropy(logits, 1.3), -(log_p.exp() * log_p).sum(-1), atol=1e-6)
+
+
+def _policy(rows: int = 12, width: int = 10) -> PolicyBatch:
+    gen = torch.Generator().manual_seed(2)
+    behaviour = -2.0 + torch.randn(rows, width, generator=gen)
+    learner = behaviour + 0.4 * torch.randn(rows, width, generator=gen)
+    lengths = torch.randint(1, width + 1, (rows,), generator=gen)
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    advantages = torch.randn(rows, generator=gen)
+    return PolicyBatch(learner * mask, behaviour * mask, advantages, mask)
+
+
+PER_ROW = [name for name in sorted(registry.STABILIZERS) if registry.get(name).decides_per_row]
+
+
+@pytest.mark.parametrize("name", PER_ROW)
+def test_a_stabilizer_that_decides_per_row_decides_the_same_on_any_rows(name):
+    """The learner trusts `decides_per_row` to decide per micro-batch with the loss mask's denominator: the
+    decision on any set of rows must be the whole batch's on them, and keep the batch's mask."""
+    stabilizer = registry.build(name)
+    policy = _policy()
+    whole = stabilizer.token_weights(policy)
+    assert torch.equal(whole.mask.bool(), policy.mask)
+    for rows in (torch.tensor([0, 5, 7]), torch.tensor([11]), torch.arange(6, 12)):
+        part = stabilizer.token_weights(PolicyBatch(policy.logprobs[rows], policy.behaviour_logprobs[rows],
+                                                    policy.advantages[rows], policy.mask[rows]))
+        assert torch.allclose(part.weights, whole.weights[rows], rtol=1e-6, atol=0), rows
+        assert torch.equal(part.mask.bool(), policy.mask[rows])
+
+
+def test_the_rules_that_take_a_no_grad_pass_are_the_whole_batch_and_denominator_ones():
+    """M2PO's trust region and BAPO's bounds depend on every token of the batch; the MIS rules drop tokens
+    from the loss denominator, which must be known before the first backward."""
+    assert set(registry.STABILIZERS) - set(PER_ROW) == {"m2po", "bapo", "mis_token", "mis_seq", "mis_geo"}
