@@ -820,6 +820,8 @@ def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
         stabilizer_config=section_config(stabilizer, STABILIZER_CONFIGS), advantage=job.algorithm.advantage,
         loss_aggregation=job.algorithm.loss_aggregation, constant_tokens=job.algorithm.constant_tokens,
         dtype=job.model.dtype, seed=job.seed, backend="nccl" if job.learner.gpus_per_rank else "gloo",
+        max_tokens_per_micro_batch=job.learner.max_tokens_per_micro_batch,
+        gradient_checkpointing=job.learner.gradient_checkpointing,
     )
 
 

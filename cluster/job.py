@@ -133,6 +133,15 @@ class LearnerSection(Section):
     weight_decay: float = Field(0.0, ge=0)
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon; larger values damp steps of near-zero gradients")
     grad_clip: float = Field(1.0, gt=0)
+    max_tokens_per_micro_batch: int = Field(
+        8192, gt=0, description="padded tokens (rows x longest row) a rank runs through the model at once; a step "
+        "accumulates as many micro-batches as its batch needs, with the same update. Lower it when a step runs "
+        "out of memory; at least generator.max_model_len"
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each layer's activations in the backward: less memory, about a third "
+        "more compute per step"
+    )
     max_restarts: int = Field(
         2, ge=0, description="times the job resumes by itself from its latest checkpoint after a learner rank dies"
     )
@@ -366,6 +375,12 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
         errors.append(JobError(
             "generator.max_new_tokens",
             f"{generator.max_new_tokens} leaves no room for the prompt in max_model_len {generator.max_model_len}",
+        ))
+    if learner.max_tokens_per_micro_batch < generator.max_model_len:
+        errors.append(JobError(
+            "learner.max_tokens_per_micro_batch",
+            f"{learner.max_tokens_per_micro_batch} is less than one sequence may hold (generator.max_model_len "
+            f"{generator.max_model_len}); raise it, or lower max_model_len",
         ))
     if job.async_.weight_sync == "nccl" and (generator.gpus_per_generator == 0 or learner.gpus_per_rank == 0):
         errors.append(JobError("async.weight_sync", "nccl needs GPUs on generators and learner ranks; use object_store"))

@@ -23,8 +23,9 @@ from torch import Tensor
 from algorithms import registry
 from algorithms.advantages import ADVANTAGES, group_mean_advantages
 from algorithms.aggregation import loss_denominator, policy_loss
-from algorithms.batch import PolicyBatch
+from algorithms.batch import PolicyBatch, TokenWeights
 from algorithms.diagnostics import chi2_seq, ess_ratio, health_metrics
+from learner import micro_batches
 from learner.batch import TrainBatch, sequence_logprob_grad, token_entropy, token_logprobs
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
 from learner.lr_schedule import LRSchedule, lr_factor
@@ -42,6 +43,44 @@ def sequence_metrics(global_log_w: Tensor) -> dict[str, Tensor]:
     if global_log_w.numel() == 0:
         return {}
     return {"stability/ess_ratio": ess_ratio(global_log_w), "stability/chi2_seq": chi2_seq(global_log_w)}
+
+
+@dataclass
+class _StepValues:
+    """Per-row values of one step over the rank's batch, filled in micro-batch by micro-batch."""
+
+    logprobs: Tensor  # [B, L-1] fp32: learner log-probs, detached
+    entropy: Tensor  # [B, L-1] fp32: the learner's next-token entropy
+    advantages: Tensor  # [B] fp32
+    squared_norms: Tensor | None  # [B] fp32: ||grad log pi(tau_i)||^2, when the stabilizer needs them
+    baseline: Tensor | None  # [B] fp32: VCPO's baseline, formed with the norms
+    decision: TokenWeights | None = None  # two passes: the stabilizer's decision on the whole batch
+    loss: float = 0.0  # this rank's share of the global loss
+    skipped: bool = False  # non-finite values on some rank: no update
+
+    @classmethod
+    def empty(cls, batch: TrainBatch, with_norms: bool) -> _StepValues:
+        zeros = batch.behaviour_logprobs.new_zeros
+        norms = zeros(batch.size) if with_norms else None
+        return cls(zeros(batch.loss_mask.shape), zeros(batch.loss_mask.shape), zeros(batch.size), norms,
+                   None if norms is None else zeros(batch.size))
+
+    def record(self, rows: Tensor, logprobs: Tensor, entropy: Tensor | None, advantages: Tensor | None,
+               sample_grads: SampleGradients | None, baseline: Tensor | None) -> None:
+        """One micro-batch's values (trimmed to its own width) into its rows."""
+        width = logprobs.shape[1]
+        self.logprobs[rows, :width] = logprobs.detach()
+        if entropy is not None:
+            self.entropy[rows, :width] = entropy
+        if advantages is not None:
+            self.advantages[rows] = advantages.float()
+        if sample_grads is not None and self.squared_norms is not None:
+            self.squared_norms[rows] = sample_grads.squared_norms.float()
+        if baseline is not None and self.baseline is not None:
+            self.baseline[rows] = baseline.float()
+
+    def sample_grads(self) -> SampleGradients | None:
+        return None if self.squared_norms is None else SampleGradients(self.squared_norms)
 
 
 @dataclass(frozen=True)
@@ -67,6 +106,8 @@ class LearnerSpec:
     dtype: str = "float32"
     seed: int = 0
     backend: str = "gloo"
+    max_tokens_per_micro_batch: int | None = None  # padded tokens per forward; None: the rank's batch at once
+    gradient_checkpointing: bool = False
 
 
 def check_owned_by_me(path: Path) -> None:
@@ -122,9 +163,13 @@ class LearnerRank:
         self.spec, self.rank, self.world_size = spec, rank, world_size
         dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
         model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype)
+        if spec.gradient_checkpointing:  # activations recomputed in the backward, layer by layer
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
+            # each backward accumulates; step() is the boundary, so a step may take any number of micro-batches
+            "managed_gradient_accumulation": False,
             "optimizer": {
                 "type": "AdamW",
                 "params": {"lr": spec.learning_rate, "weight_decay": spec.weight_decay, "eps": spec.adam_eps,
@@ -138,6 +183,7 @@ class LearnerRank:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=config
         )
+        self.device = self.engine.device
         self.stabilizer = registry.build(spec.stabilizer_name, **_config_values(spec.stabilizer_config))
         self.advantage_fn = ADVANTAGES[spec.advantage]
         # a stabilizer without the option (a user's own) gets the ghost path
@@ -172,39 +218,151 @@ class LearnerRank:
     # ---- the RL step -------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on this rank's groups; returns metrics averaged over ranks."""
+        """One optimizer step on this rank's groups, in token-budget micro-batches; metrics averaged over ranks.
+
+        A stabilizer that decides per row does so per micro-batch, one forward each; any other first gets
+        the whole batch's learner log-probs from a no-grad pass (DESIGN.md, "The learner step at scale").
+        Either way the gradient is the single-pass step's, accumulated one micro-batch at a time.
+        """
         start = time.perf_counter()
         self.engine.train()
-        # ZeRO-3 takes its norms from a forward of its own (_ghost_norms_own_forward), not this one
-        record = self.ghost_norms is not None and self.spec.zero_stage != 3
-        with self.ghost_norms.recording() if record else nullcontext():
-            logits = self._logits(batch, plain=self.bookkeeping)  # no loss backward through the engine follows
-        logprobs = token_logprobs(logits, batch.input_ids, self.spec.temperature)
-        sample_grads = self._sample_gradients(batch, logits) if self.stabilizer.needs_grad_norms else None
-        advantages, baseline_metrics = self._advantages(batch, logprobs, sample_grads)
-        policy = PolicyBatch(logprobs, batch.behaviour_logprobs, advantages, batch.loss_mask)
-        decision = self.stabilizer.token_weights(policy)
-        metrics = {**health_metrics(policy), **decision.metrics, **baseline_metrics}
-        entropy = token_entropy(logits, self.spec.temperature) * batch.loss_mask
-        metrics["stability/entropy"] = entropy.sum() / batch.loss_mask.sum().clamp(min=1)
-
-        denominator = self._all_reduce_sum(loss_denominator(decision.mask, self.spec.loss_aggregation, self.spec.constant_tokens))
-        loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
+        batch = batch.to(self.device)
+        needs_norms = self.stabilizer.needs_grad_norms
+        plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.spec.max_tokens_per_micro_batch,
+                                  keep_groups=needs_norms)
+        one_pass = self.stabilizer.decides_per_row and (plan.groups_whole or not needs_norms)
+        runs, one_pass = self._agreed_runs(plan, one_pass)
+        step = self._one_pass(batch, runs) if one_pass else self._two_passes(batch, runs)
+        policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
+        decision = step.decision or self.stabilizer.token_weights(policy)  # one pass: for the metrics only
+        metrics = {**health_metrics(policy), **decision.metrics, **self._baseline_metrics(batch, step)}
+        metrics["stability/entropy"] = (step.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
+        metrics["perf/micro_batches"] = torch.tensor(float(len(plan)))
+        metrics["perf/learner_passes"] = torch.tensor(1.0 if step.decision is None else 2.0)
         global_log_w = self._all_gather(policy.seq_log_ratio[policy.token_lengths > 0])
         metrics.update(sequence_metrics(global_log_w))
         metrics.update(self.stabilizer.global_metrics(global_log_w))
-        if not self._all_finite(loss, decision.weights):
-            self.engine.zero_grad()
+        loss = torch.tensor(step.loss, device=self.device)
+        if step.skipped:
             metrics["optim/lr"] = torch.tensor(0.0)
             return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan, batch=batch)
-
         lr_scale = self.stabilizer.lr_scale(global_log_w)
-        self._backward(loss, logprobs, sample_grads, batch.loss_mask)
         schedule = lr_factor(self.version, self.spec.total_steps, self.spec.lr_warmup_steps, self.spec.lr_schedule,
                              self.spec.lr_min_ratio)
         metrics["optim/lr"] = torch.tensor(self.spec.learning_rate * schedule * lr_scale)
         grad_norm = self._step_with_lr_scale(lr_scale * schedule)
         return self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm, batch=batch)
+
+    def _agreed_runs(self, plan: micro_batches.MicroBatchPlan, one_pass: bool = True
+                     ) -> tuple[list[Tensor | None], bool]:
+        """The plan's row sets, padded with None (an empty micro-batch) to the most any rank runs, and one
+        pass only where every rank can take it: ZeRO's collectives in each forward and backward need all
+        ranks to run the same passes over as many micro-batches."""
+        wanted = torch.tensor([float(len(plan)), float(not one_pass)], device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
+        return [*plan.rows, *[None] * (int(wanted[0].item()) - len(plan))], wanted[1].item() == 0
+
+    @staticmethod
+    def _micro_batch(batch: TrainBatch, rows: Tensor | None) -> TrainBatch:
+        """The rows' sub-batch without unused padding; None gives one row with nothing to train on."""
+        if rows is not None:
+            return batch.rows(rows).trimmed()
+        empty = batch.rows(torch.zeros(1, dtype=torch.long, device=batch.input_ids.device)).trimmed()
+        empty.loss_mask = torch.zeros_like(empty.loss_mask)
+        empty.behaviour_logprobs = torch.zeros_like(empty.behaviour_logprobs)
+        return empty
+
+    def _one_pass(self, batch: TrainBatch, runs: list[Tensor | None]) -> _StepValues:
+        """Decide, weigh and backpropagate each micro-batch in one forward; the loss denominator is the loss
+        mask's (a per-row stabilizer keeps it), so it is known before any forward."""
+        step = _StepValues.empty(batch, with_norms=self.stabilizer.needs_grad_norms)
+        if not self.stabilizer.needs_grad_norms:  # advantages from the rewards alone, whole groups at once
+            step.advantages = self._advantages(batch, step.logprobs, None)[0]
+        denominator = self._all_reduce_sum(loss_denominator(batch.loss_mask, self.spec.loss_aggregation,
+                                                            self.spec.constant_tokens))
+        for index, rows in enumerate(runs):
+            micro = self._micro_batch(batch, rows)
+            record = self.ghost_norms is not None and self.spec.zero_stage != 3
+            with self.ghost_norms.recording() if record else nullcontext():
+                logits = self._logits(micro, plain=self.bookkeeping)  # no loss backward through the engine follows
+            logprobs = token_logprobs(logits, micro.input_ids, self.spec.temperature)
+            sample_grads = self._sample_gradients(micro, logits) if self.stabilizer.needs_grad_norms else None
+            if rows is None:
+                advantages, baseline = torch.zeros(1, device=self.device), None
+            elif self.stabilizer.needs_grad_norms:
+                advantages, baseline = self._advantages(micro, logprobs, sample_grads)
+            else:
+                advantages, baseline = step.advantages[rows], None
+            policy = PolicyBatch(logprobs, micro.behaviour_logprobs, advantages, micro.loss_mask)
+            decision = self.stabilizer.token_weights(policy)
+            loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
+            finite = self._all_finite(loss, decision.weights)
+            if not finite and index == 0:  # nothing accumulated yet: leave before any backward
+                step.skipped = True
+                self.engine.zero_grad()
+                break
+            # a later non-finite micro-batch poisons the accumulated gradient, so the engine's step finds a
+            # non-finite norm and discards it all (checked in _discard_step)
+            self._backward(loss if finite else loss * math.nan, logprobs, sample_grads, micro.loss_mask)
+            step.loss += float(loss.detach()) if finite else math.nan
+            if rows is not None:
+                step.record(rows, logprobs, token_entropy(logits, self.spec.temperature), advantages, sample_grads,
+                            baseline)
+            if not finite:
+                step.skipped = True
+                self._discard_step()
+                break
+        return step
+
+    def _two_passes(self, batch: TrainBatch, runs: list[Tensor | None]) -> _StepValues:
+        """A no-grad pass gives the whole batch's learner log-probs (and per-sample gradient norms), the
+        stabilizer decides once on them, and the gradient pass backpropagates each micro-batch's share."""
+        step = _StepValues.empty(batch, with_norms=self.stabilizer.needs_grad_norms)
+        for rows in runs:
+            micro = self._micro_batch(batch, rows)
+            if self.stabilizer.needs_grad_norms:
+                logits, squared_norms = self._norms_forward(micro)
+                sample_grads = SampleGradients(squared_norms)
+            else:
+                with torch.no_grad():
+                    logits, sample_grads = self._logits(micro), None
+            logprobs = token_logprobs(logits, micro.input_ids, self.spec.temperature).detach()
+            if rows is not None:
+                step.record(rows, logprobs, token_entropy(logits, self.spec.temperature), None, sample_grads, None)
+            del logits
+        step.advantages, step.baseline = self._advantages(batch, step.logprobs, step.sample_grads())
+        policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
+        step.decision = self.stabilizer.token_weights(policy)
+        denominator = self._all_reduce_sum(loss_denominator(step.decision.mask, self.spec.loss_aggregation,
+                                                            self.spec.constant_tokens))
+        step.loss = float(policy_loss(policy, step.decision, self.spec.loss_aggregation, denominator,
+                                      self.spec.constant_tokens))
+        if not self._all_finite(step.decision.weights, torch.tensor(step.loss)):
+            step.skipped = True
+            self.engine.zero_grad()
+            return step
+        for rows in runs:
+            micro = self._micro_batch(batch, rows)
+            width = micro.loss_mask.shape[1]
+            if rows is None:
+                weights, mask, advantages = micro.behaviour_logprobs, micro.loss_mask, torch.zeros(1, device=self.device)
+            else:
+                weights, mask = step.decision.weights[rows, :width], step.decision.mask[rows, :width]
+                advantages = step.advantages[rows]
+            logprobs = token_logprobs(self._logits(micro), micro.input_ids, self.spec.temperature)
+            share = PolicyBatch(logprobs, micro.behaviour_logprobs, advantages, micro.loss_mask)
+            loss = policy_loss(share, TokenWeights(weights, mask, {}), self.spec.loss_aggregation, denominator,
+                               self.spec.constant_tokens)
+            self.engine.backward(loss * self.world_size)
+        return step
+
+    def _discard_step(self) -> None:
+        """The engine's step on a poisoned gradient: ZeRO finds the non-finite norm and drops the gradient
+        without an update. Anything else would train on it, so it is refused loudly."""
+        self.engine.step()
+        if self.engine.was_step_applied():
+            raise RuntimeError(f"learner rank {self.rank}: DeepSpeed applied a step with a non-finite gradient")
 
     def _backward(self, loss: Tensor, logprobs: Tensor, sample_grads: SampleGradients | None, loss_mask: Tensor) -> None:
         """Gradients of the loss into the engine. DeepSpeed averages over ranks, so each rank's loss is
@@ -223,23 +381,31 @@ class LearnerRank:
         self.engine.backward(sum((param * grad).sum() for param, grad in grads.items()))
 
     def _advantages(self, batch: TrainBatch, logprobs: Tensor, sample_grads: SampleGradients | None
-                    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The stabilizer's own advantages (VCPO's baseline), else the job's estimator; with baseline metrics."""
+                    ) -> tuple[Tensor, Tensor | None]:
+        """The stabilizer's own advantages (VCPO's baseline), else the job's estimator; with the baseline
+        when one was formed. Only a baseline reads the log-probs, and it needs the per-sample norms."""
         log_w = ((logprobs.detach() - batch.behaviour_logprobs) * batch.loss_mask).sum(dim=1)
         lengths = batch.loss_mask.sum(dim=1).float()
         grad_sq_norms = None if sample_grads is None else sample_grads.squared_norms
         own = self.stabilizer.advantages(batch.rewards, log_w, grad_sq_norms, batch.group_ids, lengths)
         if own is None:
-            return self.advantage_fn(batch.rewards, batch.group_ids), {}
+            return self.advantage_fn(batch.rewards, batch.group_ids), None
         if grad_sq_norms is None:
-            return own, {}
-        baseline = self.stabilizer.baseline(batch.rewards, log_w, grad_sq_norms, batch.group_ids, lengths)
+            return own, None
+        return own, self.stabilizer.baseline(batch.rewards, log_w, grad_sq_norms, batch.group_ids, lengths)
+
+    def _baseline_metrics(self, batch: TrainBatch, step: _StepValues) -> dict[str, Tensor]:
+        """How far VCPO's baseline moved from the group mean, and the per-sample gradient norms (all ranks')."""
+        if step.squared_norms is None:
+            return {}
+        norms = self._all_gather(step.squared_norms).sqrt()
+        if step.baseline is None:
+            return {}
         group_mean = batch.rewards - group_mean_advantages(batch.rewards, batch.group_ids)
-        norms = self._all_gather(grad_sq_norms).sqrt()
-        return own, {
-            "opob/baseline_mean": baseline.mean(),
+        return {
+            "opob/baseline_mean": step.baseline.mean(),
             "opob/group_mean_baseline_mean": group_mean.mean(),
-            "opob/baseline_shift_abs": (baseline - group_mean).abs().mean(),
+            "opob/baseline_shift_abs": (step.baseline - group_mean).abs().mean(),
             "opob/sample_grad_norm_mean": norms.mean(),
             "opob/sample_grad_norm_median": norms.median(),
             "opob/sample_grad_norm_max": norms.max(),
@@ -247,48 +413,72 @@ class LearnerRank:
         }
 
     def _sample_gradients(self, batch: TrainBatch, logits: Tensor) -> SampleGradients:
-        """||grad log pi(tau_i)||^2 of each of this rank's sequences (with book-keeping, the per-sample
+        """||grad log pi(tau_i)||^2 of each of this micro-batch's sequences (with book-keeping, the per-sample
         gradients too); otherwise the graph stays for the loss backward."""
         if self.ghost_norms is not None and self.spec.zero_stage == 3:
-            return SampleGradients(self._ghost_norms_own_forward(batch))
+            return SampleGradients(self._norms_forward(batch)[1])
         if self.ghost_norms is not None:
             logits_grad = sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, self.spec.temperature)
             if self.bookkeeping:
                 return self.ghost_norms.sample_gradients(logits_grad)
             return SampleGradients(self.ghost_norms.squared_norms(logits_grad))
+        return SampleGradients(self._per_sample_loop_norms(batch))
 
+    def _per_sample_loop_norms(self, batch: TrainBatch) -> Tensor:
         def sample_logp(i: int) -> Tensor:  # the plain module: the engine's backward hooks stay out of it
-            row = batch.rows(torch.tensor([i]))
+            row = batch.rows(torch.tensor([i], device=self.device))
             row_logits = self._logits(row, plain=True)
             return (token_logprobs(row_logits, row.input_ids, self.spec.temperature) * row.loss_mask).sum()
 
         params = [p for p in self.engine.module.parameters() if p.requires_grad]
-        return SampleGradients(per_sample_loop_norms(sample_logp, batch.size, params))
+        return per_sample_loop_norms(sample_logp, batch.size, params)
 
-    def _ghost_norms_own_forward(self, batch: TrainBatch) -> Tensor:
-        """ZeRO-3: its module hooks gather and release parameters per backward and need each backward
-        to enter at the model's top, so the ghost pass gets a forward of its own (one extra forward)."""
+    def _norms_forward(self, batch: TrainBatch) -> tuple[Tensor, Tensor]:
+        """A forward of its own for the per-sample norms, [B, L, V] logits (detached) and norms [B]. ZeRO-3's
+        module hooks gather and release parameters per backward and need each backward to enter at the
+        model's top, and the two-pass step has no loss backward to share a forward with."""
+        if self.ghost_norms is None:
+            with torch.no_grad():
+                logits = self._logits(batch, plain=True)
+            return logits, self._per_sample_loop_norms(batch)
         with self.ghost_norms.recording():
             logits = self._logits(batch, plain=True)
         logits_grad = sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, self.spec.temperature)
-        return self.ghost_norms.squared_norms(logits_grad, from_logits=True)
+        return logits.detach(), self.ghost_norms.squared_norms(logits_grad, from_logits=True)
 
     def sft_step(self, batch: TrainBatch, learning_rate: float) -> dict[str, float]:
-        """Supervised warm-up on demonstrations: token-mean cross-entropy of the completion tokens."""
+        """Supervised warm-up on demonstrations: token-mean cross-entropy of the completion tokens, in the
+        same token-budget micro-batches as the RL step."""
         self.engine.train()
-        logprobs = self.log_probs(batch, grad=True)
-        mask = batch.loss_mask.float()
-        denominator = self._all_reduce_sum(mask.sum())
-        loss = -(logprobs * mask).sum() / denominator.clamp(min=1)
-        self.engine.backward(loss * self.world_size)
+        batch = batch.to(self.device)
+        plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.spec.max_tokens_per_micro_batch,
+                                  keep_groups=False)
+        denominator = self._all_reduce_sum(batch.loss_mask.sum()).clamp(min=1)
+        total = 0.0
+        for rows in self._agreed_runs(plan)[0]:
+            micro = self._micro_batch(batch, rows)
+            logprobs = token_logprobs(self._logits(micro), micro.input_ids, self.spec.temperature)
+            loss = -(logprobs * micro.loss_mask).sum() / denominator
+            self.engine.backward(loss * self.world_size)
+            total += float(loss.detach())
         grad_norm = self._step_with_lr_scale(learning_rate / self.spec.learning_rate)
-        metrics = {"sft/loss": loss.detach(), "sft/grad_norm": torch.tensor(grad_norm)}
+        metrics = {"sft/loss": torch.tensor(total), "sft/grad_norm": torch.tensor(grad_norm)}
         return self._reduce_metrics(metrics)
 
-    def log_probs(self, batch: TrainBatch, grad: bool = False) -> Tensor:
-        """Learner log-probs of each next token at the generator's temperature, [B, L-1]."""
-        with torch.set_grad_enabled(grad):
-            return token_logprobs(self._logits(batch), batch.input_ids, self.spec.temperature)
+    def log_probs(self, batch: TrainBatch) -> Tensor:
+        """Learner log-probs of each next token at the generator's temperature, [B, L-1], without grad, in
+        token-budget micro-batches."""
+        batch = batch.to(self.device)
+        plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.spec.max_tokens_per_micro_batch,
+                                  keep_groups=False)
+        step = _StepValues.empty(batch, with_norms=False)
+        with torch.no_grad():
+            for rows in self._agreed_runs(plan)[0]:
+                micro = self._micro_batch(batch, rows)
+                logprobs = token_logprobs(self._logits(micro), micro.input_ids, self.spec.temperature)
+                if rows is not None:
+                    step.record(rows, logprobs, None, None, None, None)
+        return step.logprobs
 
     def _logits(self, batch: TrainBatch, plain: bool = False) -> Tensor:
         """[B, L, V] logits; `plain` runs the bare module, outside the engine's backward bookkeeping."""
@@ -383,13 +573,14 @@ class LearnerRank:
         they equal the global token mean), everything else plainly (ranks hold equal sample counts).
         Sequence statistics computed from the gathered global batch are the same on every rank."""
         names = sorted(metrics)
-        values = torch.stack([metrics[name].detach().float().reshape(()) for name in names])
+        values = torch.stack([metrics[name].detach().float().reshape(()).to(self.device) for name in names])
         if self.world_size == 1:
             return dict(zip(names, values.tolist()))
         weights = torch.ones_like(values)
         if token_weight is not None:
-            weighted = torch.tensor([n.startswith("stability/") and n not in GLOBAL_METRICS for n in names])
-            weights[weighted] = token_weight.float()
+            weighted = torch.tensor([n.startswith("stability/") and n not in GLOBAL_METRICS for n in names],
+                                    device=self.device)
+            weights[weighted] = token_weight.float().to(self.device)
         totals = torch.stack([values * weights, weights])
         dist.all_reduce(totals)
         return dict(zip(names, (totals[0] / totals[1]).tolist()))
@@ -402,21 +593,21 @@ class LearnerRank:
 
     def _all_finite(self, *tensors: Tensor) -> bool:
         """Whether every rank's tensors are finite: a collective, so all ranks skip together."""
-        bad = torch.tensor(float(sum(int(not torch.isfinite(t.detach()).all()) for t in tensors)))
+        bad = torch.tensor(float(sum(int(not torch.isfinite(t.detach()).all()) for t in tensors)), device=self.device)
         return self._all_reduce_sum(bad).item() == 0
 
     def _all_gather(self, values: Tensor) -> Tensor:
         """Concatenate a 1-D tensor of possibly different lengths from every rank."""
-        values = values.detach().float()
+        values = values.detach().float().to(self.device)
         if self.world_size == 1:
             return values
-        size = torch.tensor([values.numel()], dtype=torch.long)
+        size = torch.tensor([values.numel()], dtype=torch.long, device=self.device)
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
         dist.all_gather(sizes, size)
         width = int(max(s.item() for s in sizes))
-        padded = torch.zeros(width)
+        padded = values.new_zeros(width)
         padded[: values.numel()] = values
-        gathered = [torch.zeros(width) for _ in range(self.world_size)]
+        gathered = [values.new_zeros(width) for _ in range(self.world_size)]
         dist.all_gather(gathered, padded)
         return torch.cat([g[: int(s.item())] for g, s in zip(gathered, sizes)])
 

@@ -252,3 +252,12 @@ def test_a_hub_id_that_cannot_be_fetched_stops_train_with_its_reason_before_anyt
                                   "(OSError: "), done.stderr[-2000:]
     assert done.stderr.rstrip().endswith("give a local model folder, or one of tiny, smollm2-135m"), done.stderr
     assert not runs.exists(), "no run directory for a job that never started"
+
+
+def test_a_micro_batch_budget_below_one_sequence_names_the_field():
+    errors = _errors({**MINIMAL, "generator": {"max_model_len": 1024, "max_new_tokens": 64},
+                      "learner": {"max_tokens_per_micro_batch": 1000}})
+    assert "1000 is less than one sequence may hold" in errors["learner.max_tokens_per_micro_batch"]
+    job = validate_job({**MINIMAL, "generator": {"max_model_len": 1024, "max_new_tokens": 64},
+                        "learner": {"max_tokens_per_micro_batch": 1024}})
+    assert job.learner.max_tokens_per_micro_batch == 1024

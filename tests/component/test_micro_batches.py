@@ -1,0 +1,198 @@
+"""The micro-batched learner step gives the single-pass update, for every stabilizer and loss aggregation.
+
+One process per (ranks, ZeRO stage) runs every case: a fresh LearnerRank from the same weights, one
+train_step on the same prompt groups, with the whole batch in one micro-batch (the reference) and with
+token budgets that split it 2 and 7 ways. Splitting changes only the order of fp32 sums, so metrics agree
+to 1e-5 relative and the weights to the Adam step tolerance of test_learner.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from algorithms.aggregation import AGGREGATIONS
+from algorithms.registry import STABILIZERS
+from tests.component.test_learner import ADAM_EPS, LEARNING_RATE, _batch_samples, _free_port, _leave_group
+
+SPLITS = (1, 2, 7)
+CONSTANT_TOKENS = 8
+# the default band (0.999, 1.001) drops every sequence of this batch, and a step that trains nothing proves nothing
+CONFIGS = {"mis_geo": {"low": 0.8, "high": 1.25}}
+# The loss sums signed terms that cancel (a group's advantages sum to 0), so its fp32 rounding is absolute:
+# about 1e-7 here, against terms of ~5 nats each. The gradient and the weights carry the relative check.
+LOSS_ABS_TOLERANCE = 1e-6
+COMPARED = ("optim/loss", "optim/grad_norm", "stability/ess_ratio", "stability/kl_k3", "stability/entropy",
+            "stability/lr_scale")
+
+
+def _budget_for(split: int, share: list[dict], keep_groups: bool) -> int | None:
+    """The smallest token budget whose plan has `split` micro-batches on this share (None for 1)."""
+    from learner import micro_batches
+    from learner.batch import collate
+
+    if split == 1:
+        return None
+    batch = collate(share, 0)
+    for budget in range(int(batch.sequence_lengths.max()), batch.size * batch.input_ids.shape[1] + 1):
+        if len(micro_batches.plan(batch.sequence_lengths, batch.group_ids, budget, keep_groups)) == split:
+            return budget
+    raise AssertionError(f"no budget splits the share {split} ways")
+
+
+def _near_policy_samples(model_path: str) -> list[dict]:
+    """test_learner's prompt groups with behaviour log-probs near the model's own (noise of 0.2 nats per
+    token), so that masking rules keep some sequences and every stabilizer's step trains."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.batch import collate, token_logprobs
+
+    samples = _batch_samples()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    noise = torch.Generator().manual_seed(1)
+    for sample in samples:
+        batch = collate([sample], 0)
+        with torch.no_grad():
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        own = token_logprobs(logits, batch.input_ids)[batch.loss_mask]
+        sample["behaviour_logprobs"] = (own + 0.2 * torch.randn(own.shape, generator=noise)).tolist()
+    return samples
+
+
+def _cases_main(rank: int, world: int, stage: int, model_path: str, port: int, out: str, names: list[str],
+                samples: list[dict]) -> None:
+    from algorithms import registry
+    from learner.batch import collate
+    from learner.rank import LearnerRank, LearnerSpec
+
+    share = [s for s in samples if s["group_id"] % world == rank]
+    rank_zero_share = [s for s in samples if s["group_id"] % world == 0]
+    shared_budgets = {}  # rank 0's budgets serve every rank (one job setting); other shares split their own way
+    results = {}
+    for name in names:
+        stabilizer = registry.build(name, **CONFIGS.get(name, {}))
+        for aggregation in AGGREGATIONS:
+            for split in SPLITS:
+                key = (name, split, stabilizer.needs_grad_norms)
+                if key not in shared_budgets:
+                    shared_budgets[key] = _budget_for(split, rank_zero_share, stabilizer.needs_grad_norms)
+                spec = LearnerSpec(model_path=model_path, zero_stage=stage, learning_rate=LEARNING_RATE,
+                                   adam_eps=ADAM_EPS, stabilizer_name=name, stabilizer_config=stabilizer.config,
+                                   loss_aggregation=aggregation, constant_tokens=CONSTANT_TOKENS,
+                                   max_tokens_per_micro_batch=shared_budgets[key])
+                learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
+                metrics = learner.train_step(collate(share, 0))
+                weights = learner.state_dict_for_publish()
+                results[(name, aggregation, split)] = {"metrics": metrics, "weights": weights}
+    if rank == 0:
+        torch.save(results, out)
+    _leave_group()
+
+
+def _run_cases(world: int, stage: int, model_path: str, tmp_path, names: list[str]) -> dict:
+    out = str(tmp_path / f"cases-w{world}-z{stage}.pt")
+    samples = _near_policy_samples(model_path)
+    mp.start_processes(_cases_main, args=(world, stage, model_path, _free_port(), out, names, samples), nprocs=world,
+                       start_method="spawn", join=True)
+    return torch.load(out, weights_only=False)
+
+
+def _check_parity(results: dict) -> None:
+    failures = []
+    for (name, aggregation, split), result in sorted(results.items()):
+        if split == 1:
+            continue
+        reference = results[(name, aggregation, 1)]
+        for key in COMPARED:
+            got, want = result["metrics"].get(key), reference["metrics"].get(key)
+            absolute = LOSS_ABS_TOLERANCE if key == "optim/loss" else 1e-7
+            if want is None or got is None or not (got == pytest.approx(want, rel=1e-5, abs=absolute)
+                                                   or (got != got and want != want)):
+                failures.append(f"{name}/{aggregation}/{split} ways: {key} {got} != {want}")
+        for param, tensor in reference["weights"].items():
+            if not torch.allclose(tensor, result["weights"][param], rtol=0, atol=1e-4 * LEARNING_RATE):
+                failures.append(f"{name}/{aggregation}/{split} ways: weights of {param} differ")
+                break
+    assert not failures, "\n".join(failures)
+
+
+def _all_moved(results: dict, model_path: str) -> None:
+    """The reference steps trained (a parity of steps that did nothing would prove nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+    for (name, aggregation, split), result in results.items():
+        if split == 1 and result["metrics"]["stability/skipped_step"] == 0:
+            moved = sum(not torch.equal(initial[p], t) for p, t in result["weights"].items())
+            assert moved > 0, f"{name}/{aggregation}: the step left every weight as it was"
+
+
+@pytest.mark.timeout(300)  # a rank waiting in a collective the other never calls fails here
+@pytest.mark.parametrize("world, stage", [(1, 2), (2, 3)])
+def test_every_stabilizer_and_aggregation_gives_the_single_pass_update(tiny_qwen2, tmp_path, world, stage):
+    results = _run_cases(world, stage, tiny_qwen2, tmp_path, sorted(STABILIZERS))
+    assert len(results) == len(STABILIZERS) * len(AGGREGATIONS) * len(SPLITS)
+    _all_moved(results, tiny_qwen2)
+    _check_parity(results)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, stage", [(1, 3), (2, 2)])
+def test_every_stabilizer_gives_the_single_pass_update_on_the_other_layouts(tiny_qwen2, tmp_path, world, stage):
+    results = _run_cases(world, stage, tiny_qwen2, tmp_path, sorted(STABILIZERS))
+    _all_moved(results, tiny_qwen2)
+    _check_parity(results)
+
+
+def _late_nonfinite_main(rank: int, world: int, stage: int, name: str, model_path: str, port: int, out: str) -> None:
+    """A NaN behaviour log-prob in the shortest sequence, which runs in the last micro-batch: earlier
+    micro-batches have accumulated their gradients by then. The step must drop them all, and the next
+    clean step must equal a fresh learner's first (the optimizer state never saw the poisoned gradient)."""
+    from algorithms import registry
+    from learner.batch import collate
+    from learner.rank import LearnerRank, LearnerSpec
+
+    clean = [s for s in _batch_samples() if s["group_id"] % world == rank]
+    corrupt = [dict(s, behaviour_logprobs=list(s["behaviour_logprobs"])) for s in clean]
+    if rank == 0:
+        corrupt[0]["behaviour_logprobs"][0] = float("nan")  # group 0's shortest response
+    budget = _budget_for(7, clean, keep_groups=False)
+
+    def learner() -> LearnerRank:
+        spec = LearnerSpec(model_path=model_path, zero_stage=stage, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
+                           stabilizer_name=name, stabilizer_config=registry.build(name).config,
+                           max_tokens_per_micro_batch=budget)
+        return LearnerRank(spec, rank, world, "127.0.0.1", port)
+
+    poisoned = learner()
+    before = poisoned.state_dict_for_publish()
+    skipped = poisoned.train_step(collate(corrupt, 0))
+    unchanged = poisoned.state_dict_for_publish()
+    after_skip = poisoned.train_step(collate(clean, 0))
+    continued = poisoned.state_dict_for_publish()
+    fresh = learner()
+    first = fresh.train_step(collate(clean, 0))
+    reference = fresh.state_dict_for_publish()
+    if rank == 0:
+        torch.save({"skipped": skipped, "after_skip": after_skip, "first": first, "version": poisoned.version,
+                    "changed_by_skip": [n for n in before if not torch.equal(before[n], unchanged[n])],
+                    "differs_from_fresh": [n for n in reference if not torch.allclose(
+                        reference[n], continued[n], rtol=0, atol=1e-4 * LEARNING_RATE)]}, out)
+    _leave_group()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, stage, name", [(1, 2, "tis_seq"), (2, 3, "tis_seq"), (2, 2, "m2po")])
+def test_a_non_finite_micro_batch_drops_the_whole_step_and_nothing_it_accumulated(tiny_qwen2, tmp_path, world,
+                                                                                 stage, name):
+    out = str(tmp_path / "late.pt")
+    mp.start_processes(_late_nonfinite_main, args=(world, stage, name, tiny_qwen2, _free_port(), out), nprocs=world,
+                       start_method="spawn", join=True)
+    result = torch.load(out, weights_only=True)
+    assert result["skipped"]["stability/skipped_step"] == 1 and result["skipped"]["perf/micro_batches"] > 1
+    assert result["changed_by_skip"] == []
+    assert result["after_skip"]["stability/skipped_step"] == 0 and result["version"] == 1
+    assert result["after_skip"]["optim/grad_norm"] == pytest.approx(result["first"]["optim/grad_norm"], rel=1e-5)
+    assert result["differs_from_fresh"] == []
