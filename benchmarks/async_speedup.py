@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.core_contention import report, slowdown_with_both_cores_busy
-from cluster.run_files import metric_number
+from cluster.run_files import metric_number, read_jsonl_rows, step_rows
 
 SKIP_STEPS = 5  # warm-up: the first RL steps include engine and optimizer first-call costs
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["train/step"] > 0]
+    """The run's RL step rows: evaluation rows carry a `train/step` but no learner timings."""
+    return step_rows(read_jsonl_rows(run_dir / "metrics.jsonl"))
 
 
 def wall_per_step_s(rows: list[dict[str, Any]]) -> float:
