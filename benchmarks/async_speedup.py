@@ -81,14 +81,21 @@ def _job_for(base: dict[str, Any], lag: int, steps: int, out: Path) -> Any:
     return validate_job(data, f"max_lag {lag}")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", default="deploy/jobs/demo.yaml")
     parser.add_argument("--lags", default="0,1,2,4")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--target-reward", type=float, default=0.5)
     parser.add_argument("--out", default="runs/bench-async")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.steps <= SKIP_STEPS:
+        parser.error(f"--steps must be above {SKIP_STEPS}: the first {SKIP_STEPS} steps are left out as warm-up")
 
     from cluster.driver import train
     from cluster.job import load_job
