@@ -5,7 +5,6 @@ tests/integration/test_benchmarks.py (slow)."""
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import subprocess
@@ -15,15 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.fixtures import BENCH_ASYNC as RECORDED
+from tests.fixtures import learner_rows, metric_rows
+
 ROOT = Path(__file__).resolve().parents[2]
-RECORDED = ROOT / "tests" / "fixtures" / "bench-async"  # how they were recorded: its README.md
 RECORDED_STEPS = 12
-
-
-def _learner_rows(run_dir: Path) -> list[dict]:
-    """The recorded run's rows that the learner logged (they carry its step time), read without the project."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row for row in rows if "time/learner_step_s" in row]
 
 
 def test_async_speedup_analyses_recorded_runs_whose_evaluations_have_their_own_rows(monkeypatch, capsys, tmp_path):
@@ -33,9 +28,9 @@ def test_async_speedup_analyses_recorded_runs_whose_evaluations_have_their_own_r
 
     lags = (0, 1)
     for lag in lags:  # the fixtures hold what made the benchmark crash
-        rows = [json.loads(line) for line in (RECORDED / f"lag{lag}" / "metrics.jsonl").read_text().splitlines()]
+        rows = metric_rows(RECORDED / f"lag{lag}")
         evaluations = [row for row in rows if row["train/step"] > 0 and any(key.startswith("eval/") for key in row)]
-        assert len(evaluations) == 3 and len(_learner_rows(RECORDED / f"lag{lag}")) == RECORDED_STEPS
+        assert len(evaluations) == 3 and len(learner_rows(RECORDED / f"lag{lag}")) == RECORDED_STEPS
 
     def recorded_run(job):
         assert (job.learner.steps, job.generator.num_generators, job.learner.num_ranks) == (RECORDED_STEPS, 1, 1)
@@ -48,7 +43,7 @@ def test_async_speedup_analyses_recorded_runs_whose_evaluations_have_their_own_r
     async_speedup.main(["--lags", ",".join(map(str, lags)), "--steps", str(RECORDED_STEPS), "--out", str(tmp_path)])
     out = capsys.readouterr().out
 
-    steps = {lag: _learner_rows(RECORDED / f"lag{lag}") for lag in lags}
+    steps = {lag: learner_rows(RECORDED / f"lag{lag}") for lag in lags}
     skip = async_speedup.SKIP_STEPS
     wall = {lag: (rows[-1]["time/wall_s"] - rows[skip - 1]["time/wall_s"]) / (len(rows) - skip)
             for lag, rows in steps.items()}

@@ -15,9 +15,9 @@ import yaml
 
 from cluster.cli import main
 from cluster.report import ReportError, _unique_labels, load_run, summarise, summarise_cells, write_report
+from tests.fixtures import BENCH_ASYNC, learner_rows, metric_rows
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "bench-async"  # two real runs, see its README.md
 SFT_STEPS = 2
 FIRST_RL_WALL_S = 5.0
 
@@ -195,7 +195,7 @@ def test_evaluation_rows_count_as_evaluations_not_steps(tmp_path):
 
 def test_the_documented_report_command_on_recorded_runs_counts_their_steps_not_their_evaluations(tmp_path, capsys):
     """docs/report.md's command with every flag, on two real runs whose evaluations have their own rows."""
-    runs = [RECORDED / "lag0", RECORDED / "lag1"]
+    runs = [BENCH_ASYNC / "lag0", BENCH_ASYNC / "lag1"]
     out = tmp_path / "cmp"
     assert main(["report", *map(str, runs), "--out", str(out), "--target-reward", "0.6",
                  "--ess-collapse-below", "0.2", "--ess-collapse-steps", "5"]) == 0
@@ -203,12 +203,11 @@ def test_the_documented_report_command_on_recorded_runs_counts_their_steps_not_t
     with (out / "table.csv").open() as table:
         summaries = list(csv.DictReader(table))
     for run, summary in zip(runs, summaries):
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        learner_rows = [row for row in rows if "time/learner_step_s" in row]
+        rows, steps = metric_rows(run), learner_rows(run)
         evaluations = [row for row in rows if "eval/solved" in row]
-        assert len(learner_rows) == yaml.safe_load((run / "job.yaml").read_text())["learner"]["steps"]
-        assert len(learner_rows) < sum(row["train/step"] > 0 for row in rows)  # evaluation rows are there
-        assert int(summary["steps_done"]) == len(learner_rows)
+        assert len(steps) == yaml.safe_load((run / "job.yaml").read_text())["learner"]["steps"]
+        assert len(steps) < sum(row["train/step"] > 0 for row in rows)  # evaluation rows are there
+        assert int(summary["steps_done"]) == len(steps)
         assert float(summary["eval_solved"]) == evaluations[-1]["eval/solved"]
         assert float(summary["wall_s"]) == pytest.approx(rows[-1]["time/wall_s"])
         assert (summary["ess_collapse_below"], summary["ess_collapse_steps"]) == ("0.2", "5")

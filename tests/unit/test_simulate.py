@@ -13,9 +13,9 @@ import pytest
 from cluster.cli import main
 from cluster.job import dump_job, validate_job
 from cluster.simulate import SimConfig, calibrate, simulate
+from tests.fixtures import BENCH_ASYNC, learner_rows
 
 ROOT = Path(__file__).resolve().parents[2]
-RECORDED = ROOT / "tests" / "fixtures" / "bench-async"  # two real runs with evaluation rows, see its README.md
 
 # Every response exactly `response_len_mean` tokens, so each phase has a closed form.
 FIXED = SimConfig(
@@ -233,9 +233,8 @@ def test_calibration_leaves_out_evaluation_rows(tmp_path):
 def test_the_documented_calibrate_commands_on_a_recorded_run_with_evaluation_rows(capsys):
     """docs/simulator.md's `--calibrate RUN_DIR` and `--calibrate RUN_DIR --generators 8`, on a real run whose
     evaluations have their own rows: the measured steps and period are those of the learner's rows."""
-    run = RECORDED / "lag1"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [row for row in rows if "time/learner_step_s" in row]
+    run = BENCH_ASYNC / "lag1"
+    steps = learner_rows(run)
     gaps = [after["time/wall_s"] - before["time/wall_s"] for before, after in zip(steps, steps[1:])]
     logged = sum(row["time/step_s"] for row in steps) / len(steps)
     assert main(["simulate", "--calibrate", str(run)]) == 0
