@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         length = statistics.median(metric_number(r["rollout/response_len"]) for r in rows[lag][SKIP_STEPS:])
         print(f"{lag:>7}{own_g:>14.3f}{own_t:>14.3f}{length:>14.1f}{(own_g + own_t) / max(own_g, own_t):>11.2f}"
               f"{(own_g + own_t) / wall:>16.2f}{max(own_g, own_t) / wall:>14.0%}")
-    print(f"\n(simulated s/step is compared with the run's mean gap between metric rows, {out}/lag*/metrics.jsonl)")
+    print(f"\n(simulated s/step is compared with the run's mean gap between step rows, {out}/lag*/metrics.jsonl)")
     print("\nthis machine with both cores busy (async phases run slower by about their memory-bound share):")
     print(report(contention))
 
