@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.core_contention import report, slowdown_with_both_cores_busy
-from cluster.run_files import metric_number
+from cluster.run_files import metric_number, read_jsonl_rows, step_rows
 
 SKIP_STEPS = 5  # warm-up: the first RL steps include engine and optimizer first-call costs
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["train/step"] > 0]
+    """The run's RL step rows: evaluation rows carry a `train/step` but no learner timings."""
+    return step_rows(read_jsonl_rows(run_dir / "metrics.jsonl"))
 
 
 def wall_per_step_s(rows: list[dict[str, Any]]) -> float:
@@ -81,14 +81,21 @@ def _job_for(base: dict[str, Any], lag: int, steps: int, out: Path) -> Any:
     return validate_job(data, f"max_lag {lag}")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", default="deploy/jobs/demo.yaml")
     parser.add_argument("--lags", default="0,1,2,4")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--target-reward", type=float, default=0.5)
     parser.add_argument("--out", default="runs/bench-async")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.steps <= SKIP_STEPS:
+        parser.error(f"--steps must be above {SKIP_STEPS}: the first {SKIP_STEPS} steps are left out as warm-up")
 
     from cluster.driver import train
     from cluster.job import load_job
@@ -131,7 +138,7 @@ def main() -> None:
         length = statistics.median(metric_number(r["rollout/response_len"]) for r in rows[lag][SKIP_STEPS:])
         print(f"{lag:>7}{own_g:>14.3f}{own_t:>14.3f}{length:>14.1f}{(own_g + own_t) / max(own_g, own_t):>11.2f}"
               f"{(own_g + own_t) / wall:>16.2f}{max(own_g, own_t) / wall:>14.0%}")
-    print(f"\n(simulated s/step is compared with the run's mean gap between metric rows, {out}/lag*/metrics.jsonl)")
+    print(f"\n(simulated s/step is compared with the run's mean gap between step rows, {out}/lag*/metrics.jsonl)")
     print("\nthis machine with both cores busy (async phases run slower by about their memory-bound share):")
     print(report(contention))
 

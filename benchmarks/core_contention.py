@@ -90,10 +90,14 @@ def report(seconds: dict[str, tuple[float, float]] | None) -> str:
     )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     print(report(slowdown_with_both_cores_busy(args.repeats)))
 
 

@@ -114,7 +114,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=512, help="prompt plus completion tokens per sequence")
@@ -125,7 +125,11 @@ def main() -> None:
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.memory_child:
         _memory_child(args, args.memory_child)

@@ -80,7 +80,7 @@ def time_once(variant: Variant, inputs: tuple[torch.Tensor, ...], with_health: b
         return (time.perf_counter() - start) / calls
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=2048)
@@ -89,7 +89,11 @@ def main() -> None:
     parser.add_argument("--tail-share", type=float, default=0.02, help="share of heavy-tail tokens")
     parser.add_argument("--tail-std", type=float, default=1.5, help="log-ratio std of heavy-tail tokens")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is least noisy)")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
 
     inputs = make_inputs(args.batch, args.tokens, args.base_std, args.tail_share, args.tail_std)

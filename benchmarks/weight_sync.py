@@ -46,11 +46,15 @@ def _batch(job, vocab: int):
     return collate(samples, 0)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", default="deploy/jobs/demo.yaml")
     parser.add_argument("--rounds", type=int, default=10)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     import numpy as np
     import ray

@@ -268,7 +268,8 @@ def _prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and its flags (`main` runs the one given; tests parse the documented commands with it)."""
     parser = argparse.ArgumentParser(prog="stableasync", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="run a job on the current Ray cluster (local by default)")
@@ -360,7 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     prepare = commands.add_parser("prepare-model", help="build a known model offline into the cache")
     prepare.add_argument("name")
     prepare.set_defaults(run=_prepare_model)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.run(args)
 

@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from cluster.run_files import STEP_KEY, WALL_KEY, is_evaluation_row, metric_number, read_jsonl_rows
+from cluster.run_files import STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, step_rows
 
 REWARD_KEY = "rollout/reward_mean"
 ESS_KEY = "stability/ess_ratio"
@@ -317,7 +317,7 @@ def summarise(run: RunData, target_reward: float | None = None, collapse_below: 
     finite_wall = [w for w in run.wall_s if math.isfinite(w)]
     return RunSummary(
         run_dir=run.path, label=run.label, stabilizer=run.stabilizer, max_lag=run.max_lag, seed=run.seed,
-        steps_planned=run.steps_planned, steps_done=sum(not is_evaluation_row(row) for row in run.rows),
+        steps_planned=run.steps_planned, steps_done=len(step_rows(run.rows)),
         wall_s=finite_wall[-1] if finite_wall else None,
         final_reward=final_reward, best_reward_ma=best_ma, eval_solved=evaluations[-1] if evaluations else None,
         target_reward=target_reward,

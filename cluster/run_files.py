@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +38,10 @@ def is_evaluation_row(row: dict[str, Any]) -> bool:
     evaluations ran beside training have their `eval/*` keys in step rows, which stay step rows."""
     return any(key.startswith(EVAL_PREFIX) for key in row) and all(
         key.startswith(EVAL_PREFIX) or key in (STEP_KEY, WALL_KEY) for key in row)
+
+
+def step_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The RL step rows of a metrics.jsonl, in logged order: one per learner step (`train/step` > 0, the
+    learner's and driver's keys), without the SFT warm-up's rows and the evaluations' own rows. Every
+    reader that counts or times steps (the report, the simulator's calibration, the benchmarks) reads these."""
+    return [row for row in rows if metric_number(row.get(STEP_KEY)) > 0 and not is_evaluation_row(row)]

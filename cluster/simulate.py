@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
 from algorithms.config import CheckedConfig, config_field
-from cluster.run_files import STEP_KEY, WALL_KEY, is_evaluation_row, metric_number, read_jsonl_rows
+from cluster.run_files import STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, step_rows
 
 
 @dataclass(frozen=True)
@@ -419,8 +419,7 @@ def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
     """
     job = _job_sections(run_dir / "job.yaml")
     metrics = run_dir / "metrics.jsonl"
-    rows = [row for row in read_jsonl_rows(metrics, CalibrationError)
-            if metric_number(row.get(STEP_KEY)) > 0 and not is_evaluation_row(row)]
+    rows = step_rows(read_jsonl_rows(metrics, CalibrationError))
     if not rows:
         raise CalibrationError(f"{metrics}: no RL steps (rows with train/step > 0)")
     g, learner, async_ = job["generator"], job["learner"], job["async"]

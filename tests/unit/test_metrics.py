@@ -58,6 +58,25 @@ def test_an_evaluation_row_holds_its_metrics_only_and_readers_can_tell_it_from_a
     assert not is_evaluation_row({"train/step": 4, "time/wall_s": 9.0})
 
 
+
+def test_step_rows_are_the_learner_steps_alone_in_logged_order(tmp_path):
+    """What the report, the calibration and the benchmarks count as steps: not the SFT warm-up's rows, not an
+    evaluation's own row (written after later steps, with the evaluated step's number), but an older run's
+    step row that carries eval/* keys."""
+    from cluster.metrics import MetricSink
+    from cluster.run_files import read_jsonl_rows, step_rows
+
+    sink = MetricSink(tmp_path, "run", {}, "disabled", progress_bar=False)
+    sink.log(-1, {"sft/loss": 2.0})
+    sink.log(1, {"time/learner_step_s": 0.3})
+    sink.log(2, {"time/learner_step_s": 0.4})
+    sink.log_evaluation(1, {"eval/solved": 0.5})
+    sink.log(3, {"time/learner_step_s": 0.5, "eval/solved": 0.75})  # how runs logged evaluations before
+    sink.close()
+    rows = read_jsonl_rows(tmp_path / "metrics.jsonl")
+    assert len(rows) == 5
+    assert [(row["train/step"], row["time/learner_step_s"]) for row in step_rows(rows)] == [(1, 0.3), (2, 0.4), (3, 0.5)]
+
 # ---- the metric table, the W&B workspace file ---------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[2]

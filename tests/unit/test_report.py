@@ -15,6 +15,7 @@ import yaml
 
 from cluster.cli import main
 from cluster.report import ReportError, _unique_labels, load_run, summarise, summarise_cells, write_report
+from tests.fixtures import BENCH_ASYNC, learner_rows, metric_rows
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SFT_STEPS = 2
@@ -190,6 +191,29 @@ def test_evaluation_rows_count_as_evaluations_not_steps(tmp_path):
     assert summary.target_step == 6 and summary.target_wall_s == pytest.approx(_wall_s(6))  # one full window: 6 steps
     assert summary.final_reward == pytest.approx(rewards[-1])
 
+
+
+def test_the_documented_report_command_on_recorded_runs_counts_their_steps_not_their_evaluations(tmp_path, capsys):
+    """docs/report.md's command with every flag, on two real runs whose evaluations have their own rows."""
+    runs = [BENCH_ASYNC / "lag0", BENCH_ASYNC / "lag1"]
+    out = tmp_path / "cmp"
+    assert main(["report", *map(str, runs), "--out", str(out), "--target-reward", "0.6",
+                 "--ess-collapse-below", "0.2", "--ess-collapse-steps", "5"]) == 0
+    printed = capsys.readouterr().out
+    with (out / "table.csv").open() as table:
+        summaries = list(csv.DictReader(table))
+    for run, summary in zip(runs, summaries):
+        rows, steps = metric_rows(run), learner_rows(run)
+        evaluations = [row for row in rows if "eval/solved" in row]
+        assert len(steps) == yaml.safe_load((run / "job.yaml").read_text())["learner"]["steps"]
+        assert len(steps) < sum(row["train/step"] > 0 for row in rows)  # evaluation rows are there
+        assert int(summary["steps_done"]) == len(steps)
+        assert float(summary["eval_solved"]) == evaluations[-1]["eval/solved"]
+        assert float(summary["wall_s"]) == pytest.approx(rows[-1]["time/wall_s"])
+        assert (summary["ess_collapse_below"], summary["ess_collapse_steps"]) == ("0.2", "5")
+        assert f"| {summary['label']} |" in printed
+    assert [summary["max_lag"] for summary in summaries] == ["0", "1"]
+    assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 6
 
 # ---- reading ----------------------------------------------------------------------------------------
 

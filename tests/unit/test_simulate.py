@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -12,6 +13,7 @@ import pytest
 from cluster.cli import main
 from cluster.job import dump_job, validate_job
 from cluster.simulate import SimConfig, calibrate, simulate
+from tests.fixtures import BENCH_ASYNC, learner_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -226,6 +228,23 @@ def test_calibration_leaves_out_evaluation_rows(tmp_path):
     _, after = calibrate(tmp_path / "run")
     assert after == before and after.steps == sum(row["train/step"] > 0 for row in rows) - 2
 
+
+
+def test_the_documented_calibrate_commands_on_a_recorded_run_with_evaluation_rows(capsys):
+    """docs/simulator.md's `--calibrate RUN_DIR` and `--calibrate RUN_DIR --generators 8`, on a real run whose
+    evaluations have their own rows: the measured steps and period are those of the learner's rows."""
+    run = BENCH_ASYNC / "lag1"
+    steps = learner_rows(run)
+    gaps = [after["time/wall_s"] - before["time/wall_s"] for before, after in zip(steps, steps[1:])]
+    logged = sum(row["time/step_s"] for row in steps) / len(steps)
+    assert main(["simulate", "--calibrate", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"calibrated from {run} ({len(steps)} RL steps)" in out
+    assert re.search(rf"step period \(time/wall_s\)\s+\d+\.\d{{3}}\s+{sum(gaps) / len(gaps):.3f}\s", out), out
+    assert re.search(rf"time/step_s \(as the driver logs\)\s+\d+\.\d{{3}}\s+{logged:.3f}\s", out), out
+    assert main(["simulate", "--calibrate", str(run), "--generators", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "what if generators=8:" in out and "setting: 8 generator GPU(s), 1 learner GPU(s), max_lag 1" in out
 
 @pytest.mark.parametrize("max_lag", [0, 1])
 def test_calibration_counts_the_generators_weight_load(tmp_path, max_lag):
