@@ -29,7 +29,7 @@ from learner import micro_batches
 from learner.batch import TrainBatch, sequence_logprob_grad, token_entropy, token_logprobs
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
 from learner.lr_schedule import LRSchedule, lr_factor
-from learner.weight_sync import PackedWeights
+from learner.weight_sync import PackedWeights, TensorSpec
 
 log = logging.getLogger("stableasync.learner")
 
@@ -345,8 +345,9 @@ class LearnerRank:
         for rows in runs:
             micro = self._micro_batch(batch, rows)
             width = micro.loss_mask.shape[1]
-            if rows is None:
-                weights, mask, advantages = micro.behaviour_logprobs, micro.loss_mask, torch.zeros(1, device=self.device)
+            if rows is None:  # nothing to train on: zero weights on an empty mask
+                weights, mask = micro.behaviour_logprobs, micro.loss_mask
+                advantages = torch.zeros(1, device=self.device)
             else:
                 weights, mask = step.decision.weights[rows, :width], step.decision.mask[rows, :width]
                 advantages = step.advantages[rows]
@@ -486,19 +487,28 @@ class LearnerRank:
         return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
 
     def packed_weights_for_publish(self) -> PackedWeights | None:
-        """Full fp32 weights in HF checkpoint names, copied once into one buffer for the generators (rank 0;
-        None on the other ranks). A collective under ZeRO-3."""
+        """Full fp32 weights in HF checkpoint names, copied one tensor at a time into one buffer for the
+        generators (rank 0; None on the other ranks). Under ZeRO-3 every rank gathers one parameter at a
+        time (a collective) and only rank 0 copies it: no rank builds a second full copy of the model."""
         module = self.engine.module
         if self.spec.zero_stage == 3:
             import deepspeed
 
-            weights = {}
-            for name, param in module.named_parameters():
+            params = list(module.named_parameters())
+            packed = PackedWeights.allocate([TensorSpec(name, tuple(param.ds_shape), "float32")
+                                             for name, param in params]) if self.rank == 0 else None
+            for index, (_, param) in enumerate(params):
                 with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                    weights[name] = param.detach().float().clone()
-        else:
-            weights = {name: tensor.detach().float() for name, tensor in module.state_dict().items()}
-        return PackedWeights.pack(weights) if self.rank == 0 else None
+                    if packed is not None:
+                        packed.put(index, param)
+            return packed
+        if self.rank != 0:
+            return None
+        state = module.state_dict()
+        packed = PackedWeights.allocate([TensorSpec(name, tuple(t.shape), "float32") for name, t in state.items()])
+        for index, tensor in enumerate(state.values()):
+            packed.put(index, tensor)
+        return packed
 
     def state_dict_for_publish(self) -> dict[str, Tensor]:
         """`packed_weights_for_publish` as a name -> tensor dict (a copy; empty off rank 0)."""

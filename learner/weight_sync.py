@@ -53,15 +53,30 @@ class PackedWeights:
     @staticmethod
     def pack(weights: dict[str, Tensor]) -> PackedWeights:
         """Copy `weights` (any device and dtype) into one CPU buffer, in their order."""
-        specs, offsets, end = [], [], 0
-        for name, tensor in weights.items():
-            specs.append(TensorSpec(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
+        packed = PackedWeights.allocate([TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                         for name, t in weights.items()])
+        for index, tensor in enumerate(weights.values()):
+            packed.put(index, tensor)
+        return packed
+
+    @staticmethod
+    def allocate(specs: list[TensorSpec]) -> PackedWeights:
+        """An empty buffer for `specs`, filled tensor by tensor with `put`: a publisher that gathers one
+        parameter at a time never holds more than that parameter beside the buffer."""
+        offsets, end = [], 0
+        for spec in specs:
             offsets.append(end)
-            end += -(-tensor.numel() * tensor.element_size() // _ALIGN_BYTES) * _ALIGN_BYTES
-        data = torch.empty(end, dtype=torch.uint8)
-        for offset, tensor in zip(offsets, weights.values()):
-            _view(data, offset, tensor.dtype, tensor.shape).copy_(tensor.detach())
-        return PackedWeights(tuple(specs), tuple(offsets), data.numpy())
+            nbytes = torch.Size(spec.shape).numel() * getattr(torch, spec.dtype).itemsize
+            end += -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+        return PackedWeights(tuple(specs), tuple(offsets), np.empty(end, dtype=np.uint8))
+
+    def put(self, index: int, tensor: Tensor) -> None:
+        """Copy `tensor` (any device; cast to its spec's dtype) into its place in the buffer."""
+        spec = self.specs[index]
+        if tuple(tensor.shape) != spec.shape:
+            raise ValueError(f"{spec.name}: shape {tuple(tensor.shape)} does not match its spec {spec.shape}")
+        _view(torch.from_numpy(self.data), self.offsets[index], getattr(torch, spec.dtype), spec.shape).copy_(
+            tensor.detach())
 
     @property
     def nbytes(self) -> int:
