@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, OutOfMemoryError, RayActorError, RayTaskError
 import torch
 
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup, keep_first_lines
@@ -104,13 +104,34 @@ class LearnerCrashed(RuntimeError):
 LEARNER_GROUP_FAILURES = (RayActorError, runtime.LearnerGroupBroken)
 
 
+class LearnerOutOfMemory(RuntimeError):
+    """A learner rank ran out of memory: resuming with the same settings would only run out again."""
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """Ray's memory monitor killed the actor, or the step raised torch's (CUDA) out-of-memory error."""
+    return isinstance(error, OutOfMemoryError) or any(
+        cls.__name__ == "OutOfMemoryError" for cls in type(getattr(error, "cause", None) or error).__mro__)
+
+
 @contextmanager
 def learners_may_crash(doing: str, run_dir: Path) -> Iterator[None]:
     """A learner rank that dies, or a group whose collectives fell out of step, `doing` something: a
-    `LearnerCrashed`, so the job goes on from its latest checkpoint (a half-written .tmp is ignored)."""
+    `LearnerCrashed`, so the job goes on from its latest checkpoint (a half-written .tmp is ignored).
+    One that ran out of memory stops the job with the settings to lower; its checkpoints and ledger stay."""
     try:
         yield
-    except LEARNER_GROUP_FAILURES as error:
+    except (*LEARNER_GROUP_FAILURES, OutOfMemoryError, RayTaskError) as error:
+        out_of_memory = _out_of_memory(error)
+        if not out_of_memory and not isinstance(error, LEARNER_GROUP_FAILURES):
+            raise  # the step's own error (a bad batch, a storage failure): its message says what went wrong
+        if out_of_memory:
+            raise LearnerOutOfMemory(
+                f"a learner rank ran out of memory {doing}: lower learner.max_tokens_per_micro_batch (the tokens "
+                "one forward holds) or set learner.gradient_checkpointing: true in "
+                f"{run_dir / 'job.yaml'}, then `stableasync train --resume {run_dir}` goes on from its latest "
+                f"checkpoint; {type(error).__name__}: "
+                f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from error
         raise LearnerCrashed(f"a learner rank died or broke the group {doing} ({type(error).__name__}: {error})",
                              run_dir) from error
 
