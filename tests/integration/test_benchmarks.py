@@ -94,3 +94,13 @@ def test_soak_runs_the_job_and_audits_its_ledger(tmp_path):
     out = _command(["cluster.cli", "soak", str(job), "--steps", "4", "--kill-every-s", "3600"], tmp_path)
     assert re.search(r"^soak: 4 steps in \d+\.\d min, 0 generator kills, 0 restarts seen, 0 groups reissued; "
                      r"ledger \{'trained': 8(, 'dropped': \d+)?\}; audit: complete$", out, re.MULTILINE), out
+
+
+def test_learner_memory_measures_each_batch_size_in_its_own_process(tmp_path, tiny_qwen2):
+    out = _command(["benchmarks.learner_memory", "--model", tiny_qwen2, "--sequences", "8,16", "--tokens", "24",
+                    "--budget", "64", "--stabilizers", "tis_seq,m2po"], tmp_path)
+    for stabilizer, passes in (("tis_seq", 1), ("m2po", 2)):
+        assert re.search(rf"^{stabilizer}\s+8\s+single\s+{passes}\s+\d+\s+{NUMBER}\s+1\.00$", out, re.MULTILINE), out
+        for count, micro_batches in ((8, 4), (16, 8)):  # 64 tokens hold 2 sequences of 24
+            assert re.search(rf"^{stabilizer}\s+{count}\s+{micro_batches}\s+{passes}\s+\d+\s+{NUMBER}\s+{NUMBER}\s+"
+                             rf"{NUMBER}$", out, re.MULTILINE), out
