@@ -232,7 +232,8 @@ class LearnerRank:
                                   keep_groups=needs_norms)
         one_pass = self.stabilizer.decides_per_row and (plan.groups_whole or not needs_norms)
         runs, one_pass = self._agreed_runs(plan, one_pass)
-        step = self._one_pass(batch, runs) if one_pass else self._two_passes(batch, runs)
+        # one micro-batch is the whole batch: any stabilizer decides on it in one forward
+        step = self._one_pass(batch, runs) if one_pass or len(runs) == 1 else self._two_passes(batch, runs)
         policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
         decision = step.decision or self.stabilizer.token_weights(policy)  # one pass: for the metrics only
         metrics = {**health_metrics(policy), **decision.metrics, **self._baseline_metrics(batch, step)}
@@ -274,13 +275,14 @@ class LearnerRank:
         return empty
 
     def _one_pass(self, batch: TrainBatch, runs: list[Tensor | None]) -> _StepValues:
-        """Decide, weigh and backpropagate each micro-batch in one forward; the loss denominator is the loss
-        mask's (a per-row stabilizer keeps it), so it is known before any forward."""
+        """Decide, weigh and backpropagate each micro-batch in one forward. Over several micro-batches the
+        loss denominator is the loss mask's (a per-row stabilizer keeps it), known before any forward; in
+        one, it comes from the decision on the whole batch."""
         step = _StepValues.empty(batch, with_norms=self.stabilizer.needs_grad_norms)
         if not self.stabilizer.needs_grad_norms:  # advantages from the rewards alone, whole groups at once
             step.advantages = self._advantages(batch, step.logprobs, None)[0]
-        denominator = self._all_reduce_sum(loss_denominator(batch.loss_mask, self.spec.loss_aggregation,
-                                                            self.spec.constant_tokens))
+        mask_denominator = None if len(runs) == 1 else self._all_reduce_sum(loss_denominator(
+            batch.loss_mask, self.spec.loss_aggregation, self.spec.constant_tokens))
         for index, rows in enumerate(runs):
             micro = self._micro_batch(batch, rows)
             record = self.ghost_norms is not None and self.spec.zero_stage != 3
@@ -296,6 +298,8 @@ class LearnerRank:
                 advantages, baseline = step.advantages[rows], None
             policy = PolicyBatch(logprobs, micro.behaviour_logprobs, advantages, micro.loss_mask)
             decision = self.stabilizer.token_weights(policy)
+            denominator = mask_denominator if mask_denominator is not None else self._all_reduce_sum(
+                loss_denominator(decision.mask, self.spec.loss_aggregation, self.spec.constant_tokens))
             loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
             finite = self._all_finite(loss, decision.weights)
             if not finite and index == 0:  # nothing accumulated yet: leave before any backward
@@ -313,6 +317,7 @@ class LearnerRank:
                 step.skipped = True
                 self._discard_step()
                 break
+            del logits, logprobs, sample_grads, policy, decision, loss  # before the next forward allocates its own
         return step
 
     def _two_passes(self, batch: TrainBatch, runs: list[Tensor | None]) -> _StepValues:
@@ -356,6 +361,7 @@ class LearnerRank:
             loss = policy_loss(share, TokenWeights(weights, mask, {}), self.spec.loss_aggregation, denominator,
                                self.spec.constant_tokens)
             self.engine.backward(loss * self.world_size)
+            del logprobs, share, loss
         return step
 
     def _discard_step(self) -> None:
