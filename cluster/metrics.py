@@ -70,6 +70,9 @@ KNOWN_METRICS: dict[str, str] = {
     "async/num_generators": "generators running when the step is logged (elastic jobs gain and lose them)",
     "perf/gen_tokens_per_s": "generated tokens per second over all generators",
     "perf/learner_tokens_per_s": "tokens (prompt and completion) the learner processed per second",
+    "perf/micro_batches": "token-budget micro-batches the step ran (learner.max_tokens_per_micro_batch; mean "
+                          "over ranks)",
+    "perf/learner_passes": "forwards over the batch: 1, or 2 when the stabilizer needed a no-grad pass first",
     "perf/weight_sync_s": "seconds to publish the new weights to the generators",
     "perf/weight_load_s": "seconds a generator takes to load one weight version into its engine (mean so far; "
     "it runs between the generator's calls, after the publish)",
