@@ -15,7 +15,7 @@ from tasks.scoring import ScorePool
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tasks" / "fixtures" / "gsm8k_sample.jsonl"
 DATASET = ROOT / "tasks" / "fixtures" / "dataset_sample.jsonl"
-SHARED_GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K_DATA = ROOT / "tasks" / "data" / "gsm8k"
 
 
 def test_last_answer_takes_the_last_tag():
@@ -110,9 +110,10 @@ def test_gsm8k_missing_file_and_unknown_task():
         build_task("chess", None)
 
 
-@pytest.mark.skipif(not SHARED_GSM8K.is_file(), reason="shared GSM8K data not present")
-def test_real_gsm8k_test_split_loads_and_demonstrations_verify():
-    task = build_task("gsm8k", GSM8KConfig(path=str(SHARED_GSM8K)))
+def test_the_shipped_gsm8k_splits_load_and_demonstrations_verify():
+    assert "MIT License" in (GSM8K_DATA / "LICENSE").read_text()
+    assert len(build_task("gsm8k", GSM8KConfig(path=str(GSM8K_DATA / "train.jsonl"))).rows) == 7473
+    task = build_task("gsm8k", GSM8KConfig(path=str(GSM8K_DATA / "test.jsonl")))
     problems = list(task.problems("test", 0))
     assert len(problems) == 1319
     for problem in problems[:200]:  # math-verify on all 1319 takes long; the loader checked every row
