@@ -1,4 +1,4 @@
-"""Typed stabilizer configs with the reference defaults (`../shared/reference/stabilizers.md`).
+"""Typed stabilizer configs with the reference defaults (formulas and sources: docs/stabilizers.md).
 
 Standard library only: the job schema in `cluster/` builds its pydantic models from these
 dataclasses, so a job can be validated without importing torch. Each field's `doc` metadata is the
