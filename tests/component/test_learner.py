@@ -59,13 +59,24 @@ def _rank_main(rank: int, world: int, stage: int, model_path: str, port: int, ou
 
 
 def _leave_group() -> None:
-    """Both ranks leave the process group together. A rank that exits while its peer is still writing its
-    results can abort in teardown: CI once saw rank 1 die of SIGABRT ("terminate called without an active
-    exception") after its steps, which failed the run."""
+    """Both ranks leave the process group together, then the process ends without running interpreter
+    teardown: the last call of a rank's main.
+
+    A rank whose results are written can still abort while the interpreter tears down (SIGABRT,
+    "terminate called without an active exception": a C++ thread of the distributed stack still joinable
+    at exit), which fails the spawn although every step ran. CI saw it once before the barrier was added
+    and twice in one run after it (2 ranks, ZeRO-3); `os._exit` skips that teardown.
+    """
+    import os
+    import sys
+
     import torch.distributed as dist
 
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:
