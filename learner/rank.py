@@ -472,21 +472,6 @@ class LearnerRank:
         metrics = {"sft/loss": torch.tensor(total), "sft/grad_norm": torch.tensor(grad_norm)}
         return self._reduce_metrics(metrics)
 
-    def log_probs(self, batch: TrainBatch) -> Tensor:
-        """Learner log-probs of each next token at the generator's temperature, [B, L-1], without grad, in
-        token-budget micro-batches."""
-        batch = batch.to(self.device)
-        plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.spec.max_tokens_per_micro_batch,
-                                  keep_groups=False)
-        step = _StepValues.empty(batch, with_norms=False)
-        with torch.no_grad():
-            for rows in self._agreed_runs(plan)[0]:
-                micro = self._micro_batch(batch, rows)
-                logprobs = token_logprobs(self._logits(micro), micro.input_ids, self.spec.temperature)
-                if rows is not None:
-                    step.record(rows, logprobs, None, None, None, None)
-        return step.logprobs
-
     def _logits(self, batch: TrainBatch, plain: bool = False) -> Tensor:
         """[B, L, V] logits; `plain` runs the bare module, outside the engine's backward bookkeeping."""
         model = self.engine.module if plain else self.engine
@@ -510,11 +495,7 @@ class LearnerRank:
             return packed
         if self.rank != 0:
             return None
-        state = module.state_dict()
-        packed = PackedWeights.allocate([TensorSpec(name, tuple(t.shape), "float32") for name, t in state.items()])
-        for index, tensor in enumerate(state.values()):
-            packed.put(index, tensor)
-        return packed
+        return PackedWeights.pack(module.state_dict(), dtype="float32")
 
     def state_dict_for_publish(self) -> dict[str, Tensor]:
         """`packed_weights_for_publish` as a name -> tensor dict (a copy; empty off rank 0)."""

@@ -51,9 +51,10 @@ class PackedWeights:
     data: np.ndarray  # uint8
 
     @staticmethod
-    def pack(weights: dict[str, Tensor]) -> PackedWeights:
-        """Copy `weights` (any device and dtype) into one CPU buffer, in their order."""
-        packed = PackedWeights.allocate([TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+    def pack(weights: dict[str, Tensor], dtype: str | None = None) -> PackedWeights:
+        """Copy `weights` (any device) into one CPU buffer, in their order, cast to `dtype` (default: each
+        tensor's own), one tensor at a time."""
+        packed = PackedWeights.allocate([TensorSpec(name, tuple(t.shape), dtype or str(t.dtype).removeprefix("torch."))
                                          for name, t in weights.items()])
         for index, tensor in enumerate(weights.values()):
             packed.put(index, tensor)
