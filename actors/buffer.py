@@ -28,6 +28,8 @@ class ScoredGroup:
     version_start: int
     version_end: int
     generator_index: int
+    question: str = ""  # the problem as the user wrote it, for the rollout samples a person reads
+    answer: str = ""  # its reference answer
 
     @property
     def rewards(self) -> list[float]:

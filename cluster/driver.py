@@ -42,8 +42,9 @@ from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSave
                                  restore_learners, write_checkpoint, write_model)
 from cluster.evaluation import Evaluator, evaluate_again_on_resume
 from cluster.job import AlgorithmSection, Job, dump_job, evaluation_set, job_task, section_config
-from cluster.metrics import MetricSink
+from cluster.metrics import SAMPLES_FILE, MetricSink
 from cluster.model_prep import prepare_model, sft_samples
+from cluster.samples import rollout_samples
 from cluster.stopping import JobStopped, StopRequest
 from learner.batch import TrainBatch, collate
 from learner.rank import LearnerSpec
@@ -246,6 +247,8 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
                                                      fatal=LEARNER_GROUP_FAILURES)
             log.info("resuming %s from %s (policy version %d)", run_dir, checkpoint.name, state["version"])
             keep_first_lines(run_dir / "metrics.jsonl", state["metrics_lines"])
+            if "samples_lines" in state:  # checkpoints written before samples were logged lack it
+                keep_first_lines(run_dir / SAMPLES_FILE, state["samples_lines"])
         ledger = Ledger.resume(run_dir / "ledger.jsonl", state["ledger_lines"]) if state else Ledger(run_dir / "ledger.jsonl")
         sink = MetricSink(run_dir, names + ("-resumed" if state else ""), job.model_dump(mode="json", by_alias=True),
                           job.logging.wandb.mode, job.logging.wandb.project, job.logging.wandb.entity,
@@ -501,9 +504,19 @@ class AsyncLoop:
         step_s = time.perf_counter() - self.step_started
         eval_wait_s = self._start_evaluation() if self._due(self.job.eval.every_steps) else 0.0
         self._log_step(metrics, lags, sync_s, step_s, eval_wait_s)
+        if self._due(self.job.logging.samples.every_steps):
+            self._log_samples()
         if self._due(self.job.checkpoint.every_steps):
             self._periodic_checkpoint()
         self._check_skipped(skipped)
+
+    def _log_samples(self) -> None:
+        """A few of the step's groups, from rank 0's shard (the first groups), with the learner's log-ratios."""
+        settings = self.job.logging.samples
+        rank0_groups = self.training[:len(self.training) // self.job.learner.num_ranks]
+        samples = rollout_samples(self.version, self.version - 1, rank0_groups[:settings.groups],
+                                  self.learners.sequence_log_ratios(), settings.max_chars)
+        self.sink.log_samples(self.version, samples)
 
     def _due(self, every_steps: int) -> bool:
         """Whether something done every N steps and at the last (checkpoints, evaluation) is due now; 0: never."""
@@ -688,6 +701,7 @@ class AsyncLoop:
             "rewards": self.rewards, "restarts": sorted((index, m.restarts) for index, m in self.members.items()),
             "evaluating": self.evaluator.steps_running(),
             "ledger_lines": self.buffer.ledger.lines, "metrics_lines": self.sink.lines,
+            "samples_lines": self.sink.sample_lines,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -741,8 +755,8 @@ class AsyncLoop:
         self.scored.rewards += [c["reward"] for c in completions]
         self.scored.overlong_penalties += penalties
         self.scored.truncated += sum(c["finish_reason"] == "length" for c in completions)
-        scored = ScoredGroup(group.group_id, group.problem_id, group.prompt_ids, completions,
-                             group.version_start, group.version_end, group.generator_index)
+        scored = ScoredGroup(group.group_id, group.problem_id, group.prompt_ids, completions, group.version_start,
+                             group.version_end, group.generator_index, problem.question, problem.answer)
         self.scored.uniform_groups_dropped += not self.buffer.add(scored, errors)
 
     def _shards(self, groups: list[ScoredGroup]) -> list[TrainBatch]:

@@ -237,12 +237,21 @@ class AlertsSection(Section):
     )
 
 
+class SamplesSection(Section):
+    """Rollout samples a person reads (`RUN_DIR/samples.jsonl` and a W&B table)."""
+
+    every_steps: int = Field(10, ge=0, description="log samples every N steps and at the last; 0: never")
+    groups: int = Field(2, gt=0, description="prompt groups of the step logged each time (all their responses)")
+    max_chars: int = Field(2000, gt=0, description="longest completion text logged; longer ones are cut")
+
+
 class LoggingSection(Section):
     run_dir: str = Field("runs", description="parent folder of this job's run directory")
     run_name: str | None = None
     wandb: WandbSection = WandbSection()
     progress_bar: bool = True
     alerts: AlertsSection = AlertsSection()
+    samples: SamplesSection = SamplesSection()
 
 
 class CheckpointSection(Section):

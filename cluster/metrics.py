@@ -15,6 +15,10 @@ from typing import Any
 
 from cluster.alerts import AlertThresholds, StabilityAlerts
 from cluster.run_files import EVAL_PREFIX, STEP_KEY, WALL_KEY
+from cluster.samples import COLUMNS, RolloutSample, as_rows
+
+SAMPLES_FILE = "samples.jsonl"
+SAMPLES_TABLE = "samples/rollouts"
 
 log = logging.getLogger("stableasync")
 
@@ -22,6 +26,9 @@ log = logging.getLogger("stableasync")
 # only plot these, and tests/unit/test_metrics.py checks this table against the keys in the source.
 KNOWN_METRICS: dict[str, str] = {
     STEP_KEY: "policy version after this step (optimizer steps); the SFT warm-up's N steps are -N..-1",
+    SAMPLES_TABLE: "a W&B table of a few trained responses every logging.samples.every_steps steps: question, "
+    "reference answer, completion, reward, score error, finish reason, lag and learner/behaviour log-ratio "
+    "(also RUN_DIR/samples.jsonl)",
     "rollout/reward_mean": "mean reward of the step's trained samples",
     "rollout/response_len": "mean completion length of the step's trained samples (tokens)",
     "rollout/uniform_groups_dropped": "prompt groups dropped since the previous step because every response "
@@ -144,6 +151,8 @@ class MetricSink:
         self._jsonl = (run_dir / "metrics.jsonl").open("a")
         with (run_dir / "metrics.jsonl").open() as rows:
             self.lines = sum(1 for _ in rows)  # rows so far (a resumed run has some)
+        self._samples_path = run_dir / SAMPLES_FILE
+        self.sample_lines = len(self._samples_path.read_text().splitlines()) if self._samples_path.exists() else 0
         self._progress = progress_bar
         self._total = total_steps
         self._started = time.monotonic()
@@ -197,6 +206,22 @@ class MetricSink:
                 log.warning("W&B logging failed (%s); continuing with JSONL only", error)
                 self._wandb = None
         return row
+
+    def log_samples(self, step: int, samples: list[RolloutSample]) -> None:
+        """Append rollout samples to `samples.jsonl` (one line per response) and log them to W&B as a table."""
+        rows = as_rows(samples)
+        with self._samples_path.open("a") as out:
+            out.writelines(json.dumps(_jsonable(row)) + "\n" for row in rows)
+        self.sample_lines += len(rows)
+        if self._wandb is None:
+            return
+        try:
+            import wandb
+
+            table = wandb.Table(columns=COLUMNS, data=[[row[name] for name in COLUMNS] for row in rows])
+            self._wandb.log({STEP_KEY: step, SAMPLES_TABLE: table})
+        except Exception as error:  # noqa: BLE001 - W&B must never stop training
+            log.warning("W&B could not log the rollout samples (%s); they are in %s", error, self._samples_path)
 
     def alert(self, title: str, text: str) -> None:
         """A log line always; a W&B alert when W&B is up."""

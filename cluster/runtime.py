@@ -229,6 +229,10 @@ class LearnerGroup:
         refs = [rank.sft_step.remote(shard, learning_rate) for rank, shard in zip(self.ranks, shards)]
         return self.results(refs, "sft_step")[0]
 
+    def sequence_log_ratios(self) -> list[float]:
+        """Rank 0's learner/behaviour sequence log-ratios of its latest step (its shard's rows, in order)."""
+        return ray.get(self.ranks[0].sequence_log_ratios.remote())
+
     def publish(self) -> ray.ObjectRef:
         """The object-store reference of the full weights (all ranks take part in the gather)."""
         return self.results([rank.publish.remote() for rank in self.ranks], "publish")[0][0]

@@ -191,6 +191,7 @@ class LearnerRank:
         self.ghost_norms, self.grad_norm_fallback = self._ghost_norms(opob_impl)
         self.bookkeeping = self._uses_bookkeeping(opob_impl)
         self.version = 0
+        self.last_sequence_log_ratios: list[float] = []  # the latest train_step's rows, for the rollout samples
 
     def _ghost_norms(self, opob_impl: str) -> tuple[GhostGradNorms | None, bool]:
         """The ghost-norm path when the stabilizer needs per-sample norms and every parameter has a rule;
@@ -237,6 +238,7 @@ class LearnerRank:
         policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
         decision = step.decision or self.stabilizer.token_weights(policy)  # one pass: for the metrics only
         metrics = {**health_metrics(policy), **decision.metrics, **self._baseline_metrics(batch, step)}
+        self.last_sequence_log_ratios = policy.seq_log_ratio.cpu().tolist()
         metrics["stability/entropy"] = (step.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
         metrics["perf/micro_batches"] = torch.tensor(float(len(plan)))
         metrics["perf/learner_passes"] = torch.tensor(1.0 if step.decision is None else 2.0)
@@ -253,6 +255,10 @@ class LearnerRank:
         metrics["optim/lr"] = torch.tensor(self.spec.learning_rate * schedule * lr_scale)
         grad_norm = self._step_with_lr_scale(lr_scale * schedule)
         return self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm, batch=batch)
+
+    def sequence_log_ratios(self) -> list[float]:
+        """sum_t log pi_learner - log pi_behaviour of each row of the latest train_step's batch, in its order."""
+        return self.last_sequence_log_ratios
 
     def _agreed_runs(self, plan: micro_batches.MicroBatchPlan, one_pass: bool = True
                      ) -> tuple[list[Tensor | None], bool]:

@@ -89,6 +89,7 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     busy = [m["time/generator_busy_s"] for m in rl_steps]
     assert min(busy) > 0 and sum(busy) == pytest.approx(summary["generate_s"] + summary["weight_load_s"])
     _assert_the_trained_model_is_saved(result, summary)
+    _assert_rollout_samples_are_rank_zeros_groups(result.run_dir, trained)
     # evaluated at steps 2 and 4, on the weights just published: 5 greedy answers, scored. The loop does not
     # wait: each evaluation is its own row, written after its step's row; the last one before the run ends.
     order = [(m["train/step"], is_evaluation_row(m)) for m in metrics if m["train/step"] > 0]
@@ -101,6 +102,19 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
         assert row["eval/seconds"] > 0
     # each evaluation ends before the next step's generation (queued behind it): the loop never waited for one
     assert [m["time/eval_wait_s"] for m in rl_steps] == [0.0] * 4
+
+
+def _assert_rollout_samples_are_rank_zeros_groups(run_dir: Path, trained: list[dict]) -> None:
+    """samples.jsonl at the last step (every 10 steps and at the last): rank 0's one group, its 4 responses,
+    on-policy (the learner's log-probs agree with vLLM's up to numerics)."""
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [4] * 4
+    (group_id,) = {s["group_id"] for s in samples}
+    # the ledger's trained_step is the version the step started from: 3 for the step that made version 4
+    assert group_id in {r["group_id"] for r in trained if r["trained_step"] == 3}
+    assert all(s["lag"] == 0 and s["question"].startswith("What is") and s["answer"] for s in samples)
+    assert all(s["completion_tokens"] > 0 and s["finish_reason"] in ("stop", "length") for s in samples)
+    assert all(abs(s["log_ratio_per_token"]) < 0.05 for s in samples), samples
 
 
 def _assert_the_trained_model_is_saved(result, summary: dict) -> None:
@@ -478,8 +492,9 @@ def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, 
     being replaced), `--resume` falls back to step 2: the ledger and metrics are cut back there,
     in-flight groups are issued again, and every step's groups are trained exactly once. Step 2's
     evaluation was still running at its checkpoint (its row came after the cut): the resume answers it
-    again on the restored weights, so each evaluation has one row."""
-    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "resumed"}, checkpoint={"every_steps": 2},
+    again on the restored weights, so each evaluation has one row, and each step's rollout samples one set."""
+    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "resumed", "samples": {"every_steps": 1}},
+               checkpoint={"every_steps": 2},
                eval={"every_steps": 2, "num_problems": 4})
     run_dir = tmp_path / "runs" / "resumed"
     from cluster.driver import train
@@ -500,6 +515,9 @@ def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, 
     assert [(m["train/step"], m["eval/policy_version"]) for m in metrics if is_evaluation_row(m)] == [(2, 2), (4, 4)]
     cut = json.loads((run_dir / "checkpoints" / "step-000002" / "driver.json").read_text())["ledger_lines"]
     assert (run_dir / f"ledger.after-{cut}.jsonl").exists()
+    samples = [json.loads(line)["step"] for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4  # steps 3 and 4 cut back and logged again
+    assert (run_dir / "samples.after-8.jsonl").exists()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
     assert json.loads((run_dir / "checkpoints" / "step-000004" / "driver.json").read_text())["version"] == 4
 
