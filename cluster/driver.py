@@ -354,6 +354,7 @@ class AsyncLoop:
         self.evaluator = Evaluator(evaluation, job.eval.temperature, job.eval.samples_per_problem, job.seed,
                                    self.scorer, sink)
         self.evaluations_to_redo: list[int] = []  # policy versions a checkpoint was still evaluating
+        self.resumed = False  # restored from a checkpoint (set by restore)
 
     @property
     def generator_restarts(self) -> int:
@@ -362,6 +363,8 @@ class AsyncLoop:
 
     def run(self) -> list[float]:
         self._sync_weights()  # generators start from the learner's weights (after any warm-up or resume)
+        if self.job.eval.before_training and not self.resumed:  # a resume redoes only what was in flight
+            self._start_evaluation()
         self._redo_evaluations()
         self._reissue_resumed()
         try:
@@ -714,6 +717,7 @@ class AsyncLoop:
         self.rng.setstate((version, tuple(internal), gauss))
         self.buffer.ready.extend(ScoredGroup(**group) for group in state["ready"])
         self.rewards = list(state["rewards"])
+        self.resumed = True
         self.evaluations_to_redo = list(state.get("evaluating", []))  # checkpoints before it lack the key
         for index, count in state["restarts"]:
             if index in self.members:

@@ -287,6 +287,8 @@ class EvalSection(Section):
     """Periodic evaluation: the policy answers one fixed set of problems; `eval/*` metrics at those steps."""
 
     every_steps: int = Field(0, ge=0, description="evaluate after every N learner steps and the last; 0: never")
+    before_training: bool = Field(False, description="also evaluate the starting policy (after any SFT warm-up) "
+                                  "as step 0, beside the first RL steps: the baseline the run is measured against")
     num_problems: int = Field(64, gt=0, description="size of the fixed evaluation set (fewer if the data has fewer)")
     temperature: float = Field(0.0, ge=0, description="sampling temperature; 0: greedy")
     samples_per_problem: int = Field(1, gt=0, description="answers per problem (needs temperature > 0 when above "
@@ -504,7 +506,7 @@ def evaluation_set(job: Job, task: Task) -> list[tuple[Problem, list[dict[str, s
     their chat messages; empty when the job does not evaluate."""
     from tasks.base import TaskError
 
-    if not job.eval.every_steps:
+    if not (job.eval.every_steps or job.eval.before_training):
         return []
     if job.eval.task_path is not None:
         try:

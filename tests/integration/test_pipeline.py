@@ -68,7 +68,7 @@ def run_job_in(tmp_path, **kwargs):
 
 
 def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
-    result = _run(tmp_path, max_lag=0, eval={"every_steps": 2, "num_problems": 5})
+    result = _run(tmp_path, max_lag=0, eval={"every_steps": 2, "num_problems": 5, "before_training": True})
     trained = _trained(result.run_dir)
     assert len(trained) == 4 * 2  # steps x prompts_per_step, each group exactly once
     assert {r["lag"] for r in trained} == {0}
@@ -83,19 +83,21 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     assert list((result.run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "W&B offline run file written"
     # every publish is loaded by the generator before its next call; the driver counts what it reports
     summary = json.loads((result.run_dir / "summary.json").read_text())
-    assert summary["weight_loads"] >= 3 and summary["weight_load_s"] > 0  # steps 1-3's, reported by calls 2-4
+    # steps 1 and 3's, reported by the training calls after them; the evaluations' calls take those of steps 0, 2
+    # and 4 (each evaluation runs on the weights just published)
+    assert summary["weight_loads"] >= 2 and summary["weight_load_s"] > 0
     assert 0 < rl_steps[-1]["perf/weight_load_s"] <= summary["weight_load_s"]  # the mean of one load so far
     # synchronous: each step's own call (and the load before it) is reported in that step's row
     busy = [m["time/generator_busy_s"] for m in rl_steps]
     assert min(busy) > 0 and sum(busy) == pytest.approx(summary["generate_s"] + summary["weight_load_s"])
     _assert_the_trained_model_is_saved(result, summary)
     _assert_rollout_samples_are_rank_zeros_groups(result.run_dir, trained)
-    # evaluated at steps 2 and 4, on the weights just published: 5 greedy answers, scored. The loop does not
+    # evaluated before training and at steps 2 and 4, on the weights just published: 5 greedy answers, scored. The loop does not
     # wait: each evaluation is its own row, written after its step's row; the last one before the run ends.
     order = [(m["train/step"], is_evaluation_row(m)) for m in metrics if m["train/step"] > 0]
     assert order.index((2, True)) > order.index((2, False)) and order[-1] == (4, True), order
     evaluated = {m["train/step"]: m for m in metrics if is_evaluation_row(m)}
-    assert sorted(evaluated) == [2, 4]
+    assert sorted(evaluated) == [0, 2, 4]  # eval.before_training: the starting policy too
     for step, row in evaluated.items():
         assert row["eval/policy_version"] == step and row["eval/problems"] == 5 and row["eval/score_errors"] == 0
         assert 0.0 <= row["eval/solved"] <= row["eval/reward_mean"] <= 1.0 and row["eval/response_len"] > 0
