@@ -182,11 +182,17 @@ class VCPOConfig(CheckedConfig):
     )
     normalize_by_length: bool = config_field("divide the baseline weight by T_i^2", False)
     norm_by_std: bool = config_field("divide advantages by the group reward std (official scripts: yes)", True)
-    opob_impl: Literal["bookkeeping", "ghost", "per_sample_loop"] = config_field(
+    opob_impl: Literal["auto", "bookkeeping", "ghost", "per_sample_loop"] = config_field(
         "how the learner gets per-sample gradient norms: bookkeeping (one backward; the update is formed from "
-        "the per-sample gradients it keeps), ghost (a norms-only backward, then the loss backward: less memory) "
-        "or per_sample_loop (one backward per sample, the reference)",
-        "bookkeeping",
+        "the per-sample gradients it keeps, which grow with rows x parameters), ghost (a norms-only backward, "
+        "then the loss backward: memory of one backward), auto (bookkeeping for each micro-batch whose kept "
+        "gradients fit bookkeeping_budget_mb, else ghost) or per_sample_loop (one backward per sample, the "
+        "reference)",
+        "auto",
+    )
+    bookkeeping_budget_mb: float = config_field(
+        "opob_impl auto: the most memory (MiB) a micro-batch's kept per-sample gradients may take for book-keeping",
+        1024.0, gt=0,
     )
 
 

@@ -69,6 +69,8 @@ KNOWN_METRICS: dict[str, str] = {
     "opob/sample_grad_norm_mean": "mean per-sample gradient norm (feeds the optimal baseline)",
     "opob/sample_grad_norm_median": "median per-sample gradient norm",
     "opob/sample_grad_norm_max": "largest per-sample gradient norm",
+    "opob/bookkeeping_share": "share of the step's micro-batches whose update book-keeping formed from kept per-sample "
+    "gradients (opob_impl auto: those that fit bookkeeping_budget_mb); the rest took the ghost norms backward",
     "opob/fallback_to_loop": "1 if per-sample norms fell back to the slow per-sample loop",
     "async/lag": "histogram of trained samples' lag (bin k counts samples k versions old)",
     "async/lag_mean": "mean lag of the trained samples (policy versions)",

@@ -223,6 +223,21 @@ class GhostGradNorms:
         self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._consumer: Callable[[int, Tensor], None] | None = None
 
+    def kept_bytes_per_sample(self, steps: int) -> int:
+        """Bytes that book-keeping keeps per sequence of `steps` positions: for each covered parameter the
+        smaller of its dense per-sample gradient and its factors, in fp32 (what `_compact` keeps)."""
+        numbers = 0
+        for module in self.modules:
+            if isinstance(module, nn.Linear):
+                rows, cols = module.out_features, module.in_features
+                numbers += min(rows * cols, steps * (rows + cols)) + (rows if module.bias is not None else 0)
+            elif isinstance(module, nn.Embedding):
+                rows, cols = module.weight.shape
+                numbers += rows * cols if rows * cols <= steps * steps else steps * (cols + 2)  # ids are int64
+            else:  # RMSNorm: its per-sample gradient is a vector
+                numbers += module.weight.numel()
+        return 4 * numbers
+
     @contextmanager
     def recording(self) -> Iterator[None]:
         """Record every covered module call of the forward inside, for one following norms backward.

@@ -57,6 +57,7 @@ class _StepValues:
     decision: TokenWeights | None = None  # two passes: the stabilizer's decision on the whole batch
     loss: float = 0.0  # this rank's share of the global loss
     skipped: bool = False  # non-finite values on some rank: no update
+    bookkept_micro_batches: int = 0  # micro-batches whose update came from kept per-sample gradients
 
     @classmethod
     def empty(cls, batch: TrainBatch, with_norms: bool) -> _StepValues:
@@ -190,6 +191,9 @@ class LearnerRank:
         opob_impl = getattr(self.stabilizer.config, "opob_impl", "ghost")
         self.ghost_norms, self.grad_norm_fallback = self._ghost_norms(opob_impl)
         self.bookkeeping = self._uses_bookkeeping(opob_impl)
+        # auto: book-keeping only for a micro-batch whose kept gradients fit the budget; bookkeeping: always
+        self.bookkeeping_budget_bytes = (2**20 * self.stabilizer.config.bookkeeping_budget_mb
+                                         if opob_impl == "auto" else math.inf)
         self.version = 0
         self.last_sequence_log_ratios: list[float] = []  # the latest train_step's rows, for the rollout samples
 
@@ -208,7 +212,9 @@ class LearnerRank:
     def _uses_bookkeeping(self, opob_impl: str) -> bool:
         """Book-keeping forms the update from the kept per-sample gradients, which needs whole parameters:
         under ZeRO-3 the norms come from the two-pass ghost path instead (said once, here)."""
-        if self.ghost_norms is None or opob_impl != "bookkeeping":
+        if self.ghost_norms is None or opob_impl not in ("bookkeeping", "auto"):
+            return False
+        if self.spec.zero_stage == 3 and opob_impl == "auto":
             return False
         if self.spec.zero_stage == 3:
             log.info("learner rank %d: ZeRO-3 partitions the parameters, so per-sample norms use the two-pass "
@@ -242,6 +248,8 @@ class LearnerRank:
         metrics["stability/entropy"] = (step.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
         metrics["perf/micro_batches"] = torch.tensor(float(len(plan)))
         metrics["perf/learner_passes"] = torch.tensor(1.0 if step.decision is None else 2.0)
+        if step.squared_norms is not None:
+            metrics["opob/bookkeeping_share"] = torch.tensor(step.bookkept_micro_batches / len(runs))
         global_log_w = self._all_gather(policy.seq_log_ratio[policy.token_lengths > 0])
         metrics.update(sequence_metrics(global_log_w))
         metrics.update(self.stabilizer.global_metrics(global_log_w))
@@ -280,6 +288,13 @@ class LearnerRank:
         empty.behaviour_logprobs = torch.zeros_like(empty.behaviour_logprobs)
         return empty
 
+    def _keeps_sample_gradients(self, micro: TrainBatch) -> bool:
+        """Whether this micro-batch's update is formed by book-keeping (its kept gradients fit the budget)."""
+        if not self.bookkeeping:
+            return False
+        kept = micro.size * self.ghost_norms.kept_bytes_per_sample(micro.input_ids.shape[1])
+        return kept <= self.bookkeeping_budget_bytes
+
     def _one_pass(self, batch: TrainBatch, runs: list[Tensor | None]) -> _StepValues:
         """Decide, weigh and backpropagate each micro-batch in one forward. Over several micro-batches the
         loss denominator is the loss mask's (a per-row stabilizer keeps it), known before any forward; in
@@ -292,10 +307,13 @@ class LearnerRank:
         for index, rows in enumerate(runs):
             micro = self._micro_batch(batch, rows)
             record = self.ghost_norms is not None and self.spec.zero_stage != 3
+            bookkeeping = self._keeps_sample_gradients(micro)
+            step.bookkept_micro_batches += bookkeeping
             with self.ghost_norms.recording() if record else nullcontext():
-                logits = self._logits(micro, plain=self.bookkeeping)  # no loss backward through the engine follows
+                logits = self._logits(micro, plain=bookkeeping)  # no loss backward through the engine follows
             logprobs = token_logprobs(logits, micro.input_ids, self.spec.temperature)
-            sample_grads = self._sample_gradients(micro, logits) if self.stabilizer.needs_grad_norms else None
+            sample_grads = (self._sample_gradients(micro, logits, bookkeeping) if self.stabilizer.needs_grad_norms
+                            else None)
             if rows is None:
                 advantages, baseline = torch.zeros(1, device=self.device), None
             elif self.stabilizer.needs_grad_norms:
@@ -425,14 +443,14 @@ class LearnerRank:
             "opob/fallback_to_loop": torch.tensor(float(self.grad_norm_fallback)),
         }
 
-    def _sample_gradients(self, batch: TrainBatch, logits: Tensor) -> SampleGradients:
+    def _sample_gradients(self, batch: TrainBatch, logits: Tensor, bookkeeping: bool) -> SampleGradients:
         """||grad log pi(tau_i)||^2 of each of this micro-batch's sequences (with book-keeping, the per-sample
         gradients too); otherwise the graph stays for the loss backward."""
         if self.ghost_norms is not None and self.spec.zero_stage == 3:
             return SampleGradients(self._norms_forward(batch)[1])
         if self.ghost_norms is not None:
             logits_grad = sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, self.spec.temperature)
-            if self.bookkeeping:
+            if bookkeeping:
                 return self.ghost_norms.sample_gradients(logits_grad)
             return SampleGradients(self.ghost_norms.squared_norms(logits_grad))
         return SampleGradients(self._per_sample_loop_norms(batch))

@@ -96,6 +96,12 @@ def test_bookkeeping_forms_any_weighted_sum_of_sample_gradients(model_name, requ
     _, ghost = _ghost(model, batch)
     assert torch.allclose(sample_grads.squared_norms, ghost, rtol=1e-5, atol=0)
 
+    # what opob_impl auto budgets for: the estimate is the memory book-keeping really keeps
+    kept = sum(part.numel() * part.element_size() if isinstance(part, torch.Tensor)
+               else part.left.numel() * part.left.element_size() + part.right.numel() * part.right.element_size()
+               for parts in sample_grads.parts.values() for part in parts)
+    assert kept == batch.size * norms.kept_bytes_per_sample(batch.input_ids.shape[1])
+
     coefficients = torch.tensor([0.5, -1.0, 2.0, 0.0, -0.25])
     params = [p for p in model.parameters() if p.requires_grad]
     expected = torch.autograd.grad((coefficients * _seq_logp(model, batch)).sum(), params)

@@ -68,7 +68,7 @@ def _cases_main(rank: int, world: int, stage: int, model_path: str, port: int, o
     from learner.rank import LearnerRank, LearnerSpec
 
     share = [s for s in samples if s["group_id"] % world == rank]
-    rank_zero_share = [s for s in samples if s["group_id"] % world == 0]
+    whole_share = [s for s in samples if s["group_id"] % world == 0]
     shared_budgets = {}  # rank 0's budgets serve every rank (one job setting); other shares split their own way
     results = {}
     for name in names:
@@ -77,7 +77,7 @@ def _cases_main(rank: int, world: int, stage: int, model_path: str, port: int, o
             for split in SPLITS:
                 key = (name, split, stabilizer.needs_grad_norms)
                 if key not in shared_budgets:
-                    shared_budgets[key] = _budget_for(split, rank_zero_share, stabilizer.needs_grad_norms)
+                    shared_budgets[key] = _budget_for(split, whole_share, stabilizer.needs_grad_norms)
                 spec = LearnerSpec(model_path=model_path, zero_stage=stage, learning_rate=LEARNING_RATE,
                                    adam_eps=ADAM_EPS, stabilizer_name=name, stabilizer_config=stabilizer.config,
                                    loss_aggregation=aggregation, constant_tokens=CONSTANT_TOKENS,
@@ -309,3 +309,56 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_qwen2, tmp_path):
     _check_parity({(name, "token-mean", 2 if on else 1): result for (name, on), result in results.items()})
     assert results[("vcpo", True)]["metrics"]["opob/sample_grad_norm_mean"] == pytest.approx(
         results[("vcpo", False)]["metrics"]["opob/sample_grad_norm_mean"], rel=1e-5)
+
+
+def _auto_main(rank: int, world: int, model_path: str, port: int, out: str, samples: list[dict], tokens: int,
+               budget_mb: float) -> None:
+    from algorithms import registry
+    from learner.batch import collate
+    from learner.rank import LearnerRank, LearnerSpec
+
+    share = collate([s for s in samples if s["group_id"] % world == rank], 0)
+    results = {}
+    for impl in ("ghost", "bookkeeping", "auto"):
+        config = registry.build("vcpo", opob_impl=impl, bookkeeping_budget_mb=budget_mb).config
+        spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
+                           stabilizer_name="vcpo", stabilizer_config=config, loss_aggregation="seq-mean-token-mean",
+                           max_tokens_per_micro_batch=tokens)
+        learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
+        results[impl] = {"metrics": learner.train_step(share), "weights": learner.state_dict_for_publish()}
+    if rank == 0:
+        torch.save(results, out)
+    _leave_group()
+
+
+@pytest.mark.timeout(300)
+def test_vcpo_auto_keeps_per_sample_gradients_only_for_micro_batches_within_its_budget(tiny_qwen2, tmp_path):
+    """opob_impl auto with a budget between what the step's two micro-batches would keep: one takes
+    book-keeping, the other the ghost backward, in the same step, and the update is the one that either
+    path alone gives. (2 ranks with book-keeping: test_learner.py.)"""
+    from transformers import AutoModelForCausalLM
+
+    from learner import micro_batches
+    from learner.batch import collate
+    from learner.grad_norms import GhostGradNorms
+
+    samples = _near_policy_samples(tiny_qwen2)
+    whole = collate(samples, 0)
+    tokens = _budget_for(2, samples, keep_groups=True)
+    norms = GhostGradNorms(AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32))
+    kept_mb = sorted(len(rows) * norms.kept_bytes_per_sample(int(whole.sequence_lengths[rows].max())) / 2**20
+                     for rows in micro_batches.plan(whole.sequence_lengths, whole.group_ids, tokens, True).rows)
+    assert len(kept_mb) == 2 and kept_mb[0] < kept_mb[1], kept_mb
+    out = str(tmp_path / "auto.pt")
+    mp.start_processes(_auto_main, args=(1, tiny_qwen2, _free_port(), out, samples, tokens, sum(kept_mb) / 2),
+                       nprocs=1, start_method="spawn", join=True)
+    results = torch.load(out, weights_only=False)
+    assert results["ghost"]["metrics"]["opob/bookkeeping_share"] == 0.0
+    assert results["bookkeeping"]["metrics"]["opob/bookkeeping_share"] == 1.0
+    assert 0.0 < results["auto"]["metrics"]["opob/bookkeeping_share"] < 1.0
+    failures = []
+    for impl in ("bookkeeping", "auto"):
+        failures += _differences(impl, results[impl]["metrics"], results[impl]["weights"],
+                                 results["ghost"]["metrics"], results["ghost"]["weights"],
+                                 COMPARED + ("opob/baseline_mean", "opob/sample_grad_norm_mean"))
+    assert not failures, "\n".join(failures)

@@ -70,7 +70,7 @@ def test_unknown_stabilizer_names_the_choices():
 def test_stabilizer_sections_carry_reference_defaults():
     job = validate_job({**MINIMAL, "algorithm": {"stabilizer": {"name": "vcpo"}}})
     vcpo = job.algorithm.stabilizer
-    assert vcpo.cap == 8.0 and vcpo.rho_on == 1.0 and vcpo.use_baseline and vcpo.opob_impl == "bookkeeping"
+    assert vcpo.cap == 8.0 and vcpo.rho_on == 1.0 and vcpo.use_baseline and vcpo.opob_impl == "auto"
 
 
 def test_stabilizer_values_out_of_their_bounds_name_the_field():
