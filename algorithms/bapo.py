@@ -71,7 +71,8 @@ def _grids(config: BAPOConfig) -> _Grids:
     """Built once per config: the grids depend on nothing else."""
     lows = bound_grid(config.clip_low_min, config.clip_low_max, config.step)
     highs = bound_grid(config.clip_high_min, config.clip_high_max, config.step)
-    log = lambda values: torch.tensor([math.log(v) for v in values], dtype=torch.float32)  # noqa: E731
+    # host tensors, cached: the torch path moves them to the batch's device, the fused scan runs on the host
+    log = lambda values: torch.tensor([math.log(v) for v in values], dtype=torch.float32, device="cpu")  # noqa: E731
     return _Grids(lows, highs, log(lows), log(highs))
 
 
@@ -218,7 +219,7 @@ def adapt_bounds(log_ratio: Tensor, advantages: Tensor, mask: Tensor, config: BA
     mask_float = mask.float()
     ratio = torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND)) * mask_float
     walk, _ = _walk(log_ratio, ratio, advantages, mask_float, config)
-    return walk.low, walk.high, torch.tensor(walk.share, dtype=torch.float32)
+    return walk.low, walk.high, torch.tensor(walk.share, dtype=torch.float32, device=log_ratio.device)
 
 
 @register("bapo")
@@ -243,7 +244,8 @@ class BAPO(Stabilizer):
 
     def _result(self, result: TokenWeights, low: float, high: float, share: float) -> TokenWeights:
         self._last_walk_ran_to_the_end = share < self.config.positive_share
-        result.metrics["stability/clip_low"] = torch.tensor(low)
-        result.metrics["stability/clip_high"] = torch.tensor(high)
-        result.metrics["stability/positive_share"] = torch.tensor(share, dtype=torch.float32)
+        device = result.weights.device
+        result.metrics["stability/clip_low"] = torch.tensor(low, device=device)
+        result.metrics["stability/clip_high"] = torch.tensor(high, device=device)
+        result.metrics["stability/positive_share"] = torch.tensor(share, dtype=torch.float32, device=device)
         return result

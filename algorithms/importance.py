@@ -206,7 +206,7 @@ class TOPR(Stabilizer):
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         negative = batch.seq_advantages < 0
         truncated, capped = _capped_sequence_weights(batch, self.config.cap)
-        seq_weights = torch.where(negative, truncated, torch.ones(()))
+        seq_weights = torch.where(negative, truncated, 1.0)
         metrics = _sequence_weight_metrics(batch, seq_weights)
         metrics["stability/clip_frac"] = _token_mean_of(capped * negative.float(), batch)
         return TokenWeights(_per_token(seq_weights, batch), batch.mask, metrics)

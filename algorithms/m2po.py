@@ -79,9 +79,9 @@ def _sum_of(values: Tensor, group: int = 16) -> _Sum:
 @functools.lru_cache(maxsize=16)
 def _largest_fp32_at_most(value: float) -> float:
     """The largest fp32 number <= `value`: an fp32 x exceeds `value` exactly when it exceeds this one."""
-    nearest = torch.tensor(value, dtype=torch.float32)
+    nearest = torch.tensor(value, dtype=torch.float32, device="cpu")  # host arithmetic on one number
     if nearest.item() > value:
-        nearest = torch.nextafter(nearest, torch.tensor(-math.inf))
+        nearest = torch.nextafter(nearest, torch.tensor(-math.inf, device="cpu"))
     return nearest.item()
 
 
@@ -187,7 +187,7 @@ def _walk_floats(rule: BudgetRule, top: list[float], total: float) -> tuple[int 
 
 def _walk_tensors(rule: BudgetRule, top: Tensor, others: Tensor) -> tuple[int | None, Tensor, float]:
     """`_walk_floats` in tensor ops, given `others` for every position."""
-    margins = rule(torch.arange(top.numel(), dtype=torch.float64), top, others)
+    margins = rule(torch.arange(top.numel(), dtype=torch.float64, device=top.device), top, others)
     hits = (margins <= 0).nonzero()
     first = int(hits[0]) if hits.numel() else None
     return first, margins, float(others[-1 if first is None else first]) if top.numel() else math.nan
@@ -333,12 +333,13 @@ class M2PO(Stabilizer):
     def token_weights(self, batch: PolicyBatch) -> TokenWeights:
         region = trust_region(batch.log_ratio, batch.advantages, self.config.tau)
         m2_before = region.total.value / max(region.n_region, 1)
-        metrics = {"stability/m2": torch.tensor(m2_before, dtype=torch.float32)}
+        scalar = functools.partial(torch.tensor, dtype=torch.float32, device=batch.log_ratio.device)
+        metrics = {"stability/m2": scalar(m2_before)}
         if self.config.mode == "adaptive_clip":
             return self._adaptive_clip(batch, region, metrics)
         dropped, m2_after = _drop_within_budget(region, self.config.tau)
         weights = _ratio_zeroed_at(batch, dropped, region.built)
-        metrics["stability/m2_after"] = torch.tensor(m2_before if m2_after is None else m2_after, dtype=torch.float32)
+        metrics["stability/m2_after"] = scalar(m2_before if m2_after is None else m2_after)
         metrics["stability/mask_frac"] = dropped.numel() / batch.token_count
         return TokenWeights(weights, batch.mask, metrics)
 
@@ -354,8 +355,8 @@ class M2PO(Stabilizer):
             low, high = math.exp(-cap.tau_c), math.exp(cap.tau_c)
             weights = _ratio_zeroed_at(batch, cap.clipped, region.built)
             result = TokenWeights(weights, batch.mask, {"stability/clip_frac": cap.clipped.numel() / batch.token_count})
-            result.metrics["stability/m2_after"] = torch.tensor(cap.capped_sum / region.n_region, dtype=torch.float32)
+            result.metrics["stability/m2_after"] = metrics["stability/m2"].new_tensor(cap.capped_sum / region.n_region)
         result.metrics.update(metrics)
-        result.metrics["stability/clip_low"] = torch.tensor(low)
-        result.metrics["stability/clip_high"] = torch.tensor(high)
+        result.metrics["stability/clip_low"] = metrics["stability/m2"].new_tensor(low)
+        result.metrics["stability/clip_high"] = metrics["stability/m2"].new_tensor(high)
         return result

@@ -246,21 +246,21 @@ class LearnerRank:
         metrics = {**health_metrics(policy), **decision.metrics, **self._baseline_metrics(batch, step)}
         self.last_sequence_log_ratios = policy.seq_log_ratio.cpu().tolist()
         metrics["stability/entropy"] = (step.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
-        metrics["perf/micro_batches"] = torch.tensor(float(len(plan)))
-        metrics["perf/learner_passes"] = torch.tensor(1.0 if step.decision is None else 2.0)
+        metrics["perf/micro_batches"] = self._scalar(len(plan))
+        metrics["perf/learner_passes"] = self._scalar(1.0 if step.decision is None else 2.0)
         if step.squared_norms is not None:
-            metrics["opob/bookkeeping_share"] = torch.tensor(step.bookkept_micro_batches / len(runs))
+            metrics["opob/bookkeeping_share"] = self._scalar(step.bookkept_micro_batches / len(runs))
         global_log_w = self._all_gather(policy.seq_log_ratio[policy.token_lengths > 0])
         metrics.update(sequence_metrics(global_log_w))
         metrics.update(self.stabilizer.global_metrics(global_log_w))
         loss = torch.tensor(step.loss, device=self.device)
         if step.skipped:
-            metrics["optim/lr"] = torch.tensor(0.0)
+            metrics["optim/lr"] = self._scalar(0.0)
             return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan, batch=batch)
         lr_scale = self.stabilizer.lr_scale(global_log_w)
         schedule = lr_factor(self.version, self.spec.total_steps, self.spec.lr_warmup_steps, self.spec.lr_schedule,
                              self.spec.lr_min_ratio)
-        metrics["optim/lr"] = torch.tensor(self.spec.learning_rate * schedule * lr_scale)
+        metrics["optim/lr"] = self._scalar(self.spec.learning_rate * schedule * lr_scale)
         grad_norm = self._step_with_lr_scale(lr_scale * schedule)
         return self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm, batch=batch)
 
@@ -367,7 +367,7 @@ class LearnerRank:
                                                             self.spec.constant_tokens))
         step.loss = float(policy_loss(policy, step.decision, self.spec.loss_aggregation, denominator,
                                       self.spec.constant_tokens))
-        if not self._all_finite(step.decision.weights, torch.tensor(step.loss)):
+        if not self._all_finite(step.decision.weights, self._scalar(step.loss)):
             step.skipped = True
             self.engine.zero_grad()
             return step
@@ -440,7 +440,7 @@ class LearnerRank:
             "opob/sample_grad_norm_mean": norms.mean(),
             "opob/sample_grad_norm_median": norms.median(),
             "opob/sample_grad_norm_max": norms.max(),
-            "opob/fallback_to_loop": torch.tensor(float(self.grad_norm_fallback)),
+            "opob/fallback_to_loop": self._scalar(self.grad_norm_fallback),
         }
 
     def _sample_gradients(self, batch: TrainBatch, logits: Tensor, bookkeeping: bool) -> SampleGradients:
@@ -493,7 +493,7 @@ class LearnerRank:
             self.engine.backward(loss * self.world_size)
             total += float(loss.detach())
         grad_norm = self._step_with_lr_scale(learning_rate / self.spec.learning_rate)
-        metrics = {"sft/loss": torch.tensor(total), "sft/grad_norm": torch.tensor(grad_norm)}
+        metrics = {"sft/loss": self._scalar(total), "sft/grad_norm": self._scalar(grad_norm)}
         return self._reduce_metrics(metrics)
 
     def _logits(self, batch: TrainBatch, plain: bool = False) -> Tensor:
@@ -580,12 +580,12 @@ class LearnerRank:
                 grad_norm: float, batch: TrainBatch) -> dict[str, float]:
         metrics = dict(metrics)
         metrics["optim/loss"] = loss.detach() * self.world_size  # a share of the global loss; ranks average
-        metrics["optim/grad_norm"] = torch.tensor(grad_norm)
-        metrics["stability/lr_scale"] = torch.tensor(lr_scale)
-        metrics["stability/skipped_step"] = torch.tensor(float(skipped))
+        metrics["optim/grad_norm"] = self._scalar(grad_norm)
+        metrics["stability/lr_scale"] = self._scalar(lr_scale)
+        metrics["stability/skipped_step"] = self._scalar(skipped)
         metrics["rollout/reward_mean"] = batch.rewards.mean()
         metrics["rollout/response_len"] = batch.loss_mask.float().sum(1).mean()
-        metrics["time/learner_step_s"] = torch.tensor(time.perf_counter() - start)
+        metrics["time/learner_step_s"] = self._scalar(time.perf_counter() - start)
         metrics["perf/learner_tokens_per_s"] = batch.attention_mask.sum() / metrics["time/learner_step_s"]
         return self._reduce_metrics(metrics, token_weight=batch.loss_mask.sum())
 
@@ -605,6 +605,10 @@ class LearnerRank:
         totals = torch.stack([values * weights, weights])
         dist.all_reduce(totals)
         return dict(zip(names, (totals[0] / totals[1]).tolist()))
+
+    def _scalar(self, value: float) -> Tensor:
+        """A 0-dim fp32 tensor on this rank's device (a host tensor would cost a copy, or meet a device one)."""
+        return torch.tensor(float(value), device=self.device)
 
     def _all_reduce_sum(self, value: Tensor) -> Tensor:
         value = value.detach().float().clone()
