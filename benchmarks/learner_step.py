@@ -1,14 +1,16 @@
-"""Learner step time and peak memory of `none`, `tis_seq` and VCPO (per-sample loop, ghost, bookkeeping).
+"""Learner step time and peak memory of `none`, `tis_seq` and VCPO's per-sample-norm paths.
 
     python -m benchmarks.learner_step [--sequences 64] [--tokens 512] [--rounds 3] [--job deploy/jobs/demo.yaml]
+        [--budget 8192] [--configs tis_seq,vcpo-auto]
 
 One learner rank (DeepSpeed ZeRO-2 on gloo, the CPU stack) on the job's model, one full train_step
 (forward, per-sample norms where VCPO needs them, loss, backward, optimizer step) on `--sequences`
-sequences of `--tokens` tokens in groups of 8. Time: rounds interleave the configurations in one
-process; ratios to tis_seq use each one's fastest round (noise only adds time), the median beside it.
-Peak memory: each configuration in a fresh process, after a warm-up step and malloc_trim, the largest
-resident-set growth during one step (sampled every millisecond): activations, gradients and the
-per-sample-norm temporaries, not the model or optimizer state that every configuration holds.
+sequences of `--tokens` tokens in groups of 8, in micro-batches of `--budget` tokens (the job default).
+Each configuration runs in a process of its own, one after the other (a real model's configurations do
+not fit in one process together): a warm-up step, `--rounds` timed steps (ratios to tis_seq use each
+one's fastest step, since noise only adds time; the median beside it), then one step whose peak
+resident-set growth (sampled every millisecond, after malloc_trim) is its memory: activations,
+gradients and the per-sample-norm temporaries, not the model or optimizer state every configuration holds.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ import torch
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "none": ("none", {}),
     "tis_seq": ("tis_seq", {}),
-    "vcpo (per_sample_loop)": ("vcpo", {"opob_impl": "per_sample_loop"}),
-    "vcpo (ghost)": ("vcpo", {"opob_impl": "ghost"}),
-    "vcpo (bookkeeping)": ("vcpo", {"opob_impl": "bookkeeping"}),
+    "vcpo-loop": ("vcpo", {"opob_impl": "per_sample_loop"}),
+    "vcpo-ghost": ("vcpo", {"opob_impl": "ghost"}),
+    "vcpo-bookkeeping": ("vcpo", {"opob_impl": "bookkeeping"}),
+    "vcpo-auto": ("vcpo", {"opob_impl": "auto"}),  # the default
 }
+REFERENCE = "tis_seq"
 GROUP_SIZE = 8
 PROMPT_TOKENS = 16
 
@@ -62,12 +66,13 @@ def _batch(sequences: int, tokens: int, vocab: int):
     return collate(samples, 0)
 
 
-def _learner(model_path: str, name: str, config: dict[str, Any], port: int):
+def _learner(model_path: str, name: str, config: dict[str, Any], port: int, budget: int | None):
     from algorithms import registry
     from learner.rank import LearnerRank, LearnerSpec
 
     spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=1e-6, stabilizer_name=name,
-                       stabilizer_config=registry.build(name, **config).config, loss_aggregation="seq-mean-token-mean")
+                       stabilizer_config=registry.build(name, **config).config, loss_aggregation="seq-mean-token-mean",
+                       max_tokens_per_micro_batch=budget)
     return LearnerRank(spec, 0, 1, "127.0.0.1", port)
 
 
@@ -98,12 +103,20 @@ def _peak_growth(step) -> int:
     return max(peak, _rss_bytes()) - base
 
 
-def _memory_child(args: argparse.Namespace, label: str) -> None:
+def _configuration_child(args: argparse.Namespace, label: str) -> None:
+    """One configuration in this process: warm-up, timed steps, then the peak-memory step; one JSON line."""
     name, config = CONFIGS[label]
-    learner = _learner(args.model_path, name, config, args.port)
+    learner = _learner(args.model_path, name, config, args.port, args.budget)
     batch = _batch(args.sequences, args.tokens, args.vocab)
-    learner.train_step(batch)  # warm-up: optimizer state and allocator pools exist before measuring
-    print(json.dumps({"peak_bytes": _peak_growth(lambda: learner.train_step(batch))}))
+    metrics = learner.train_step(batch)  # warm-up: optimizer state and allocator pools exist before measuring
+    times = []
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        learner.train_step(batch)
+        times.append(time.perf_counter() - start)
+    peak = _peak_growth(lambda: learner.train_step(batch))
+    print(json.dumps({"times": times, "peak_bytes": peak, "bookkeeping_share": metrics.get("opob/bookkeeping_share"),
+                      "micro_batches": metrics["perf/micro_batches"]}))
 
 
 def _free_port() -> int:
@@ -120,8 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=512, help="prompt plus completion tokens per sequence")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--job", default="deploy/jobs/demo.yaml", help="the job whose model is measured")
+    parser.add_argument("--budget", type=int, default=8192, help="learner.max_tokens_per_micro_batch")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated, of {', '.join(CONFIGS)} ({REFERENCE} is always measured)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timings)")
-    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -131,45 +147,44 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.memory_child:
-        _memory_child(args, args.memory_child)
+    if args.child:
+        _configuration_child(args, args.child)
         return
+    labels = [label.strip() for label in args.configs.split(",") if label.strip()]
+    unknown = [label for label in labels if label not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    labels = [REFERENCE] + [label for label in labels if label != REFERENCE]
 
     from transformers import AutoConfig
 
     model_path = _model_path(args.job)
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
-    batch = _batch(args.sequences, args.tokens, vocab)
-    port = _free_port()
-    learners = {label: _learner(model_path, name, config, port) for label, (name, config) in CONFIGS.items()}
-    for learner in learners.values():
-        learner.train_step(batch)  # warm-up
-    times: dict[str, list[float]] = {label: [] for label in CONFIGS}
-    for _ in range(args.rounds):
-        for label, learner in learners.items():
-            start = time.perf_counter()
-            learner.train_step(batch)
-            times[label].append(time.perf_counter() - start)
-
-    peaks = {}
-    for label in CONFIGS:
+    results = {}
+    for label in labels:
         child = subprocess.run(
-            [sys.executable, "-m", "benchmarks.learner_step", "--memory-child", label, "--model-path", model_path,
+            [sys.executable, "-m", "benchmarks.learner_step", "--child", label, "--model-path", model_path,
              "--vocab", str(vocab), "--port", str(_free_port()), "--sequences", str(args.sequences),
-             "--tokens", str(args.tokens), "--threads", str(args.threads)],
-            capture_output=True, text=True, check=True,
+             "--tokens", str(args.tokens), "--threads", str(args.threads), "--rounds", str(args.rounds),
+             "--budget", str(args.budget)],
+            capture_output=True, text=True,
         )
-        peaks[label] = json.loads(child.stdout.strip().splitlines()[-1])["peak_bytes"]
+        if child.returncode != 0:
+            raise SystemExit(f"{label}: its process failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
+        results[label] = json.loads(child.stdout.strip().splitlines()[-1])
 
-    reference = "tis_seq"
-    print(f"model {model_path}; {args.sequences} sequences x {args.tokens} tokens; ZeRO-2, 1 rank, "
-          f"{args.threads} torch thread(s); {args.rounds} rounds")
-    print(f"{'configuration':<24} {'step s (min)':>12} {'x tis_seq':>10} {'median x':>9} {'peak MiB':>9} {'x tis_seq':>10}")
-    for label in CONFIGS:
-        best, median = min(times[label]), statistics.median(times[label])
-        print(f"{label:<24} {best:>12.3f} {best / min(times[reference]):>10.2f} "
-              f"{median / statistics.median(times[reference]):>9.2f} {peaks[label] / 2**20:>9.0f} "
-              f"{peaks[label] / peaks[reference]:>10.2f}")
+    reference = results[REFERENCE]
+    print(f"model {model_path}; {args.sequences} sequences x {args.tokens} tokens, micro-batches of {args.budget} "
+          f"tokens; ZeRO-2, 1 rank, {args.threads} torch thread(s); {args.rounds} timed steps per configuration, "
+          "each configuration in its own process")
+    print(f"{'configuration':<18} {'step s (min)':>12} {'x tis_seq':>10} {'median x':>9} {'peak MiB':>9} {'x tis_seq':>10}"
+          f" {'book-kept':>9}")
+    for label, result in results.items():
+        best, median = min(result["times"]), statistics.median(result["times"])
+        share = result["bookkeeping_share"]
+        print(f"{label:<18} {best:>12.3f} {best / min(reference['times']):>10.2f} "
+              f"{median / statistics.median(reference['times']):>9.2f} {result['peak_bytes'] / 2**20:>9.0f} "
+              f"{result['peak_bytes'] / reference['peak_bytes']:>10.2f} {'-' if share is None else f'{share:.2f}':>9}")
 
 
 if __name__ == "__main__":
