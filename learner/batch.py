@@ -167,10 +167,17 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
 def sequence_logprob_grad(logits: Tensor, input_ids: Tensor, loss_mask: Tensor, temperature: float = 1.0) -> Tensor:
     """d/d logits of sum of masked `token_logprobs`, [B, L, V] fp32: (onehot(next) - softmax(logits / T)) / T.
 
-    Closed form, so a backward can start below the output layer (see learner/grad_norms.py).
+    Closed form, so a backward can start below the output layer (see learner/grad_norms.py). Written one
+    chunk of positions at a time into the result, the only fp32 [B, L, V] tensor it makes.
     """
-    scaled = logits[:, :-1].detach().float() / temperature
-    grad = torch.softmax(scaled, dim=-1).neg_()
-    grad.scatter_add_(-1, input_ids[:, 1:].unsqueeze(-1), torch.ones_like(grad[..., :1]))
-    grad.mul_((loss_mask.float() / temperature).unsqueeze(-1))
-    return torch.cat([grad, torch.zeros_like(grad[:, :1])], dim=1)
+    batch, length, vocab = logits.shape
+    grad = torch.empty(batch, length, vocab, dtype=torch.float32, device=logits.device)
+    flat_logits, flat_grad = logits.detach().reshape(batch * length, vocab), grad.view(batch * length, vocab)
+    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)  # the last position: a dummy
+    scale = torch.cat([loss_mask.float(), torch.zeros_like(loss_mask[:, :1], dtype=torch.float32)], dim=1)
+    scale = scale.reshape(-1, 1) / temperature  # 0 off the loss mask and at each row's last position
+    for rows in _position_chunks(*flat_logits.shape):
+        chunk = torch.softmax(flat_logits[rows].float() / temperature, dim=-1).neg_()
+        chunk.scatter_add_(-1, targets[rows, None], torch.ones_like(chunk[:, :1]))
+        flat_grad[rows] = chunk.mul_(scale[rows])
+    return grad

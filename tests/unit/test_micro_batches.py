@@ -74,6 +74,19 @@ def test_chunked_logprobs_and_their_gradient_equal_the_plain_log_softmax(monkeyp
     assert torch.allclose(got_grad.float(), logits.grad.float(), atol=tolerance)
 
 
+def test_chunked_logprob_gradient_equals_autograd_of_the_masked_sum(monkeypatch):
+    """VCPO's closed-form d/d logits of sum_t mask * log pi, written in chunks of 2 positions (rows cross)."""
+    monkeypatch.setattr(learner_batch, "CHUNK_LOGIT_ELEMENTS", 2 * 30)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 7, 30, generator=gen, requires_grad=True)
+    ids = torch.randint(0, 30, (3, 7), generator=gen)
+    mask = torch.rand(3, 6, generator=gen) > 0.3
+    plain = torch.log_softmax(logits[:, :-1] / 0.8, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    (want,) = torch.autograd.grad((plain * mask).sum(), logits)
+    got = learner_batch.sequence_logprob_grad(logits, ids, mask, temperature=0.8)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-6)
+
+
 def test_chunked_entropy_equals_the_whole_softmax(monkeypatch):
     monkeypatch.setattr(learner_batch, "CHUNK_LOGIT_ELEMENTS", 2 * 30)
     logits = torch.randn(3, 7, 30, generator=torch.Generator().manual_seed(1))
