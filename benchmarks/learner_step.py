@@ -115,8 +115,7 @@ def _configuration_child(args: argparse.Namespace, label: str) -> None:
         learner.train_step(batch)
         times.append(time.perf_counter() - start)
     peak = _peak_growth(lambda: learner.train_step(batch))
-    print(json.dumps({"times": times, "peak_bytes": peak, "bookkeeping_share": metrics.get("opob/bookkeeping_share"),
-                      "micro_batches": metrics["perf/micro_batches"]}))
+    print(json.dumps({"times": times, "peak_bytes": peak, "bookkeeping_share": metrics.get("opob/bookkeeping_share")}))
 
 
 def _free_port() -> int:

@@ -516,7 +516,7 @@ class AsyncLoop:
     def _log_samples(self) -> None:
         """A few of the step's groups, from rank 0's shard (the first groups), with the learner's log-ratios."""
         settings = self.job.logging.samples
-        rank0_groups = self.training[:len(self.training) // self.job.learner.num_ranks]
+        rank0_groups = self._rank_shares(self.training)[0]
         samples = rollout_samples(self.version, self.version - 1, rank0_groups[:settings.groups],
                                   self.learners.sequence_log_ratios(), settings.max_chars)
         self.sink.log_samples(self.version, samples)
@@ -763,14 +763,15 @@ class AsyncLoop:
                              group.version_end, group.generator_index, problem.question, problem.answer)
         self.scored.uniform_groups_dropped += not self.buffer.add(scored, errors)
 
-    def _shards(self, groups: list[ScoredGroup]) -> list[TrainBatch]:
-        """Split whole prompt groups over the ranks (group statistics stay on one rank)."""
+    def _rank_shares(self, groups: list[ScoredGroup]) -> list[list[ScoredGroup]]:
+        """Whole prompt groups split over the ranks, in order (group statistics stay on one rank)."""
         ranks = self.job.learner.num_ranks
         per_rank = len(groups) // ranks
-        return [
-            collate([s for g in groups[r * per_rank:(r + 1) * per_rank] for s in g.samples()], self.pad_id)
-            for r in range(ranks)
-        ]
+        return [groups[r * per_rank:(r + 1) * per_rank] for r in range(ranks)]
+
+    def _shards(self, groups: list[ScoredGroup]) -> list[TrainBatch]:
+        """Each rank's share of the groups as its training batch."""
+        return [collate([s for g in share for s in g.samples()], self.pad_id) for share in self._rank_shares(groups)]
 
     def _sync_weights(self) -> float:
         """Publish the learner's weights; each generator loads them before its next request."""

@@ -151,10 +151,9 @@ class MetricSink:
         self.run_dir = run_dir
         self._alerts = StabilityAlerts(alerts) if alerts is not None else None
         self._jsonl = (run_dir / "metrics.jsonl").open("a")
-        with (run_dir / "metrics.jsonl").open() as rows:
-            self.lines = sum(1 for _ in rows)  # rows so far (a resumed run has some)
+        self.lines = _line_count(run_dir / "metrics.jsonl")  # rows so far (a resumed run has some)
         self._samples_path = run_dir / SAMPLES_FILE
-        self.sample_lines = len(self._samples_path.read_text().splitlines()) if self._samples_path.exists() else 0
+        self.sample_lines = _line_count(self._samples_path)
         self._progress = progress_bar
         self._total = total_steps
         self._started = time.monotonic()
@@ -257,6 +256,14 @@ class MetricSink:
                 parts.append(f"{label} {fmt.format(value)}")
         parts.append(f"{row['time/wall_s']:.0f}s")
         print(" | ".join(parts), file=sys.stderr, flush=True)
+
+
+def _line_count(path: Path) -> int:
+    """Lines of a JSONL file the sink appends to; 0 before its first line."""
+    if not path.exists():
+        return 0
+    with path.open() as lines:
+        return sum(1 for _ in lines)
 
 
 def _jsonable(row: dict[str, Any]) -> dict[str, Any]:

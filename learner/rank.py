@@ -195,7 +195,8 @@ class LearnerRank:
         self.bookkeeping_budget_bytes = (2**20 * self.stabilizer.config.bookkeeping_budget_mb
                                          if opob_impl == "auto" else math.inf)
         self.version = 0
-        self.last_sequence_log_ratios: list[float] = []  # the latest train_step's rows, for the rollout samples
+        # the latest train_step's [B] sequence log-ratios, kept on the device until the rollout samples ask
+        self.last_sequence_log_ratios = torch.zeros(0)
 
     def _ghost_norms(self, opob_impl: str) -> tuple[GhostGradNorms | None, bool]:
         """The ghost-norm path when the stabilizer needs per-sample norms and every parameter has a rule;
@@ -214,11 +215,10 @@ class LearnerRank:
         under ZeRO-3 the norms come from the two-pass ghost path instead (said once, here)."""
         if self.ghost_norms is None or opob_impl not in ("bookkeeping", "auto"):
             return False
-        if self.spec.zero_stage == 3 and opob_impl == "auto":
-            return False
         if self.spec.zero_stage == 3:
-            log.info("learner rank %d: ZeRO-3 partitions the parameters, so per-sample norms use the two-pass "
-                     "ghost path instead of bookkeeping", self.rank)
+            if opob_impl == "bookkeeping":  # asked for by name: say why it is not used
+                log.info("learner rank %d: ZeRO-3 partitions the parameters, so per-sample norms use the two-pass "
+                         "ghost path instead of bookkeeping", self.rank)
             return False
         return True
 
@@ -244,7 +244,7 @@ class LearnerRank:
         policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
         decision = step.decision or self.stabilizer.token_weights(policy)  # one pass: for the metrics only
         metrics = {**health_metrics(policy), **decision.metrics, **self._baseline_metrics(batch, step)}
-        self.last_sequence_log_ratios = policy.seq_log_ratio.cpu().tolist()
+        self.last_sequence_log_ratios = policy.seq_log_ratio
         metrics["stability/entropy"] = (step.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
         metrics["perf/micro_batches"] = self._scalar(len(plan))
         metrics["perf/learner_passes"] = self._scalar(1.0 if step.decision is None else 2.0)
@@ -266,7 +266,7 @@ class LearnerRank:
 
     def sequence_log_ratios(self) -> list[float]:
         """sum_t log pi_learner - log pi_behaviour of each row of the latest train_step's batch, in its order."""
-        return self.last_sequence_log_ratios
+        return self.last_sequence_log_ratios.tolist()
 
     def _agreed_runs(self, plan: micro_batches.MicroBatchPlan, one_pass: bool = True
                      ) -> tuple[list[Tensor | None], bool]:
