@@ -69,7 +69,7 @@ def test_packed_weights_cross_the_object_store_exactly_and_are_mapped_not_copied
     import ray
 
     expected = _weights()
-    ray.init(num_cpus=1, include_dashboard=False, namespace="test-packed-weights")
+    ray.init(address="local", num_cpus=1, include_dashboard=False, namespace="test-packed-weights")
     try:
         received = ray.get(ray.put(PackedWeights.pack(expected)))
         assert not received.data.flags.writeable  # a view of object-store memory, not a private copy
