@@ -61,6 +61,15 @@ class Stabilizer:
         """Advantages built on `baseline`, or None to keep the job's advantage estimator."""
         return None
 
+    def advantages_from_baseline(self, rewards: Tensor, baseline: Tensor, group_ids: Tensor) -> Tensor | None:
+        """The advantages `advantages` forms from a given per-sample `baseline`, affine in it, or None.
+
+        With this (and `token_weights` that do not read the advantages) the learner can train a prompt
+        group split across micro-batches in one forward each: it accumulates the gradients of the
+        parts with baseline 0 and with baseline 1, and combines them once the group's baseline is known.
+        """
+        return None
+
     def __repr__(self) -> str:
         values = ", ".join(f"{f.name}={getattr(self.config, f.name)!r}" for f in fields(self.config))
         return f"{type(self).__name__}({values})"

@@ -122,7 +122,15 @@ class VCPO(Stabilizer):
     ) -> Tensor | None:
         """(R - b) / sigma_g with b the OPOB (or the group mean when the baseline is off)."""
         b = self.baseline(rewards, log_w, grad_sq_norms, group_ids, token_lengths)
-        centred = group_mean_advantages(rewards, group_ids) if b is None else rewards.float() - b.float()
+        if b is not None:
+            return self.advantages_from_baseline(rewards, b, group_ids)
+        return self._scaled(rewards, group_mean_advantages(rewards, group_ids), group_ids)
+
+    def advantages_from_baseline(self, rewards: Tensor, baseline: Tensor, group_ids: Tensor) -> Tensor:
+        """(R - b) / sigma_g, or R - b where the group's rewards do not vary."""
+        return self._scaled(rewards, rewards.float() - baseline.float(), group_ids)
+
+    def _scaled(self, rewards: Tensor, centred: Tensor, group_ids: Tensor) -> Tensor:
         if not self.config.norm_by_std:
             return centred
         sigma = group_std(rewards, group_ids, unbiased=False)

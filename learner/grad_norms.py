@@ -197,12 +197,13 @@ class SampleGradients:
     squared_norms: Tensor
     parts: dict[nn.Parameter, list[Contribution]] | None = None
 
-    def weighted_sum(self, coefficients: Tensor) -> dict[nn.Parameter, Tensor]:
-        """Each parameter's sum_i c_i grad log pi(tau_i), in the parameter's dtype."""
+    def weighted_sum(self, coefficients: Tensor, fp32: bool = False) -> dict[nn.Parameter, Tensor]:
+        """Each parameter's sum_i c_i grad log pi(tau_i), in the parameter's dtype (or fp32, to accumulate)."""
         if self.parts is None:
             raise RuntimeError("these sample gradients kept norms only (ghost or per-sample loop), not the gradients")
         coefficients = coefficients.float()
-        return {param: sum(_weighted_sum(part, coefficients, param.shape) for part in parts).to(param.dtype)
+        return {param: sum(_weighted_sum(part, coefficients, param.shape) for part in parts).to(
+                    torch.float32 if fp32 else param.dtype)
                 for param, parts in self.parts.items()}
 
 

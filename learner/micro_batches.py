@@ -28,22 +28,25 @@ def plan(sequence_lengths: Tensor, group_ids: Tensor, max_tokens: int | None, ke
     """Micro-batches of at most `max_tokens` padded tokens (None: one micro-batch of every row).
 
     With `keep_groups`, whole prompt groups are packed, so that anything computed per group (VCPO's
-    baseline) sees the group at once; a group longer than the budget on its own is split into rows,
-    and the plan says so.
+    baseline) sees the group at once; a group longer than the budget on its own is split into pieces of
+    its own rows that run one after another (no other group between them), and the plan says so.
     """
     size = int(sequence_lengths.shape[0])
     if max_tokens is None or size == 0 or size * int(sequence_lengths.max()) <= max_tokens:
         return MicroBatchPlan([torch.arange(size, device=sequence_lengths.device)], groups_whole=True)
     lengths = sequence_lengths.tolist()
     units = _groups(group_ids.tolist()) if keep_groups else [[row] for row in range(size)]
-    groups_whole = keep_groups
-    if keep_groups and any(len(unit) * max(lengths[r] for r in unit) > max_tokens for unit in units):
-        units, groups_whole = [[row] for row in range(size)], False
     units.sort(key=lambda unit: (-max(lengths[r] for r in unit), unit[0]))
     batches: list[list[int]] = []
     width = 0  # the current micro-batch's longest row: its first unit's, as units come longest first
+    groups_whole = keep_groups
     for unit in units:
         unit_width = max(lengths[r] for r in unit)
+        if len(unit) * unit_width > max_tokens:  # a group alone over the budget: its pieces, longest rows first
+            groups_whole = False
+            batches += _pieces(sorted(unit, key=lambda r: (-lengths[r], r)), lengths, max_tokens)
+            width = max_tokens + 1  # nothing joins the last piece
+            continue
         if batches and (len(batches[-1]) + len(unit)) * max(width, unit_width) <= max_tokens:
             batches[-1].extend(unit)
             continue
@@ -51,6 +54,17 @@ def plan(sequence_lengths: Tensor, group_ids: Tensor, max_tokens: int | None, ke
         width = unit_width
     return MicroBatchPlan([torch.tensor(sorted(rows), dtype=torch.long, device=sequence_lengths.device)
                            for rows in batches], groups_whole)
+
+
+def _pieces(rows: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive runs of `rows` (longest first) that each fit the budget."""
+    pieces: list[list[int]] = []
+    for row in rows:
+        if pieces and (len(pieces[-1]) + 1) * lengths[pieces[-1][0]] <= max_tokens:
+            pieces[-1].append(row)
+        else:
+            pieces.append([row])
+    return pieces
 
 
 def _groups(group_ids: list[int]) -> list[list[int]]:

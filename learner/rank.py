@@ -58,6 +58,7 @@ class _StepValues:
     loss: float = 0.0  # this rank's share of the global loss
     skipped: bool = False  # non-finite values on some rank: no update
     bookkept_micro_batches: int = 0  # micro-batches whose update came from kept per-sample gradients
+    carried_groups: int = 0  # prompt groups trained across micro-batches with a score buffer
 
     @classmethod
     def empty(cls, batch: TrainBatch, with_norms: bool) -> _StepValues:
@@ -82,6 +83,53 @@ class _StepValues:
 
     def sample_grads(self) -> SampleGradients | None:
         return None if self.squared_norms is None else SampleGradients(self.squared_norms)
+
+
+@dataclass
+class _CarriedGroup:
+    """A prompt group whose rows the plan split across consecutive micro-batches (nothing between them).
+
+    A stabilizer's advantages are affine in the group's baseline b, A = A0 - b * slope (VCPO: A0 = R / sigma,
+    slope = 1 / sigma), and the loss is linear in A. So the group's gradient is grad loss(A0) - b * grad
+    loss(slope): the first joins the engine's accumulation piece by piece, the second waits in `score`
+    until the last piece gives the per-sample norms that b needs.
+    """
+
+    rows: Tensor  # [n] long: all the group's rows in the rank's batch
+    at_zero: Tensor  # [B] fp32: the rank's advantages at baseline 0
+    slope: Tensor  # [B] fp32: at_zero minus the advantages at baseline 1
+    score: dict[torch.nn.Parameter, Tensor] | None = None  # fp32, per parameter: sum over seen rows of grad slope
+    slope_loss: float = 0.0  # the pieces' loss at advantages `slope`
+    seen: int = 0  # rows of the group passed so far
+    closed: bool = False
+
+    @classmethod
+    def start(cls, stabilizer: Any, batch: TrainBatch, rows: Tensor) -> _CarriedGroup:
+        zeros = torch.zeros_like(batch.rewards, dtype=torch.float32)
+        at_zero = stabilizer.advantages_from_baseline(batch.rewards, zeros, batch.group_ids).float()
+        at_one = stabilizer.advantages_from_baseline(batch.rewards, zeros + 1, batch.group_ids).float()
+        return cls(rows, at_zero, at_zero - at_one)
+
+    def add(self, piece_rows: int, score: dict[torch.nn.Parameter, Tensor], slope_loss: float) -> None:
+        """A piece's gradient of the slope loss, into the buffer."""
+        self.seen += piece_rows
+        if self.score is None:
+            self.score = score
+        else:
+            for param, grad in score.items():
+                self.score[param].add_(grad)
+        self.slope_loss += slope_loss
+
+    @property
+    def complete(self) -> bool:
+        """Whether every row of the group has passed (the piece just added was the last)."""
+        return self.seen == len(self.rows)
+
+    def close(self, grads: dict[torch.nn.Parameter, Tensor], baseline: float) -> dict[torch.nn.Parameter, Tensor]:
+        """The last piece's gradient minus b times the score buffer, which is then released."""
+        out = {param: (grad.float() - baseline * self.score[param]).to(grad.dtype) for param, grad in grads.items()}
+        self.score, self.closed = None, True
+        return out
 
 
 @dataclass(frozen=True)
@@ -194,6 +242,11 @@ class LearnerRank:
         # auto: book-keeping only for a micro-batch whose kept gradients fit the budget; bookkeeping: always
         self.bookkeeping_budget_bytes = (2**20 * self.stabilizer.config.bookkeeping_budget_mb
                                          if opob_impl == "auto" else math.inf)
+        # book-keeping carries a group split across micro-batches in one pass, with a score buffer of one
+        # fp32 gradient (the VCPO paper's two buffers; the other is the engine's own accumulation)
+        self.carries_split_groups = self.bookkeeping and self.stabilizer.advantages_from_baseline(
+            torch.zeros(1), torch.zeros(1), torch.zeros(1, dtype=torch.long)) is not None
+        self.score_buffer_bytes = 4 * sum(p.numel() for p in self.engine.module.parameters() if p.requires_grad)
         self.version = 0
         # the latest train_step's [B] sequence log-ratios, kept on the device until the rollout samples ask
         self.last_sequence_log_ratios = torch.zeros(0)
@@ -237,7 +290,8 @@ class LearnerRank:
         needs_norms = self.stabilizer.needs_grad_norms
         plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.spec.max_tokens_per_micro_batch,
                                   keep_groups=needs_norms)
-        one_pass = self.stabilizer.decides_per_row and (plan.groups_whole or not needs_norms)
+        one_pass = self.stabilizer.decides_per_row and (plan.groups_whole or not needs_norms
+                                                        or self._carries_every_split_group(batch, plan))
         runs, one_pass = self._agreed_runs(plan, one_pass)
         # one micro-batch is the whole batch: any stabilizer decides on it in one forward
         step = self._one_pass(batch, runs) if one_pass or len(runs) == 1 else self._two_passes(batch, runs)
@@ -250,6 +304,7 @@ class LearnerRank:
         metrics["perf/learner_passes"] = self._scalar(1.0 if step.decision is None else 2.0)
         if step.squared_norms is not None:
             metrics["opob/bookkeeping_share"] = self._scalar(step.bookkept_micro_batches / len(runs))
+            metrics["opob/carried_groups"] = self._scalar(step.carried_groups)
         global_log_w = self._all_gather(policy.seq_log_ratio[policy.token_lengths > 0])
         metrics.update(sequence_metrics(global_log_w))
         metrics.update(self.stabilizer.global_metrics(global_log_w))
@@ -288,12 +343,31 @@ class LearnerRank:
         empty.behaviour_logprobs = torch.zeros_like(empty.behaviour_logprobs)
         return empty
 
-    def _keeps_sample_gradients(self, micro: TrainBatch) -> bool:
+    def _keeps_sample_gradients(self, micro: TrainBatch, extra_bytes: int = 0) -> bool:
         """Whether this micro-batch's update is formed by book-keeping (its kept gradients fit the budget)."""
         if not self.bookkeeping:
             return False
         kept = micro.size * self.ghost_norms.kept_bytes_per_sample(micro.input_ids.shape[1])
-        return kept <= self.bookkeeping_budget_bytes
+        return kept + extra_bytes <= self.bookkeeping_budget_bytes
+
+    @staticmethod
+    def _split_group_rows(batch: TrainBatch, rows: Tensor | None) -> Tensor | None:
+        """All rows of the prompt group whose piece `rows` is, when the plan split that group; else None."""
+        if rows is None:
+            return None
+        group = batch.group_ids[rows]
+        if bool((group != group[0]).any()):
+            return None
+        members = (batch.group_ids == group[0]).nonzero().flatten()
+        return members if len(members) > len(rows) else None
+
+    def _carries_every_split_group(self, batch: TrainBatch, plan: micro_batches.MicroBatchPlan) -> bool:
+        """Whether each piece of a split group takes book-keeping with the score buffer within the budget."""
+        if not self.carries_split_groups:
+            return False
+        pieces = [rows for rows in plan.rows if self._split_group_rows(batch, rows) is not None]
+        return all(self._keeps_sample_gradients(self._micro_batch(batch, rows), self.score_buffer_bytes)
+                   for rows in pieces)
 
     def _one_pass(self, batch: TrainBatch, runs: list[Tensor | None]) -> _StepValues:
         """Decide, weigh and backpropagate each micro-batch in one forward. Over several micro-batches the
@@ -304,10 +378,14 @@ class LearnerRank:
             step.advantages = self._advantages(batch, step.logprobs, None)[0]
         mask_denominator = None if len(runs) == 1 else self._all_reduce_sum(loss_denominator(
             batch.loss_mask, self.spec.loss_aggregation, self.spec.constant_tokens))
+        carried: _CarriedGroup | None = None
         for index, rows in enumerate(runs):
             micro = self._micro_batch(batch, rows)
+            group_rows = self._split_group_rows(batch, rows) if self.stabilizer.needs_grad_norms else None
+            if group_rows is not None and carried is None:  # the first piece of a split group
+                carried = _CarriedGroup.start(self.stabilizer, batch, group_rows)
             record = self.ghost_norms is not None and self.spec.zero_stage != 3
-            bookkeeping = self._keeps_sample_gradients(micro)
+            bookkeeping = group_rows is not None or self._keeps_sample_gradients(micro)
             step.bookkept_micro_batches += bookkeeping
             with self.ghost_norms.recording() if record else nullcontext():
                 logits = self._logits(micro, plain=bookkeeping)  # no loss backward through the engine follows
@@ -316,6 +394,8 @@ class LearnerRank:
                             else None)
             if rows is None:
                 advantages, baseline = torch.zeros(1, device=self.device), None
+            elif carried is not None:  # advantages at baseline 0; the baseline's part waits in the score buffer
+                advantages, baseline = carried.at_zero[rows], None
             elif self.stabilizer.needs_grad_norms:
                 advantages, baseline = self._advantages(micro, logprobs, sample_grads)
             else:
@@ -325,18 +405,25 @@ class LearnerRank:
             denominator = mask_denominator if mask_denominator is not None else self._all_reduce_sum(
                 loss_denominator(decision.mask, self.spec.loss_aggregation, self.spec.constant_tokens))
             loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
-            finite = self._all_finite(loss, decision.weights)
+            slope = None if carried is None else policy_loss(
+                PolicyBatch(logprobs, micro.behaviour_logprobs, carried.slope[rows], micro.loss_mask), decision,
+                self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
+            finite = self._all_finite(loss, decision.weights, *([] if slope is None else [slope]))
             if not finite and index == 0:  # nothing accumulated yet: leave before any backward
                 step.skipped = True
                 self.engine.zero_grad()
                 break
-            # a later non-finite micro-batch poisons the accumulated gradient, so the engine's step finds a
-            # non-finite norm and discards it all (checked in _discard_step)
-            self._backward(loss if finite else loss * math.nan, logprobs, sample_grads, micro.loss_mask)
-            step.loss += float(loss.detach()) if finite else math.nan
             if rows is not None:
                 step.record(rows, logprobs, token_entropy(logits, self.spec.temperature), advantages, sample_grads,
                             baseline)
+            step.loss += float(loss.detach()) if finite else math.nan
+            if carried is not None and finite:
+                self._backward_piece(step, batch, carried, loss, slope, logprobs, sample_grads, micro.loss_mask)
+                carried = None if carried.closed else carried
+            else:
+                # a later non-finite micro-batch poisons the accumulated gradient, so the engine's step finds a
+                # non-finite norm and discards it all (checked in _discard_step)
+                self._backward(loss if finite else loss * math.nan, logprobs, sample_grads, micro.loss_mask)
             if not finite:
                 step.skipped = True
                 self._discard_step()
@@ -403,12 +490,37 @@ class LearnerRank:
         sequence), so its gradient is sum_i k_i G_i of the kept per-sample gradients G_i; the engine's
         backward of <theta, that gradient> hands it to ZeRO's reduction without a pass through the model.
         """
-        loss = loss * self.world_size
         if sample_grads is None or sample_grads.parts is None:
-            self.engine.backward(loss)
+            self.engine.backward(loss * self.world_size)
             return
-        (token_coefficients,) = torch.autograd.grad(loss, logprobs)
-        grads = sample_grads.weighted_sum(per_sequence_coefficients(token_coefficients, loss_mask))
+        self._backward_gradients(sample_grads.weighted_sum(self._sequence_coefficients(loss, logprobs, loss_mask)))
+
+    def _backward_piece(self, step: _StepValues, batch: TrainBatch, carried: _CarriedGroup, loss: Tensor,
+                        slope: Tensor, logprobs: Tensor, sample_grads: SampleGradients, loss_mask: Tensor) -> None:
+        """One piece of a group split across micro-batches. Its loss is loss(A) = loss(A0) - b * slope with A0
+        the advantages at baseline 0 and b the group's baseline, known after its last piece: the engine
+        takes the gradient of loss(A0) now, the score buffer the gradient of `slope`, and the last piece
+        hands the engine -b times the buffer."""
+        grads = sample_grads.weighted_sum(self._sequence_coefficients(loss, logprobs, loss_mask, keep_graph=True))
+        carried.add(len(loss_mask), sample_grads.weighted_sum(self._sequence_coefficients(slope, logprobs, loss_mask), fp32=True),
+                    float(slope.detach()))
+        if carried.complete:
+            advantages, baseline = self._advantages(batch.rows(carried.rows), step.logprobs[carried.rows],
+                                                    SampleGradients(step.squared_norms[carried.rows]))
+            step.advantages[carried.rows], step.baseline[carried.rows] = advantages.float(), baseline.float()
+            step.loss -= float(baseline[0]) * carried.slope_loss
+            step.carried_groups += 1
+            grads = carried.close(grads, float(baseline[0]))
+        self._backward_gradients(grads)
+
+    def _sequence_coefficients(self, loss: Tensor, logprobs: Tensor, loss_mask: Tensor,
+                               keep_graph: bool = False) -> Tensor:
+        """[b] k_i of this rank's share of the global loss, sum_i k_i log pi(tau_i) (DeepSpeed averages)."""
+        (token_coefficients,) = torch.autograd.grad(loss * self.world_size, logprobs, retain_graph=keep_graph)
+        return per_sequence_coefficients(token_coefficients, loss_mask)
+
+    def _backward_gradients(self, grads: dict[torch.nn.Parameter, Tensor]) -> None:
+        """The engine's backward of <theta, grads>: hands `grads` to ZeRO's reduction without a model pass."""
         self.engine.backward(sum((param * grad).sum() for param, grad in grads.items()))
 
     def _advantages(self, batch: TrainBatch, logprobs: Tensor, sample_grads: SampleGradients | None

@@ -265,7 +265,7 @@ def _late_nonfinite_main(rank: int, world: int, stage: int, name: str, model_pat
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world, stage, name", [(1, 2, "tis_seq"), (2, 3, "tis_seq"), (2, 2, "m2po")])
+@pytest.mark.parametrize("world, stage, name", [(1, 2, "tis_seq"), (2, 3, "tis_seq"), (2, 2, "m2po"), (1, 2, "vcpo")])
 def test_a_non_finite_micro_batch_drops_the_whole_step_and_nothing_it_accumulated(tiny_qwen2, tmp_path, world,
                                                                                  stage, name):
     out = str(tmp_path / "late.pt")
@@ -311,26 +311,6 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_qwen2, tmp_path):
         results[("vcpo", False)]["metrics"]["opob/sample_grad_norm_mean"], rel=1e-5)
 
 
-def _auto_main(rank: int, world: int, model_path: str, port: int, out: str, samples: list[dict], tokens: int,
-               budget_mb: float) -> None:
-    from algorithms import registry
-    from learner.batch import collate
-    from learner.rank import LearnerRank, LearnerSpec
-
-    share = collate([s for s in samples if s["group_id"] % world == rank], 0)
-    results = {}
-    for impl in ("ghost", "bookkeeping", "auto"):
-        config = registry.build("vcpo", opob_impl=impl, bookkeeping_budget_mb=budget_mb).config
-        spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
-                           stabilizer_name="vcpo", stabilizer_config=config, loss_aggregation="seq-mean-token-mean",
-                           max_tokens_per_micro_batch=tokens)
-        learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
-        results[impl] = {"metrics": learner.train_step(share), "weights": learner.state_dict_for_publish()}
-    if rank == 0:
-        torch.save(results, out)
-    _leave_group()
-
-
 @pytest.mark.timeout(300)
 def test_vcpo_auto_keeps_per_sample_gradients_only_for_micro_batches_within_its_budget(tiny_qwen2, tmp_path):
     """opob_impl auto with a budget between what the step's two micro-batches would keep: one takes
@@ -350,7 +330,8 @@ def test_vcpo_auto_keeps_per_sample_gradients_only_for_micro_batches_within_its_
                      for rows in micro_batches.plan(whole.sequence_lengths, whole.group_ids, tokens, True).rows)
     assert len(kept_mb) == 2 and kept_mb[0] < kept_mb[1], kept_mb
     out = str(tmp_path / "auto.pt")
-    mp.start_processes(_auto_main, args=(1, tiny_qwen2, _free_port(), out, samples, tokens, sum(kept_mb) / 2),
+    cases = {impl: (impl, tokens, sum(kept_mb) / 2) for impl in ("ghost", "bookkeeping", "auto")}
+    mp.start_processes(_vcpo_cases_main, args=(1, tiny_qwen2, _free_port(), out, samples, cases),
                        nprocs=1, start_method="spawn", join=True)
     results = torch.load(out, weights_only=False)
     assert results["ghost"]["metrics"]["opob/bookkeeping_share"] == 0.0
@@ -361,4 +342,63 @@ def test_vcpo_auto_keeps_per_sample_gradients_only_for_micro_batches_within_its_
         failures += _differences(impl, results[impl]["metrics"], results[impl]["weights"],
                                  results["ghost"]["metrics"], results["ghost"]["weights"],
                                  COMPARED + ("opob/baseline_mean", "opob/sample_grad_norm_mean"))
+    assert not failures, "\n".join(failures)
+
+
+def _vcpo_cases_main(rank: int, world: int, model_path: str, port: int, out: str, samples: list[dict],
+                     cases: dict[str, tuple[str, int | None, float]]) -> None:
+    """One VCPO step per case, label: (opob_impl, token budget, bookkeeping_budget_mb), ZeRO-2."""
+    from algorithms import registry
+    from learner.batch import collate
+    from learner.rank import LearnerRank, LearnerSpec
+
+    share = collate([s for s in samples if s["group_id"] % world == rank], 0)
+    results = {}
+    for label, (impl, tokens, budget_mb) in cases.items():
+        config = registry.build("vcpo", opob_impl=impl, bookkeeping_budget_mb=budget_mb).config
+        spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
+                           stabilizer_name="vcpo", stabilizer_config=config, loss_aggregation="seq-mean-token-mean",
+                           max_tokens_per_micro_batch=tokens)
+        learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
+        results[label] = {"metrics": learner.train_step(share), "weights": learner.state_dict_for_publish()}
+    if rank == 0:
+        torch.save(results, out)
+    _leave_group()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+def test_vcpo_carries_a_group_split_across_micro_batches_in_one_pass(tiny_qwen2, tmp_path, world):
+    """Budgets of two rows and of one row split every prompt group into pieces: book-keeping trains each
+    piece in one forward, the group's baseline part waiting in the score buffer until its last piece, and
+    the update is the whole-batch step's. A budget too small for the score buffer takes the two-pass
+    ghost step instead, with the same update."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.batch import collate
+
+    samples = _near_policy_samples(tiny_qwen2)
+    longest = int(collate(samples, 0).sequence_lengths.max())
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    score_buffer_mb = 4 * sum(p.numel() for p in model.parameters()) / 2**20
+    cases = {"whole": ("auto", None, 1024), "two rows": ("bookkeeping", 2 * longest, 1024),
+             "one row": ("bookkeeping", longest, 1024), "auto": ("auto", 2 * longest, 1024),
+             "ghost": ("ghost", 2 * longest, 1024), "buffer over budget": ("auto", 2 * longest, score_buffer_mb / 2)}
+    out = str(tmp_path / "carried.pt")
+    mp.start_processes(_vcpo_cases_main, args=(world, tiny_qwen2, _free_port(), out, samples, cases), nprocs=world,
+                       start_method="spawn", join=True)
+    results = torch.load(out, weights_only=False)
+    groups_per_rank = len({s["group_id"] for s in samples}) / world
+    for label in ("two rows", "one row", "auto"):
+        metrics = results[label]["metrics"]
+        assert metrics["perf/learner_passes"] == 1 and metrics["opob/carried_groups"] == groups_per_rank, label
+    for label in ("ghost", "buffer over budget"):
+        metrics = results[label]["metrics"]
+        assert metrics["perf/learner_passes"] == 2 and metrics["opob/carried_groups"] == 0, label
+    failures = []
+    for label in ("two rows", "one row", "auto", "ghost", "buffer over budget"):
+        failures += _differences(label, results[label]["metrics"], results[label]["weights"],
+                                 results["whole"]["metrics"], results["whole"]["weights"],
+                                 COMPARED + ("opob/baseline_mean", "opob/baseline_shift_abs",
+                                             "opob/sample_grad_norm_mean"))
     assert not failures, "\n".join(failures)

@@ -41,6 +41,14 @@ def test_whole_groups_stay_together_and_a_group_too_long_for_the_budget_is_split
     assert not split.groups_whole and len(split) == 2
 
 
+def test_a_split_group_runs_in_consecutive_pieces_of_its_own_rows_and_other_groups_stay_whole():
+    plan = _plan([10, 50, 11, 49, 5, 6], [0, 0, 0, 0, 1, 1], budget=100, keep_groups=True)
+    assert not plan.groups_whole
+    # group 0 (200 padded tokens) in two pieces, longest rows first; group 1 would fit beside the second
+    # piece but does not join it, so the learner meets each split group's pieces with nothing between
+    assert [part.tolist() for part in plan.rows] == [[1, 3], [0, 2], [4, 5]]
+
+
 def test_no_budget_or_a_batch_that_fits_is_one_micro_batch():
     assert len(_plan([5, 9, 7], [0, 0, 1], None)) == 1
     assert len(_plan([5, 9, 7], [0, 0, 1], 27)) == 1
