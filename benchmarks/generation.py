@@ -86,7 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model_path, prompts = _problems(args.job, args.prompts)
     engines = {"vllm": VllmEngine(model_path, args.samples, args.max_new_tokens),
                "transformers": TransformersEngine(model_path, args.samples, args.max_new_tokens)}

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     job, model_path = _job_and_model(args.job)
     runtime.connect(None, 3, "stableasync-bench")
     learners = runtime.LearnerGroup(_learner_spec(job, model_path), 1, 1.0, 0.0)
-    generator = runtime.start_generator(_generator_spec(job, model_path), 0, 1.0, 0.0)
+    generator = runtime.start_generator(_generator_spec(job, model_path), 0, 1.0)
     ray.get(generator.ready.remote())
 
     @ray.remote(num_cpus=0)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"object-store path / learner step time:       {transport / step:.3f} (goal <= 0.05)")
     print(f"whole sync, reload included / learner step:  {sync / step:.3f}")
     learners.shutdown()
-    ray.kill(generator)
+    runtime.stop_generator(generator)
     ray.shutdown()
 
 

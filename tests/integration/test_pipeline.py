@@ -327,7 +327,7 @@ def test_an_evaluation_due_while_the_previous_one_runs_waits_for_it(local_ray, t
 
     job = validate_job({"task": {"name": "arithmetic"}, "eval": {"every_steps": 1, "num_problems": 32}})
     generator = runtime.start_generator(GeneratorSpec(model_path=tiny_qwen2, samples_per_prompt=1, max_new_tokens=8,
-                                                      temperature=0.0, max_model_len=96), 0, cpus=1, gpus=0)
+                                                      temperature=0.0, max_model_len=96), 0, cpus=1)
     scorer = ScorePool("arithmetic", section_config(job.task, TASK_CONFIGS))
     sink = MetricSink(tmp_path, "run", {}, "disabled", progress_bar=False)
     evaluator = Evaluator(evaluation_set(job, job_task(job)), 0.0, 1, 0, scorer, sink)
