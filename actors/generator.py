@@ -11,7 +11,10 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from learner.weight_sync import PackedWeights
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class GeneratorSpec:
     cuda_graphs: bool = True  # GPU: captured decoding graphs (off: eager)
     prefix_caching: bool = True  # GPU: a group's samples share their prompt's KV blocks
     max_num_seqs: int | None = None  # GPU: sequences decoded at once (None: vLLM's default)
+    weight_transfer: str = "stableasync_packed"  # vLLM weight-transfer engine: or stableasync_gloo, nccl
 
     @property
     def on_gpu(self) -> bool:
@@ -51,6 +55,7 @@ def engine_args(spec: GeneratorSpec, index: int = 0) -> dict[str, Any]:
     common = dict(
         model=spec.model_path, dtype=spec.dtype, max_model_len=spec.max_model_len, seed=spec.seed + index,
         logprobs_mode="processed_logprobs", worker_extension_cls="actors.vllm_extension.WeightUpdateExtension",
+        weight_transfer_config={"backend": spec.weight_transfer},
     )
     if not spec.on_gpu:
         return dict(common, distributed_executor_backend="uni", enforce_eager=True,
@@ -142,6 +147,8 @@ class Generator:
             os.environ.setdefault(name, value)
         from vllm import LLM
 
+        import actors.vllm_extension  # noqa: F401 - registers our weight-transfer engines (an in-process worker)
+
         self.spec, self.index, self.version = spec, index, 0
         self.unreported_loads, self.unreported_load_s = 0, 0.0  # reported with the next call's groups
         self.incarnation = uuid.uuid4().hex  # a restarted actor gets a new one: the driver can tell
@@ -193,10 +200,29 @@ class Generator:
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)
 
-    def update_weights(self, state_dict: dict[str, Any], version: int) -> float:
-        """Load new weights in place and drop cached prefixes computed with the old ones; seconds taken."""
+    def update_weights(self, weights: PackedWeights, version: int) -> float:
+        """Load weights from the object store (`stableasync_packed`); seconds taken."""
+        return self._load(weights.update_info(), version)
+
+    def join_weight_transfer(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join learner rank 0's weight group (nccl or stableasync_gloo): this engine's workers take ranks
+        rank_offset .. rank_offset + tensor_parallel_size - 1. Learner rank 0 joins at the same time."""
+        info = {"master_address": host, "master_port": port, "rank_offset": rank_offset, "world_size": world_size}
+        if self.spec.weight_transfer == "nccl":
+            info["packed"] = True  # learner rank 0 sends packed buckets of vLLM's default size
+        self.llm.init_weight_transfer_engine({"init_info": info})
+
+    def receive_weights(self, update_info: dict[str, Any], version: int) -> float:
+        """Receive the broadcast that learner rank 0 sends at the same time; seconds taken."""
+        return self._load(update_info, version)
+
+    def _load(self, update_info: dict[str, Any], version: int) -> float:
+        """One update through vLLM's weight-transfer lifecycle (each layer processed as it completes), then
+        the prefix cache dropped: its blocks were computed with the old weights."""
         start = time.perf_counter()
-        self.llm.collective_rpc("update_weights_from_state_dict", args=(state_dict,))
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": update_info})
+        self.llm.finish_weight_update(str(version))
         self.llm.reset_prefix_cache()
         self.version = version
         load_s = time.perf_counter() - start

@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     job, model_path = _job_and_model(args.job)
     runtime.connect(None, 3, "stableasync-bench")
     learners = runtime.LearnerGroup(_learner_spec(job, model_path), 1, 1.0, 0.0)
-    generator = runtime.start_generator(_generator_spec(job, model_path), 0, 1.0)
+    generator_spec = _generator_spec(job, model_path)
+    generator = runtime.start_generator(generator_spec, 0, 1.0)
     ray.get(generator.ready.remote())
 
     @ray.remote(num_cpus=0)
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         def get(self, refs: list[ray.ObjectRef]) -> int:
             return int(ray.get(refs[0]).nbytes)
 
-    weights_ref = learners.publish()
+    weights_ref = learners.publish(generator_spec.dtype)
     size = ray.get(weights_ref).nbytes
     from transformers import AutoConfig
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     sync_s, reload_s, raw_s, step_s = [], [], [], []
     for version in range(1, args.rounds + 1):
         start = time.perf_counter()
-        reload_s.append(ray.get(generator.update_weights.remote(learners.publish(), version)))
+        reload_s.append(ray.get(generator.update_weights.remote(learners.publish(generator_spec.dtype), version)))
         sync_s.append(time.perf_counter() - start)
         start = time.perf_counter()
         ray.get(reader.get.remote(ray.get(writer.put.remote(size))))

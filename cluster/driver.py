@@ -317,9 +317,10 @@ class AsyncLoop:
         self.run_dir = run_dir
         self.start_generator = start_generator
         self.elastic = job.generator.max_generators is not None
-        sync = job.async_.weight_sync
-        self.publisher = (runtime.ObjectStorePublisher(learners, self.generators) if sync == "object_store"
-                          else runtime.CollectivePublisher(learners, self.generators, backend=sync))
+        sync, dtype = job.async_.weight_sync, job.model.dtype_on(gpu=job.generator.gpus_per_generator > 0)
+        self.publisher = (runtime.ObjectStorePublisher(learners, self.generators, dtype) if sync == "object_store"
+                          else runtime.CollectivePublisher(learners, self.generators, sync, dtype,
+                                                           job.generator.tensor_parallel_size))
         self.buffer = RolloutBuffer(job.async_.max_lag, job.learner.prompts_per_step, job.async_.stale_policy, ledger,
                                     job.algorithm.drop_uniform_groups)
         self.scored = ScoredSinceStep()
@@ -865,6 +866,10 @@ def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
     )
 
 
+# async.weight_sync -> the vLLM weight-transfer engine that loads the weights in each generator
+WEIGHT_TRANSFER_ENGINES = {"object_store": "stableasync_packed", "gloo": "stableasync_gloo", "nccl": "nccl"}
+
+
 def _generator_spec(job: Job, model_path: str) -> GeneratorSpec:
     g = job.generator
     return GeneratorSpec(
@@ -873,6 +878,7 @@ def _generator_spec(job: Job, model_path: str) -> GeneratorSpec:
         dtype=job.model.dtype_on(gpu=g.gpus_per_generator > 0), seed=job.seed, gpus=g.gpus_per_generator,
         tensor_parallel_size=g.tensor_parallel_size, gpu_memory_utilization=g.gpu_memory_utilization,
         cuda_graphs=g.cuda_graphs, prefix_caching=g.prefix_caching, max_num_seqs=g.max_num_seqs,
+        weight_transfer=WEIGHT_TRANSFER_ENGINES[job.async_.weight_sync],
     )
 
 

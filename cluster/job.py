@@ -208,7 +208,8 @@ class AsyncSection(Section):
     )
     weight_sync: Literal["object_store", "nccl", "gloo"] = Field(
         "object_store",
-        description="object_store (CPU default); nccl: GPU broadcast from learner rank 0; gloo: the same broadcast on CPU",
+        description="object_store (default): one buffer in Ray's object store, which generators may join and leave; "
+        "nccl: GPU to GPU from learner rank 0 through vLLM's weight-transfer engine; gloo: the same broadcast on CPU",
     )
 
 

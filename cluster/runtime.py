@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -17,7 +19,7 @@ from actors.generator import Generator, GeneratorSpec, engine_env
 from algorithms import native
 from learner.batch import TrainBatch
 from learner.rank import LearnerRank, LearnerSpec
-from learner.weight_sync import CollectiveWeightSync, PackedWeights, TensorSpec
+from learner.weight_sync import CollectiveWeightSync
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("stableasync")
@@ -60,24 +62,39 @@ def cluster_resources() -> dict[str, float]:
 class LearnerActor(LearnerRank):
     """A learner rank that publishes weights by either weight-sync path."""
 
-    weight_sync: CollectiveWeightSync | None = None
+    transfer: Any = None  # rank 0 of the weight group: vLLM's NCCL communicator, or our gloo one
 
-    def publish(self) -> list[Any]:
+    def publish(self, dtype: str) -> list[Any]:
         """Object store: every rank gathers (ZeRO-3); rank 0 returns [ObjectRef of its PackedWeights]."""
-        packed = self.packed_weights_for_publish()
+        packed = self.packed_weights_for_publish(dtype)
         return [ray.put(packed)] if packed is not None else []
 
-    def weight_specs(self) -> list[TensorSpec]:
-        return TensorSpec.of(self.state_dict_for_publish()) if self.rank == 0 else []
+    def join_weight_transfer(self, host: str, port: int, world_size: int, backend: str) -> None:
+        """Rank 0 hosts the weight group at `host` (its own node) with the generators' engine workers."""
+        if self.rank != 0:
+            return
+        if backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-    def join_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
-        if self.rank == 0:
-            self.weight_sync = CollectiveWeightSync(host, port, 0, world_size, backend)
+            self.transfer = trainer_init({"master_address": host, "master_port": port, "world_size": world_size})
+        else:
+            self.transfer = CollectiveWeightSync(host, port, 0, world_size)
 
-    def broadcast(self) -> int:
-        """Collective broadcast path: every rank gathers, rank 0 sends; returns bytes sent."""
-        weights = self.state_dict_for_publish()
-        return self.weight_sync.send(weights) if self.weight_sync is not None else 0
+    def send_weights(self, dtype: str) -> int:
+        """Every rank walks the weights in step (ZeRO-3 gathers each); rank 0 sends them cast to `dtype`, one
+        bucket at a time. Returns the bytes rank 0 sent."""
+        if self.transfer is None:
+            self.follow_publish()
+            return 0
+        specs, tensors = self.publish_specs(dtype), self.published_tensors()
+        if isinstance(self.transfer, CollectiveWeightSync):
+            return self.transfer.send(specs, tensors)
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        wire = getattr(torch, dtype)
+        packed_nccl_broadcast_producer(zip((s.name for s in specs), tensors), self.transfer, 0,
+                                       post_iter_func=lambda item: item[1].to(self.device, wire, copy=True))
+        return sum(torch.Size(s.shape).numel() * wire.itemsize for s in specs)
 
     def ready(self) -> int:
         return self.rank
@@ -90,20 +107,7 @@ class LearnerActor(LearnerRank):
 
 
 class GeneratorActor(Generator):
-    weight_sync: CollectiveWeightSync | None = None
-
-    def update_weights(self, state_dict: dict[str, Any] | PackedWeights, version: int) -> float:
-        """The object-store path sends `PackedWeights`; its tensors are views of the mapped buffer."""
-        if isinstance(state_dict, PackedWeights):
-            state_dict = state_dict.tensors()
-        return super().update_weights(state_dict, version)
-
-    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
-        self.weight_sync = CollectiveWeightSync(host, port, rank, world_size, backend)
-
-    def receive_weights(self, specs: list[TensorSpec], version: int) -> float:
-        assert self.weight_sync is not None, "join_weight_group first"
-        return self.update_weights(self.weight_sync.receive(specs), version)
+    """A generator as a Ray actor: calls run one at a time, in the order they were sent."""
 
     def ready(self) -> int:
         return self.index
@@ -113,14 +117,15 @@ class GeneratorActor(Generator):
 
 
 class ObjectStorePublisher:
-    """CPU default: rank 0 puts the weights in the object store once; every generator reads them."""
+    """The default path: rank 0 puts the weights in the object store once; every generator reads them."""
 
-    def __init__(self, learners: LearnerGroup, generators: dict[int, Any]) -> None:
+    def __init__(self, learners: LearnerGroup, generators: dict[int, Any], dtype: str) -> None:
         self.learners, self.generators = learners, generators  # the driver's live map: members come and go
+        self.dtype = dtype  # the generators' weights
         self.latest: tuple[ray.ObjectRef, int] | None = None
 
     def publish(self, version: int) -> None:
-        weights = self.learners.publish()
+        weights = self.learners.publish(self.dtype)
         self.latest = (weights, version)
         for generator in self.generators.values():
             generator.update_weights.remote(weights, version)  # runs after the generator's current call
@@ -135,16 +140,26 @@ class ObjectStorePublisher:
 
 
 class CollectivePublisher:
-    """GPU path: learner rank 0 broadcasts over NCCL to every generator (a blocking collective)."""
+    """Learner rank 0 broadcasts to every generator's engine workers: vLLM's nccl engine on GPUs, our
+    stableasync_gloo engine (the same ranks and call order) on CPU.
 
-    def __init__(self, learners: LearnerGroup, generators: dict[int, Any], backend: str = "nccl") -> None:
+    Rank 0 hosts the group on its own node; generator i's tensor-parallel workers take the ranks after
+    those of generators 0..i-1. A broadcast starts only once every generator has ended the calls it was
+    given, so no rank waits inside a collective (and its timeout) behind a long generate call.
+    """
+
+    def __init__(self, learners: LearnerGroup, generators: dict[int, Any], backend: str, dtype: str,
+                 tensor_parallel_size: int = 1) -> None:
         self.learners, self.generators = learners, dict(generators)  # fixed membership
-        rank0 = learners.ranks[0]
-        host, port = ray.get(_free_address.options(num_cpus=0).remote())
-        world = 1 + len(generators)
-        self.specs = ray.get(rank0.weight_specs.remote())
-        ray.get([rank0.join_weight_group.remote(host, port, world, backend)]
-                + [g.join_weight_group.remote(host, port, i + 1, world, backend)
+        rendezvous = learners.rendezvous_address()
+        host, port = rendezvous.host, rendezvous.port
+        world = 1 + tensor_parallel_size * len(self.generators)
+        self.dtype = dtype
+        specs = ray.get(learners.ranks[0].publish_specs.remote(dtype))  # local shapes: no collective
+        self.update_info = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
+                            "shapes": [list(s.shape) for s in specs]}
+        ray.get([rank.join_weight_transfer.remote(host, port, world, backend) for rank in learners.ranks]
+                + [g.join_weight_transfer.remote(host, port, 1 + i * tensor_parallel_size, world)
                    for i, g in enumerate(self.generators.values())])
 
     def restore(self, index: int) -> int:
@@ -154,16 +169,27 @@ class CollectivePublisher:
         )
 
     def publish(self, version: int) -> None:
-        sending = [rank.broadcast.remote() for rank in self.learners.ranks]
-        receiving = [g.receive_weights.remote(self.specs, version) for g in self.generators.values()]
+        ray.get([g.ready.remote() for g in self.generators.values()])  # their earlier calls have ended
+        sending = [rank.send_weights.remote(self.dtype) for rank in self.learners.ranks]
+        receiving = [g.receive_weights.remote(self.update_info, version) for g in self.generators.values()]
         ray.get(sending + receiving)
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a group's store listens: an address of the node that hosts it, and a port free there."""
+
+    host: str
+    port: int
+    node_id: str  # Ray's id of that node
+
+
 @ray.remote
-def _free_address() -> tuple[str, int]:
+def _free_address() -> Rendezvous:
     with socket.socket() as sock:
         sock.bind(("", 0))
-        return ray.util.get_node_ip_address(), sock.getsockname()[1]
+        return Rendezvous(ray.util.get_node_ip_address(), sock.getsockname()[1],
+                          ray.get_runtime_context().get_node_id())
 
 
 def _failed(refs: list[ray.ObjectRef]) -> list[int]:
@@ -204,19 +230,21 @@ class LearnerGroup:
                 f"{ray.cluster_resources()} (learner.cpus_per_rank, learner.gpus_per_rank, learner.num_ranks, "
                 "cluster.learner_resource)"
             ) from None
-        master_addr, master_port = ray.get(
-            _free_address.options(scheduling_strategy=self._in_bundle(0), num_cpus=0).remote()
-        )
+        master = self.rendezvous_address()
         remote_cls = ray.remote(LearnerActor)
         self.ranks = [
             remote_cls.options(
                 num_cpus=cpus_per_rank, num_gpus=gpus_per_rank, scheduling_strategy=self._in_bundle(rank),
                 name=f"{name_prefix}-learner-{rank}" if name_prefix else None,
                 runtime_env={"env_vars": {**actor_env(), "OMP_NUM_THREADS": str(max(1, int(cpus_per_rank)))}},
-            ).remote(spec, rank, num_ranks, master_addr, master_port)
+            ).remote(spec, rank, num_ranks, master.host, master.port)
             for rank in range(num_ranks)
         ]
         ray.get([r.ready.remote() for r in self.ranks])
+
+    def rendezvous_address(self) -> Rendezvous:
+        """An IP address of rank 0's node and a port free there: where rank 0 can host a group's store."""
+        return ray.get(_free_address.options(scheduling_strategy=self._in_bundle(0), num_cpus=0).remote())
 
     def _in_bundle(self, index: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=self.placement, placement_group_bundle_index=index)
@@ -232,9 +260,9 @@ class LearnerGroup:
         """Rank 0's learner/behaviour sequence log-ratios of its latest step (its shard's rows, in order)."""
         return ray.get(self.ranks[0].sequence_log_ratios.remote())
 
-    def publish(self) -> ray.ObjectRef:
-        """The object-store reference of the full weights (all ranks take part in the gather)."""
-        return self.results([rank.publish.remote() for rank in self.ranks], "publish")[0][0]
+    def publish(self, dtype: str) -> ray.ObjectRef:
+        """The object-store reference of the full weights in `dtype` (all ranks take part in the gather)."""
+        return self.results([rank.publish.remote(dtype) for rank in self.ranks], "publish")[0][0]
 
     def save_model(self, folder: str) -> None:
         """Rank 0 writes the policy as a Hugging Face model folder (every rank takes part under ZeRO-3)."""

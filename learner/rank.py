@@ -183,13 +183,14 @@ def storage_errors(what: str) -> Iterator[None]:
         raise OSError(f"writing {what} failed: {type(error).__name__}: {error}") from error
 
 
-def save_model_folder(model: Any, tokenizer_source: str, folder: str) -> None:
-    """`model` and the tokenizer of `tokenizer_source` as a Hugging Face folder that transformers and vLLM
-    load as it is; any failure to write it is an OSError (`storage_errors`)."""
+def save_model_folder(model: Any, tokenizer_source: str, folder: str,
+                      state_dict: dict[str, Tensor] | None = None) -> None:
+    """`model` (or its config with `state_dict`) and the tokenizer of `tokenizer_source` as a Hugging Face
+    folder that transformers and vLLM load as it is; any failure to write it is an OSError (`storage_errors`)."""
     from transformers import AutoTokenizer
 
     with storage_errors(f"the model folder {folder}"):
-        model.save_pretrained(folder, safe_serialization=True)
+        model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
         AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
     if not (Path(folder) / "config.json").is_file() or not any(Path(folder).glob("*.safetensors")):
         # save_pretrained only logs, and returns, when `folder` is not a directory it can use
@@ -211,9 +212,6 @@ class LearnerRank:
         torch.manual_seed(spec.seed)
         self.spec, self.rank, self.world_size = spec, rank, world_size
         dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
-        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype)
-        if spec.gradient_checkpointing:  # activations recomputed in the backward, layer by layer
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -229,6 +227,15 @@ class LearnerRank:
             "bf16": {"enabled": spec.dtype == "bfloat16"},
             "steps_per_print": 10**9,
         }
+        if spec.zero_stage == 3:
+            # transformers loads under DeepSpeed's ZeRO-3 init while this object lives: each rank keeps only
+            # its partition of every parameter, instead of the whole model before the engine partitions it
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._zero3_load = HfDeepSpeedConfig(config)
+        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype)
+        if spec.gradient_checkpointing:  # activations recomputed in the backward, layer by layer
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=config
         )
@@ -613,25 +620,41 @@ class LearnerRank:
         model = self.engine.module if plain else self.engine
         return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
 
-    def packed_weights_for_publish(self) -> PackedWeights | None:
-        """Full fp32 weights in HF checkpoint names, copied one tensor at a time into one buffer for the
-        generators (rank 0; None on the other ranks). Under ZeRO-3 every rank gathers one parameter at a
-        time (a collective) and only rank 0 copies it: no rank builds a second full copy of the model."""
-        module = self.engine.module
-        if self.spec.zero_stage == 3:
+    def publish_specs(self, dtype: str) -> list[TensorSpec]:
+        """Name (HF checkpoint), whole shape and wire `dtype` of every published weight, in the order
+        `published_tensors` yields them; read locally (ZeRO-3's `ds_shape`), no collective."""
+        return [TensorSpec(name, tuple(getattr(param, "ds_shape", param.shape)), dtype)
+                for name, param in self.engine.module.named_parameters()]
+
+    def published_tensors(self) -> Iterator[Tensor]:
+        """Each weight of `publish_specs`, whole, one at a time: valid until the next is asked for (copy it).
+        Under ZeRO-3 every rank must iterate in step, since each parameter's gather is a collective; no
+        rank holds more than one gathered parameter."""
+        for _, param in self.engine.module.named_parameters():
+            if self.spec.zero_stage != 3:
+                yield param.detach()
+                continue
             import deepspeed
 
-            params = list(module.named_parameters())
-            packed = PackedWeights.allocate([TensorSpec(name, tuple(param.ds_shape), "float32")
-                                             for name, param in params]) if self.rank == 0 else None
-            for index, (_, param) in enumerate(params):
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                    if packed is not None:
-                        packed.put(index, param)
-            return packed
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                yield param.detach()
+
+    def follow_publish(self) -> None:
+        """A rank that keeps no weights while rank 0 publishes them: under ZeRO-3, its part in each gather."""
+        if self.spec.zero_stage == 3:
+            for _ in self.published_tensors():
+                pass
+
+    def packed_weights_for_publish(self, dtype: str = "float32") -> PackedWeights | None:
+        """The weights cast to `dtype`, copied one tensor at a time into one buffer for the generators (rank 0;
+        None on the other ranks, which under ZeRO-3 take part in each parameter's gather)."""
         if self.rank != 0:
+            self.follow_publish()
             return None
-        return PackedWeights.pack(module.state_dict(), dtype="float32")
+        packed = PackedWeights.allocate(self.publish_specs(dtype))
+        for index, tensor in enumerate(self.published_tensors()):
+            packed.put(index, tensor)
+        return packed
 
     def state_dict_for_publish(self) -> dict[str, Tensor]:
         """`packed_weights_for_publish` as a name -> tensor dict (a copy; empty off rank 0)."""
@@ -642,14 +665,17 @@ class LearnerRank:
         """The policy as a Hugging Face model folder (config, safetensors, tokenizer) that transformers and
         vLLM load as they are; rank 0 writes it. A collective under ZeRO-3, which gathers the parameters."""
         module = self.engine.module
-        gathered = nullcontext()
-        if self.spec.zero_stage == 3:
-            import deepspeed
-
-            gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-        with gathered:
+        if self.spec.zero_stage != 3:
             if self.rank == 0:
                 save_model_folder(module, self.spec.model_path, folder)
+            return
+        # one parameter gathered at a time; rank 0 copies each to host memory, so no rank holds the model
+        names = [spec.name for spec in self.publish_specs("float32")]
+        if self.rank != 0:
+            self.follow_publish()
+            return
+        state = {name: tensor.to("cpu", copy=True) for name, tensor in zip(names, self.published_tensors())}
+        save_model_folder(module, self.spec.model_path, folder, state)
 
     # ---- checkpoints -------------------------------------------------------------------------
 

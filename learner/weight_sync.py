@@ -1,16 +1,18 @@
-"""Collective weight broadcast from learner rank 0 to the generators over a dedicated process group.
+"""Weights on their way from the learner to the generators, as vLLM's weight-transfer engines take them.
 
-The GPU path (`backend="nccl"`): weights go GPU to GPU without the object store. The same class runs
-over gloo on CPU, which is how its logic is tested without a GPU. Tensors travel in flat buckets of
-at most `bucket_mb` per dtype, so a large model needs few collectives and bounded extra memory.
-The object-store path (the CPU default) puts one `PackedWeights` buffer instead: see `cluster/runtime.py`.
+`PackedWeights`: one flat byte buffer for the object store (the default path), which a generator's
+`stableasync_packed` engine loads. `CollectiveWeightSync`: the gloo broadcast of the `stableasync_gloo`
+engine, streamed from learner rank 0 in same-dtype buckets of at most `bucket_mb` (the CPU stand-in for
+vLLM's own NCCL engine, which the GPU path uses). `TensorSpec`: what a receiver allocates.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +32,8 @@ class TensorSpec:
 
     @staticmethod
     def of(weights: dict[str, Tensor]) -> list[TensorSpec]:
-        return [TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in sorted(weights.items())]
+        """The specs of `weights`, in their order (the order they are sent and received in)."""
+        return [TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in weights.items()]
 
 
 # Each tensor starts on a multiple of this many bytes, so a view of any dtype is aligned.
@@ -83,6 +86,15 @@ class PackedWeights:
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
+    def update_info(self) -> dict[str, Any]:
+        """The `stableasync_packed` engine's update info: plain lists and one uint8 tensor, which vLLM
+        passes to its workers in this process as they are, and across a process boundary without pickle."""
+        with warnings.catch_warnings():  # torch warns that the (read-only) array is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(self.data)
+        return {"names": [s.name for s in self.specs], "dtype_names": [s.dtype for s in self.specs],
+                "shapes": [list(s.shape) for s in self.specs], "offsets": list(self.offsets), "data": data}
+
     def tensors(self) -> dict[str, Tensor]:
         """Name -> tensor views of the buffer. Read-only when it is object-store memory: load, never modify."""
         with warnings.catch_warnings():  # torch warns that the (read-only) array is not writable
@@ -96,6 +108,13 @@ def _view(data: Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...] 
     """The tensor of `dtype` and `shape` stored at byte `offset` of the uint8 buffer `data`."""
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     return data[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def unpack(names: list[str], dtype_names: list[str], shapes: list[list[int]], offsets: list[int],
+           data: Tensor) -> list[tuple[str, Tensor]]:
+    """(name, tensor) views of a packed uint8 buffer, as `PackedWeights.update_info` describes it."""
+    return [(name, _view(data, offset, getattr(torch, dtype), tuple(shape)))
+            for name, dtype, shape, offset in zip(names, dtype_names, shapes, offsets)]
 
 
 def buckets(specs: list[TensorSpec], bucket_mb: int) -> list[list[TensorSpec]]:
@@ -114,43 +133,35 @@ def buckets(specs: list[TensorSpec], bucket_mb: int) -> list[list[TensorSpec]]:
 
 
 class CollectiveWeightSync:
-    """One member of the weight group: rank 0 is the learner, ranks 1..N the generators."""
+    """One member of a gloo weight group: rank 0 is learner rank 0, the others generator engine workers."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "nccl",
-                 device: str | None = None, bucket_mb: int = 512, timeout_s: float = 600.0) -> None:
+    def __init__(self, host: str, port: int, rank: int, world_size: int, bucket_mb: int = 512,
+                 timeout_s: float = 600.0) -> None:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world_size, is_master=rank == SOURCE_RANK, timeout=timeout)
-        prefixed = dist.PrefixStore("stableasync-weights", store)
-        if backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-        elif backend == "gloo":
-            self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        else:
-            raise ValueError(f"unknown weight-sync backend {backend!r}; use nccl or gloo")
-        self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("stableasync-weights", store), rank, world_size, timeout)
+        self.device = torch.device("cpu")
         self.rank, self.bucket_mb = rank, bucket_mb
         self._store = store  # the group keeps using it
 
-    def send(self, weights: dict[str, Tensor]) -> int:
-        """Broadcast every tensor (rank 0 only); returns the bytes sent."""
+    def send(self, specs: list[TensorSpec], tensors: Iterable[Tensor]) -> int:
+        """Broadcast the tensors of `specs`, taken from `tensors` in the same order and cast to each spec's
+        dtype (rank 0 only): one bucket at a time, so the sender holds one bucket beside the tensor it
+        reads. Returns the bytes sent."""
         if self.rank != SOURCE_RANK:
             raise RuntimeError("only the learner (rank 0) sends weights")
-        sent = 0
-        for bucket in buckets(TensorSpec.of(weights), self.bucket_mb):
-            flat = torch.cat([weights[s.name].detach().reshape(-1).to(self.device) for s in bucket])
+        stream, sent = iter(tensors), 0
+        for bucket in buckets(specs, self.bucket_mb):
+            flat = torch.cat([next(stream).detach().to(self.device, getattr(torch, s.dtype)).reshape(-1)
+                              for s in bucket])
             self.group.broadcast(flat, SOURCE_RANK).wait()
             sent += flat.numel() * flat.element_size()
         return sent
 
-    def receive(self, specs: list[TensorSpec]) -> dict[str, Tensor]:
-        """Receive the weights described by `specs` (generators), as tensors on this device."""
-        out: dict[str, Tensor] = {}
-        for bucket in buckets(sorted(specs, key=lambda s: s.name), self.bucket_mb):
+    def receive(self, specs: list[TensorSpec]) -> Iterator[list[tuple[str, Tensor]]]:
+        """The weights of `specs` (generators), one received bucket at a time, as (name, tensor) views of it."""
+        for bucket in buckets(specs, self.bucket_mb):
             sizes = [torch.Size(s.shape).numel() for s in bucket]
             flat = torch.empty(sum(sizes), dtype=getattr(torch, bucket[0].dtype), device=self.device)
             self.group.broadcast(flat, SOURCE_RANK).wait()
-            for spec, part in zip(bucket, torch.split(flat, sizes)):
-                out[spec.name] = part.view(spec.shape)
-        return out
+            yield [(spec.name, part.view(spec.shape)) for spec, part in zip(bucket, torch.split(flat, sizes))]

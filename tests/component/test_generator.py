@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from learner.weight_sync import PackedWeights
+
 pytest.importorskip("vllm")
 
 
@@ -33,7 +35,7 @@ def test_weight_reload_changes_outputs_and_restoring_restores_them(generator, ti
     original = _load(tiny_qwen2)
     before = generator.generate(_requests())
     scaled = {k: (v * 20 if k == "lm_head.weight" else v) for k, v in original.items()}
-    generator.update_weights(scaled, version=1)
+    generator.update_weights(PackedWeights.pack(scaled), version=1)
     changed = generator.generate(_requests())
     assert changed[0].version_start == 1
     # the load is reported once, with the next call's groups (it ran between the calls)
@@ -41,7 +43,7 @@ def test_weight_reload_changes_outputs_and_restoring_restores_them(generator, ti
     assert generator.generate(_requests()[:1])[0].weight_loads == 0
     tokens = lambda groups: [c["completion_ids"] for g in groups for c in g.completions]  # noqa: E731
     assert tokens(changed) != tokens(before)
-    generator.update_weights(original, version=2)
+    generator.update_weights(PackedWeights.pack(original), version=2)
     restored = generator.generate(_requests())
     assert tokens(restored) == tokens(before)
     for a, b in zip(before, restored):
@@ -54,7 +56,7 @@ def test_generator_and_learner_log_probs_agree_on_policy(generator, tiny_qwen2):
 
     from learner.batch import collate, token_logprobs
 
-    generator.update_weights(_load(tiny_qwen2), version=3)
+    generator.update_weights(PackedWeights.pack(_load(tiny_qwen2)), version=3)
     groups = generator.generate(_requests())
     samples = [
         dict(prompt_ids=g.prompt_ids, completion_ids=c["completion_ids"], behaviour_logprobs=c["behaviour_logprobs"],
@@ -100,7 +102,7 @@ def test_a_weight_reload_logs_nothing_per_step(generator, tiny_qwen2):
     for logger in loggers:
         logger.addHandler(catcher)
     try:
-        generator.update_weights(_load(tiny_qwen2), version=4)
+        generator.update_weights(PackedWeights.pack(_load(tiny_qwen2)), version=4)
     finally:
         for logger in loggers:
             logger.removeHandler(catcher)

@@ -337,3 +337,32 @@ def test_the_warm_up_scales_the_first_update(tiny_qwen2, tmp_path):
     assert any(delta.abs().max() > 0 for delta in full["delta"].values())
     for name, delta in full["delta"].items():
         torch.testing.assert_close(ramped["delta"][name], delta / 4, rtol=1e-3, atol=1e-7)
+
+
+def _zero3_load_main(rank: int, world: int, model_path: str, port: int, out: str) -> None:
+    import transformers
+
+    from learner.rank import LearnerRank, LearnerSpec
+
+    loaded = []
+    plain = transformers.AutoModelForCausalLM.from_pretrained
+
+    def recording(*args, **kwargs):
+        model = plain(*args, **kwargs)
+        loaded.append(all(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters()))
+        return model
+
+    transformers.AutoModelForCausalLM.from_pretrained = recording
+    LearnerRank(LearnerSpec(model_path=model_path, zero_stage=3), rank, world, "127.0.0.1", port)
+    if rank == 0:
+        torch.save(loaded, out)
+    _leave_group()
+
+
+def test_a_zero3_rank_loads_only_its_partition_of_the_model(tiny_qwen2, tmp_path):
+    """Under ZeRO-3 the model comes out of from_pretrained already partitioned (DeepSpeed's ZeRO-3 init):
+    no rank holds the whole model before the engine starts."""
+    out = str(tmp_path / "zero3-load.pt")
+    mp.start_processes(_zero3_load_main, args=(2, tiny_qwen2, _free_port(), out), nprocs=2, start_method="spawn",
+                       join=True)
+    assert torch.load(out, weights_only=True) == [True]

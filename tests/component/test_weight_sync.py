@@ -1,4 +1,4 @@
-"""The collective weight broadcast: the same code over gloo on CPU here, over NCCL on GPUs."""
+"""Weights on the wire: the gloo broadcast (the CPU stand-in for vLLM's NCCL engine) and the packed buffer."""
 
 from __future__ import annotations
 
@@ -27,22 +27,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _member(rank: int, world: int, port: int, backend: str, bucket_mb: int, out: str) -> None:
-    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    sync = CollectiveWeightSync("127.0.0.1", port, rank, world, backend=backend, device=device, bucket_mb=bucket_mb)
+def _member(rank: int, world: int, port: int, bucket_mb: int, out: str) -> None:
+    sync = CollectiveWeightSync("127.0.0.1", port, rank, world, bucket_mb=bucket_mb)
     weights = _weights()
+    specs = TensorSpec.of(weights)
     if rank == 0:
-        sync.send(weights)
+        sync.send(specs, iter(weights.values()))
     else:
-        got = sync.receive(TensorSpec.of(weights))
-        torch.save({k: v.cpu() for k, v in got.items()}, f"{out}.{rank}")
+        got = {name: tensor.cpu() for bucket in sync.receive(specs) for name, tensor in bucket}
+        torch.save(got, f"{out}.{rank}")
 
 
-def _broadcast(world: int, backend: str, bucket_mb: int, tmp_path) -> list[dict[str, torch.Tensor]]:
+def _broadcast(world: int, bucket_mb: int, tmp_path) -> list[dict[str, torch.Tensor]]:
     out = str(tmp_path / "received")
-    mp.start_processes(_member, args=(world, _free_port(), backend, bucket_mb, out), nprocs=world,
+    mp.start_processes(_member, args=(world, _free_port(), bucket_mb, out), nprocs=world,
                        start_method="spawn", join=True)
     return [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(1, world)]
 
@@ -59,7 +57,7 @@ def test_buckets_split_by_size_and_dtype():
 @pytest.mark.parametrize("bucket_mb", [0, 64])
 def test_gloo_broadcast_delivers_exact_weights_to_every_generator(tmp_path, bucket_mb):
     expected = _weights()
-    for received in _broadcast(3, "gloo", bucket_mb, tmp_path):
+    for received in _broadcast(3, bucket_mb, tmp_path):
         assert received.keys() == expected.keys()
         for name, tensor in expected.items():
             assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
@@ -79,17 +77,3 @@ def test_packed_weights_cross_the_object_store_exactly_and_are_mapped_not_copied
             assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
     finally:
         ray.shutdown()
-
-
-def test_unknown_backend_is_refused():
-    with pytest.raises(ValueError, match="unknown weight-sync backend"):
-        CollectiveWeightSync("127.0.0.1", _free_port(), 0, 1, backend="mpi")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_nccl_broadcast_delivers_exact_weights(tmp_path):
-    expected = _weights()
-    (received,) = _broadcast(2, "nccl", 64, tmp_path)
-    for name, tensor in expected.items():
-        assert torch.equal(received[name], tensor), name

@@ -54,7 +54,9 @@ def test_vllm_accepts_the_engine_arguments(job):
 
     args = engine_args(_generator_spec(job))
     engine = EngineArgs(**args)
+    transfer = args.pop("weight_transfer_config")
     assert {name: getattr(engine, name) for name in args} == args
+    assert engine.weight_transfer_config.backend == transfer["backend"]  # vLLM builds its config from the dict
 
 
 def test_every_engine_setting_of_the_job_reaches_the_generator():
