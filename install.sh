@@ -6,7 +6,10 @@ cd "$(dirname "$0")"
 extra="${1:-cpu}"
 case "$extra" in cpu|gpu) ;; *) echo "usage: ./install.sh [cpu|gpu]" >&2; exit 2 ;; esac
 
-[ -x .venv/bin/python ] || python3 -m venv .venv
+# gpu: the venv also sees the interpreter's packages, so an image that has the pinned CUDA torch and
+# vLLM (deploy/docker) keeps them instead of downloading them again.
+venv_args=(); [ "$extra" = gpu ] && venv_args=(--system-site-packages)
+[ -x .venv/bin/python ] || python3 -m venv "${venv_args[@]}" .venv
 pip=(.venv/bin/python -m pip install -q)
 "${pip[@]}" -e ".[${extra},test]"
 if [ "$extra" = cpu ]; then

@@ -69,3 +69,36 @@ def test_cluster_jobs_place_by_the_yaml_resources(job):
     loaded = load_job(ROOT / "deploy" / "jobs" / job)
     assert loaded.cluster.generator_resource == "generator" and loaded.cluster.learner_resource == "learner"
     assert loaded.generator.max_generators is not None, "elastic: generators follow the generator nodes"
+
+
+def _gpu_pins() -> dict[str, str]:
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    return {line.split("==")[0].split("[")[0]: line.split("==")[1] for line in extra if "==" in line}
+
+
+@pytest.mark.parametrize("name", CLOUDS)
+def test_cloud_nodes_run_the_image_of_the_gpu_extras_vllm(name):
+    image = _load(name)["docker"]["image"]
+    assert image == f"vllm/vllm-openai:v{_gpu_pins()['vllm']}"
+    dockerfile = (ROOT / "deploy" / "docker" / "Dockerfile").read_text()
+    assert f"FROM {image}" in dockerfile and "./install.sh gpu" in dockerfile
+
+
+def test_the_gpu_extra_resolves_on_its_own():
+    """pip resolves the gpu extra from the package index (metadata only; nothing is installed) to exactly
+    its pins: they work together without the cpu extra beside them. A local build tag counts as its
+    version (where the index serves torch's CPU build, 2.13.0+cpu is torch 2.13.0)."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", "-",
+         f"{ROOT}[gpu]"], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resolved = {item["metadata"]["name"].lower(): item["metadata"]["version"]
+                for item in json.loads(result.stdout)["install"]}
+    for name, version in _gpu_pins().items():
+        assert resolved[name].split("+")[0] == version, (name, resolved[name])
