@@ -41,7 +41,8 @@ from cluster import runtime
 from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
                                  restore_learners, write_checkpoint, write_model)
 from cluster.evaluation import Evaluator, evaluate_again_on_resume
-from cluster.job import AlgorithmSection, Job, dump_job, evaluation_set, job_task, section_config
+from cluster.job import (AlgorithmSection, Job, JobError, JobValidationError, dump_job, evaluation_set, job_task,
+                         section_config)
 from cluster.metrics import SAMPLES_FILE, MetricSink
 from cluster.model_prep import prepare_model, sft_samples
 from cluster.samples import rollout_samples
@@ -229,6 +230,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     if stop is not None:
         stop.take_signals()
     _check_resources(job)
+    _check_shared_paths(run_dir, model_path)
     names = run_dir.name + (f"-restart{attempt}" if attempt else "")
     learners = runtime.LearnerGroup(_learner_spec(job, model_path), job.learner.num_ranks,
                                     job.learner.cpus_per_rank, job.learner.gpus_per_rank, name_prefix=names,
@@ -882,8 +884,33 @@ def _generator_spec(job: Job, model_path: str) -> GeneratorSpec:
     )
 
 
+def shared_path_errors(run_dir: Path, model_path: str, missing: dict[str, list[str]]) -> list[JobError]:
+    """What a multi-node job needs every node to see at the driver's paths, and which nodes do not."""
+    fields = {str(run_dir): ("logging.run_dir", "its run directory (checkpoints, the saved model)"),
+              model_path: ("model.path", "the model every learner rank and generator loads (a prepared model is in "
+                                         "STABLEASYNC_CACHE: point it at shared storage on every node)")}
+    errors = []
+    for path, (field, what) in fields.items():
+        nodes = sorted(node for node, paths in missing.items() if path in paths)
+        if nodes:
+            errors.append(JobError(field, f"{path}, {what}, is not visible on node(s) {', '.join(nodes)}: a job on "
+                                          "several nodes needs it on storage every node mounts at the same path "
+                                          "(docs/cluster.md, Shared storage)"))
+    return errors
+
+
+def _check_shared_paths(run_dir: Path, model_path: str) -> None:
+    """Before any actor starts: every node sees the run directory and a local model where the driver does."""
+    run_dir = run_dir.resolve()
+    model = str(Path(model_path).resolve()) if Path(model_path).exists() else model_path  # else a hub id
+    local = [str(run_dir)] + ([model] if Path(model).exists() else [])
+    errors = shared_path_errors(run_dir, model, runtime.paths_missing_on_nodes(local))
+    if errors:
+        raise JobValidationError("cluster", errors)
+
+
 def _check_resources(job: Job) -> None:
-    from cluster.job import JobValidationError, cross_field_errors
+    from cluster.job import cross_field_errors
 
     resources = runtime.cluster_resources()
     errors = cross_field_errors(job, resources)

@@ -13,7 +13,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from actors.generator import Generator, GeneratorSpec, engine_env
 from algorithms import native
@@ -57,6 +57,22 @@ def connect(address: str | None, num_cpus: int | None, namespace: str) -> None:
 
 def cluster_resources() -> dict[str, float]:
     return dict(ray.cluster_resources())
+
+
+@ray.remote(num_cpus=0)
+def _missing(paths: list[str]) -> list[str]:
+    return [path for path in paths if not Path(path).exists()]
+
+
+def paths_missing_on_nodes(paths: list[str]) -> dict[str, list[str]]:
+    """Ray node id -> those of `paths` (absolute, as the driver sees them) that node does not see; only
+    nodes that miss any. A zero-CPU task runs on every alive node, none when the cluster has one."""
+    nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+    if len(nodes) < 2:
+        return {}
+    refs = [_missing.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(paths)
+            for node in nodes]
+    return {node: missing for node, missing in zip(nodes, ray.get(refs)) if missing}
 
 
 class LearnerActor(LearnerRank):

@@ -34,8 +34,9 @@ def _member(rank: int, world: int, port: int, bucket_mb: int, out: str) -> None:
     if rank == 0:
         sync.send(specs, iter(weights.values()))
     else:
-        got = {name: tensor.cpu() for bucket in sync.receive(specs) for name, tensor in bucket}
-        torch.save(got, f"{out}.{rank}")
+        buckets_received = [[(name, tensor.clone()) for name, tensor in bucket] for bucket in sync.receive(specs)]
+        torch.save({"weights": {name: tensor for bucket in buckets_received for name, tensor in bucket},
+                    "bucket_sizes": [len(bucket) for bucket in buckets_received]}, f"{out}.{rank}")
 
 
 def _broadcast(world: int, bucket_mb: int, tmp_path) -> list[dict[str, torch.Tensor]]:
@@ -57,8 +58,11 @@ def test_buckets_split_by_size_and_dtype():
 @pytest.mark.parametrize("bucket_mb", [0, 64])
 def test_gloo_broadcast_delivers_exact_weights_to_every_generator(tmp_path, bucket_mb):
     expected = _weights()
-    for received in _broadcast(3, bucket_mb, tmp_path):
+    for result in _broadcast(3, bucket_mb, tmp_path):
+        received = result["weights"]
         assert received.keys() == expected.keys()
+        # the receiver holds one bucket at a time: with no room for two tensors, every tensor comes alone
+        assert result["bucket_sizes"] == ([1] * len(expected) if bucket_mb == 0 else [3, 1])
         for name, tensor in expected.items():
             assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
 

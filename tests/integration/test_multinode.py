@@ -132,3 +132,21 @@ def test_elastic_generators_follow_nodes_joining_and_leaving(cluster, tmp_path):
     assert {r["generator_index"] for r in trained} == {0, 1}, "both generators' groups were trained"
     reissued = [r for r in rows if r["event"] == "reissued"]
     assert all(r["generator_index"] == 1 and "generator 0 left" in r["reason"] for r in reissued)
+
+
+def test_every_node_is_asked_which_paths_it_sees(cluster, tmp_path):
+    """The start-up check of a multi-node job runs on every node: each reports the driver's paths it
+    cannot see (here nodes share this machine's disk, so only the path that exists nowhere)."""
+    from cluster import runtime
+
+    other = _add_generator_node(cluster)
+    seen, nowhere = tmp_path / "runs", tmp_path / "absent"
+    seen.mkdir()
+    ray.init(address=cluster.address)
+    try:
+        missing = runtime.paths_missing_on_nodes([str(seen), str(nowhere)])
+        nodes = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+        assert other.node_id in nodes and len(nodes) == 2
+        assert missing == {node: [str(nowhere)] for node in nodes}
+    finally:
+        ray.shutdown()

@@ -102,3 +102,17 @@ def test_the_gpu_extra_resolves_on_its_own():
                 for item in json.loads(result.stdout)["install"]}
     for name, version in _gpu_pins().items():
         assert resolved[name].split("+")[0] == version, (name, resolved[name])
+
+
+@pytest.mark.parametrize("name", CLOUDS)
+def test_cloud_nodes_share_storage_for_runs_and_prepared_models(name):
+    config = _load(name)
+    assert any("/mnt/shared" in command and "mount" in command for command in config["initialization_commands"])
+    assert "-v /mnt/shared:/mnt/shared" in config["docker"]["run_options"], "the container sees the host's mount"
+    for commands in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert all("STABLEASYNC_CACHE=/mnt/shared/cache" in command for command in config[commands]), commands
+
+
+@pytest.mark.parametrize("job", ["cluster.yaml", "qwen2.5-7b.yaml"])
+def test_multi_node_jobs_keep_their_runs_on_the_shared_storage(job):
+    assert load_job(ROOT / "deploy" / "jobs" / job).logging.run_dir.startswith("/mnt/shared/")
