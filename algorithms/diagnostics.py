@@ -81,7 +81,7 @@ def lag_stats(lags: Tensor, max_lag: int | None = None) -> dict[str, Tensor]:
 
 
 def health_metrics(batch: PolicyBatch) -> dict[str, Tensor]:
-    """The per-step health metrics every job logs whatever its stabilizer, with DESIGN.md names.
+    """The per-step health metrics every job logs whatever its stabilizer, named as docs/wandb.md lists them.
 
     Uses that the batch's log-ratio and ratio are already 0 on padding, so each statistic is a plain
     sum, and shares the ratio's exp with the stabilizer: this runs every step and must stay cheap.

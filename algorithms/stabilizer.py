@@ -1,4 +1,5 @@
-"""The stabilizer contract (DESIGN.md) and the decorator that registers an implementation by name."""
+"""The stabilizer contract (CONTRIBUTING.md, "Checklist: adding a stabilizer") and the decorator that registers an
+implementation by name."""
 
 from __future__ import annotations
 

@@ -324,7 +324,7 @@ class EvalSection(Section):
 
 
 class Job(Section):
-    """One training job. Sections follow DESIGN.md; every field has a default but `task`."""
+    """One training job: its sections as the README's job file shows them; every field has a default but `task`."""
 
     name: str = Field("job", pattern=r"^[A-Za-z0-9_.-]+$")
     seed: int = 0

@@ -288,7 +288,7 @@ class LearnerRank:
         """One optimizer step on this rank's groups, in token-budget micro-batches; metrics averaged over ranks.
 
         A stabilizer that decides per row does so per micro-batch, one forward each; any other first gets
-        the whole batch's learner log-probs from a no-grad pass (DESIGN.md, "The learner step at scale").
+        the whole batch's learner log-probs from a no-grad pass (docs/stabilizers.md, "Passes over the batch").
         Either way the gradient is the single-pass step's, accumulated one micro-batch at a time.
         """
         start = time.perf_counter()

@@ -36,9 +36,11 @@ def test_stabilizer_configs_import_no_torch():
 
 
 def test_nothing_in_the_project_refers_to_files_outside_its_clone():
-    """A user's clone has no `shared/` beside it: code, docs and config name only what the repository holds."""
-    marker = "../" + "shared"  # spelled in two parts, so that this file does not match itself
+    """A user's clone has no `shared/` beside it, nor the developers' design notes: code, docs and config name
+    only what the repository holds."""
+    markers = ("../" + "shared", "DESIGN" + ".md", "redesign" + "-moves")  # in parts: this file must not match
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, check=True, capture_output=True, text=True).stdout.split()
-    outside = [name for name in tracked if (ROOT / name).is_file() and (ROOT / name).stat().st_size < 1 << 20
-               and marker in (ROOT / name).read_text(errors="ignore")]
-    assert not outside, f"these files refer to {marker}: {outside}"
+    outside = [f"{name}: {marker}" for name in tracked if (ROOT / name).is_file() and (ROOT / name).stat().st_size < 1 << 20
+               for marker in markers if marker in (ROOT / name).read_text(errors="ignore")]
+    assert not outside, f"these files refer to what a clone lacks: {outside}"
+
