@@ -76,6 +76,7 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     "benchmarks.learner_step": ("tests/integration/test_benchmarks.py::test_learner_step_times_every_configuration",),
     "benchmarks.generation": ("tests/integration/test_benchmarks.py::test_generation_compares_vllm_with_transformers",),
     "benchmarks.weight_sync": ("tests/integration/test_benchmarks.py::test_weight_sync_prints_the_paths_and_their_ratios",),
+    "cluster.reference_loop": ("tests/integration/test_reference_loop.py::test_the_reference_loop_learns_the_demo_task",),
 }
 
 

@@ -1,0 +1,104 @@
+"""The whole method in one synchronous loop, without Ray: read this first.
+
+    python -m cluster.reference_loop deploy/jobs/demo.yaml --steps 60
+
+One generator (vLLM, in this process) samples a group of responses per prompt with the current
+weights; the task scores each response; one learner rank (DeepSpeed) takes one stabilized step on the
+groups; the new weights go back to the generator. Every sample is on-policy here (lag 0), so the
+stabilizer's weights are all 1 up to the numerics of two engines.
+
+`stableasync train` (cluster/driver.py) runs the same parts asynchronously: generators in Ray actors
+keep sampling with weights up to `async.max_lag` versions old while the learner, on several ranks,
+trains on what is ready; that staleness is what the stabilizers correct. It adds what a long run
+needs: evaluation, checkpoints and resume, restarts, elastic generators, metrics and alerts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+from pathlib import Path
+from statistics import mean
+
+from actors.generator import GenerationRequest, Generator
+from cluster.driver import _generator_spec, _learner_spec
+from cluster.job import Job, job_task, load_job
+from cluster.model_prep import prepare_model, sft_samples
+from learner.batch import collate
+from learner.rank import LearnerRank
+from tasks.base import Problem, Task
+from tasks.scoring import score_inline
+
+
+def training_samples(task: Task, problems: list[Problem], groups: list) -> list[dict]:
+    """Each response with its reward, the prompt's group id and the behaviour log-probs of its tokens."""
+    samples = []
+    for problem, group in zip(problems, groups):
+        texts = [completion["text"] for completion in group.completions]
+        for completion, score in zip(group.completions, score_inline(task, [problem] * len(texts), texts)):
+            samples.append({"prompt_ids": group.prompt_ids, "completion_ids": completion["completion_ids"],
+                            "behaviour_logprobs": completion["behaviour_logprobs"], "reward": score.reward,
+                            "group_id": group.group_id, "version": group.version_start})
+    return samples
+
+
+def run(job: Job, steps: int) -> list[float]:
+    """Train `steps` RL steps after the job's supervised warm-up; the mean reward of each step's samples."""
+    task = job_task(job)
+    model_path = prepare_model(job, task)  # the tiny model is built offline; SmolLM2 comes from its wheel
+    learner = LearnerRank(_learner_spec(job, model_path), rank=0, world_size=1, master_addr="127.0.0.1",
+                          master_port=_free_port())
+    generator = Generator(_generator_spec(job, model_path))
+
+    # A short supervised warm-up teaches the answer format, so that some rewards are above 0.
+    demonstrations = task.problems("sft", job.seed + 1)
+    for _ in range(job.model.sft_warmup.steps):
+        problems = [next(demonstrations) for _ in range(job.model.sft_warmup.prompts_per_step)]
+        learner.sft_step(collate(sft_samples(model_path, task, problems), 0), job.model.sft_warmup.learning_rate)
+    generator.update_weights(learner.packed_weights_for_publish(generator.spec.dtype), version=0)
+
+    problems_stream, seeds, rewards = task.problems("train", job.seed), random.Random(job.seed), []
+    for step in range(steps):
+        # 1. sample: one group of responses per prompt, with the weights of version `step`
+        problems = [next(problems_stream) for _ in range(job.learner.prompts_per_step)]
+        requests = [GenerationRequest(group_id=i, problem_id=p.problem_id, messages=task.messages(p),
+                                      seed=seeds.getrandbits(31)) for i, p in enumerate(problems)]
+        groups = generator.generate(requests)
+        # 2. score every response
+        samples = training_samples(task, problems, groups)
+        # 3. one learner step: advantages within each group, the stabilizer's weights, the loss, the update
+        metrics = learner.train_step(collate(samples, 0))
+        # 4. the new weights (version step + 1) to the generator
+        generator.update_weights(learner.packed_weights_for_publish(generator.spec.dtype), version=step + 1)
+        rewards.append(mean(sample["reward"] for sample in samples))
+        print(f"step {step + 1}: reward {rewards[-1]:.3f}, ESS ratio {metrics['stability/ess_ratio']:.3f}, "
+              f"loss {metrics['optim/loss']:.4f}", flush=True)
+    return rewards
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cluster.reference_loop", description=__doc__.splitlines()[0])
+    parser.add_argument("job", type=Path, help="a job file; its model, task, generator and learner settings")
+    parser.add_argument("--steps", type=int, default=60, help="RL steps after the warm-up")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    rewards = run(load_job(args.job), args.steps)
+    window = max(1, min(10, len(rewards) // 2))
+    print(f"mean reward: first {window} steps {mean(rewards[:window]):.3f}, last {window} steps "
+          f"{mean(rewards[-window:]):.3f}")
+
+
+if __name__ == "__main__":
+    main()
