@@ -16,17 +16,18 @@ from algorithms.config import LossAggregation
 from cluster.job import Job, JobValidationError, dump_job, load_job
 
 
-def _load(path: str) -> Job | None:
-    """The validated job, or None after printing every error (the caller exits 2, nothing started)."""
+def _load(path: str, overrides: list[str] | None = None) -> Job | None:
+    """The validated job with `--set` overrides over it, or None after printing every error (the caller exits 2,
+    nothing started)."""
     try:
-        return load_job(path)
+        return load_job(path, overrides or ())
     except JobValidationError as error:
         print(error, file=sys.stderr)
         return None
 
 
 def _validate(args: argparse.Namespace) -> int:
-    job = _load(args.job)
+    job = _load(args.job, args.set)
     if job is None:
         return 2
     from cluster.job import evaluation_set, job_task
@@ -53,8 +54,11 @@ def _train(args: argparse.Namespace) -> int:
     if (args.job is None) == (args.resume is None):
         print("give a job file, or --resume RUN_DIR (its job.yaml is used)", file=sys.stderr)
         return 2
+    if args.resume and args.set:
+        print("--set changes a job file before it starts; a resumed run keeps its own job.yaml", file=sys.stderr)
+        return 2
     resume_dir = Path(args.resume) if args.resume else None
-    job = _load(str(resume_dir / "job.yaml") if resume_dir else args.job)
+    job = _load(str(resume_dir / "job.yaml") if resume_dir else args.job, args.set)
     if job is None:
         return 2
     from cluster.driver import RunHalted, run_job
@@ -85,7 +89,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    job = _load(args.job)
+    job = _load(args.job, args.set)
     if job is None:
         return 2
     from cluster.soak import soak
@@ -111,7 +115,7 @@ def _jobs_api(args: argparse.Namespace) -> tuple[str, str | None] | None:
 def _submit(args: argparse.Namespace) -> int:
     from cluster.submit import SubmitError, submit, wait
 
-    job = _load(args.job)
+    job = _load(args.job, args.set)
     api = _jobs_api(args) if job is not None else None
     if job is None or api is None:
         return 2
@@ -268,6 +272,12 @@ def _prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_set_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                         help="override a field of the job file, as YAML (learner.steps=100, "
+                              "algorithm.stabilizer={name: vcpo}); repeatable, validated like the file")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every command and its flags (`main` runs the one given; tests parse the documented commands with it)."""
     parser = argparse.ArgumentParser(prog="stableasync", description=__doc__)
@@ -275,20 +285,24 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="run a job on the current Ray cluster (local by default)")
     train.add_argument("job", nargs="?")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    _add_set_option(train)
     train.set_defaults(run=_train)
     validate = commands.add_parser("validate", help="check a job file; every error with its field path")
     validate.add_argument("job")
+    _add_set_option(validate)
     validate.add_argument("--dry-run", action="store_true", help="print the resolved job")
     validate.add_argument("--schema-only", action="store_true", help="check the file alone, not the task's data "
                           "and reward function (a job whose data is on the cluster it is submitted to)")
     validate.set_defaults(run=_validate)
     soak = commands.add_parser("soak", help="a long run with generators killed every so often; audits the ledger")
     soak.add_argument("job")
+    _add_set_option(soak)
     soak.add_argument("--steps", type=int, default=6000, help="learner steps (about 0.25 s each for the demo on 2 cores)")
     soak.add_argument("--kill-every-s", type=float, default=120.0, help="seconds between generator kills (+-25%%)")
     soak.set_defaults(run=_soak)
     submit = commands.add_parser("submit", help="run a job on a remote Ray cluster (Ray Jobs API, token auth)")
     submit.add_argument("job")
+    _add_set_option(submit)
     _add_cluster_options(submit)
     submit.add_argument("--run-dir", default="~/stableasync/runs", help="parent of the run directory on the head node")
     submit.add_argument("--wait", action="store_true", help="block until the job ends; exit 0 only if it succeeded")

@@ -276,3 +276,25 @@ def test_a_micro_batch_budget_below_one_sequence_names_the_field():
     job = validate_job({**MINIMAL, "generator": {"max_model_len": 1024, "max_new_tokens": 64},
                         "learner": {"max_tokens_per_micro_batch": 1024}})
     assert job.learner.max_tokens_per_micro_batch == 1024
+
+
+def test_set_overrides_fields_as_yaml_and_the_schema_checks_them(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"task": {"name": "arithmetic"}, "learner": {"steps": 5}}))
+    job = load_job(path, ["learner.steps=100", "learner.learning_rate=2e-6", "async.max_lag=3",
+                          "algorithm.stabilizer={name: vcpo, use_baseline: false}", "eval.before_training=true"])
+    assert job.learner.steps == 100 and job.learner.learning_rate == 2e-6 and job.async_.max_lag == 3
+    assert job.algorithm.stabilizer.name == "vcpo" and job.algorithm.stabilizer.use_baseline is False
+    assert job.eval.before_training is True  # a section the file does not have is created
+    with pytest.raises(JobValidationError) as info:
+        load_job(path, ["learner.stepz=7", "learner.steps=-1", "novalue", "task.name.x=1"])
+    errors = {e.path: e.message for e in info.value.errors}
+    assert set(errors) == {"--set", "task.name", "learner.steps", "learner.stepz"}  # every error at once
+    assert "not FIELD=VALUE" in errors["--set"] and "not a section" in errors["task.name"]
+
+
+def test_a_resumed_run_refuses_set(tmp_path, capsys):
+    from cluster.cli import main as cli_main
+
+    assert cli_main(["train", "--resume", str(tmp_path), "--set", "learner.steps=9"]) == 2
+    assert "a resumed run keeps its own job.yaml" in capsys.readouterr().err
