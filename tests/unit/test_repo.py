@@ -44,3 +44,15 @@ def test_nothing_in_the_project_refers_to_files_outside_its_clone():
                for marker in markers if marker in (ROOT / name).read_text(errors="ignore")]
     assert not outside, f"these files refer to what a clone lacks: {outside}"
 
+
+
+def _package_modules(package: str) -> list[str]:
+    return sorted(f"{package}.{path.stem}" for path in (ROOT / package).glob("*.py") if path.stem != "__init__")
+
+
+def test_the_lower_layers_never_import_cluster_or_ray():
+    """actors, tasks and learner are plain classes and functions that cluster/ drives: none of their modules
+    pulls in the orchestration layer or Ray."""
+    for package in ("actors", "tasks", "learner"):
+        loaded = _modules_after_import(", ".join(_package_modules(package)))
+        assert not loaded & {"cluster", "ray"}, f"{package}: {sorted(loaded & {'cluster', 'ray'})}"
