@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from algorithms.errors import StableAsyncError
+
 log = logging.getLogger("stableasync")
 
 CHECKPOINTS = "checkpoints"
@@ -27,8 +29,12 @@ DRIVER_KEYS = {"version", "next_group_id", "problems_drawn", "rng", "ready", "in
                "ledger_lines", "metrics_lines"}
 
 
-class CheckpointFailed(RuntimeError):
+class CheckpointFailed(StableAsyncError, RuntimeError):
     """A checkpoint that could not be written (a full disk, a quota, storage gone); nothing of it is left."""
+
+
+class NoCheckpointRestored(StableAsyncError, RuntimeError):
+    """None of a run's checkpoints loaded into the learner; the message lists each one's error."""
 
 
 def write_checkpoint(run_dir: Path, version: int, keep: int, save_learners: Callable[[str, str], None],
@@ -59,7 +65,7 @@ def write_checkpoint(run_dir: Path, version: int, keep: int, save_learners: Call
     return final
 
 
-class ModelSaveFailed(RuntimeError):
+class ModelSaveFailed(StableAsyncError, RuntimeError):
     """A model folder that could not be written; nothing of it is left, and an older one stays as it was."""
 
 
@@ -114,4 +120,4 @@ def restore_learners(load: Callable[[str, str], int], candidates: list[tuple[Pat
             log.warning("learner state in %s did not load (%s); trying an older checkpoint", path,
                         str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__)
             errors.append(f"{path.name}: {type(error).__name__}")
-    raise RuntimeError(f"no checkpoint could be restored ({'; '.join(errors) or 'none found'})")
+    raise NoCheckpointRestored(f"no checkpoint could be restored ({'; '.join(errors) or 'none found'})")

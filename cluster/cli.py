@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 
 from algorithms.config import LossAggregation
+from algorithms.errors import StableAsyncError
 from cluster.job import Job, JobValidationError, dump_job, load_job
 
 
@@ -381,7 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.run(args)
+    try:
+        return args.run(args)
+    except StableAsyncError as error:  # explained failures: their message, not a traceback; anything else is a bug
+        logging.getLogger("stableasync").debug("%s", error, exc_info=True)
+        print(f"stableasync {args.command}: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

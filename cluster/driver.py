@@ -36,6 +36,7 @@ from actors.buffer import Ledger, RolloutBuffer, ScoredGroup, keep_first_lines
 from actors.generator import GeneratedGroup, GenerationRequest, GeneratorSpec
 from algorithms.config import STABILIZER_CONFIGS
 from algorithms.diagnostics import lag_stats
+from algorithms.errors import StableAsyncError
 from algorithms.rewards import overlong_penalty
 from cluster import runtime
 from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
@@ -94,7 +95,19 @@ class Member:
     restarts: int = 0
 
 
-class LearnerCrashed(RuntimeError):
+class CannotResume(StableAsyncError, RuntimeError):
+    """A learner crash the job does not come back from: restarts used up, or no checkpoint to resume."""
+
+
+class GeneratorLost(StableAsyncError, RuntimeError):
+    """A generator died more often than generator.max_restarts allows, did not come back, or none is left."""
+
+
+class SchedulerStuck(StableAsyncError, RuntimeError):
+    """The loop has nothing to wait for: no generation admitted and no batch ready (a bug, not a fault)."""
+
+
+class LearnerCrashed(StableAsyncError, RuntimeError):
     """A learner rank died: the job can go on from its latest checkpoint in `run_dir`."""
 
     def __init__(self, message: str, run_dir: Path) -> None:
@@ -106,7 +119,7 @@ class LearnerCrashed(RuntimeError):
 LEARNER_GROUP_FAILURES = (RayActorError, runtime.LearnerGroupBroken)
 
 
-class LearnerOutOfMemory(RuntimeError):
+class LearnerOutOfMemory(StableAsyncError, RuntimeError):
     """A learner rank ran out of memory: resuming with the same settings would only run out again."""
 
 
@@ -161,7 +174,7 @@ class ScoredSinceStep:
         return row
 
 
-class RunHalted(RuntimeError):
+class RunHalted(StableAsyncError, RuntimeError):
     """The run stopped itself, with a checkpoint to resume from, for a reason the user must fix first."""
 
 
@@ -203,10 +216,10 @@ def run_job(job: Job, resume_dir: Path | None = None, stop: StopRequest | None =
         except LearnerCrashed as crash:
             attempt += 1
             if attempt > job.learner.max_restarts:
-                raise RuntimeError(f"{crash}; not resuming: {attempt - 1} restarts already "
+                raise CannotResume(f"{crash}; not resuming: {attempt - 1} restarts already "
                                    f"(learner.max_restarts = {job.learner.max_restarts})") from crash
             if not readable_checkpoints(crash.run_dir):
-                raise RuntimeError(f"{crash}; not resuming: no usable checkpoint in {crash.run_dir / CHECKPOINTS} "
+                raise CannotResume(f"{crash}; not resuming: no usable checkpoint in {crash.run_dir / CHECKPOINTS} "
                                    "(set checkpoint.every_steps)") from crash
             log.warning("%s; resuming %s from its latest checkpoint (restart %d of %d)", crash, crash.run_dir,
                         attempt, job.learner.max_restarts)
@@ -470,11 +483,11 @@ class AsyncLoop:
         # every rank's ref: a rank that raises wakes the loop even while the others wait in a collective
         pending = list(self.generating) + self.learner_refs + list(self.starting) + list(self.evaluator.running)
         if not pending and not self.elastic:
-            raise RuntimeError("nothing to wait for: the buffer admits no generation and no batch is ready")
+            raise SchedulerStuck("nothing to wait for: the buffer admits no generation and no batch is ready")
         if not pending:  # every generator left: wait for a node to come back, for a while
             self.alone_since = self.alone_since or time.monotonic()
             if time.monotonic() - self.alone_since > GENERATOR_RESTART_TIMEOUT_S:
-                raise RuntimeError(f"no generator for {GENERATOR_RESTART_TIMEOUT_S:g} s: no node offers a free "
+                raise GeneratorLost(f"no generator for {GENERATOR_RESTART_TIMEOUT_S:g} s: no node offers a free "
                                    f"{self.job.cluster.generator_resource!r} unit (cluster.generator_resource)")
             time.sleep(SCALE_CHECK_S)
             return None
@@ -609,7 +622,7 @@ class AsyncLoop:
         member.restarts += 1
         limit = self.job.generator.max_restarts
         if member.restarts > limit:
-            raise RuntimeError(f"{reason}; it has died {member.restarts} times, more than "
+            raise GeneratorLost(f"{reason}; it has died {member.restarts} times, more than "
                                f"generator.max_restarts = {limit}")
         log.warning("%s; restart %d of %d: waiting for it, then weights version %d, then its groups again",
                     reason, member.restarts, limit, self.version)
@@ -665,10 +678,10 @@ class AsyncLoop:
                 ray.get(self.generators[index].ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
                 return
             except ActorDiedError as error:
-                raise RuntimeError(f"{reason}, and Ray could not restart it: {error}") from error
+                raise GeneratorLost(f"{reason}, and Ray could not restart it: {error}") from error
             except (RayActorError, GetTimeoutError) as error:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{reason}, and it was not back within {GENERATOR_RESTART_TIMEOUT_S:g} s") from error
+                    raise GeneratorLost(f"{reason}, and it was not back within {GENERATOR_RESTART_TIMEOUT_S:g} s") from error
                 time.sleep(0.5)
 
     def _reissue(self, index: int, requests: list[GenerationRequest], reason: str) -> None:

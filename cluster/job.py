@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from algorithms.config import STABILIZER_CONFIGS, LossAggregation
+from algorithms.errors import StableAsyncError
 from tasks.config import TASK_CONFIGS
 
 if TYPE_CHECKING:
@@ -355,7 +356,7 @@ class JobError:
         return f"{self.path}: {self.message}"
 
 
-class JobValidationError(ValueError):
+class JobValidationError(StableAsyncError, ValueError):
     """All the errors of a job file at once."""
 
     def __init__(self, source: str, errors: list[JobError]) -> None:

@@ -19,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from algorithms.errors import StableAsyncError
 from cluster.run_files import STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, step_rows
 
 REWARD_KEY = "rollout/reward_mean"
@@ -39,7 +40,7 @@ DEFAULT_ESS_COLLAPSE_STEPS = 3
 Row = dict[str, Any]
 
 
-class ReportError(ValueError):
+class ReportError(StableAsyncError, ValueError):
     """A run directory cannot be read; the message names the file (and the line, for metrics.jsonl)."""
 
 

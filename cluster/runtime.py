@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from actors.generator import Generator, GeneratorSpec, engine_env
 from algorithms import native
+from algorithms.errors import StableAsyncError
 from learner.batch import TrainBatch
 from learner.rank import LearnerRank, LearnerSpec
 from learner.weight_sync import CollectiveWeightSync
@@ -132,6 +133,14 @@ class GeneratorActor(Generator):
         return ray.get_runtime_context().get_node_id()
 
 
+class WeightGroupClosed(StableAsyncError, RuntimeError):
+    """A generator must join a collective weight group after it formed (a restart): it cannot."""
+
+
+class PlacementTimeout(StableAsyncError, RuntimeError):
+    """The learner's placement group found no room in time; the message names the settings to change."""
+
+
 class ObjectStorePublisher:
     """The default path: rank 0 puts the weights in the object store once; every generator reads them."""
 
@@ -179,7 +188,7 @@ class CollectivePublisher:
                    for i, g in enumerate(self.generators.values())])
 
     def restore(self, index: int) -> int:
-        raise RuntimeError(
+        raise WeightGroupClosed(
             f"generator {index} was restarted, but a collective weight group cannot take a new member; "
             "use async.weight_sync: object_store for jobs whose generators must survive restarts"
         )
@@ -219,7 +228,7 @@ def _failed(refs: list[ray.ObjectRef]) -> list[int]:
     return failed
 
 
-class LearnerGroupBroken(RuntimeError):
+class LearnerGroupBroken(StableAsyncError, RuntimeError):
     """A rank's call failed while other ranks stay inside it, waiting in a collective the failed rank left: the
     group's collectives are out of step, and only new ranks (a restart from a checkpoint) go on."""
 
@@ -240,7 +249,7 @@ class LearnerGroup:
             ray.get(self.placement.ready(), timeout=placement_timeout_s)
         except GetTimeoutError:
             remove_placement_group(self.placement)
-            raise RuntimeError(
+            raise PlacementTimeout(
                 f"the learner's {num_ranks} rank(s) of {bundles[0]} could not be placed within "
                 f"{placement_timeout_s:g} s; the cluster has {ray.available_resources()} free of "
                 f"{ray.cluster_resources()} (learner.cpus_per_rank, learner.gpus_per_rank, learner.num_ranks, "

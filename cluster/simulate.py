@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
 from algorithms.config import CheckedConfig, config_field
+from algorithms.errors import StableAsyncError
 from cluster.run_files import STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, step_rows
 
 
@@ -360,7 +361,7 @@ def paper_config() -> SimConfig:
 # ---- calibration from a finished run ---------------------------------------------------------------
 
 
-class CalibrationError(ValueError):
+class CalibrationError(StableAsyncError, ValueError):
     """A run directory cannot be read for calibration; the message names the file."""
 
 

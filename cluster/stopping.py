@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from algorithms.errors import StableAsyncError
+
 log = logging.getLogger("stableasync")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -45,7 +47,7 @@ class StopRequest:
         self._take_signals()
 
 
-class JobStopped(RuntimeError):
+class JobStopped(StableAsyncError, RuntimeError):
     """A run that stopped when asked, at a checkpoint it can continue from."""
 
     def __init__(self, signal_name: str, step: int, checkpoint: Path, run_dir: Path) -> None:

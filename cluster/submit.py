@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from algorithms.errors import StableAsyncError
 from cluster.job import Job, dump_job
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ PROJECT_FILES = ("pyproject.toml",)
 DEFAULT_RUN_DIR = "~/stableasync/runs"  # on the head node, outside the job's temporary working_dir
 
 
-class SubmitError(RuntimeError):
+class SubmitError(StableAsyncError, RuntimeError):
     """A submission that cannot go ahead, with what to do about it."""
 
 

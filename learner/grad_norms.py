@@ -35,11 +35,13 @@ from typing import Callable, Iterator, Union
 import torch
 from torch import Tensor, nn
 
+from algorithms.errors import StableAsyncError
+
 # Samples per Gram-matrix chunk: bounds the [chunk, T, T] and [chunk, out, in] temporaries.
 CHUNK_ELEMENTS = 1 << 25
 
 
-class UncoveredParameters(RuntimeError):
+class UncoveredParameters(StableAsyncError, RuntimeError):
     """Trainable parameters that the ghost-norm path cannot account for."""
 
 

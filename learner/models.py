@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
+from algorithms.errors import StableAsyncError
+
 MARKER = "stableasync-build.json"
 # Bump when a builder's output changes for the same parameters, so cached folders are rebuilt.
 BUILDER_VERSION = 2
@@ -157,7 +159,7 @@ def prepare_smollm2(cache_dir: Path | None = None) -> Path:
 KNOWN_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m": prepare_smollm2}
 
 
-class ModelPathError(ValueError):
+class ModelPathError(StableAsyncError, ValueError):
     """`model.path` names no model this machine can load; the message says which and why."""
 
 

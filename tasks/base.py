@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from algorithms.errors import StableAsyncError
+
 ANSWER_FORMAT = "Reply with the final answer inside <answer></answer> tags."
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -18,7 +20,7 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 CYCLING_SPLITS = ("train", "sft")  # the splits drawn for as long as a run lasts
 
 
-class TaskError(ValueError):
+class TaskError(StableAsyncError, ValueError):
     """Bad task input (a data file, a row, a reward function): the message names the field, file and line."""
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from algorithms.errors import StableAsyncError
 from tasks.base import Problem, Task, build_task
 
 
@@ -61,7 +62,7 @@ class _StartFailed:
     reason: str
 
 
-class RewardWorkerError(RuntimeError):
+class RewardWorkerError(StableAsyncError, RuntimeError):
     """A reward worker could not start: every completion would fail alike, so scoring stops here."""
 
 

@@ -298,3 +298,15 @@ def test_a_resumed_run_refuses_set(tmp_path, capsys):
 
     assert cli_main(["train", "--resume", str(tmp_path), "--set", "learner.steps=9"]) == 2
     assert "a resumed run keeps its own job.yaml" in capsys.readouterr().err
+
+
+def test_the_cli_prints_an_explained_failure_without_a_traceback(monkeypatch, capsys):
+    import cluster.cli as cli
+    from tasks.base import TaskError
+
+    def fails(args):
+        raise TaskError("task.path: row 3 has no 'answer'")
+
+    monkeypatch.setattr(cli, "_validate", fails)
+    assert cli.main(["validate", "job.yaml"]) == 1
+    assert capsys.readouterr().err.strip() == "stableasync validate: task.path: row 3 has no 'answer'"

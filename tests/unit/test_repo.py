@@ -56,3 +56,23 @@ def test_the_lower_layers_never_import_cluster_or_ray():
     for package in ("actors", "tasks", "learner"):
         loaded = _modules_after_import(", ".join(_package_modules(package)))
         assert not loaded & {"cluster", "ray"}, f"{package}: {sorted(loaded & {'cluster', 'ray'})}"
+
+
+def test_every_error_the_project_defines_shares_one_base():
+    """A caller tells StableAsync's explained failures from bugs by one class; the CLI prints those
+    without a traceback."""
+    code = """
+import importlib, inspect, pkgutil
+from algorithms.errors import StableAsyncError
+stray = []
+for package in ("algorithms", "actors", "tasks", "learner", "cluster"):
+    for info in pkgutil.iter_modules([package]):
+        module = importlib.import_module(f"{package}.{info.name}")
+        for name, obj in vars(module).items():
+            if (inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == module.__name__
+                    and not issubclass(obj, StableAsyncError)):
+                stray.append(f"{module.__name__}.{name}")
+print(stray)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
