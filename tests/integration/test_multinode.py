@@ -136,17 +136,19 @@ def test_elastic_generators_follow_nodes_joining_and_leaving(cluster, tmp_path):
 
 def test_every_node_is_asked_which_paths_it_sees(cluster, tmp_path):
     """The start-up check of a multi-node job runs on every node: each reports the driver's paths it
-    cannot see (here nodes share this machine's disk, so only the path that exists nowhere)."""
-    from cluster import runtime
-
+    cannot see (here nodes share this machine's disk, so only the path that exists nowhere). Run from a
+    driver process of its own, as a job's driver is (Ray keeps a process's first connection settings)."""
     other = _add_generator_node(cluster)
     seen, nowhere = tmp_path / "runs", tmp_path / "absent"
     seen.mkdir()
-    ray.init(address=cluster.address)
-    try:
-        missing = runtime.paths_missing_on_nodes([str(seen), str(nowhere)])
-        nodes = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
-        assert other.node_id in nodes and len(nodes) == 2
-        assert missing == {node: [str(nowhere)] for node in nodes}
-    finally:
-        ray.shutdown()
+    code = ("import json, ray; from cluster import runtime; "
+            f"ray.init(address={cluster.address!r}, logging_level='ERROR'); "
+            f"missing = runtime.paths_missing_on_nodes([{str(seen)!r}, {str(nowhere)!r}]); "
+            "nodes = sorted(n['NodeID'] for n in ray.nodes() if n['Alive']); "
+            "print(json.dumps({'missing': missing, 'nodes': nodes}))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                            capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert other.node_id in report["nodes"] and len(report["nodes"]) == 2
+    assert report["missing"] == {node: [str(nowhere)] for node in report["nodes"]}
