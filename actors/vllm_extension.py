@@ -122,8 +122,7 @@ class GlooEngine(_CheckpointFormatEngine):
 
         if self.sync is None:
             raise RuntimeError("the gloo weight transfer was not initialised (init_weight_transfer_engine first)")
-        specs = [TensorSpec(name, tuple(shape), dtype)
-                 for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes)]
+        specs = TensorSpec.from_wire(update_info.names, update_info.dtype_names, update_info.shapes)
         for bucket in self.sync.receive(specs):  # one bucket's tensors at a time, loaded as they arrive
             self.model.load_weights(bucket)
 

@@ -20,7 +20,7 @@ from algorithms import native
 from algorithms.errors import StableAsyncError
 from learner.batch import TrainBatch
 from learner.rank import LearnerRank, LearnerSpec
-from learner.weight_sync import CollectiveWeightSync
+from learner.weight_sync import CollectiveWeightSync, TensorSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("stableasync")
@@ -103,13 +103,13 @@ class LearnerActor(LearnerRank):
         if self.transfer is None:
             self.follow_publish()
             return 0
-        specs, tensors = self.publish_specs(dtype), self.published_tensors()
+        specs, weights = self.publish_specs(dtype), self.published_weights()
         if isinstance(self.transfer, CollectiveWeightSync):
-            return self.transfer.send(specs, tensors)
+            return self.transfer.send(specs, (tensor for _, tensor in weights))
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         wire = getattr(torch, dtype)
-        packed_nccl_broadcast_producer(zip((s.name for s in specs), tensors), self.transfer, 0,
+        packed_nccl_broadcast_producer(weights, self.transfer, 0,
                                        post_iter_func=lambda item: item[1].to(self.device, wire, copy=True))
         return sum(torch.Size(s.shape).numel() * wire.itemsize for s in specs)
 
@@ -180,9 +180,8 @@ class CollectivePublisher:
         host, port = rendezvous.host, rendezvous.port
         world = 1 + tensor_parallel_size * len(self.generators)
         self.dtype = dtype
-        specs = ray.get(learners.ranks[0].publish_specs.remote(dtype))  # local shapes: no collective
-        self.update_info = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
-                            "shapes": [list(s.shape) for s in specs]}
+        # local shapes on rank 0: no collective
+        self.update_info = TensorSpec.wire(ray.get(learners.ranks[0].publish_specs.remote(dtype)))
         ray.get([rank.join_weight_transfer.remote(host, port, world, backend) for rank in learners.ranks]
                 + [g.join_weight_transfer.remote(host, port, 1 + i * tensor_parallel_size, world)
                    for i, g in enumerate(self.generators.values())])

@@ -101,7 +101,6 @@ class _CarriedGroup:
     score: dict[torch.nn.Parameter, Tensor] | None = None  # fp32, per parameter: sum over seen rows of grad slope
     slope_loss: float = 0.0  # the pieces' loss at advantages `slope`
     seen: int = 0  # rows of the group passed so far
-    closed: bool = False
 
     @classmethod
     def start(cls, stabilizer: Any, batch: TrainBatch, rows: Tensor) -> _CarriedGroup:
@@ -128,7 +127,7 @@ class _CarriedGroup:
     def close(self, grads: dict[torch.nn.Parameter, Tensor], baseline: float) -> dict[torch.nn.Parameter, Tensor]:
         """The last piece's gradient minus b times the score buffer, which is then released."""
         out = {param: (grad.float() - baseline * self.score[param]).to(grad.dtype) for param, grad in grads.items()}
-        self.score, self.closed = None, True
+        self.score = None
         return out
 
 
@@ -426,7 +425,7 @@ class LearnerRank:
             step.loss += float(loss.detach()) if finite else math.nan
             if carried is not None and finite:
                 self._backward_piece(step, batch, carried, loss, slope, logprobs, sample_grads, micro.loss_mask)
-                carried = None if carried.closed else carried
+                carried = None if carried.complete else carried
             else:
                 # a later non-finite micro-batch poisons the accumulated gradient, so the engine's step finds a
                 # non-finite norm and discards it all (checked in _discard_step)
@@ -509,8 +508,8 @@ class LearnerRank:
         takes the gradient of loss(A0) now, the score buffer the gradient of `slope`, and the last piece
         hands the engine -b times the buffer."""
         grads = sample_grads.weighted_sum(self._sequence_coefficients(loss, logprobs, loss_mask, keep_graph=True))
-        carried.add(len(loss_mask), sample_grads.weighted_sum(self._sequence_coefficients(slope, logprobs, loss_mask), fp32=True),
-                    float(slope.detach()))
+        slope_grads = sample_grads.weighted_sum(self._sequence_coefficients(slope, logprobs, loss_mask), fp32=True)
+        carried.add(len(loss_mask), slope_grads, float(slope.detach()))
         if carried.complete:
             advantages, baseline = self._advantages(batch.rows(carried.rows), step.logprobs[carried.rows],
                                                     SampleGradients(step.squared_norms[carried.rows]))
@@ -622,27 +621,27 @@ class LearnerRank:
 
     def publish_specs(self, dtype: str) -> list[TensorSpec]:
         """Name (HF checkpoint), whole shape and wire `dtype` of every published weight, in the order
-        `published_tensors` yields them; read locally (ZeRO-3's `ds_shape`), no collective."""
+        `published_weights` yields them; read locally (ZeRO-3's `ds_shape`), no collective."""
         return [TensorSpec(name, tuple(getattr(param, "ds_shape", param.shape)), dtype)
                 for name, param in self.engine.module.named_parameters()]
 
-    def published_tensors(self) -> Iterator[Tensor]:
-        """Each weight of `publish_specs`, whole, one at a time: valid until the next is asked for (copy it).
+    def published_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(name, weight) of `publish_specs`, whole, one at a time: valid until the next is asked for (copy it).
         Under ZeRO-3 every rank must iterate in step, since each parameter's gather is a collective; no
         rank holds more than one gathered parameter."""
-        for _, param in self.engine.module.named_parameters():
+        for name, param in self.engine.module.named_parameters():
             if self.spec.zero_stage != 3:
-                yield param.detach()
+                yield name, param.detach()
                 continue
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                yield param.detach()
+                yield name, param.detach()
 
     def follow_publish(self) -> None:
         """A rank that keeps no weights while rank 0 publishes them: under ZeRO-3, its part in each gather."""
         if self.spec.zero_stage == 3:
-            for _ in self.published_tensors():
+            for _ in self.published_weights():
                 pass
 
     def packed_weights_for_publish(self, dtype: str = "float32") -> PackedWeights | None:
@@ -652,7 +651,7 @@ class LearnerRank:
             self.follow_publish()
             return None
         packed = PackedWeights.allocate(self.publish_specs(dtype))
-        for index, tensor in enumerate(self.published_tensors()):
+        for index, (_, tensor) in enumerate(self.published_weights()):
             packed.put(index, tensor)
         return packed
 
@@ -670,11 +669,10 @@ class LearnerRank:
                 save_model_folder(module, self.spec.model_path, folder)
             return
         # one parameter gathered at a time; rank 0 copies each to host memory, so no rank holds the model
-        names = [spec.name for spec in self.publish_specs("float32")]
         if self.rank != 0:
             self.follow_publish()
             return
-        state = {name: tensor.to("cpu", copy=True) for name, tensor in zip(names, self.published_tensors())}
+        state = {name: tensor.to("cpu", copy=True) for name, tensor in self.published_weights()}
         save_model_folder(module, self.spec.model_path, folder, state)
 
     # ---- checkpoints -------------------------------------------------------------------------

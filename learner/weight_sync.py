@@ -35,6 +35,17 @@ class TensorSpec:
         """The specs of `weights`, in their order (the order they are sent and received in)."""
         return [TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in weights.items()]
 
+    @staticmethod
+    def wire(specs: list[TensorSpec]) -> dict[str, list]:
+        """`specs` as vLLM's weight-transfer update info spells them: names, dtype_names and shapes."""
+        return {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
+                "shapes": [list(s.shape) for s in specs]}
+
+    @staticmethod
+    def from_wire(names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> list[TensorSpec]:
+        """The specs of an update info (`wire`'s inverse)."""
+        return [TensorSpec(name, tuple(shape), dtype) for name, dtype, shape in zip(names, dtype_names, shapes)]
+
 
 # Each tensor starts on a multiple of this many bytes, so a view of any dtype is aligned.
 _ALIGN_BYTES = 64
@@ -92,16 +103,11 @@ class PackedWeights:
         with warnings.catch_warnings():  # torch warns that the (read-only) array is not writable
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(self.data)
-        return {"names": [s.name for s in self.specs], "dtype_names": [s.dtype for s in self.specs],
-                "shapes": [list(s.shape) for s in self.specs], "offsets": list(self.offsets), "data": data}
+        return {**TensorSpec.wire(list(self.specs)), "offsets": list(self.offsets), "data": data}
 
     def tensors(self) -> dict[str, Tensor]:
         """Name -> tensor views of the buffer. Read-only when it is object-store memory: load, never modify."""
-        with warnings.catch_warnings():  # torch warns that the (read-only) array is not writable
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(self.data)
-        return {spec.name: _view(data, offset, getattr(torch, spec.dtype), spec.shape)
-                for spec, offset in zip(self.specs, self.offsets)}
+        return dict(unpack(**self.update_info()))
 
 
 def _view(data: Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> Tensor:
@@ -113,8 +119,8 @@ def _view(data: Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...] 
 def unpack(names: list[str], dtype_names: list[str], shapes: list[list[int]], offsets: list[int],
            data: Tensor) -> list[tuple[str, Tensor]]:
     """(name, tensor) views of a packed uint8 buffer, as `PackedWeights.update_info` describes it."""
-    return [(name, _view(data, offset, getattr(torch, dtype), tuple(shape)))
-            for name, dtype, shape, offset in zip(names, dtype_names, shapes, offsets)]
+    return [(spec.name, _view(data, offset, getattr(torch, spec.dtype), spec.shape))
+            for spec, offset in zip(TensorSpec.from_wire(names, dtype_names, shapes), offsets)]
 
 
 def buckets(specs: list[TensorSpec], bucket_mb: int) -> list[list[TensorSpec]]:
