@@ -852,8 +852,8 @@ def _generator_starter(job: Job, model_path: str, name_prefix: str) -> Callable[
     spec, g = _generator_spec(job, model_path), job.generator
     # Elastic members are not restarted in place: a dead one leaves, and a new one joins on a free unit.
     max_restarts = 0 if g.max_generators is not None else g.max_restarts
-    return functools.partial(runtime.start_generator, spec, cpus=g.cpus_per_generator, max_restarts=max_restarts, name_prefix=name_prefix,
-                             node_resource=job.cluster.generator_resource)
+    return functools.partial(runtime.start_generator, spec, cpus=g.cpus_per_generator, max_restarts=max_restarts,
+                             name_prefix=name_prefix, node_resource=job.cluster.generator_resource)
 
 
 def _placement(learners: runtime.LearnerGroup, generators: dict[int, Any]) -> dict[str, Any]:
@@ -914,10 +914,10 @@ def shared_path_errors(run_dir: Path, model_path: str, missing: dict[str, list[s
 
 def _check_shared_paths(run_dir: Path, model_path: str) -> None:
     """Before any actor starts: every node sees the run directory and a local model where the driver does."""
-    run_dir = run_dir.resolve()
-    model = str(Path(model_path).resolve()) if Path(model_path).exists() else model_path  # else a hub id
-    local = [str(run_dir)] + ([model] if Path(model).exists() else [])
-    errors = shared_path_errors(run_dir, model, runtime.paths_missing_on_nodes(local))
+    run_dir, local_model = run_dir.resolve(), Path(model_path).exists()  # else a hub id, which each node fetches
+    model = str(Path(model_path).resolve()) if local_model else model_path
+    missing = runtime.paths_missing_on_nodes([str(run_dir)] + ([model] if local_model else []))
+    errors = shared_path_errors(run_dir, model, missing)
     if errors:
         raise JobValidationError("cluster", errors)
 

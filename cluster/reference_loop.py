@@ -22,7 +22,8 @@ import socket
 from pathlib import Path
 from statistics import mean
 
-from actors.generator import GenerationRequest, Generator
+from actors.buffer import ScoredGroup
+from actors.generator import GeneratedGroup, GenerationRequest, Generator
 from cluster.driver import _generator_spec, _learner_spec
 from cluster.job import Job, job_task, load_job
 from cluster.model_prep import prepare_model, sft_samples
@@ -32,15 +33,15 @@ from tasks.base import Problem, Task
 from tasks.scoring import score_inline
 
 
-def training_samples(task: Task, problems: list[Problem], groups: list) -> list[dict]:
+def training_samples(task: Task, problems: list[Problem], groups: list[GeneratedGroup]) -> list[dict]:
     """Each response with its reward, the prompt's group id and the behaviour log-probs of its tokens."""
     samples = []
     for problem, group in zip(problems, groups):
         texts = [completion["text"] for completion in group.completions]
-        for completion, score in zip(group.completions, score_inline(task, [problem] * len(texts), texts)):
-            samples.append({"prompt_ids": group.prompt_ids, "completion_ids": completion["completion_ids"],
-                            "behaviour_logprobs": completion["behaviour_logprobs"], "reward": score.reward,
-                            "group_id": group.group_id, "version": group.version_start})
+        scores = score_inline(task, [problem] * len(texts), texts)
+        completions = [dict(completion, reward=score.reward) for completion, score in zip(group.completions, scores)]
+        samples += ScoredGroup(group.group_id, group.problem_id, group.prompt_ids, completions, group.version_start,
+                               group.version_end, group.generator_index).samples()
     return samples
 
 
