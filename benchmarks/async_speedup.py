@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.core_contention import report, slowdown_with_both_cores_busy
-from cluster.run_files import metric_number, read_jsonl_rows, step_rows
+from cluster.telemetry.run_files import metric_number, read_jsonl_rows, step_rows
 
 SKIP_STEPS = 5  # warm-up: the first RL steps include engine and optimizer first-call costs
 
@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps <= SKIP_STEPS:
         parser.error(f"--steps must be above {SKIP_STEPS}: the first {SKIP_STEPS} steps are left out as warm-up")
 
-    from cluster.driver import train
+    from cluster.run.driver import train
     from cluster.job import load_job
-    from cluster.simulate import calibrate, simulate
+    from cluster.experiments.simulate import calibrate, simulate
 
     base = load_job(args.job).model_dump(mode="json", by_alias=True)
     out = Path(args.out)

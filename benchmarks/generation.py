@@ -22,7 +22,7 @@ import torch
 
 def _problems(job, count: int) -> tuple[str, list[list[dict[str, str]]]]:
     from cluster.job import job_task, load_job
-    from cluster.model_prep import prepare_model
+    from cluster.run.model_prep import prepare_model
 
     loaded = load_job(job)
     task = job_task(loaded)

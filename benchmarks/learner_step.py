@@ -43,7 +43,7 @@ PROMPT_TOKENS = 16
 
 def _model_path(job_file: str) -> str:
     from cluster.job import load_job
-    from cluster.model_prep import prepare_model
+    from cluster.run.model_prep import prepare_model
     from tasks.base import build_task
 
     job = load_job(job_file)

@@ -27,7 +27,7 @@ import torch
 
 def _job_and_model(job_file: str):
     from cluster.job import job_task, load_job
-    from cluster.model_prep import prepare_model
+    from cluster.run.model_prep import prepare_model
 
     job = load_job(job_file)
     return job, prepare_model(job, job_task(job))
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
     import ray
 
-    from cluster import runtime
-    from cluster.driver import _generator_spec, _learner_spec
+    from cluster.run import runtime
+    from cluster.run.driver import _generator_spec, _learner_spec
 
     job, model_path = _job_and_model(args.job)
     runtime.connect(None, 3, "stableasync-bench")

@@ -62,8 +62,8 @@ def _train(args: argparse.Namespace) -> int:
     job = _load(str(resume_dir / "job.yaml") if resume_dir else args.job, args.set)
     if job is None:
         return 2
-    from cluster.driver import RunHalted, run_job
-    from cluster.stopping import JobStopped, stop_on_signals
+    from cluster.run.driver import RunHalted, run_job
+    from cluster.run.stopping import JobStopped, stop_on_signals
     from learner.models import ModelPathError
     from tasks.base import TaskError
 
@@ -93,14 +93,14 @@ def _soak(args: argparse.Namespace) -> int:
     job = _load(args.job, args.set)
     if job is None:
         return 2
-    from cluster.soak import soak
+    from cluster.experiments.soak import soak
 
     return soak(job, args.steps, args.kill_every_s)
 
 
 def _jobs_api(args: argparse.Namespace) -> tuple[str, str | None] | None:
     """The Jobs API address and auth token of a cluster command, or None after saying what is missing."""
-    from cluster.submit import SubmitError, find_token
+    from cluster.remote.submit import SubmitError, find_token
 
     address = args.address or os.environ.get("RAY_API_SERVER_ADDRESS")
     if not address:
@@ -114,7 +114,7 @@ def _jobs_api(args: argparse.Namespace) -> tuple[str, str | None] | None:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from cluster.submit import SubmitError, submit, wait
+    from cluster.remote.submit import SubmitError, submit, wait
 
     job = _load(args.job, args.set)
     api = _jobs_api(args) if job is not None else None
@@ -137,7 +137,7 @@ def _submit(args: argparse.Namespace) -> int:
 
 def _cluster_job(args: argparse.Namespace) -> int:
     """status, logs and stop of a submitted job."""
-    from cluster.submit import SubmitError, client
+    from cluster.remote.submit import SubmitError, client
 
     api = _jobs_api(args)
     if api is None:
@@ -177,7 +177,7 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from cluster import simulate
+    from cluster.experiments import simulate
 
     if args.calibrate and args.paper:
         print("give --calibrate RUN_DIR or --paper, not both", file=sys.stderr)
@@ -188,7 +188,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from cluster import report
+    from cluster.experiments import report
 
     return report.run_cli(args.run_dirs, args.out, args.target_reward, args.ess_collapse_below,
                           args.ess_collapse_steps)
@@ -203,9 +203,9 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from cluster.report import ReportError, print_tables
-    from cluster.stopping import JobStopped, stop_on_signals
-    from cluster.sweep import sweep
+    from cluster.experiments.report import ReportError, print_tables
+    from cluster.run.stopping import JobStopped, stop_on_signals
+    from cluster.experiments.sweep import sweep
 
     job = _load(args.job)
     if job is None:
@@ -234,9 +234,9 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from cluster.checkpoints import LEARNER, TAG, ModelSaveFailed, readable_checkpoints, write_model
+    from cluster.run.checkpoints import LEARNER, TAG, ModelSaveFailed, readable_checkpoints, write_model
     from cluster.job import job_task
-    from cluster.model_prep import prepare_model
+    from cluster.run.model_prep import prepare_model
     from learner.export import save_checkpoint_model
 
     run_dir = Path(args.run_dir)

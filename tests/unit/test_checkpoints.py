@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
+from cluster.run.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
                                  restore_learners, write_checkpoint, write_model)
 
 
@@ -57,7 +57,7 @@ def test_a_checkpoint_that_cannot_be_written_leaves_nothing_and_says_which_step(
 
 def test_train_exits_1_when_the_finished_run_has_no_model(tmp_path, monkeypatch, capsys):
     """Every step ran but the model the user asked for is missing: not a success (exit 1), and why is said."""
-    from cluster import driver
+    from cluster.run import driver
     from cluster.cli import main as cli_main
 
     job = tmp_path / "job.yaml"

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
-MODULE = re.compile(r"(benchmarks|cluster)\.[a-z_]+")
+MODULE = re.compile(r"(benchmarks|cluster)(\.[a-z_]+)+")
 
 # Each documented command (and benchmark module) -> the tests that run it ("path::function"). Tests marked
 # slow run with `-m slow`; each command keeps at least its parsing, analysis or error path in the default run.
@@ -61,7 +61,7 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/unit/test_simulate.py::test_the_documented_calibrate_commands_on_a_recorded_run_with_evaluation_rows",
     ),
     "stableasync soak": ("tests/integration/test_benchmarks.py::test_soak_runs_the_job_and_audits_its_ledger",),
-    "cluster.job_entrypoint": ("tests/unit/test_job_entrypoint.py::test_no_command_is_a_usage_error",),
+    "cluster.remote.job_entrypoint": ("tests/unit/test_job_entrypoint.py::test_no_command_is_a_usage_error",),
     "benchmarks.async_speedup": (
         "tests/unit/test_benchmarks.py::test_async_speedup_analyses_recorded_runs_whose_evaluations_have_their_own_rows",
         "tests/integration/test_benchmarks.py::test_async_speedup_trains_each_lag_and_prints_its_tables",
@@ -100,7 +100,7 @@ def commands_in(text: str) -> list[tuple[str, list[str]]]:
                 break
             if after_m and MODULE.fullmatch(token):
                 found.append((token, tokens[i + 1:]))
-                if token != "cluster.job_entrypoint":  # the entrypoint's arguments are the command it runs
+                if token != "cluster.remote.job_entrypoint":  # the entrypoint's arguments are the command it runs
                     break
     return found
 
@@ -145,7 +145,7 @@ def test_the_docs_are_read_as_expected():
     assert ("stableasync report", ["report", "RUN_DIR...", "--out", "cmp", "--target-reward", "0.6",
             "--ess-collapse-below", "0.2", "--ess-collapse-steps", "5"]) in [(c, a) for _, c, a in lines]
     assert {"stableasync status", "stableasync logs", "stableasync stop", "stableasync sweep",
-            "benchmarks.async_speedup", "cluster.job_entrypoint"} <= {c for _, c, _ in lines}
+            "benchmarks.async_speedup", "cluster.remote.job_entrypoint"} <= {c for _, c, _ in lines}
     assert commands_in(".venv/bin/python -m benchmarks.generation --job JOB.yaml   # a comment") == [
         ("benchmarks.generation", ["--job", "JOB.yaml"])]
 
@@ -157,7 +157,7 @@ def test_every_documented_command_line_parses():
 
     failures = []
     for where, command, args in documented_lines():
-        if command == "cluster.job_entrypoint":  # it takes any command: the one it wraps is checked on its own
+        if command == "cluster.remote.job_entrypoint":  # it takes any command: the one it wraps is checked on its own
             continue
         try:
             parser = (build_parser() if command.startswith("stableasync ")

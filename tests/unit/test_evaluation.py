@@ -55,9 +55,9 @@ def _answers(problems, texts: list[list[str]], version: int):
 
 
 def _evaluator(tmp_path, problems, samples_per_problem: int = 1):
-    from cluster.evaluation import Evaluator
+    from cluster.run.evaluation import Evaluator
     from cluster.job import section_config
-    from cluster.metrics import MetricSink
+    from cluster.telemetry.metrics import MetricSink
     from tasks.config import TASK_CONFIGS
     from tasks.scoring import ScorePool
 
@@ -71,7 +71,7 @@ def test_an_evaluation_is_scored_into_its_own_row_and_answers_from_other_weights
     """The row of step 5 holds the verifier's view of the answers: 2 of 4 correct (1.0 each), one well-formed
     wrong (0.1), one without an answer (0.0). Answers a generator gave with step 3's weights when step 5 was
     asked for (restarted before it loaded them) are not step 5's evaluation: an alert, and no row."""
-    from cluster.evaluation import RunningEvaluation
+    from cluster.run.evaluation import RunningEvaluation
 
     problems = _set({"task": {"name": "arithmetic"}, "eval": {"every_steps": 5, "num_problems": 4}})
     evaluator, scorer, sink = _evaluator(tmp_path, problems)
@@ -98,7 +98,7 @@ def test_an_evaluation_is_scored_into_its_own_row_and_answers_from_other_weights
 def test_several_answers_per_problem_give_the_mean_over_answers_and_pass_at_k(tmp_path):
     """Two sampled answers per problem: eval/solved counts every answer alike (avg@2: 3 of 8 correct), and
     eval/pass_at_k counts the problems with a correct one among theirs (2 of 4)."""
-    from cluster.evaluation import RunningEvaluation
+    from cluster.run.evaluation import RunningEvaluation
 
     problems = _set({"task": {"name": "arithmetic"},
                      "eval": {"every_steps": 5, "num_problems": 4, "samples_per_problem": 2, "temperature": 1.0}})
@@ -132,7 +132,7 @@ def test_several_greedy_answers_are_refused():
 
 
 def test_an_evaluation_goes_to_an_idle_generator_else_to_the_one_sent_its_call_first():
-    from cluster.evaluation import evaluation_generator
+    from cluster.run.evaluation import evaluation_generator
 
     assert evaluation_generator([0, 1, 2], busy_in_send_order=[0, 2]) == 1
     assert evaluation_generator([0, 1, 2, 3], busy_in_send_order=[0]) == 1  # the lowest idle one
@@ -163,7 +163,7 @@ def test_a_resume_answers_again_its_own_steps_evaluation_and_warns_of_an_earlier
     """A checkpoint of step 4 taken while step 4 was being evaluated: the resume evaluates step 4 again on the
     restored weights. Taken while step 3 was (eval every 3 steps, checkpoints every 4): step 3's weights are
     gone, so its evaluation is lost, and the log says so."""
-    from cluster.evaluation import evaluate_again_on_resume
+    from cluster.run.evaluation import evaluate_again_on_resume
 
     with caplog.at_level("INFO", logger="stableasync"):
         assert evaluate_again_on_resume([4], restored_step=4)

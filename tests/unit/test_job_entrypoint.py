@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cluster.job_entrypoint import exit_status
+from cluster.remote.job_entrypoint import exit_status
 
 SERVICE = """
 import pathlib, signal, sys, time
@@ -51,7 +51,7 @@ sys.exit(130)
 
 
 def _start(out: Path, driver: str = DRIVER) -> subprocess.Popen:
-    command = [sys.executable, "-m", "cluster.job_entrypoint", sys.executable, "-c", driver, str(out), SERVICE]
+    command = [sys.executable, "-m", "cluster.remote.job_entrypoint", sys.executable, "-c", driver, str(out), SERVICE]
     return subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=Path(__file__).resolve().parents[2])
 
@@ -146,6 +146,6 @@ def test_exit_status_is_what_a_shell_reports():
 
 
 def test_no_command_is_a_usage_error():
-    result = subprocess.run([sys.executable, "-m", "cluster.job_entrypoint"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "cluster.remote.job_entrypoint"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 2 and "COMMAND" in result.stderr

@@ -20,7 +20,7 @@ def test_a_failing_wandb_never_stops_training(tmp_path, monkeypatch, caplog):
 
     import wandb
 
-    from cluster.metrics import MetricSink
+    from cluster.telemetry.metrics import MetricSink
 
     def unreachable(*args, **kwargs):
         raise ConnectionError("api.wandb.ai unreachable")
@@ -39,8 +39,8 @@ def test_an_evaluation_row_holds_its_metrics_only_and_readers_can_tell_it_from_a
     """`log_evaluation` writes the evaluated step's own row: no progress line, no stability rules, and only
     eval/* keys, so `is_evaluation_row` tells it apart (a run from before has eval/* keys in step rows)."""
     from cluster.job import AlertsSection
-    from cluster.metrics import MetricSink
-    from cluster.run_files import is_evaluation_row
+    from cluster.telemetry.metrics import MetricSink
+    from cluster.telemetry.run_files import is_evaluation_row
 
     sink = MetricSink(tmp_path, "run", {}, "disabled", progress_bar=True, alerts=AlertsSection())
     sink.log(1, {"stability/ess_ratio": 0.9})
@@ -63,8 +63,8 @@ def test_step_rows_are_the_learner_steps_alone_in_logged_order(tmp_path):
     """What the report, the calibration and the benchmarks count as steps: not the SFT warm-up's rows, not an
     evaluation's own row (written after later steps, with the evaluated step's number), but an older run's
     step row that carries eval/* keys."""
-    from cluster.metrics import MetricSink
-    from cluster.run_files import read_jsonl_rows, step_rows
+    from cluster.telemetry.metrics import MetricSink
+    from cluster.telemetry.run_files import read_jsonl_rows, step_rows
 
     sink = MetricSink(tmp_path, "run", {}, "disabled", progress_bar=False)
     sink.log(-1, {"sft/loss": 2.0})
@@ -103,17 +103,17 @@ def _metric_keys_in_source() -> dict[str, str]:
 
 def test_known_metrics_are_the_keys_the_code_logs():
     """KNOWN_METRICS is what the workspace file is checked against, so it must follow the code both ways."""
-    from cluster.metrics import KNOWN_METRICS, SAMPLES_TABLE, STEP_KEY, WALL_KEY
+    from cluster.telemetry.metrics import KNOWN_METRICS, SAMPLES_TABLE, STEP_KEY, WALL_KEY
 
     found = _metric_keys_in_source()
     unknown = {key: where for key, where in found.items() if key not in KNOWN_METRICS}
-    assert not unknown, f"logged but missing from cluster.metrics.KNOWN_METRICS: {unknown}"
+    assert not unknown, f"logged but missing from cluster.telemetry.metrics.KNOWN_METRICS: {unknown}"
     stale = set(KNOWN_METRICS) - set(found) - {STEP_KEY, WALL_KEY, SAMPLES_TABLE}  # written by the sink itself
     assert not stale, f"in KNOWN_METRICS but logged nowhere (renamed?): {sorted(stale)}"
 
 
 def _workspace_problems(spec: dict) -> list[str]:
-    from cluster.metrics import HISTOGRAM_METRICS, KNOWN_METRICS, STEP_KEY
+    from cluster.telemetry.metrics import HISTOGRAM_METRICS, KNOWN_METRICS, STEP_KEY
 
     problems = [] if spec.get("x_axis") == STEP_KEY else [f"x_axis is {spec.get('x_axis')!r}, not {STEP_KEY}"]
     for section in spec["sections"]:
@@ -206,7 +206,7 @@ def test_offline_wandb_run_holds_the_metrics_histograms_groups_and_alerts(tmp_pa
     """The sink's W&B side, read back from the offline run file with W&B's own record format: every value
     and the lag histogram per step, each metric group plotted against train/step, the summaries, the alert."""
     from cluster.job import AlertsSection
-    from cluster.metrics import SUMMARIES, MetricSink, metric_groups
+    from cluster.telemetry.metrics import SUMMARIES, MetricSink, metric_groups
 
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / name.lower()))
@@ -270,7 +270,7 @@ def test_offline_wandb_run_holds_the_metrics_histograms_groups_and_alerts(tmp_pa
 
 def _alert_steps(key: str, values: list[float], **thresholds) -> list[int]:
     """The steps (1, 2, ...) at which the rules raise an alert for this sequence of one metric."""
-    from cluster.alerts import StabilityAlerts
+    from cluster.telemetry.alerts import StabilityAlerts
     from cluster.job import AlertsSection
 
     rules = StabilityAlerts(AlertsSection(**thresholds))
@@ -294,7 +294,7 @@ def test_ess_collapse_alerts_once_per_collapse(values, expected):
 def test_ess_collapse_rule_can_be_turned_off_and_ignores_steps_without_ess():
     assert _alert_steps("stability/ess_ratio", [0.0] * 5, ess_ratio_below=None) == []
     assert _alert_steps("stability/ess_ratio", [0.0, 0.0], ess_collapse_steps=1) == [1]
-    from cluster.alerts import StabilityAlerts
+    from cluster.telemetry.alerts import StabilityAlerts
     from cluster.job import AlertsSection
 
     rules = StabilityAlerts(AlertsSection(ess_collapse_steps=2))
@@ -308,7 +308,7 @@ def test_entropy_collapse_is_off_by_default_and_alerts_once_per_collapse():
     assert _alert_steps("stability/entropy", values) == []  # null unless the job sets a threshold
     assert _alert_steps("stability/entropy", values, entropy_below=0.1, entropy_collapse_steps=3) == [4, 8]
     assert _alert_steps("stability/entropy", values, entropy_below=0.1, entropy_collapse_steps=2) == [3, 7]
-    from cluster.alerts import StabilityAlerts
+    from cluster.telemetry.alerts import StabilityAlerts
     from cluster.job import AlertsSection
 
     rules = StabilityAlerts(AlertsSection(entropy_below=0.2, entropy_collapse_steps=1, ess_collapse_steps=1))
@@ -348,7 +348,7 @@ def test_the_sink_raises_stability_alerts_on_rl_steps_only(tmp_path, caplog):
     """The sink consults the rules in `log`: a log line per alert (W&B is off here), none for SFT steps
     (step <= 0) and none without an alert configuration."""
     from cluster.job import AlertsSection
-    from cluster.metrics import MetricSink
+    from cluster.telemetry.metrics import MetricSink
 
     caplog.set_level(logging.WARNING, logger="stableasync")
     bad = {"stability/ess_ratio": 0.01, "optim/grad_norm": NAN}

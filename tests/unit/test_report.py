@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.report import ReportError, _unique_labels, load_run, summarise, summarise_cells, write_report
+from cluster.experiments.report import ReportError, _unique_labels, load_run, summarise, summarise_cells, write_report
 from tests.fixtures import BENCH_ASYNC, learner_rows, metric_rows
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -472,7 +472,7 @@ def test_importing_the_report_loads_no_torch_ray_or_matplotlib():
     import subprocess
     import sys
 
-    code = "import sys, cluster.report; print(' '.join(sorted(sys.modules)))"
+    code = "import sys, cluster.experiments.report; print(' '.join(sorted(sys.modules)))"
     root = Path(__file__).resolve().parents[2]
     loaded = {name.split(".")[0] for name in subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
                                                              capture_output=True, text=True).stdout.split()}

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from actors.buffer import ScoredGroup
-from cluster.samples import COLUMNS, rollout_samples
+from cluster.telemetry.samples import COLUMNS, rollout_samples
 from tests.unit.test_metrics import _nested, _wandb_records
 
 
@@ -40,7 +40,7 @@ def test_fewer_log_ratios_than_responses_is_an_error():
 
 
 def test_the_sink_appends_samples_jsonl_and_logs_a_wandb_table(tmp_path, monkeypatch):
-    from cluster.metrics import SAMPLES_TABLE, MetricSink
+    from cluster.telemetry.metrics import SAMPLES_TABLE, MetricSink
 
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / name.lower()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.driver import shared_path_errors
+from cluster.run.driver import shared_path_errors
 
 
 def test_each_path_a_node_misses_is_an_error_on_its_field_naming_the_nodes():

@@ -12,7 +12,7 @@ import pytest
 
 from cluster.cli import main
 from cluster.job import dump_job, validate_job
-from cluster.simulate import SimConfig, calibrate, simulate
+from cluster.experiments.simulate import SimConfig, calibrate, simulate
 from tests.fixtures import BENCH_ASYNC, learner_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,7 +150,7 @@ def test_bad_setting_names_the_field():
 
 
 def test_no_torch_ray_or_numpy():
-    code = "import sys, cluster.simulate; print('\\n'.join(sorted(sys.modules)))"
+    code = "import sys, cluster.experiments.simulate; print('\\n'.join(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
     loaded = {name.split(".")[0] for name in out.stdout.split()}
     assert not loaded & {"torch", "ray", "numpy", "vllm", "deepspeed"}

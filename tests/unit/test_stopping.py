@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.stopping import JobStopped, stop_on_signals
+from cluster.run.stopping import JobStopped, stop_on_signals
 from tasks.scoring import children_ignore_sigint
 
 

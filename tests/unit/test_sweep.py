@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cluster.job import validate_job
-from cluster.sweep import grid
+from cluster.experiments.sweep import grid
 
 BASE = {"name": "base", "seed": 7, "task": {"name": "arithmetic"}, "learner": {"steps": 30},
         "algorithm": {"stabilizer": {"name": "tis_seq", "cap": 3.0}}}
@@ -51,9 +51,9 @@ def test_an_unknown_stabilizer_or_bad_lag_stops_the_sweep_before_anything_runs(t
 
 def test_a_stop_request_ends_the_sweep_while_a_failing_cell_does_not(tmp_path, monkeypatch):
     """A cell that crashes is a finding (failed.txt, the sweep goes on); a Ctrl-C stops the whole sweep."""
-    from cluster import driver
-    from cluster.stopping import JobStopped, StopRequest
-    from cluster.sweep import sweep
+    from cluster.run import driver
+    from cluster.run.stopping import JobStopped, StopRequest
+    from cluster.experiments.sweep import sweep
 
     ran = []
 
@@ -75,9 +75,9 @@ def test_a_stop_request_ends_the_sweep_while_a_failing_cell_does_not(tmp_path, m
 def test_a_stopped_sweep_says_so_and_exits_as_the_signal_did(tmp_path, monkeypatch, capsys):
     import json
 
-    from cluster import sweep as sweep_module
+    from cluster.experiments import sweep as sweep_module
     from cluster.cli import main
-    from cluster.stopping import JobStopped
+    from cluster.run.stopping import JobStopped
 
     def stopped(*args, **kwargs):
         raise JobStopped("SIGTERM", 5, tmp_path / "runs" / "none-lag0" / "checkpoints" / "step-000005",
@@ -110,7 +110,7 @@ def _runs_without_the_driver(monkeypatch, out: Path, jobs_seen: list) -> None:
 
     import yaml
 
-    from cluster import driver
+    from cluster.run import driver
 
     def run_job(job, resume_dir=None, stop=None):
         jobs_seen.append(job)

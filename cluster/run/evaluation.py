@@ -22,7 +22,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.generator import GeneratedGroup, GenerationRequest
-from cluster.metrics import MetricSink
+from cluster.telemetry.metrics import MetricSink
 from tasks.base import Problem
 from tasks.scoring import ScorePool
 

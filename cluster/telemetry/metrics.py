@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.alerts import AlertThresholds, StabilityAlerts
-from cluster.run_files import EVAL_PREFIX, STEP_KEY, WALL_KEY
-from cluster.samples import COLUMNS, RolloutSample, as_rows
+from cluster.telemetry.alerts import AlertThresholds, StabilityAlerts
+from cluster.telemetry.run_files import EVAL_PREFIX, STEP_KEY, WALL_KEY
+from cluster.telemetry.samples import COLUMNS, RolloutSample, as_rows
 
 SAMPLES_FILE = "samples.jsonl"
 SAMPLES_TABLE = "samples/rollouts"

@@ -1,6 +1,6 @@
 """The entrypoint of a submitted job: Ray's stop signal reaches the driver alone, not the processes it started.
 
-    python -m cluster.job_entrypoint COMMAND [ARG ...]
+    python -m cluster.remote.job_entrypoint COMMAND [ARG ...]
 
 `ray job stop` (what `stableasync stop` calls) sends its stop signal to the entrypoint process and to
 every process below it by parent pid. Below the driver that includes the W&B service (wandb-core),

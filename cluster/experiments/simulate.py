@@ -1,6 +1,6 @@
 """`stableasync simulate`: a discrete-event model of the asynchronous loop, to size a cluster before renting it.
 
-It replays the driver's policy (`cluster/driver.py`) on simulated time instead of Ray: the same turn
+It replays the driver's policy (`cluster/run/driver.py`) on simulated time instead of Ray: the same turn
 (issue generation to every idle generator while the buffer admits, start a learner step when a batch
 is ready, then handle the earliest completion), the real `RolloutBuffer` for admission and stale
 drops, a blocking weight publish after each step, and the driver's end-of-step wait for every
@@ -24,7 +24,7 @@ from typing import Any, Literal
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
 from algorithms.config import CheckedConfig, config_field
 from algorithms.errors import StableAsyncError
-from cluster.run_files import STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, step_rows
+from cluster.telemetry.run_files import STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, step_rows
 
 
 @dataclass(frozen=True)

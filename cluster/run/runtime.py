@@ -22,7 +22,7 @@ from learner.batch import TrainBatch
 from learner.rank import LearnerRank, LearnerSpec
 from learner.weight_sync import CollectiveWeightSync, TensorSpec
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger("stableasync")
 
 # Environment every actor of a job gets: a shared cache of built ops, no noise (a generator adds its engine's).

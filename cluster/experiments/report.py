@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from algorithms.errors import StableAsyncError
-from cluster.run_files import STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, step_rows
+from cluster.telemetry.run_files import STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, step_rows
 
 REWARD_KEY = "rollout/reward_mean"
 ESS_KEY = "stability/ess_ratio"

@@ -2,9 +2,9 @@
 
 `stableasync submit JOB.yaml --address http://HEAD:8265` packs the project's code and the resolved job
 into the Ray job's `working_dir`, and runs `python -m cluster.cli train job.yaml` as the job's driver
-on the head node, under `cluster.job_entrypoint` (so that `stop` signals the driver alone); the driver
+on the head node, under `cluster.remote.job_entrypoint` (so that `stop` signals the driver alone); the driver
 joins the cluster it runs in (RAY_ADDRESS). The plain Ray equivalent is `ray job submit --address ...
---working-dir DIR -- python -m cluster.job_entrypoint python -m cluster.cli train job.yaml`.
+--working-dir DIR -- python -m cluster.remote.job_entrypoint python -m cluster.cli train job.yaml`.
 
 Token authentication is on by default: the token comes from `--token-file`, `RAY_AUTH_TOKEN`,
 `RAY_AUTH_TOKEN_PATH` or `~/.ray/auth_token` (Ray's own places), and goes in the `Authorization`
@@ -25,7 +25,7 @@ from typing import Any
 from algorithms.errors import StableAsyncError
 from cluster.job import Job, dump_job
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # What a job needs on the cluster: the importable packages and the project metadata.
 PACKAGES = ("algorithms", "actors", "cluster", "learner", "tasks")
 PROJECT_FILES = ("pyproject.toml",)
@@ -104,11 +104,11 @@ def for_cluster(job: Job, submission_id: str, run_dir: str) -> Job:
 
 
 # The driver runs under the entrypoint that keeps Ray's stop signal off the W&B service the driver starts.
-JOB_ENTRYPOINT = "python -m cluster.job_entrypoint python -m cluster.cli train job.yaml"
+JOB_ENTRYPOINT = "python -m cluster.remote.job_entrypoint python -m cluster.cli train job.yaml"
 
 
 def stop_env(job: Job) -> dict[str, str]:
-    """How `stop` ends the job, read by Ray's job supervisor: SIGINT, as Ctrl-C would (`cluster.job_entrypoint`
+    """How `stop` ends the job, read by Ray's job supervisor: SIGINT, as Ctrl-C would (`cluster.remote.job_entrypoint`
     passes it on to the driver alone), and time to finish the step and checkpoint before Ray kills it (3 s by
     default)."""
     return {"RAY_JOB_STOP_SIGNAL": "SIGINT", "RAY_JOB_STOP_WAIT_TIME_S": str(job.checkpoint.stop_grace_s)}

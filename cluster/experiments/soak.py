@@ -42,7 +42,7 @@ def _killer(job: Job, run_name: str, every_s: float, stop: threading.Event, kill
 
 def soak(job: Job, steps: int, kill_every_s: float) -> int:
     """Run `job` for `steps` steps under generator kills; print the audit; 0 when nothing was lost."""
-    from cluster.driver import run_job
+    from cluster.run.driver import run_job
 
     run_name = f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
     job = job.model_copy(update={

@@ -38,16 +38,16 @@ from algorithms.config import STABILIZER_CONFIGS
 from algorithms.diagnostics import lag_stats
 from algorithms.errors import StableAsyncError
 from algorithms.rewards import overlong_penalty
-from cluster import runtime
-from cluster.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
+from cluster.run import runtime
+from cluster.run.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
                                  restore_learners, write_checkpoint, write_model)
-from cluster.evaluation import Evaluator, evaluate_again_on_resume
+from cluster.run.evaluation import Evaluator, evaluate_again_on_resume
 from cluster.job import (AlgorithmSection, Job, JobError, JobValidationError, dump_job, evaluation_set, job_task,
                          section_config)
-from cluster.metrics import SAMPLES_FILE, MetricSink
-from cluster.model_prep import prepare_model, sft_samples
-from cluster.samples import rollout_samples
-from cluster.stopping import JobStopped, StopRequest
+from cluster.telemetry.metrics import SAMPLES_FILE, MetricSink
+from cluster.run.model_prep import prepare_model, sft_samples
+from cluster.telemetry.samples import rollout_samples
+from cluster.run.stopping import JobStopped, StopRequest
 from learner.batch import TrainBatch, collate
 from learner.rank import LearnerSpec
 from tasks.base import Problem, Task
@@ -229,7 +229,7 @@ def run_job(job: Job, resume_dir: Path | None = None, stop: StopRequest | None =
 def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: StopRequest | None = None) -> RunResult:
     """Run one job to its last step, or resume `resume_dir` from its newest usable checkpoint.
 
-    When `stop` is requested (`cluster.stopping`), the run ends after the learner step in flight with a
+    When `stop` is requested (`cluster.run.stopping`), the run ends after the learner step in flight with a
     checkpoint and raises `JobStopped`.
     """
     candidates = readable_checkpoints(resume_dir) if resume_dir is not None else []
@@ -550,7 +550,7 @@ class AsyncLoop:
 
     def _start_evaluation(self) -> float:
         """The policy just published answers the fixed evaluation set on one generator while the loop goes on
-        (`cluster.evaluation`); its row is logged when the answers are scored. Returns the seconds the loop
+        (`cluster.run.evaluation`); its row is logged when the answers are scored. Returns the seconds the loop
         waited for the evaluation before it."""
         return self.evaluator.start(self.generators, [call.index for call in self.generating.values()], self.version)
 

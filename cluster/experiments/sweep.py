@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.job import Job, JobValidationError, validate_job
-from cluster.stopping import JobStopped, StopRequest
+from cluster.run.stopping import JobStopped, StopRequest
 
 log = logging.getLogger("stableasync")
 
@@ -73,8 +73,8 @@ def sweep(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
 
     A cell that `stop` stops raises `JobStopped`: the sweep ends there, with no report.
     """
-    from cluster.driver import run_job
-    from cluster.report import write_report
+    from cluster.run.driver import run_job
+    from cluster.experiments.report import write_report
 
     cells = grid(job, stabilizers, max_lags, out_dir, overrides, seeds)
     run_dirs = []
