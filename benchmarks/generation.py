@@ -13,7 +13,6 @@ only (up to and including end-of-turn, no padding), so the two can differ in how
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from itertools import islice
 

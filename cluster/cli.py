@@ -62,7 +62,8 @@ def _train(args: argparse.Namespace) -> int:
     job = _load(str(resume_dir / "job.yaml") if resume_dir else args.job, args.set)
     if job is None:
         return 2
-    from cluster.run.driver import RunHalted, run_job
+    from cluster.run.driver import run_job
+    from cluster.run.faults import RunHalted
     from cluster.run.stopping import JobStopped, stop_on_signals
     from learner.models import ModelPathError
     from tasks.base import TaskError

@@ -1,12 +1,12 @@
 """`stableasync simulate`: a discrete-event model of the asynchronous loop, to size a cluster before renting it.
 
-It replays the driver's policy (`cluster/run/driver.py`) on simulated time instead of Ray: the same turn
-(issue generation to every idle generator while the buffer admits, start a learner step when a batch
-is ready, then handle the earliest completion), the real `RolloutBuffer` for admission and stale
-drops, a blocking weight publish after each step, and the driver's end-of-step wait for every
-generator's current call (`_log_step` reads each generator's throughput with `ray.get`, which queues
-behind that call). Costs are per-token rates and fixed overheads; responses are drawn from a seeded
-length distribution. Standard library only (and the buffer), so it runs anywhere in about a second.
+It drives the driver's own schedule (`cluster/run/schedule.py`) on simulated time instead of Ray: the
+same turn (issue generation to every idle generator while the buffer admits, start a learner step when
+a batch is ready, then handle the earliest completion), the same admission, stale drops and versions,
+and a blocking weight publish after each step (which, for a collective publish, first waits for every
+generator's current call). Costs are per-token rates and fixed overheads; responses are drawn from a
+seeded length distribution. Standard library only (and the buffer and schedule), so it runs anywhere in
+about a second.
 
 The model, its assumptions and the commands: docs/simulator.md.
 """
@@ -24,6 +24,7 @@ from typing import Any, Literal
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
 from algorithms.config import CheckedConfig, config_field
 from algorithms.errors import StableAsyncError
+from cluster.run.schedule import Call, Schedule, SchedulerStuck
 from cluster.telemetry.run_files import STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, step_rows
 
 
@@ -172,12 +173,21 @@ class SimResult:
         return simulate(synchronous(self.config)).step_s_mean / self.step_s_mean
 
 
-@dataclass
+@dataclass(frozen=True)
+class _Request:
+    """A simulated prompt group: its id and the length of each response it will get, in tokens."""
+
+    group_id: int
+    lengths: tuple[int, ...]
+    problem_id: str = ""
+
+
+@dataclass(eq=False)
 class _Call:
-    """One generate call in flight: its groups (response lengths each) and the weights version it samples with."""
+    """One simulated generate call in flight (its own handle in the schedule)."""
 
     index: int
-    groups: list[tuple[int, list[int]]]
+    requests: list[_Request]
     version: int
     start_s: float
     end_s: float
@@ -188,37 +198,37 @@ class _Call:
 class _Step:
     start_s: float
     end_s: float
-    groups: list[ScoredGroup]
 
 
 class _Simulation:
-    """The driver's `AsyncLoop` on a simulated clock: `now` is the driver's time, which moves forward
-    to the next completion and while the driver blocks (weight publish, end-of-step wait)."""
+    """The driver's loop (`cluster/run/loop.py`) on a simulated clock, through the same schedule: `now` is
+    the driver's time, which moves forward to the next completion and while the driver blocks (weight
+    publish, end-of-step wait)."""
 
     def __init__(self, config: SimConfig) -> None:
         self.c = config
         self.rng = random.Random(config.seed)
-        self.buffer = RolloutBuffer(config.max_lag, config.prompts_per_step, config.stale_policy, Ledger())
+        buffer = RolloutBuffer(config.max_lag, config.prompts_per_step, config.stale_policy, Ledger())
+        self.schedule: Schedule[_Request, _Call] = Schedule(buffer, config.prompts_per_request, self._new_request,
+                                                            self._send)
+        for index in range(config.generators):
+            self.schedule.join(index, 0)
         self.now = 0.0
-        self.version = 0
-        self.weights_version = 0  # every generator's next call samples with this (all get each publish)
         self.loaded_version = [0] * config.generators  # what each engine holds; a newer version loads first
-        self.calls: list[_Call] = []
         self.finished_calls: list[_Call] = []
         self.learner: _Step | None = None
         self.learner_busy_s: list[float] = []
         self.step_ends: list[float] = []
         self.logged: list[float] = []
         self.lag_counts = [0] * (config.max_lag + 1)  # grows if a lag ever exceeded the bound (tests: it never does)
-        self.next_group_id = 0
         self.orders = 0
         sigma2 = math.log1p(config.response_len_cv ** 2)
         self.len_sigma = math.sqrt(sigma2)
         self.len_mu = math.log(config.response_len_mean) - sigma2 / 2
 
     def run(self) -> SimResult:
-        while self.version < self.c.steps:
-            self._issue_generation()
+        while self.schedule.version < self.c.steps:
+            self.schedule.issue()
             self._start_learner_step()
             self._handle_next()
         return self._result()
@@ -228,52 +238,40 @@ class _Simulation:
         raw = c.response_len_mean if c.response_len_cv == 0 else self.rng.lognormvariate(self.len_mu, self.len_sigma)
         return min(c.max_response_len, max(1, round(raw)))
 
-    def _call_s(self, groups: list[tuple[int, list[int]]]) -> float:
-        """Overhead, the longest response's decode steps, and every token at the engine's throughput."""
-        lengths = [n for _, group in groups for n in group]
-        return (self.c.gen_call_overhead_s + max(lengths) * self.c.gen_decode_step_s
-                + sum(lengths) / self.c.gen_tokens_per_s)
+    def _new_request(self, group_id: int, generator_index: int) -> _Request:
+        return _Request(group_id, tuple(self._response_len() for _ in range(self.c.samples_per_prompt)))
+
+    def _send(self, call: Call[_Request]) -> _Call:
+        """The engine loads newer weights first, then samples: overhead, the longest response's decode steps,
+        and every token at the engine's throughput."""
+        c = self.c
+        lengths = [n for request in call.requests for n in request.lengths]
+        load_s = c.gen_weight_load_s if self.loaded_version[call.index] < call.weights_version else 0.0
+        self.loaded_version[call.index] = call.weights_version
+        call_s = c.gen_call_overhead_s + max(lengths) * c.gen_decode_step_s + sum(lengths) / c.gen_tokens_per_s
+        self.orders += 1
+        return _Call(call.index, call.requests, call.weights_version, self.now, self.now + load_s + call_s,
+                     self.orders)
 
     def _learner_s(self, groups: list[ScoredGroup]) -> float:
         tokens = sum(self.c.prompt_len + c["tokens"] for g in groups for c in g.completions)
         return self.c.learner_overhead_s + tokens / (self.c.learner_tokens_per_s * self.c.learners)
 
-    def _issue_generation(self) -> None:
-        busy = {call.index for call in self.calls}
-        for index in range(self.c.generators):
-            if index in busy:
-                continue
-            groups = []
-            while len(groups) < self.c.prompts_per_request and self.buffer.can_issue(
-                self.version, self.learner is not None, self.weights_version
-            ):
-                group_id, self.next_group_id = self.next_group_id, self.next_group_id + 1
-                self.buffer.issue(group_id, "", self.weights_version, index)
-                groups.append((group_id, [self._response_len() for _ in range(self.c.samples_per_prompt)]))
-            if groups:
-                self.orders += 1
-                load_s = self.c.gen_weight_load_s if self.loaded_version[index] < self.weights_version else 0.0
-                self.loaded_version[index] = self.weights_version
-                self.calls.append(_Call(index, groups, self.weights_version, self.now,
-                                        self.now + load_s + self._call_s(groups), self.orders))
-
     def _start_learner_step(self) -> None:
-        if self.learner is not None:
-            return
-        groups = self.buffer.take(self.version)
+        groups = self.schedule.take_batch()
         if groups is not None:
-            self.learner = _Step(self.now, self.now + self._learner_s(groups), groups)
+            self.learner = _Step(self.now, self.now + self._learner_s(groups))
 
     def _handle_next(self) -> None:
         """Like `ray.wait` on generate calls then the learner: of those already done, the first in that
         order; otherwise the one that finishes first."""
         candidates: list[tuple[float, int, int, Any]] = [
-            (max(call.end_s, self.now), 0, call.order, call) for call in self.calls
+            (max(call.end_s, self.now), 0, call.order, call) for call in self.schedule.calls
         ]
         if self.learner is not None:
             candidates.append((max(self.learner.end_s, self.now), 1, 0, self.learner))
         if not candidates:
-            raise RuntimeError("nothing to wait for: the buffer admits no generation and no batch is ready")
+            raise SchedulerStuck("nothing to wait for: the buffer admits no generation and no batch is ready")
         when, _, _, event = min(candidates, key=lambda item: item[:3])
         self.now = when
         if isinstance(event, _Call):
@@ -282,26 +280,24 @@ class _Simulation:
             self._handle_learner(event)
 
     def _handle_generation(self, call: _Call) -> None:
-        self.calls.remove(call)
+        self.schedule.finished(call)
         self.finished_calls.append(call)
-        for group_id, lengths in call.groups:
-            completions = [{"tokens": n} for n in lengths]
-            self.buffer.add(ScoredGroup(group_id, "", [], completions, call.version, call.version, call.index))
+        for request in call.requests:
+            completions = [{"tokens": n} for n in request.lengths]
+            self.schedule.buffer.add(ScoredGroup(request.group_id, "", [], completions, call.version, call.version,
+                                                 call.index))
 
     def _handle_learner(self, step: _Step) -> None:
         self.learner = None
         self.learner_busy_s.append(step.end_s - step.start_s)
-        self.buffer.mark_trained(step.groups, self.version)
-        for group in step.groups:
-            lag = self.version - group.version_start
+        for lag in self.schedule.step_done():
             self.lag_counts.extend([0] * (lag + 1 - len(self.lag_counts)))
-            self.lag_counts[lag] += len(group.completions)
-        self.version += 1
-        in_flight_end = max((call.end_s for call in self.calls), default=self.now)
+            self.lag_counts[lag] += 1
+        in_flight_end = max((call.end_s for call in self.schedule.calls), default=self.now)
         if self.c.sync_waits_for_generation:  # each generator receives after its current call
             self.now = max(self.now, in_flight_end)
         self.now += self.c.sync_s
-        self.weights_version = self.version
+        self.schedule.published()
         self.logged.append(self.now - step.start_s)
         if self.c.step_end_barrier:
             self.now = max(self.now, in_flight_end)
@@ -309,7 +305,7 @@ class _Simulation:
 
     def _result(self) -> SimResult:
         run_s = self.now
-        calls = self.finished_calls + self.calls
+        calls = self.finished_calls + list(self.schedule.calls)
         gen_busy_s = sum(max(0.0, min(call.end_s, run_s) - call.start_s) for call in calls)
         previous = [0.0] + self.step_ends[:-1]
         return SimResult(
@@ -320,9 +316,9 @@ class _Simulation:
             generator_utilisation=min(1.0, gen_busy_s / (self.c.generators * run_s)),
             learner_utilisation=min(1.0, sum(self.learner_busy_s) / run_s),
             lag_counts=tuple(self.lag_counts),
-            dropped_groups=self.buffer.ledger.counts().get("dropped", 0),
+            dropped_groups=self.schedule.buffer.ledger.counts().get("dropped", 0),
             gen_call_s_mean=statistics.fmean(call.end_s - call.start_s for call in calls),
-            gen_s_per_group=sum(call.end_s - call.start_s for call in calls) / sum(len(call.groups) for call in calls),
+            gen_s_per_group=sum(call.end_s - call.start_s for call in calls) / sum(len(call.requests) for call in calls),
             learner_s_mean=statistics.fmean(self.learner_busy_s),
             run_s=run_s,
         )

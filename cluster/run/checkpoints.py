@@ -15,9 +15,9 @@ import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from algorithms.errors import StableAsyncError
+from cluster.run.state import DriverState
 
 log = logging.getLogger("stableasync")
 
@@ -25,8 +25,6 @@ CHECKPOINTS = "checkpoints"
 MODEL = "model"
 LEARNER = "learner"
 TAG = "state"
-DRIVER_KEYS = {"version", "next_group_id", "problems_drawn", "rng", "ready", "in_flight", "rewards", "restarts",
-               "ledger_lines", "metrics_lines"}
 
 
 class CheckpointFailed(StableAsyncError, RuntimeError):
@@ -38,7 +36,7 @@ class NoCheckpointRestored(StableAsyncError, RuntimeError):
 
 
 def write_checkpoint(run_dir: Path, version: int, keep: int, save_learners: Callable[[str, str], None],
-                     driver_state: dict[str, Any]) -> Path:
+                     driver_state: DriverState) -> Path:
     """Write step `version` atomically (learner ranks first, then the driver), keep the newest `keep`."""
     root = run_dir / CHECKPOINTS
     name = f"step-{version:06d}"
@@ -47,7 +45,7 @@ def write_checkpoint(run_dir: Path, version: int, keep: int, save_learners: Call
     try:
         partial.mkdir(parents=True)
         save_learners(str(partial / LEARNER), TAG)  # a learner's OSError comes back as one (Ray's RayTaskError)
-        (partial / "driver.json").write_text(json.dumps(driver_state))
+        (partial / "driver.json").write_text(json.dumps(driver_state.to_json()))
     except OSError as error:
         shutil.rmtree(partial, ignore_errors=True)  # a full disk gets its space back
         raise CheckpointFailed(f"the checkpoint of step {version} could not be written to {root}: "
@@ -86,15 +84,12 @@ def write_model(folder: Path, save_model: Callable[[str], None]) -> Path:
     return folder
 
 
-def readable_checkpoints(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
+def readable_checkpoints(run_dir: Path) -> list[tuple[Path, DriverState]]:
     """Complete checkpoints whose driver state reads back, newest first; damaged ones are skipped loudly."""
     usable = []
     for path in sorted((p for p in (run_dir / CHECKPOINTS).glob("step-*") if p.is_dir()), reverse=True):
         try:
-            state = json.loads((path / "driver.json").read_text())
-            missing = DRIVER_KEYS - set(state)
-            if missing:
-                raise ValueError(f"driver.json lacks {sorted(missing)}")
+            state = DriverState.from_json(json.loads((path / "driver.json").read_text()))
         except (OSError, ValueError) as error:
             log.warning("checkpoint %s is unusable (%s); trying an older one", path, error)
             continue
@@ -102,8 +97,8 @@ def readable_checkpoints(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     return usable
 
 
-def restore_learners(load: Callable[[str, str], int], candidates: list[tuple[Path, dict[str, Any]]],
-                     fatal: tuple[type[BaseException], ...] = ()) -> tuple[Path, dict[str, Any]]:
+def restore_learners(load: Callable[[str, str], int], candidates: list[tuple[Path, DriverState]],
+                     fatal: tuple[type[BaseException], ...] = ()) -> tuple[Path, DriverState]:
     """Load the newest candidate the learner ranks accept; an older one when the newest fails.
 
     An error of a `fatal` type (a rank died, or the ranks' collectives fell out of step) leaves ranks that

@@ -251,7 +251,7 @@ def test_a_generator_restarted_between_calls_is_noticed_and_gets_the_latest_weig
 
     def kill_while_idle(self):
         start_step(self)
-        if self.version == 1 and self.learner_refs and not self.generating and not killed:
+        if self.version == 1 and self.learner_refs and not self.schedule.calls and not killed:
             generator = self.generators[0]
             killed.append(ray.get(generator.process_id.remote()))
             os.kill(killed[0], signal.SIGKILL)
@@ -759,6 +759,7 @@ def test_nan_rollouts_skip_steps_then_stop_the_job_with_a_checkpoint(local_ray, 
     each such step is skipped on every rank and alerts, its groups are dropped (not trained) in the
     ledger, and after learner.max_skipped_steps_in_a_row the job stops with a checkpoint to resume from."""
     from cluster.run import driver
+    from cluster.run.faults import NumericalFailure
 
     shards_of = driver.AsyncLoop._shards
 
@@ -772,7 +773,7 @@ def test_nan_rollouts_skip_steps_then_stop_the_job_with_a_checkpoint(local_ray, 
     monkeypatch.setattr(driver.AsyncLoop, "_shards", poisoned)
     job = _job(tmp_path, max_lag=1, steps=10, logging={"run_name": "nan"}, learner={"max_skipped_steps_in_a_row": 3})
     run_dir = tmp_path / "runs" / "nan"
-    with pytest.raises(driver.NumericalFailure, match=r"3 steps in a row.*stableasync train --resume"):
+    with pytest.raises(NumericalFailure, match=r"3 steps in a row.*stableasync train --resume"):
         driver.train(validate_job(job))
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["stability/skipped_step"] for m in metrics if m["train/step"] > 0] == [0, 0, 1, 1, 1]

@@ -137,7 +137,7 @@ def test_negative_max_lag_is_rejected():
 
 
 def test_skip_streak_counts_only_consecutive_skips():
-    from cluster.run.driver import SkipStreak
+    from cluster.run.faults import SkipStreak
 
     streak = SkipStreak(limit=3)
     assert [streak.record(s) for s in (True, True, False, True, True)] == [False] * 5
@@ -159,7 +159,7 @@ def test_ledger_audit_names_every_kind_of_gap():
 
 
 def test_the_step_row_reports_the_responses_scored_since_the_last_one_with_each_options_keys():
-    from cluster.run.driver import ScoredSinceStep
+    from cluster.run.loop import ScoredSinceStep
     from cluster.job import validate_job
 
     scored = ScoredSinceStep(rewards=[1.0, 0.75, 0.0, 0.5], overlong_penalties=[0.0, -0.25, 0.0, -0.5], truncated=1,

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from cluster.run.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
-                                 restore_learners, write_checkpoint, write_model)
+                                     restore_learners, write_checkpoint, write_model)
+from cluster.run.state import DriverState
 
 
 def _save(files: dict[str, str]):
@@ -48,7 +49,8 @@ def test_a_checkpoint_that_cannot_be_written_leaves_nothing_and_says_which_step(
         (Path(directory) / "shard").write_text("half")
         raise OSError(28, "No space left on device")
 
-    state = {"version": 7}
+    state = DriverState(version=7, next_group_id=0, problems_drawn=0, rng=[], ready=[], in_flight=[], rewards=[],
+                        restarts=[], ledger_lines=0, metrics_lines=0)
     with pytest.raises(CheckpointFailed, match=r"step 7 could not be written .*OSError.*No space left on device"):
         write_checkpoint(tmp_path, 7, keep=2, save_learners=save_learners, driver_state=state)
     assert list((tmp_path / CHECKPOINTS).iterdir()) == []  # the partial folder is gone: its space is back

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
 
-from cluster.run.driver import LearnerCrashed, LearnerOutOfMemory, learners_may_crash
+from cluster.run.faults import LearnerCrashed, LearnerOutOfMemory, learners_may_crash
 
 
 def test_a_rank_killed_by_the_memory_monitor_names_the_budget_to_lower(tmp_path: Path):

@@ -95,7 +95,7 @@ def _address_space_peak(pid: int) -> int:
 
 
 def test_the_job_scoring_section_sets_the_reward_workers():
-    from cluster.run.driver import reward_workers
+    from cluster.run.loop import reward_workers
     from cluster.job import validate_job
 
     job = validate_job({"task": {"name": "arithmetic"},

@@ -1,0 +1,221 @@
+"""The loop's schedule with fake generators: random orders of completions, learner steps, generator deaths,
+restarts, elastic joins and leaves, and resumes; every group ends exactly once and none trains past the lag
+bound. Milliseconds per case, where whole runs on Ray take a minute for one order."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
+from cluster.run.schedule import Call, Schedule
+
+
+@dataclass(frozen=True)
+class Request:
+    group_id: int
+    problem_id: str
+
+
+class FakeRun:
+    """A schedule whose generate calls are numbers; the test decides what happens next, as Ray would."""
+
+    def __init__(self, generators: int, max_lag: int, prompts_per_step: int, prompts_per_request: int,
+                 stale_policy: str = "wait") -> None:
+        self.ledger = Ledger()
+        buffer = RolloutBuffer(max_lag, prompts_per_step, stale_policy, self.ledger)  # type: ignore[arg-type]
+        self.handles = itertools.count()
+        self.schedule: Schedule[Request, int] = Schedule(buffer, prompts_per_request, self._new_request,
+                                                         lambda call: next(self.handles))
+        for index in range(generators):
+            self.schedule.join(index, 0)
+        self.next_index = generators
+        self.max_lag = max_lag
+        self.trained_lags: list[int] = []
+
+    @staticmethod
+    def _new_request(group_id: int, generator_index: int) -> Request:
+        return Request(group_id, f"problem-{group_id}")
+
+    def turn(self) -> None:
+        """The loop's turn before it waits: issue, then start a step if a batch is ready."""
+        self.schedule.issue()
+        self.schedule.take_batch()
+
+    def finish_call(self, pick: int) -> None:
+        handle = list(self.schedule.calls)[pick % len(self.schedule.calls)]
+        call = self.schedule.finished(handle)
+        for request in call.requests:
+            completions = [{"reward": float(n)} for n in range(2)]
+            self.schedule.buffer.add(ScoredGroup(request.group_id, request.problem_id, [], completions,
+                                                 call.weights_version, call.weights_version, call.index))
+
+    def finish_step(self) -> None:
+        self.trained_lags += self.schedule.step_done()
+        self.schedule.published()
+
+    def kill(self, pick: int) -> None:
+        """A generator dies during its call and Ray restarts it: it gets the latest weights, then its groups."""
+        handle = list(self.schedule.calls)[pick % len(self.schedule.calls)]
+        call: Call[Request] = self.schedule.finished(handle)
+        member = self.schedule.members[call.index]
+        member.restarts += 1
+        member.weights_version = self.schedule.version  # the publisher's restore
+        self.schedule.reissue(call.index, call.requests, f"generator {call.index} died during generation")
+
+    def leave(self, pick: int) -> None:
+        """An elastic member's node goes away during its call: its groups wait for another generator."""
+        handle = list(self.schedule.calls)[pick % len(self.schedule.calls)]
+        call = self.schedule.finished(handle)
+        self.schedule.leave(call.index, call.requests, f"generator {call.index} left during generation")
+
+    def join(self) -> None:
+        self.schedule.join(self.next_index, self.schedule.version)
+        self.next_index += 1
+
+
+EVENTS = st.lists(st.tuples(st.sampled_from(["call", "call", "call", "step", "kill", "leave", "join"]),
+                            st.integers(0, 1000)), min_size=1, max_size=120)
+
+
+def play(run: FakeRun, events: list[tuple[str, int]]) -> None:
+    """Apply each event that can happen now (a step that is not running, a call when none is out, a leave
+    that would leave no generator are skipped), one loop turn before each."""
+    for kind, pick in events:
+        run.turn()
+        calls = run.schedule.calls
+        if kind == "call" and calls:
+            run.finish_call(pick)
+        elif kind == "step" and run.schedule.learner_busy:
+            run.finish_step()
+        elif kind == "kill" and calls:
+            run.kill(pick)
+        elif kind == "leave" and calls and len(run.schedule.members) > 1:
+            run.leave(pick)
+        elif kind == "join" and len(run.schedule.members) < 6:
+            run.join()
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=EVENTS, generators=st.integers(1, 3), max_lag=st.integers(0, 3), prompts_per_step=st.integers(1, 4),
+       prompts_per_request=st.integers(1, 3), stale_policy=st.sampled_from(["wait", "drop"]))
+def test_every_group_ends_exactly_once_and_none_trains_past_the_lag_bound(events, generators, max_lag,
+                                                                          prompts_per_step, prompts_per_request,
+                                                                          stale_policy):
+    run = FakeRun(generators, max_lag, prompts_per_step, prompts_per_request, stale_policy)
+    play(run, events)
+    assert all(lag <= max_lag for lag in run.trained_lags), run.trained_lags
+    assert all(0 <= lag for lag in run.trained_lags)
+    if run.schedule.learner_busy:  # the driver ends a run only between steps
+        run.finish_step()
+    run.schedule.end_unfinished("run finished")
+    assert run.ledger.unresolved() == []
+    for entry in run.ledger.entries.values():
+        ends = [event for event in entry.history if event in ("trained", "dropped")]
+        assert len(ends) == 1 and entry.history[-1] == ends[0], entry
+    trained = [e for e in run.ledger.entries.values() if e.status == "trained"]
+    assert all(e.lag is not None and e.lag <= max_lag for e in trained)
+    if stale_policy == "wait":  # admission keeps every group trainable: none goes stale
+        assert not any("stale" in (e.reason or "") for e in run.ledger.entries.values())
+
+
+@settings(max_examples=100, deadline=None)
+@given(events=EVENTS, generators=st.integers(1, 3), max_lag=st.integers(0, 2))
+def test_a_call_samples_with_the_weights_its_generator_held_when_it_was_sent(events, generators, max_lag):
+    """Each call carries its member's version at send time; no generator ever holds a version the learner
+    has not reached, and a new member starts from the latest."""
+    run = FakeRun(generators, max_lag, prompts_per_step=2, prompts_per_request=2)
+    for kind, pick in events:
+        play(run, [(kind, pick)])
+        for call in run.schedule.calls.values():
+            assert call.weights_version <= run.schedule.version
+        for member in run.schedule.members.values():
+            assert member.weights_version <= run.schedule.version
+
+
+def test_a_generator_is_sent_one_call_at_a_time_and_idle_ones_get_work():
+    run = FakeRun(generators=3, max_lag=4, prompts_per_step=2, prompts_per_request=2)
+    run.turn()
+    assert sorted(call.index for call in run.schedule.calls.values()) == [0, 1, 2]
+    run.turn()  # nothing is idle: nothing new goes out
+    assert len(run.schedule.calls) == 3
+    run.finish_call(0)
+    run.turn()
+    assert sorted(call.index for call in run.schedule.calls.values()) == [0, 1, 2]
+
+
+def test_orphans_go_first_to_the_next_idle_generator_and_the_ledger_says_why():
+    run = FakeRun(generators=2, max_lag=4, prompts_per_step=8, prompts_per_request=2)
+    run.turn()
+    left = run.schedule.calls[0]
+    run.leave(0)
+    assert [r for r, _ in run.schedule.orphans] == left.requests and 0 not in run.schedule.members
+    run.finish_call(0)  # generator 1 comes back free
+    run.turn()
+    [call] = run.schedule.calls.values()
+    assert call.index == 1 and call.requests == left.requests
+    entry = run.ledger.entries[left.requests[0].group_id]
+    assert entry.reissues == 1 and entry.generator_index == 1 and "left during generation" in entry.reason
+
+
+def test_lag_zero_waits_for_the_step_and_the_publish_before_issuing_again():
+    """max_lag 0 is synchronous: once a batch is out, nothing more is issued until its step ends and the
+    generators hold the new weights."""
+    run = FakeRun(generators=1, max_lag=0, prompts_per_step=2, prompts_per_request=2)
+    run.turn()
+    run.finish_call(0)
+    run.turn()
+    assert run.schedule.learner_busy and not run.schedule.calls
+    run.finish_step()
+    run.turn()
+    [call] = run.schedule.calls.values()
+    assert call.weights_version == 1
+
+
+def test_a_skipped_step_drops_its_groups_with_the_reason_and_still_moves_the_version():
+    run = FakeRun(generators=1, max_lag=1, prompts_per_step=1, prompts_per_request=1)
+    run.turn()
+    run.finish_call(0)
+    run.turn()
+    [group] = run.schedule.training
+    assert run.schedule.step_done("step 1 skipped: non-finite loss") == [0, 0]  # its two responses
+    entry = run.ledger.entries[group.group_id]
+    assert entry.status == "dropped" and entry.reason == "step 1 skipped: non-finite loss"
+    assert run.schedule.version == 1 and not run.schedule.learner_busy
+
+
+def test_resumed_requests_go_out_a_request_at_a_time_round_the_members():
+    """What a checkpoint held in flight is issued again on resume: counted in flight, spread in order."""
+    ledger = Ledger()
+    buffer = RolloutBuffer(1, 4, "wait", ledger)
+    for group_id in range(5):
+        ledger.issued(group_id, f"p{group_id}", 0, 0)
+    schedule: Schedule[Request, int] = Schedule(buffer, 2, FakeRun._new_request, lambda call: len(schedule.calls))
+    schedule.join(0, 3)
+    schedule.join(1, 3)
+    schedule.resume([Request(g, f"p{g}") for g in range(5)], "resumed from the checkpoint at step 3")
+    assert [(c.index, [r.group_id for r in c.requests]) for c in schedule.calls.values()] == [
+        (0, [0, 1]), (1, [2, 3]), (0, [4])]
+    assert buffer.in_flight == 5
+    assert all(ledger.entries[g].reissues == 1 for g in range(5))
+
+
+@pytest.mark.parametrize("stale_policy", ["wait", "drop"])
+def test_a_run_of_fake_generators_trains_every_step(stale_policy):
+    """Completions in send order, a step whenever one is ready: the run never stalls and reaches step 20."""
+    run = FakeRun(generators=3, max_lag=1, prompts_per_step=4, prompts_per_request=2, stale_policy=stale_policy)
+    for _ in range(1000):
+        run.turn()
+        if run.schedule.learner_busy:
+            run.finish_step()
+        elif run.schedule.calls:
+            run.finish_call(0)
+        else:
+            pytest.fail("nothing to wait for")
+        if run.schedule.version == 20:
+            break
+    assert run.schedule.version == 20
