@@ -149,3 +149,35 @@ def test_restore_takes_the_newest_checkpoint_that_loads_but_stops_at_a_fatal_err
     assert tried == ["step-000003", "step-000002"], "nothing older is tried once the group broke"
     tried = []
     assert restore_learners(load, candidates) == candidates[2], "without it, a group error is that checkpoint's"
+
+
+def test_the_driver_state_reads_back_what_it_wrote_and_names_what_an_old_or_damaged_one_lacks():
+    """driver.json round-trips through JSON as typed records; a checkpoint from before samples were logged
+    still reads (nothing to cut); one that lacks a key every checkpoint has is refused naming the key."""
+    import json
+    import random
+
+    from actors.buffer import ScoredGroup
+    from actors.generator import GenerationRequest
+    from cluster.run.state import InFlight, UnreadableState
+    from tasks.base import Problem
+
+    rng = random.Random(3)
+    rng.random()
+    group = ScoredGroup(4, "p4", [1, 2], [{"reward": 1.0}], 2, 2, 0, "1+1?", "2")
+    in_flight = InFlight(GenerationRequest(5, "p5", [{"role": "user", "content": "2+2?"}], 11),
+                         Problem("p5", "2+2?", "4"))
+    state = DriverState(version=3, next_group_id=6, problems_drawn=6, rng=DriverState.rng_state(rng), ready=[group],
+                        in_flight=[in_flight], rewards=[0.5], restarts=[(0, 1)], ledger_lines=9, metrics_lines=4,
+                        samples_lines=2, evaluating=[3])
+    back = DriverState.from_json(json.loads(json.dumps(state.to_json())))
+    assert back == state
+    again = random.Random()
+    back.restore_rng(again)
+    assert again.random() == rng.random()
+    old = state.to_json()
+    del old["samples_lines"], old["evaluating"]
+    assert DriverState.from_json(old).samples_lines is None
+    del old["ledger_lines"]
+    with pytest.raises(UnreadableState, match=r"lacks \['ledger_lines'\]"):
+        DriverState.from_json(old)
