@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from actors.records import ScoredCompletion, TrainingSample
+
 
 @dataclass
 class ScoredGroup:
@@ -24,7 +26,7 @@ class ScoredGroup:
     group_id: int
     problem_id: str
     prompt_ids: list[int]
-    completions: list[dict[str, Any]]  # completion_ids, behaviour_logprobs, text, finish_reason, reward, score_error
+    completions: list[ScoredCompletion]
     version_start: int
     version_end: int
     generator_index: int
@@ -42,14 +44,12 @@ class ScoredGroup:
         loss's denominator and no learning signal."""
         return max(self.rewards) == min(self.rewards)
 
-    def samples(self) -> list[dict[str, Any]]:
+    def samples(self) -> list[TrainingSample]:
         """One training sample per response (the learner's collate input)."""
         return [
-            {
-                "prompt_ids": self.prompt_ids, "completion_ids": c["completion_ids"],
-                "behaviour_logprobs": c["behaviour_logprobs"], "reward": c["reward"],
-                "group_id": self.group_id, "version": self.version_start,
-            }
+            TrainingSample(prompt_ids=self.prompt_ids, completion_ids=c["completion_ids"],
+                           behaviour_logprobs=c["behaviour_logprobs"], reward=c["reward"], group_id=self.group_id,
+                           version=self.version_start)
             for c in self.completions
         ]
 

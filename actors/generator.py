@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from actors.records import Completion
+
 if TYPE_CHECKING:
     from learner.weight_sync import PackedWeights
 
@@ -96,7 +98,7 @@ class GeneratedGroup:
     group_id: int
     problem_id: str
     prompt_ids: list[int]
-    completions: list[dict[str, Any]] = field(default_factory=list)  # completion_ids, behaviour_logprobs, text, finish_reason
+    completions: list[Completion] = field(default_factory=list)
     version_start: int = 0
     version_end: int = 0
     generator_index: int = 0
@@ -163,9 +165,10 @@ class Generator:
         `samples` and `temperature` override the spec's for one call (evaluation: 1 greedy answer each).
         """
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
         start, version = time.perf_counter(), self.version
-        prompts = [{"prompt_token_ids": self.prompt_ids(r.messages)} for r in requests]
+        prompts = [TokensPrompt(prompt_token_ids=self.prompt_ids(r.messages)) for r in requests]
         params = [
             SamplingParams(
                 n=samples or self.spec.samples_per_prompt,
@@ -182,11 +185,11 @@ class Generator:
                                    incarnation=self.incarnation)
             for completion in output.outputs:
                 ids = list(completion.token_ids)
-                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
-                group.completions.append({
-                    "completion_ids": ids, "behaviour_logprobs": logprobs,
-                    "text": completion.text, "finish_reason": completion.finish_reason,
-                })
+                steps: list[Any] = list(completion.logprobs or [])  # one {token: Logprob} per step (logprobs=0)
+                logprobs = [step[token].logprob for step, token in zip(steps, ids)]
+                group.completions.append(Completion(completion_ids=ids, behaviour_logprobs=logprobs,
+                                                    text=completion.text,
+                                                    finish_reason=str(completion.finish_reason)))
             groups.append(group)
         # The timing travels with the result: asking the actor later would queue behind its next call.
         generate_s = time.perf_counter() - start

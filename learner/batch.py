@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from actors.records import TrainingSample
 
 
 @dataclass
@@ -51,8 +52,8 @@ class TrainBatch:
         return TrainBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
-def collate(samples: Sequence[dict[str, Any]], pad_token_id: int) -> TrainBatch:
-    """Pad samples {prompt_ids, completion_ids, behaviour_logprobs, reward, group_id, version}.
+def collate(samples: Sequence[TrainingSample], pad_token_id: int) -> TrainBatch:
+    """Pad training samples into one batch.
 
     Filled in numpy and handed to torch without a copy: the driver collates every step, and numpy
     takes a Python list into a row slice several times faster than a torch.tensor per row.

@@ -27,6 +27,7 @@ import torch
 
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
 from actors.generator import GeneratedGroup, GenerationRequest
+from actors.records import ScoredCompletion
 from algorithms.diagnostics import lag_stats
 from algorithms.rewards import overlong_penalty
 from cluster.job import AlgorithmSection, Job, section_config
@@ -397,7 +398,7 @@ class AsyncLoop:
         penalties = [overlong_penalty(len(c["completion_ids"]), self.job.generator.max_new_tokens,
                                       algorithm.overlong_buffer_tokens, algorithm.overlong_penalty)
                      for c in group.completions]
-        completions = [{**c, "reward": r.reward + penalty, "score_error": r.error}
+        completions = [ScoredCompletion(**c, reward=r.reward + penalty, score_error=r.error)
                        for c, r, penalty in zip(group.completions, results, penalties)]
         errors = sum(r.error is not None for r in results)
         self.scored.rewards += [c["reward"] for c in completions]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.generator import chat_prompt_ids
+from actors.records import TrainingSample
 from cluster.job import Job
 from learner.models import build_tiny_model, check_chat_template, resolve_model
 from tasks.base import Problem, Task
@@ -57,14 +58,13 @@ def _tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def sft_samples(model_path: str, task: Task, problems: list[Problem]) -> list[dict[str, Any]]:
+def sft_samples(model_path: str, task: Task, problems: list[Problem]) -> list[TrainingSample]:
     """Training samples whose completion is the task's demonstration followed by end-of-turn."""
     tokenizer = _tokenizer(model_path)
     samples = []
     for group_id, problem in enumerate(problems):
         completion = tokenizer.encode(task.demonstration(problem), add_special_tokens=False) + [tokenizer.eos_token_id]
-        samples.append({
-            "prompt_ids": chat_prompt_ids(tokenizer, task.messages(problem)), "completion_ids": completion,
-            "behaviour_logprobs": [0.0] * len(completion), "reward": 0.0, "group_id": group_id, "version": 0,
-        })
+        samples.append(TrainingSample(prompt_ids=chat_prompt_ids(tokenizer, task.messages(problem)),
+                                      completion_ids=completion, behaviour_logprobs=[0.0] * len(completion),
+                                      reward=0.0, group_id=group_id, version=0))
     return samples
