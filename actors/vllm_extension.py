@@ -66,6 +66,12 @@ class SpecsUpdateInfo(WeightTransferUpdateInfo):
     shapes: list[list[int]]
 
 
+def _model(engine: WeightTransferEngine) -> Any:
+    """The engine's vLLM model, whose `load_weights` takes (checkpoint name, tensor) pairs (torch's Module
+    type does not declare it)."""
+    return engine.model
+
+
 class _CheckpointFormatEngine(WeightTransferEngine):
     """Checkpoint-named tensors into the model through vLLM's layerwise reload, as its nccl engine does:
     each layer is processed as soon as all its tensors have arrived."""
@@ -100,7 +106,7 @@ class PackedEngine(_CheckpointFormatEngine):
     def receive_weights(self, update_info: PackedUpdateInfo) -> None:
         from learner.weight_sync import unpack
 
-        self.model.load_weights(unpack(update_info.names, update_info.dtype_names, update_info.shapes,
+        _model(self).load_weights(unpack(update_info.names, update_info.dtype_names, update_info.shapes,
                                        update_info.offsets, update_info.data))
 
 
@@ -124,7 +130,7 @@ class GlooEngine(_CheckpointFormatEngine):
             raise RuntimeError("the gloo weight transfer was not initialised (init_weight_transfer_engine first)")
         specs = TensorSpec.from_wire(update_info.names, update_info.dtype_names, update_info.shapes)
         for bucket in self.sync.receive(specs):  # one bucket's tensors at a time, loaded as they arrive
-            self.model.load_weights(bucket)
+            _model(self).load_weights(bucket)
 
     def shutdown(self) -> None:
         self.sync = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field, fields
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, TypeVar
 
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"]
 
@@ -18,7 +18,10 @@ LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-s
 LOG_RATIO_BOUND = 20.0
 
 
-def config_field(text: str, default: object, **bounds: float) -> object:
+T = TypeVar("T")
+
+
+def config_field(text: str, default: T, **bounds: float) -> T:
     """A field with the text the job schema shows for it and the bounds (gt, ge, lt, le) its value must keep."""
     return field(default=default, metadata={"doc": text, "bounds": bounds})
 

@@ -111,7 +111,8 @@ class SequenceTIS(Stabilizer):
 
 
 def _sequence_mis(batch: PolicyBatch, log_stat: Tensor, low: float, high: float) -> TokenWeights:
-    """MIS on a per-sequence log statistic [B]: weight exp(stat) inside [low, high], else the sequence leaves the loss."""
+    """MIS on a per-sequence log statistic [B]: weight exp(stat) inside [low, high], else the sequence leaves
+    the loss."""
     keep = 1.0 - outside_band(log_stat, math.log(low), math.log(high))
     seq_weights = torch.exp(log_stat.clamp(max=math.log(high))) * keep
     metrics = _sequence_weight_metrics(batch, seq_weights)

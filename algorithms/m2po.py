@@ -5,8 +5,8 @@ Two forms, selected by `M2POConfig.mode`:
 - `mask` (the paper's Algorithm 1, default): among trust-region tokens, those where PPO clipping could
   bind ((A > 0 and r > 1) or (A < 0 and r < 1)), mask the largest (log r)^2 until their mean is at
   most tau. Greedy removal of the maximum always keeps a sorted prefix, so a walk down the largest
-  values finds the shortest removal whose remaining mean is <= tau. The objective is unclipped r A over the kept tokens, normalised
-  by all tokens: masked tokens get weight 0 but stay in the denominator.
+  values finds the shortest removal whose remaining mean is <= tau. The objective is unclipped r A over
+  the kept tokens, normalised by all tokens: masked tokens get weight 0 but stay in the denominator.
 - `adaptive_clip` (the released code): no masking; if the trust-region M2 exceeds tau, cap the
   (log r)^2 values at tau_c^2, with tau_c^2 the largest value whose capping keeps the M2 within budget,
   and apply the PPO clip range [exp(-tau_c), exp(tau_c)] (no dual clip).
@@ -221,6 +221,7 @@ def _first_fit(region: _Region, total: _Sum, tau: float, rule: BudgetRule, colum
     slack = total.error + 4 * region.tokens.numel() * 2.0**-53 * total.value
     while True:
         top, index, floor = region.largest(threshold, columns)
+        margins: Tensor | list[float]
         if top.numel() <= _PYTHON_WALK:
             first, margins, others = _walk_floats(rule, top.tolist(), total.value)
         else:

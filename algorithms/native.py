@@ -24,6 +24,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from algorithms.errors import StableAsyncError
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "token_scans.cpp"
@@ -83,10 +85,21 @@ def usable(token_tensors: tuple[Tensor, ...], advantages: Tensor) -> bool:
     return not _turned_off and module() is not None
 
 
+class NativeUnavailable(StableAsyncError, RuntimeError):
+    """A fused scan was called where `usable` says no (a bug in the caller, not a user error)."""
+
+
+def _built() -> ModuleType:
+    built = module()
+    if built is None:
+        raise NativeUnavailable("the fused CPU scans are not built here: callers check usable() first")
+    return built
+
+
 def m2po_region_scan(log_ratio: Tensor, advantages: Tensor, threshold: float) -> tuple[int, float, Tensor, Tensor]:
     """M2PO's trust region in one pass: its token count, the fp64 sum of its (log r)^2, and the values
     above the fp32 `threshold` with their flat indices (flat order). `log_ratio` must be 0 on padding."""
-    return module().m2po_region_scan(log_ratio.detach(), advantages.detach(), threshold)
+    return _built().m2po_region_scan(log_ratio.detach(), advantages.detach(), threshold)
 
 
 def bapo_movers(
@@ -101,7 +114,7 @@ def bapo_movers(
     """BAPO's movers in one pass; see `bapo_movers` in token_scans.cpp. `interval` is (log low,
     log high, log c) of the narrowest clip, rounded to fp32 as the torch path's comparisons round them."""
     log_low, log_high, log_c = interval
-    return module().bapo_movers(
+    return _built().bapo_movers(
         log_ratio.detach(), ratio.detach(), advantages.detach(), log_low, log_high, log_c,
         log_highs, log_lows, dual_clip_below_lows,
     )

@@ -65,7 +65,8 @@ def phase_s(run_dir: Path, rows: list[dict[str, Any]]) -> tuple[float, float]:
     else:  # a run from before that metric: the whole run's generate calls, warm-up included
         summary = json.loads((run_dir / "summary.json").read_text())
         g = summary["generate_s"] / summary["steps"]
-    t = statistics.fmean(metric_number(r["time/learner_step_s"]) + metric_number(r["perf/weight_sync_s"]) for r in steady)
+    t = statistics.fmean(metric_number(r["time/learner_step_s"]) + metric_number(r["perf/weight_sync_s"])
+                         for r in steady)
     return g, t
 
 
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     ideal = (g + t) / max(g, t)
     sync_wall = wall_per_step_s(rows[0])
     print(f"job {args.job}: {args.steps} steps per lag, 1 generator + 1 learner rank, one CPU and thread each")
-    print(f"phases at max_lag 0: generator g (calls + weight loads) = {g:.3f} s/step, learner + sync t = {t:.3f} s/step, "
+    print(f"phases at max_lag 0: generator g (calls + weight loads) = {g:.3f} s/step, "
+          f"learner + sync t = {t:.3f} s/step, "
           f"ideal speedup (g + t) / max(g, t) = {ideal:.2f}\n")
     print(f"{'max_lag':>7}{'wall s/step':>13}{'speedup':>9}{'of ideal':>10}{'to target s':>13}"
           f"{'simulated s/step':>18}{'sim error':>11}")

@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         rounds.append(f"round {round_ + 1}: " + ", ".join(f"{name} {rate:.0f} tok/s" for name, rate in rates.items())
                       + f", vllm x transformers {rates['vllm'] / rates['transformers']:.2f}")
     print(f"model {model_path}\n{args.prompts} prompts x {args.samples} samples, max_new_tokens "
-          f"{args.max_new_tokens}, {torch.get_num_threads()} torch thread(s) for both, best of {args.rounds} interleaved rounds\n")
+          f"{args.max_new_tokens}, {torch.get_num_threads()} torch thread(s) for both, "
+          f"best of {args.rounds} interleaved rounds\n")
     print("\n".join(rounds) + "\n")
     print(f"{'engine':<14}{'seconds':>9}{'tokens':>9}{'tokens/s':>11}{'x transformers':>16}")
     reference = best["transformers"][1] / best["transformers"][0]

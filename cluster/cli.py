@@ -299,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak = commands.add_parser("soak", help="a long run with generators killed every so often; audits the ledger")
     soak.add_argument("job")
     _add_set_option(soak)
-    soak.add_argument("--steps", type=int, default=6000, help="learner steps (about 0.25 s each for the demo on 2 cores)")
+    soak.add_argument("--steps", type=int, default=6000,
+                      help="learner steps (about 0.25 s each for the demo on 2 cores)")
     soak.add_argument("--kill-every-s", type=float, default=120.0, help="seconds between generator kills (+-25%%)")
     soak.set_defaults(run=_soak)
     submit = commands.add_parser("submit", help="run a job on a remote Ray cluster (Ray Jobs API, token auth)")

@@ -204,7 +204,9 @@ class AlgorithmSection(Section):
 
 
 class AsyncSection(Section):
-    max_lag: int = Field(1, ge=0, description="learner version minus rollout version allowed at train time; 0 is on-policy")
+    max_lag: int = Field(
+        1, ge=0, description="learner version minus rollout version allowed at train time; 0 is on-policy"
+    )
     stale_policy: Literal["wait", "drop"] = Field(
         "wait", description="wait: generators pause so nothing goes stale; drop: stale groups are dropped (ledger)"
     )
@@ -253,7 +255,8 @@ class AlertsSection(Section):
     )
     entropy_collapse_steps: int = Field(5, gt=0, description="consecutive low-entropy steps that make a collapse")
     grad_norm_above: float | None = Field(
-        None, gt=0, description="gradient-norm spike: optim/grad_norm above this absolute value; null: no absolute limit"
+        None, gt=0,
+        description="gradient-norm spike: optim/grad_norm above this absolute value; null: no absolute limit",
     )
     grad_norm_spike_factor: float | None = Field(
         10.0, gt=1, description="gradient-norm spike: optim/grad_norm above this times the median of the previous "
@@ -406,7 +409,8 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                                "(generator.samples_per_prompt 1) has uniform rewards: all would be dropped"))
     if job.algorithm.overlong_buffer_tokens > generator.max_new_tokens:
         errors.append(JobError("algorithm.overlong_buffer_tokens", f"{job.algorithm.overlong_buffer_tokens} is more "
-                               f"than the {generator.max_new_tokens} tokens a response may have (generator.max_new_tokens)"))
+                               f"than the {generator.max_new_tokens} tokens a response may have "
+                               "(generator.max_new_tokens)"))
     if job.algorithm.loss_aggregation == "constant" and job.algorithm.constant_tokens is None:
         errors.append(JobError("algorithm.constant_tokens", "required when loss_aggregation is 'constant'"))
     if generator.max_new_tokens >= generator.max_model_len:
@@ -433,7 +437,8 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
             "idle; set tensor_parallel_size to use them, or run more generators",
         ))
     if job.async_.weight_sync == "nccl" and (generator.gpus_per_generator == 0 or learner.gpus_per_rank == 0):
-        errors.append(JobError("async.weight_sync", "nccl needs GPUs on generators and learner ranks; use object_store"))
+        errors.append(JobError("async.weight_sync",
+                               "nccl needs GPUs on generators and learner ranks; use object_store"))
     if generator.max_generators is not None:
         if job.cluster.generator_resource is None:
             errors.append(JobError("cluster.generator_resource",
@@ -441,7 +446,8 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                                    "nodes that offer this resource"))
         if generator.max_generators < generator.num_generators:
             errors.append(JobError("generator.max_generators",
-                                   f"{generator.max_generators} is fewer than num_generators {generator.num_generators}"))
+                                   f"{generator.max_generators} is fewer than num_generators "
+                                   f"{generator.num_generators}"))
         if job.async_.weight_sync != "object_store":
             errors.append(JobError("async.weight_sync", "elastic generators (generator.max_generators) need "
                                    "object_store: a collective weight group cannot take new members"))
@@ -468,7 +474,8 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
             f"the job needs {gpus_needed:g} GPUs but the cluster has {available_gpus:g}",
         ))
     if cluster_resources is not None:
-        for field, resource, count in (("cluster.generator_resource", job.cluster.generator_resource, generator.num_generators),
+        for field, resource, count in (("cluster.generator_resource", job.cluster.generator_resource,
+                                        generator.num_generators),
                                        ("cluster.learner_resource", job.cluster.learner_resource, learner.num_ranks)):
             units = cluster_resources.get(resource, 0.0) if resource else None
             if units is not None and units < count:
@@ -539,7 +546,8 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[dic
         for depth, section in enumerate(sections):
             node = node.setdefault(section, {})
             if not isinstance(node, dict):
-                errors.append(JobError(".".join(sections[:depth + 1]), f"is a value, not a section: cannot set {field}"))
+                errors.append(JobError(".".join(sections[:depth + 1]),
+                                       f"is a value, not a section: cannot set {field}"))
                 break
         else:
             node[name] = value
@@ -557,7 +565,8 @@ def load_job(path: str | Path, overrides: Sequence[str] = ()) -> Job:
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
-        raise JobValidationError(str(path), [JobError(where, f"invalid YAML: {getattr(error, 'problem', error)}")]) from None
+        raise JobValidationError(str(path),
+                                 [JobError(where, f"invalid YAML: {getattr(error, 'problem', error)}")]) from None
     unapplied: list[JobError] = []
     if overrides and isinstance(data, dict):  # a file that is not a mapping is the schema's to report
         data, unapplied = apply_overrides(data, overrides)

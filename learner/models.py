@@ -68,8 +68,9 @@ def build_tiny_model(
     """A random-init causal LM and a byte-level BPE tokenizer (digits split, ChatML template) in `out_dir`."""
     lines = list(corpus)
     params = {
-        "builder_version": BUILDER_VERSION, "arch": arch, "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
-        "num_kv_heads": num_kv_heads, "head_dim": head_dim, "intermediate_size": intermediate_size,
+        "builder_version": BUILDER_VERSION, "arch": arch, "hidden_size": hidden_size, "num_layers": num_layers,
+        "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+        "intermediate_size": intermediate_size,
         "vocab_size": vocab_size, "max_position_embeddings": max_position_embeddings,
         "tie_word_embeddings": tie_word_embeddings, "seed": seed,
         "corpus_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest(),

@@ -164,7 +164,8 @@ def check_owned_by_me(path: Path) -> None:
     for item in [path, *path.rglob("*")]:
         info = item.lstat()
         if info.st_uid != os.getuid():
-            raise PermissionError(f"refusing to load checkpoint {path}: {item} belongs to another user (uid {info.st_uid})")
+            raise PermissionError(f"refusing to load checkpoint {path}: {item} belongs to another user "
+                                  f"(uid {info.st_uid})")
         if info.st_mode & 0o002:
             raise PermissionError(f"refusing to load checkpoint {path}: {item} is writable by every user")
 
@@ -323,7 +324,8 @@ class LearnerRank:
                              self.spec.lr_min_ratio)
         metrics["optim/lr"] = self._scalar(self.spec.learning_rate * schedule * lr_scale)
         grad_norm = self._step_with_lr_scale(lr_scale * schedule)
-        return self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm, batch=batch)
+        return self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm,
+                            batch=batch)
 
     def sequence_log_ratios(self) -> list[float]:
         """sum_t log pi_learner - log pi_behaviour of each row of the latest train_step's batch, in its order."""
@@ -488,7 +490,8 @@ class LearnerRank:
         if self.engine.was_step_applied():
             raise RuntimeError(f"learner rank {self.rank}: DeepSpeed applied a step with a non-finite gradient")
 
-    def _backward(self, loss: Tensor, logprobs: Tensor, sample_grads: SampleGradients | None, loss_mask: Tensor) -> None:
+    def _backward(self, loss: Tensor, logprobs: Tensor, sample_grads: SampleGradients | None,
+                  loss_mask: Tensor) -> None:
         """Gradients of the loss into the engine. DeepSpeed averages over ranks, so each rank's loss is
         its share of the global sum.
 

@@ -101,7 +101,8 @@ class Countdown(Task):
         c = self.config
         for index in count():
             while True:
-                numbers = [rng.randint(1, max(2, c.max_target - 1)) for _ in range(rng.randint(c.min_numbers, c.max_numbers))]
+                numbers = [rng.randint(1, max(2, c.max_target - 1))
+                           for _ in range(rng.randint(c.min_numbers, c.max_numbers))]
                 target = rng.randint(c.min_target, c.max_target)
                 solution = solve(numbers, target)
                 if solution is not None:

@@ -318,7 +318,8 @@ class _Simulation:
             lag_counts=tuple(self.lag_counts),
             dropped_groups=self.schedule.buffer.ledger.counts().get("dropped", 0),
             gen_call_s_mean=statistics.fmean(call.end_s - call.start_s for call in calls),
-            gen_s_per_group=sum(call.end_s - call.start_s for call in calls) / sum(len(call.requests) for call in calls),
+            gen_s_per_group=(sum(call.end_s - call.start_s for call in calls)
+                             / sum(len(call.requests) for call in calls)),
             learner_s_mean=statistics.fmean(self.learner_busy_s),
             run_s=run_s,
         )
@@ -433,7 +434,8 @@ def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
     learner_step_s = statistics.fmean(_finite(rows, "time/learner_step_s", metrics))
     _finite(rows, "perf/learner_tokens_per_s", metrics)
     # tokens one rank trained per step, each row's own rate x time (a mean of rates would weight short steps up)
-    per_row = [metric_number(r.get("perf/learner_tokens_per_s")) * metric_number(r.get("time/learner_step_s")) for r in rows]
+    per_row = [metric_number(r.get("perf/learner_tokens_per_s")) * metric_number(r.get("time/learner_step_s"))
+               for r in rows]
     rank_tokens = statistics.fmean(t for t in per_row if math.isfinite(t))
     response_len = statistics.fmean(_finite(rows, "rollout/response_len", metrics))
     samples = shape.prompts_per_step * shape.samples_per_prompt

@@ -23,7 +23,8 @@ from actors.buffer import audit_ledger
 from cluster.job import Job
 
 
-def _killer(job: Job, run_name: str, every_s: float, stop: threading.Event, kills: list[tuple[float, int, int]]) -> None:
+def _killer(job: Job, run_name: str, every_s: float, stop: threading.Event,
+            kills: list[tuple[float, int, int]]) -> None:
     import ray
 
     rng, started = random.Random(0), time.monotonic()

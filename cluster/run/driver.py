@@ -109,7 +109,8 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
             keep_first_lines(run_dir / "metrics.jsonl", state.metrics_lines)
             if state.samples_lines is not None:
                 keep_first_lines(run_dir / SAMPLES_FILE, state.samples_lines)
-        ledger = Ledger.resume(run_dir / "ledger.jsonl", state.ledger_lines) if state else Ledger(run_dir / "ledger.jsonl")
+        ledger_path = run_dir / "ledger.jsonl"
+        ledger = Ledger.resume(ledger_path, state.ledger_lines) if state else Ledger(ledger_path)
         sink = MetricSink(run_dir, names + ("-resumed" if state else ""), job.model_dump(mode="json", by_alias=True),
                           job.logging.wandb.mode, job.logging.wandb.project, job.logging.wandb.entity,
                           job.logging.progress_bar, job.learner.steps, alerts=job.logging.alerts)
@@ -189,7 +190,8 @@ def _generator_starter(job: Job, model_path: str, name_prefix: str) -> Callable[
 
 def _placement(learners: runtime.LearnerGroup, generators: dict[int, Any]) -> dict[str, Any]:
     """The Ray node id of every learner rank and generator at the start (the run's summary records it)."""
-    nodes = ray.get([rank.node_id.remote() for rank in learners.ranks] + [g.node_id.remote() for g in generators.values()])
+    nodes = ray.get([rank.node_id.remote() for rank in learners.ranks]
+                    + [g.node_id.remote() for g in generators.values()])
     return {"learner_nodes": nodes[:len(learners.ranks)],
             "generator_nodes": dict(zip(map(str, generators), nodes[len(learners.ranks):]))}
 

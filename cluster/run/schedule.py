@@ -105,7 +105,7 @@ class Schedule(Generic[R, H]):
                     self.buffer.reissue(request.group_id, self.members[index].weights_version, index, reason)
                 self._send(index, [request for request, _ in adopted])
                 continue
-            requests = []
+            requests: list[R] = []
             while len(requests) < self.prompts_per_request and self.buffer.can_issue(
                 self.version, self.learner_busy, self.members[index].weights_version
             ):

@@ -26,7 +26,8 @@ def test_tiny_model_and_tokenizer_load_and_run(tmp_path, arch):
     assert tokenizer.decode(ids, skip_special_tokens=True) == "<answer>42</answer>"
     assert tokenizer.convert_ids_to_tokens(ids)[0] == "<answer>"
     assert [tokenizer.decode([i]) for i in tokenizer.encode("123", add_special_tokens=False)] == ["1", "2", "3"]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert model.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>") == tokenizer.eos_token_id
     logits = model(torch.tensor([ids])).logits

@@ -47,7 +47,8 @@ def test_async_speedup_trains_each_lag_and_prints_its_tables(tmp_path):
     out = _command(["benchmarks.async_speedup", "--job", str(job), "--lags", "0,1", "--steps", "6",
                     "--out", str(tmp_path / "bench")], tmp_path)
     for lag in (0, 1):
-        rows = [json.loads(line) for line in (tmp_path / "bench" / f"lag{lag}" / "metrics.jsonl").read_text().split("\n")
+        rows = [json.loads(line)
+                for line in (tmp_path / "bench" / f"lag{lag}" / "metrics.jsonl").read_text().split("\n")
                 if line]
         assert sum("eval/solved" in row for row in rows) == 2, "evaluated at steps 3 and 6"
         assert re.search(rf"^{lag:>7}\s+{NUMBER}\s+{NUMBER}\s+\d+%\s+(never|{NUMBER})\s+{NUMBER}\s+[+-]\d+%$", out,

@@ -49,8 +49,8 @@ REQUEST = ("import ray; from ray.autoscaler.sdk import request_resources; ray.in
 def fake_cluster(tmp_path):
     if not _port_free(6379):
         pytest.skip("port 6379 is taken; the fake provider's nodes join a head there")
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "disabled", "STABLEASYNC_CACHE": str(tmp_path / "cache"),
-           "PATH": f"{BIN}:{os.environ['PATH']}"}
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "disabled",
+           "STABLEASYNC_CACHE": str(tmp_path / "cache"), "PATH": f"{BIN}:{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--port=6379", "--node-ip-address=127.0.0.1",

@@ -92,8 +92,9 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     assert min(busy) > 0 and sum(busy) == pytest.approx(summary["generate_s"] + summary["weight_load_s"])
     _assert_the_trained_model_is_saved(result, summary)
     _assert_rollout_samples_are_rank_zeros_groups(result.run_dir, trained)
-    # evaluated before training and at steps 2 and 4, on the weights just published: 5 greedy answers, scored. The loop does not
-    # wait: each evaluation is its own row, written after its step's row; the last one before the run ends.
+    # evaluated before training and at steps 2 and 4, on the weights just published: 5 greedy answers, scored.
+    # The loop does not wait: each evaluation is its own row, written after its step's row; the last one before
+    # the run ends.
     order = [(m["train/step"], is_evaluation_row(m)) for m in metrics if m["train/step"] > 0]
     assert order.index((2, True)) > order.index((2, False)) and order[-1] == (4, True), order
     evaluated = {m["train/step"]: m for m in metrics if is_evaluation_row(m)}
@@ -170,7 +171,8 @@ def test_vcpo_job_with_the_off_policy_baseline(local_ray, tmp_path, monkeypatch)
     metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [m for m in metrics if m["train/step"] > 0][-1]
     assert last["opob/fallback_to_loop"] == 0
-    assert last["opob/sample_grad_norm_mean"] > 0 and last["opob/sample_grad_norm_max"] >= last["opob/sample_grad_norm_median"]
+    assert (last["opob/sample_grad_norm_mean"] > 0
+            and last["opob/sample_grad_norm_max"] >= last["opob/sample_grad_norm_median"])
     assert 0 < last["stability/lr_scale"] <= 1
     assert len(_trained(result.run_dir)) == 3 * 2
 
@@ -191,7 +193,8 @@ def _kill_after_step(run_dir: Path, actor_name: str, killed: list[int], step: in
     pid = ray.get(generator.process_id.remote())
     metrics = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if metrics.exists() and any(json.loads(line)["train/step"] >= step for line in metrics.read_text().splitlines()):
+        if metrics.exists() and any(json.loads(line)["train/step"] >= step
+                                    for line in metrics.read_text().splitlines()):
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
             return
@@ -878,7 +881,8 @@ def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes(local_ray,
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
     assert audit_ledger(ledger) == [], "every issued group ends once, trained or dropped with the reason"
     assert any(f"stopped by {signal_name}" in (r.get("reason") or "") for r in ledger if r["event"] == "dropped")
-    assert all(r["score_errors"] == 0 for r in ledger if r["event"] == "scored"), "no sample scored before the stop failed"
+    assert all(r["score_errors"] == 0
+               for r in ledger if r["event"] == "scored"), "no sample scored before the stop failed"
     (wandb_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     kinds = [record.WhichOneof("record_type") for record in _wandb_records(wandb_file)]
     assert kinds.count("history") == 2 + stopped_at and "exit" in kinds  # SFT warm-up rows, then RL steps

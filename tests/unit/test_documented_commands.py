@@ -69,14 +69,20 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     "benchmarks.core_contention": (
         "tests/unit/test_benchmarks.py::test_core_contention_prints_each_loop_alone_and_with_both_cores_busy",
     ),
-    "benchmarks.stabilizers": ("tests/unit/test_benchmarks.py::test_stabilizers_benchmark_prints_a_row_per_stabilizer",),
+    "benchmarks.stabilizers": (
+        "tests/unit/test_benchmarks.py::test_stabilizers_benchmark_prints_a_row_per_stabilizer",
+    ),
     "benchmarks.learner_memory": (
         "tests/integration/test_benchmarks.py::test_learner_memory_measures_each_batch_size_in_its_own_process",
     ),
     "benchmarks.learner_step": ("tests/integration/test_benchmarks.py::test_learner_step_times_every_configuration",),
     "benchmarks.generation": ("tests/integration/test_benchmarks.py::test_generation_compares_vllm_with_transformers",),
-    "benchmarks.weight_sync": ("tests/integration/test_benchmarks.py::test_weight_sync_prints_the_paths_and_their_ratios",),
-    "cluster.reference_loop": ("tests/integration/test_reference_loop.py::test_the_reference_loop_learns_the_demo_task",),
+    "benchmarks.weight_sync": (
+        "tests/integration/test_benchmarks.py::test_weight_sync_prints_the_paths_and_their_ratios",
+    ),
+    "cluster.reference_loop": (
+        "tests/integration/test_reference_loop.py::test_the_reference_loop_learns_the_demo_task",
+    ),
 }
 
 

@@ -182,7 +182,8 @@ def test_adaptive_clip_on_large_batches_matches_a_full_sort(seed, tail_share, ta
     capped = [float(values.clamp(max=v).sum()) for v in values[: n_above + 1]]  # + the largest within tau
     tau_c = math.sqrt(float(values[next(j for j, c in enumerate(capped) if c <= budget)]))
     assert out.metrics["stability/clip_high"].item() == pytest.approx(math.exp(tau_c), rel=1e-6)
-    assert out.metrics["stability/m2_after"].item() == pytest.approx(float(values.clamp(max=tau_c**2).sum()) / n, rel=1e-5)
+    assert out.metrics["stability/m2_after"].item() == pytest.approx(float(values.clamp(max=tau_c**2).sum()) / n,
+                                                                     rel=1e-5)
     # the clip, applied to the tokens the search found, is the clipped surrogate over the whole batch
     from algorithms.clipping import clipped_surrogate_weights
 

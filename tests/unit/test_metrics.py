@@ -75,7 +75,8 @@ def test_step_rows_are_the_learner_steps_alone_in_logged_order(tmp_path):
     sink.close()
     rows = read_jsonl_rows(tmp_path / "metrics.jsonl")
     assert len(rows) == 5
-    assert [(row["train/step"], row["time/learner_step_s"]) for row in step_rows(rows)] == [(1, 0.3), (2, 0.4), (3, 0.5)]
+    assert [(row["train/step"], row["time/learner_step_s"]) for row in step_rows(rows)] == [
+        (1, 0.3), (2, 0.4), (3, 0.5)]
 
 # ---- the metric table, the W&B workspace file ---------------------------------------------------------
 

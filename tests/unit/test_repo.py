@@ -15,7 +15,8 @@ def _readme_test_command() -> str:
 
 
 def test_ci_runs_the_readme_test_command():
-    ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines()
+                if line and not line.startswith(("#", "set ", "cd "))]
     assert ci_lines == [_readme_test_command()]
 
 
@@ -40,7 +41,8 @@ def test_nothing_in_the_project_refers_to_files_outside_its_clone():
     only what the repository holds."""
     markers = ("../" + "shared", "DESIGN" + ".md", "redesign" + "-moves")  # in parts: this file must not match
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, check=True, capture_output=True, text=True).stdout.split()
-    outside = [f"{name}: {marker}" for name in tracked if (ROOT / name).is_file() and (ROOT / name).stat().st_size < 1 << 20
+    outside = [f"{name}: {marker}" for name in tracked
+               if (ROOT / name).is_file() and (ROOT / name).stat().st_size < 1 << 20
                for marker in markers if marker in (ROOT / name).read_text(errors="ignore")]
     assert not outside, f"these files refer to what a clone lacks: {outside}"
 

@@ -58,7 +58,8 @@ def test_the_sink_appends_samples_jsonl_and_logs_a_wandb_table(tmp_path, monkeyp
     assert [(r["step"], r["completion"], r["reward"], r["log_ratio"]) for r in rows] == [
         (2, "a", 1.0, 0.1), (2, "b", 0.0, 0.2), (4, "c", 0.5, -0.3)]
     assert list(rows[0]) == COLUMNS
-    assert MetricSink(tmp_path, "again", {}, "disabled", progress_bar=False).sample_lines == 3  # a resumed run counts on
+    # a resumed run counts on
+    assert MetricSink(tmp_path, "again", {}, "disabled", progress_bar=False).sample_lines == 3
 
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     history = [_nested(r.history.item) for r in _wandb_records(run_file) if r.WhichOneof("record_type") == "history"]

@@ -243,7 +243,8 @@ def test_weight_form_matches_literal_objective_gradient(name, config, mode, adva
 def test_gspo_sequence_weight_scaling_by_seq_len():
     batch = _batch([[1.01, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]], advantages=[1.0, -1.0], requires_grad=True)
     out = registry.build("gspo").token_weights(batch)
-    ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, "seq-mean-token-mean"), batch)
+    ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask,
+                                      "seq-mean-token-mean"), batch)
     assert torch.allclose(ours, _grad(_literal_gspo(batch, 1 - 3e-4, 1 + 4e-4), batch), atol=1e-7)
 
 
@@ -252,14 +253,16 @@ def test_m2po_mask_matches_paper_objective_gradient():
     out = registry.build("m2po").token_weights(batch)
     keep = out.weights > 0
     assert (~keep).any(), "the test data must exceed the M2 budget"
-    ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, "token-mean"), batch)
+    ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, "token-mean"),
+                 batch)
     assert torch.allclose(ours, _grad(_literal_m2po_mask(batch, keep), batch), atol=1e-6)
 
 
 def test_cispo_matches_its_detached_objective():
     batch = _batch(RATIOS, advantages=ADVANTAGES, requires_grad=True)
     out = registry.build("cispo").token_weights(batch)
-    ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, "token-mean"), batch)
+    ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, "token-mean"),
+                 batch)
     weight = _ratio(batch).detach().clamp(0.0, 1.2)
     literal = -(weight * batch.token_advantages * batch.logprobs).sum() / batch.mask.sum()
     assert torch.allclose(ours, _grad(literal, batch), atol=1e-6)
@@ -320,7 +323,8 @@ def _reference(name, batch, config):
         weight_metrics(w, (s > LOG(config.cap))[:, None].expand_as(m))
         return w, m, metrics
     if name in ("mis_token", "mis_seq", "mis_geo", "icepop"):
-        stat = {"mis_token": l, "icepop": l, "mis_seq": s[:, None], "mis_geo": (s / lengths.clamp(min=1))[:, None]}[name]
+        stat = {"mis_token": l, "icepop": l, "mis_seq": s[:, None],
+                "mis_geo": (s / lengths.clamp(min=1))[:, None]}[name]
         keep = ((stat >= LOG(config.low)) & (stat <= LOG(config.high))).expand_as(m) & m
         w = torch.exp(stat.clamp(max=LOG(config.high))) * keep
         weight_metrics(w)

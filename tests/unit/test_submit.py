@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from cluster.job import load_job, validate_job
-from cluster.remote.submit import PACKAGES, SubmitError, auth_headers, find_token, for_cluster, stage_working_dir, stop_env
+from cluster.remote.submit import (PACKAGES, SubmitError, auth_headers, find_token, for_cluster, stage_working_dir,
+                                   stop_env)
 
 JOB = {"name": "j", "task": {"name": "arithmetic"}, "cluster": {"address": "127.0.0.1:6379", "num_cpus": 2},
        "algorithm": {"stabilizer": {"name": "m2po"}}}
