@@ -9,10 +9,8 @@ import argparse
 import logging
 import os
 import sys
-import typing
 from pathlib import Path
 
-from algorithms.config import LossAggregation
 from algorithms.errors import StableAsyncError
 from cluster.job import Job, JobValidationError, dump_job, load_job
 
@@ -208,20 +206,13 @@ def _sweep(args: argparse.Namespace) -> int:
     from cluster.run.stopping import JobStopped, stop_on_signals
     from cluster.experiments.sweep import sweep
 
-    job = _load(args.job)
+    job = _load(args.job, args.set)  # --set fields apply to every cell
     if job is None:
         return 2
-    overrides: dict[str, dict[str, object]] = {}
-    if args.steps is not None:
-        overrides.setdefault("learner", {})["steps"] = args.steps
-    if args.learning_rate is not None:
-        overrides.setdefault("learner", {})["learning_rate"] = args.learning_rate
-    if args.loss_aggregation is not None:
-        overrides.setdefault("algorithm", {})["loss_aggregation"] = args.loss_aggregation
     with stop_on_signals() as stop:
         try:
             summaries = sweep(job, args.stabilizers.split(","), _int_list(args.max_lag, "--max-lag"), Path(args.out),
-                              overrides, args.target_reward, stop,
+                              None, args.target_reward, stop,
                               None if args.seeds is None else _int_list(args.seeds, "--seeds"))
         except (ValueError, FileExistsError, ReportError) as error:
             print(f"stableasync sweep: {error}", file=sys.stderr)
@@ -350,10 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seeds", help="comma-separated job seeds: the whole grid runs once per seed, and the "
                        "report adds a table over the seeds of each cell (default: the job's seed, once)")
     sweep.add_argument("--out", default="runs/sweep", help="folder for the runs and the report")
-    sweep.add_argument("--steps", type=int, help="learner.steps of every cell (default: the job's)")
-    sweep.add_argument("--learning-rate", type=float, help="learner.learning_rate of every cell (default: the job's)")
-    sweep.add_argument("--loss-aggregation", choices=typing.get_args(LossAggregation),
-                       help="algorithm.loss_aggregation of every cell (default: the job's)")
+    _add_set_option(sweep)
     sweep.add_argument("--target-reward", type=float, help="report the time each cell takes to reach this reward")
     sweep.set_defaults(run=_sweep)
     report = commands.add_parser("report", help="compare finished runs: a table, plots and a self-contained "

@@ -348,6 +348,18 @@ class Job(Section):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+def job_section_defaults(dotted: str) -> dict[str, Any]:
+    """Today's default of every key of a job section ("learner", "logging.alerts"), as job.yaml spells them:
+    what readers of older runs fill in for keys those runs lack."""
+    section: Any = Job
+    for part in dotted.split("."):
+        fields = {info.alias or name: info for name, info in section.model_fields.items()}
+        if part not in fields:
+            raise KeyError(f"the job schema has no section {dotted!r}")
+        section = fields[part].annotation
+    return section().model_dump(mode="json", by_alias=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class JobError:
     """One problem in a job file: the dotted field path and what is wrong."""

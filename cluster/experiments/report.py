@@ -20,7 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from algorithms.errors import StableAsyncError
-from cluster.telemetry.run_files import STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, step_rows
+from cluster.job import job_section_defaults
+from cluster.telemetry.run_files import (STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, read_run_job,
+                                         step_rows)
+
+DEFAULT_ALERTS = job_section_defaults("logging.alerts")  # for a collapse rule turned off by a null
 
 REWARD_KEY = "rollout/reward_mean"
 ESS_KEY = "stability/ess_ratio"
@@ -33,8 +37,6 @@ EVAL_SOLVED_KEY = "eval/solved"
 MOVING_AVERAGE_STEPS = 10  # window of the reward moving average (time to target, the collapse peak)
 FINAL_FRACTION = 0.1  # the final reward is the mean over this last share of RL steps (at least one)
 REWARD_DROP_FRACTION = 0.5  # collapse: final reward below this share of the best moving average
-DEFAULT_ESS_COLLAPSE_BELOW = 0.1  # the job schema's logging.alerts defaults, for an older job.yaml
-DEFAULT_ESS_COLLAPSE_STEPS = 3
 
 # one RL row of metrics.jsonl (a step's, or an evaluation's own): floats (NaN/inf parsed), lists for histograms
 Row = dict[str, Any]
@@ -100,24 +102,6 @@ def _parse_value(value: Any) -> Any:
     return metric_number(value)
 
 
-def _read_job(path: Path) -> dict[str, Any]:
-    import yaml
-
-    if not path.is_file():
-        raise ReportError(f"{path}: not found (a finished run directory holds job.yaml and metrics.jsonl)")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise ReportError(f"{where}: not YAML ({getattr(error, 'problem', None) or error})") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ReportError(f"{path}: cannot be read ({error})") from None
-    if not isinstance(data, dict):
-        raise ReportError(f"{path}: expected the resolved job (a mapping with name, algorithm, async, ...)")
-    return data
-
-
 def _section(job: dict[str, Any], dotted: str, path: Path) -> dict[str, Any]:
     """A nested job section (e.g. "logging.alerts"); {} if absent, an error if it is not a mapping."""
     current: Any = job
@@ -168,23 +152,22 @@ def _continued_wall_s(rows: list[Row]) -> list[float]:
 def load_run(path: str | Path) -> RunData:
     """Read one finished run directory; `ReportError` naming the file (and line) if it cannot be read.
 
-    job.yaml is read as plain YAML, not validated against today's schema, so older runs still load;
-    keys it lacks fall back to "?"/None (and the alert thresholds to the schema defaults)."""
+    job.yaml is read as `read_run_job` reads it (older runs load, their missing keys take today's defaults);
+    a run without a stabilizer name is labelled "?"."""
     run_dir = Path(path)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir}: not a run directory (expected job.yaml and metrics.jsonl in it)")
     job_path = run_dir / "job.yaml"
-    job = _read_job(job_path)
+    job = read_run_job(job_path, ReportError, defaulted=["logging.alerts"])  # a missing label key reads "?"
     stabilizer = _section(job, "algorithm.stabilizer", job_path).get("name") or "?"
     max_lag = _int_or_none(_section(job, "async", job_path).get("max_lag"), "async.max_lag", job_path)
     steps_planned = _int_or_none(_section(job, "learner", job_path).get("steps"), "learner.steps", job_path)
     seed = _int_or_none(job.get("seed"), "seed", job_path)
     alerts = _section(job, "logging.alerts", job_path)
-    below = alerts.get("ess_ratio_below", DEFAULT_ESS_COLLAPSE_BELOW)
+    below = alerts["ess_ratio_below"]
     if below is not None and (isinstance(below, bool) or not isinstance(below, (int, float))):
         raise ReportError(f"{job_path}: 'logging.alerts.ess_ratio_below' must be a number or null, not {below!r}")
-    needed = _int_or_none(alerts.get("ess_collapse_steps", DEFAULT_ESS_COLLAPSE_STEPS),
-                          "logging.alerts.ess_collapse_steps", job_path)
+    needed = _int_or_none(alerts["ess_collapse_steps"], "logging.alerts.ess_collapse_steps", job_path)
     all_rows = _read_metrics(run_dir / "metrics.jsonl")
     wall_s = _continued_wall_s(all_rows)
     rl = [(row, w) for row, w in zip(all_rows, wall_s) if row[STEP_KEY] > 0]
@@ -193,7 +176,7 @@ def load_run(path: str | Path) -> RunData:
         label=f"{stabilizer} lag {'?' if max_lag is None else max_lag}",
         stabilizer=str(stabilizer), max_lag=max_lag, seed=seed, steps_planned=steps_planned,
         ess_collapse_below=None if below is None else float(below),
-        ess_collapse_steps=needed if needed is not None else DEFAULT_ESS_COLLAPSE_STEPS,
+        ess_collapse_steps=needed if needed is not None else DEFAULT_ALERTS["ess_collapse_steps"],
         rows=[row for row, _ in rl], wall_s=[w for _, w in rl],
     )
 

@@ -25,7 +25,7 @@ from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
 from algorithms.config import CheckedConfig, config_field
 from algorithms.errors import StableAsyncError
 from cluster.run.schedule import Call, Schedule, SchedulerStuck
-from cluster.telemetry.run_files import STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, step_rows
+from cluster.telemetry.run_files import STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, read_run_job, step_rows
 
 
 @dataclass(frozen=True)
@@ -385,37 +385,12 @@ def _finite(rows: list[dict[str, Any]], key: str, path: Path) -> list[float]:
     return values
 
 
-def _job_sections(path: Path) -> dict[str, dict[str, Any]]:
-    """The resolved job's generator, learner and async sections, each key defaulted from the job schema (an
-    older run may lack newer keys), and its seed under "job"."""
-    import yaml
-
-    from cluster.job import AsyncSection, GeneratorSection, LearnerSection
-
-    if not path.is_file():
-        raise CalibrationError(f"{path}: not found (a finished run directory holds job.yaml and metrics.jsonl)")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise CalibrationError(f"{path}: not YAML ({error})") from None
-    if not isinstance(data, dict):
-        raise CalibrationError(f"{path}: expected a job mapping with sections generator, learner, async")
-    sections = {}
-    for name, model in (("generator", GeneratorSection), ("learner", LearnerSection), ("async", AsyncSection)):
-        given = data.get(name) or {}
-        if not isinstance(given, dict):
-            raise CalibrationError(f"{path}: section '{name}' must be a mapping")
-        sections[name] = {key: given.get(key, info.default) for key, info in model.model_fields.items()}
-    sections["job"] = {"seed": data.get("seed", 0)}
-    return sections
-
-
 def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
     """The model's costs derived from a finished run's own measurements, and what it measured.
 
     Time per step is never an input, so the comparison tests the model rather than echoing a figure.
     """
-    job = _job_sections(run_dir / "job.yaml")
+    job = read_run_job(run_dir / "job.yaml", CalibrationError, defaulted=["generator", "learner", "async"])
     metrics = run_dir / "metrics.jsonl"
     rows = step_rows(read_jsonl_rows(metrics, CalibrationError))
     if not rows:
@@ -426,7 +401,7 @@ def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
             generators=int(g["num_generators"]), learners=int(learner["num_ranks"]), max_lag=int(async_["max_lag"]),
             stale_policy=async_["stale_policy"], samples_per_prompt=int(g["samples_per_prompt"]),
             prompts_per_request=int(g["prompts_per_request"]), prompts_per_step=int(learner["prompts_per_step"]),
-            max_response_len=int(g["max_new_tokens"]), seed=int(job["job"]["seed"]),
+            max_response_len=int(g["max_new_tokens"]), seed=int(job.get("seed", 0)),
         )
     except (TypeError, ValueError) as error:
         raise CalibrationError(f"{run_dir / 'job.yaml'}: {error}") from None

@@ -1,4 +1,4 @@
-"""Reading a run directory's JSONL files: one parser for the report, the simulator and the benchmarks."""
+"""Reading a run directory's job.yaml and JSONL files: one reader for the report, the simulator and the benchmarks."""
 
 from __future__ import annotations
 
@@ -45,3 +45,37 @@ def step_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     learner's and driver's keys), without the SFT warm-up's rows and the evaluations' own rows. Every
     reader that counts or times steps (the report, the simulator's calibration, the benchmarks) reads these."""
     return [row for row in rows if metric_number(row.get(STEP_KEY)) > 0 and not is_evaluation_row(row)]
+
+
+def read_run_job(path: Path, error: type[Exception] = ValueError, defaulted: Iterable[str] = ()) -> dict[str, Any]:
+    """A finished run's resolved job.yaml as a mapping. It is read as plain YAML, not validated against today's
+    schema, so older runs still load; the `defaulted` sections ("learner", "logging.alerts") get the schema's
+    defaults for the keys they lack. `error` names the file (and line) when it cannot be read."""
+    import yaml
+
+    from cluster.job import job_section_defaults
+
+    if not path.is_file():
+        raise error(f"{path}: not found (a finished run directory holds job.yaml and metrics.jsonl)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as problem:
+        mark = getattr(problem, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise error(f"{where}: not YAML ({getattr(problem, 'problem', None) or problem})") from None
+    except (OSError, UnicodeDecodeError) as problem:
+        raise error(f"{path}: cannot be read ({problem})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected the resolved job (a mapping with name, algorithm, async, ...)")
+    for dotted in defaulted:
+        *parents, name = dotted.split(".")
+        holder = data
+        for part in parents:
+            holder = holder.get(part) if isinstance(holder.get(part), dict) else holder.setdefault(part, {})
+            if not isinstance(holder, dict):
+                raise error(f"{path}: '{part}' must be a mapping, not {type(holder).__name__}")
+        given = holder.get(name) or {}
+        if not isinstance(given, dict):
+            raise error(f"{path}: '{dotted}' must be a mapping, not {type(given).__name__}")
+        holder[name] = {**job_section_defaults(dotted), **given}
+    return data

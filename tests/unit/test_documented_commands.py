@@ -50,7 +50,7 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/integration/test_submit.py::test_stop_ends_a_submitted_job_at_a_step_with_a_checkpoint",
     ),
     "stableasync sweep": (
-        "tests/unit/test_sweep.py::test_sweep_flags_set_the_steps_learning_rate_and_loss_aggregation_of_every_cell",
+        "tests/unit/test_sweep.py::test_sweep_set_options_change_every_cell_through_the_job_schema",
         "tests/unit/test_sweep.py::test_a_sweep_with_seeds_prints_a_row_per_cell_over_its_seeds",
     ),
     "stableasync report": (

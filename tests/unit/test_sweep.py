@@ -127,7 +127,7 @@ def _runs_without_the_driver(monkeypatch, out: Path, jobs_seen: list) -> None:
     monkeypatch.setattr(driver, "run_job", run_job)
 
 
-def test_sweep_flags_set_the_steps_learning_rate_and_loss_aggregation_of_every_cell(tmp_path, monkeypatch):
+def test_sweep_set_options_change_every_cell_through_the_job_schema(tmp_path, monkeypatch, capsys):
     import json
 
     from cluster.cli import main
@@ -136,12 +136,15 @@ def test_sweep_flags_set_the_steps_learning_rate_and_loss_aggregation_of_every_c
     _runs_without_the_driver(monkeypatch, tmp_path / "out", seen)
     job = tmp_path / "job.yaml"
     job.write_text(json.dumps(BASE))
-    assert main(["sweep", str(job), "--stabilizers", "vcpo", "--max-lag", "0,2", "--steps", "7",
-                 "--learning-rate", "0.002", "--loss-aggregation", "seq-mean-token-mean",
+    assert main(["sweep", str(job), "--stabilizers", "vcpo", "--max-lag", "0,2", "--set", "learner.steps=7",
+                 "--set", "learner.learning_rate=0.002", "--set", "algorithm.loss_aggregation=seq-mean-token-mean",
                  "--out", str(tmp_path / "out")]) == 0
     assert [(j.learner.steps, j.learner.learning_rate, j.algorithm.loss_aggregation) for j in seen] == [
         (7, 0.002, "seq-mean-token-mean")] * 2
     assert seen[0].algorithm.stabilizer.name == "vcpo" and seen[0].algorithm.stabilizer.cap == 8.0
+    assert main(["sweep", str(job), "--stabilizers", "vcpo", "--max-lag", "0", "--set", "learner.stepz=7",
+                 "--out", str(tmp_path / "bad")]) == 2  # a field the schema does not know: refused, nothing runs
+    assert "learner.stepz" in capsys.readouterr().err and len(seen) == 2
 
 
 def test_a_sweep_with_seeds_prints_a_row_per_cell_over_its_seeds(tmp_path, monkeypatch, capsys):
