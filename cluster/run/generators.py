@@ -73,7 +73,7 @@ class GeneratorPool:
 
     # ---- Ray restarts in place -----------------------------------------------------------------------
 
-    def failed(self, index: int, call: Call[GenerationRequest], error: RayActorError) -> None:
+    def failed(self, index: int, call: Call[GenerationRequest], error: BaseException) -> None:
         """A generate call failed because its generator died: an elastic member leaves, any other is waited
         for until Ray has restarted it, and its groups go out again."""
         if self.elastic:

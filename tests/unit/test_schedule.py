@@ -12,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
+from actors.generator import GeneratedGroup
+from cluster.run.generators import GeneratorLost, GeneratorPool
 from cluster.run.schedule import Call, Schedule
 
 
@@ -21,11 +23,19 @@ class Request:
     problem_id: str
 
 
+class FakePool(GeneratorPool):
+    """The generator pool with Ray's part taken out: a restarted generator is back at once."""
+
+    def _wait_until_back(self, index: int, reason: str) -> None:
+        self.waited.append(index)
+
+
 class FakeRun:
-    """A schedule whose generate calls are numbers; the test decides what happens next, as Ray would."""
+    """A schedule and generator pool whose generate calls are numbers; the test decides what happens next, as
+    Ray would. `elastic`: a generator that dies leaves (its node went away) instead of being restarted."""
 
     def __init__(self, generators: int, max_lag: int, prompts_per_step: int, prompts_per_request: int,
-                 stale_policy: str = "wait") -> None:
+                 stale_policy: str = "wait", elastic: bool = False, max_restarts: int = 1000) -> None:
         self.ledger = Ledger()
         buffer = RolloutBuffer(max_lag, prompts_per_step, stale_policy, self.ledger)  # type: ignore[arg-type]
         self.handles = itertools.count()
@@ -33,6 +43,11 @@ class FakeRun:
                                                          lambda call: next(self.handles))
         for index in range(generators):
             self.schedule.join(index, 0)
+        self.pool = FakePool({index: f"actor-{index}" for index in range(generators)}, self.schedule,
+                             start_generator=lambda index: f"actor-{index}",
+                             restore_weights=lambda index: self.schedule.version, nodes={}, resource="generator",
+                             max_generators=8 if elastic else None, max_restarts=max_restarts)
+        self.pool.waited = []
         self.next_index = generators
         self.max_lag = max_lag
         self.trained_lags: list[int] = []
@@ -59,13 +74,11 @@ class FakeRun:
         self.schedule.published()
 
     def kill(self, pick: int) -> None:
-        """A generator dies during its call and Ray restarts it: it gets the latest weights, then its groups."""
+        """A generator dies during its call: Ray restarts it and it gets the latest weights, then its groups
+        (an elastic member leaves instead, and its groups wait for another generator)."""
         handle = list(self.schedule.calls)[pick % len(self.schedule.calls)]
         call: Call[Request] = self.schedule.finished(handle)
-        member = self.schedule.members[call.index]
-        member.restarts += 1
-        member.weights_version = self.schedule.version  # the publisher's restore
-        self.schedule.reissue(call.index, call.requests, f"generator {call.index} died during generation")
+        self.pool.failed(call.index, call, ConnectionError("killed"))  # type: ignore[arg-type]
 
     def leave(self, pick: int) -> None:
         """An elastic member's node goes away during its call: its groups wait for another generator."""
@@ -74,6 +87,7 @@ class FakeRun:
         self.schedule.leave(call.index, call.requests, f"generator {call.index} left during generation")
 
     def join(self) -> None:
+        self.pool.actors[self.next_index] = f"actor-{self.next_index}"
         self.schedule.join(self.next_index, self.schedule.version)
         self.next_index += 1
 
@@ -92,7 +106,7 @@ def play(run: FakeRun, events: list[tuple[str, int]]) -> None:
             run.finish_call(pick)
         elif kind == "step" and run.schedule.learner_busy:
             run.finish_step()
-        elif kind == "kill" and calls:
+        elif kind == "kill" and calls and (not run.pool.elastic or len(run.schedule.members) > 1):
             run.kill(pick)
         elif kind == "leave" and calls and len(run.schedule.members) > 1:
             run.leave(pick)
@@ -102,11 +116,11 @@ def play(run: FakeRun, events: list[tuple[str, int]]) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(events=EVENTS, generators=st.integers(1, 3), max_lag=st.integers(0, 3), prompts_per_step=st.integers(1, 4),
-       prompts_per_request=st.integers(1, 3), stale_policy=st.sampled_from(["wait", "drop"]))
+       prompts_per_request=st.integers(1, 3), stale_policy=st.sampled_from(["wait", "drop"]), elastic=st.booleans())
 def test_every_group_ends_exactly_once_and_none_trains_past_the_lag_bound(events, generators, max_lag,
                                                                           prompts_per_step, prompts_per_request,
-                                                                          stale_policy):
-    run = FakeRun(generators, max_lag, prompts_per_step, prompts_per_request, stale_policy)
+                                                                          stale_policy, elastic):
+    run = FakeRun(generators, max_lag, prompts_per_step, prompts_per_request, stale_policy, elastic)
     play(run, events)
     assert all(lag <= max_lag for lag in run.trained_lags), run.trained_lags
     assert all(0 <= lag for lag in run.trained_lags)
@@ -119,8 +133,6 @@ def test_every_group_ends_exactly_once_and_none_trains_past_the_lag_bound(events
         assert len(ends) == 1 and entry.history[-1] == ends[0], entry
     trained = [e for e in run.ledger.entries.values() if e.status == "trained"]
     assert all(e.lag is not None and e.lag <= max_lag for e in trained)
-    if stale_policy == "wait":  # admission keeps every group trainable: none goes stale
-        assert not any("stale" in (e.reason or "") for e in run.ledger.entries.values())
 
 
 @settings(max_examples=100, deadline=None)
@@ -219,3 +231,62 @@ def test_a_run_of_fake_generators_trains_every_step(stale_policy):
         if run.schedule.version == 20:
             break
     assert run.schedule.version == 20
+
+
+def _groups(call: Call[Request], version: int, incarnation: str) -> list[GeneratedGroup]:
+    return [GeneratedGroup(r.group_id, r.problem_id, [], version_start=version, version_end=version,
+                           generator_index=call.index, incarnation=incarnation) for r in call.requests]
+
+
+def test_a_generator_that_dies_is_waited_for_given_the_latest_weights_and_its_groups_again():
+    run = FakeRun(generators=2, max_lag=2, prompts_per_step=2, prompts_per_request=2)
+    run.turn()
+    run.finish_call(0)
+    run.turn()
+    run.finish_step()  # version 1 published
+    dying = next(call for call in run.schedule.calls.values() if call.index == 1)
+    run.kill(list(run.schedule.calls.values()).index(dying))
+    assert run.pool.waited == [1] and run.schedule.members[1].restarts == 1
+    assert run.schedule.members[1].weights_version == 1
+    [again] = [call for call in run.schedule.calls.values() if call.index == 1]
+    assert again.requests == dying.requests and again.weights_version == 1
+    entry = run.ledger.entries[dying.requests[0].group_id]
+    assert entry.reissues == 1 and entry.reason == "generator 1 died during generation"
+
+
+def test_a_generator_that_dies_more_often_than_max_restarts_fails_the_job_naming_the_setting():
+    run = FakeRun(generators=1, max_lag=1, prompts_per_step=2, prompts_per_request=1, max_restarts=1)
+    run.turn()
+    run.kill(0)
+    with pytest.raises(GeneratorLost, match=r"died 2 times, more than generator.max_restarts = 1"):
+        run.kill(0)
+
+
+def test_a_restart_between_calls_shows_in_the_next_result_and_stale_samples_go_out_again():
+    """Ray restarts an idle generator with its initial weights; only its next result's incarnation tells. If
+    that call sampled with older weights than it was sent with, its groups are issued again."""
+    run = FakeRun(generators=1, max_lag=2, prompts_per_step=2, prompts_per_request=1)
+    run.turn()
+    first = run.schedule.finished(next(iter(run.schedule.calls)))
+    assert not run.pool.sampled_before_restart(first, _groups(first, 0, "process-a"))  # learnt, nothing else
+    assert run.schedule.members[0].incarnation == "process-a"
+    run.schedule.version = 1
+    run.schedule.published()
+    run.turn()
+    second = run.schedule.finished(next(iter(run.schedule.calls)))  # its result is back, as the loop takes it
+    assert run.pool.sampled_before_restart(second, _groups(second, 0, "process-b"))  # version 0 < sent with 1
+    assert run.schedule.members[0].restarts == 1 and run.pool.waited == [0]
+    [reissued] = run.schedule.calls.values()
+    assert reissued.requests == second.requests
+    fresh = run.schedule.finished(next(iter(run.schedule.calls)))
+    assert not run.pool.sampled_before_restart(fresh, _groups(fresh, 1, "process-b"))
+    assert run.schedule.members[0].incarnation == "process-b" and run.schedule.members[0].restarts == 1
+
+
+def test_an_elastic_member_that_dies_leaves_and_its_restarts_still_count():
+    run = FakeRun(generators=2, max_lag=2, prompts_per_step=4, prompts_per_request=2, elastic=True)
+    run.turn()
+    run.schedule.members[0].restarts = 2  # from restarts between calls earlier
+    run.kill(0)
+    assert 0 not in run.schedule.members and 0 not in run.pool.actors and run.pool.left == 1
+    assert len(run.schedule.orphans) == 2 and run.schedule.generator_restarts == 2 and run.pool.waited == []
