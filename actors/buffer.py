@@ -1,11 +1,12 @@
 """The rollout buffer: version-tagged groups, a lag bound, admission control and a ledger.
 
 Lag of a group at train time = learner version - the version its responses were sampled with.
-`wait` (default) throttles generation so no group can exceed `max_lag`; `drop` lets generators run
-ahead and drops groups that went stale, recording why. With `drop_uniform_groups` (DAPO's dynamic
-sampling) a group whose responses all scored the same is dropped on arrival, and the generators sample
-another in its place. Either way the ledger accounts for every prompt group: issued, scored, trained (at
-which step) or dropped (with a reason).
+`wait` (default) throttles generation so no group can exceed `max_lag`, and trains the oldest groups
+first: generators finish out of order, so a step that is the last chance of a group still being sampled
+waits for it; `drop` lets generators run ahead and drops groups that went stale, recording why. With
+`drop_uniform_groups` (DAPO's dynamic sampling) a group whose responses all scored the same is dropped on
+arrival, and the generators sample another in its place. Either way the ledger accounts for every prompt
+group: issued, scored, trained (at which step) or dropped (with a reason).
 """
 
 from __future__ import annotations
@@ -194,8 +195,13 @@ class RolloutBuffer:
         self.ledger = ledger
         self.drop_uniform_groups = drop_uniform_groups
         self.ready: deque[ScoredGroup] = deque()
-        self.in_flight = 0
+        self.in_flight_versions: dict[int, int] = {}  # group id -> the version it is being sampled with
         self.uniform_in_a_row = 0  # arrivals with uniform rewards since the last group kept
+
+    @property
+    def in_flight(self) -> int:
+        """Groups issued (or issued again) and not yet back."""
+        return len(self.in_flight_versions)
 
     def can_issue(self, learner_version: int, learner_busy: bool, generator_version: int) -> bool:
         """Whether a generator at `generator_version` may start one more group now."""
@@ -208,12 +214,12 @@ class RolloutBuffer:
 
     def issue(self, group_id: int, problem_id: str, version: int, generator_index: int) -> None:
         self.ledger.issued(group_id, problem_id, version, generator_index)
-        self.in_flight += 1
+        self.in_flight_versions[group_id] = version
 
     def add(self, group: ScoredGroup, score_errors: int = 0) -> bool:
         """A generated and scored group arrives; with `drop_uniform_groups`, one with uniform rewards ends here.
         Returns whether the group was kept to train on."""
-        self.in_flight -= 1
+        self.in_flight_versions.pop(group.group_id, None)
         self.ledger.scored(group.group_id, score_errors)
         if self.drop_uniform_groups and group.uniform_rewards:
             self.uniform_in_a_row += 1
@@ -225,19 +231,24 @@ class RolloutBuffer:
         return True
 
     def reissue(self, group_id: int, version: int, generator_index: int, reason: str) -> None:
-        """An in-flight group goes out again after its generator failed; it stays in flight."""
+        """An in-flight group goes out again (its generator failed, or the run resumed): in flight with
+        `version`."""
         self.ledger.reissued(group_id, version, generator_index, reason)
+        self.in_flight_versions[group_id] = version
 
     def lost(self, group_id: int, reason: str) -> None:
-        """A group that will never arrive (its generator failed)."""
-        self.in_flight -= 1
+        """A group that will never arrive (the run ended before it did)."""
+        self.in_flight_versions.pop(group_id, None)
         self.ledger.dropped(group_id, reason)
 
     def take(self, learner_version: int) -> list[ScoredGroup] | None:
-        """The next `prompts_per_step` groups within the lag bound, or None if not enough yet.
+        """The next `prompts_per_step` groups within the lag bound, oldest policy version first, or None if
+        not enough yet.
 
-        Stale groups met on the way are dropped (under `wait` that only happens if weights were
-        not delivered in time, and it is recorded the same way).
+        Generators finish out of order, so groups issued later can arrive before older ones still being
+        sampled. Under `wait` a step does not start while a group in flight would be past the lag bound at
+        the step after it: that group is trained by this step instead of going stale. Stale groups met on
+        the way (under `drop`, or weights not delivered in time) are dropped and recorded.
         """
         fresh: deque[ScoredGroup] = deque()
         for group in self.ready:  # generators finish out of order: a stale group may sit anywhere
@@ -246,10 +257,17 @@ class RolloutBuffer:
                 self.ledger.dropped(group.group_id, f"stale: lag {lag} > max_lag {self.max_lag}")
             else:
                 fresh.append(group)
-        self.ready = fresh
-        if len(self.ready) < self.prompts_per_step:
+        self.ready = deque(sorted(fresh, key=lambda group: group.version_start))  # stable: arrival order within
+        if len(self.ready) < self.prompts_per_step or self._straggler_due(learner_version):
             return None
         return [self.ready.popleft() for _ in range(self.prompts_per_step)]
+
+    def _straggler_due(self, learner_version: int) -> bool:
+        """Under `wait`: whether a group still in flight must be in this step, because at the next one it
+        would be past the lag bound."""
+        if self.stale_policy != "wait" or not self.in_flight_versions:
+            return False
+        return learner_version + 1 - min(self.in_flight_versions.values()) > self.max_lag
 
     def mark_trained(self, groups: list[ScoredGroup], step_version: int) -> None:
         """`step_version`: the learner version the step trained at (its groups' lag is measured there)."""

@@ -139,7 +139,6 @@ class Schedule(Generic[R, H]):
         size = self.prompts_per_request
         for n, start in enumerate(range(0, len(requests), size)):
             chunk = requests[start:start + size]
-            self.buffer.in_flight += len(chunk)
             self.reissue(indices[n % len(indices)], chunk, reason)
 
     def in_flight(self) -> list[R]:

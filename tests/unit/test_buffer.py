@@ -43,18 +43,38 @@ def test_one_step_lag_lets_generation_overlap_training():
     assert buffer.can_issue(1, False, 1)  # ...unless it is sampled with the v1 weights
 
 
-def test_take_drops_stale_groups_anywhere_in_the_queue_and_records_why():
+def test_take_drops_stale_groups_anywhere_in_the_queue_records_why_and_trains_the_oldest_first():
     ledger = Ledger()
     buffer = RolloutBuffer(max_lag=1, prompts_per_step=2, stale_policy="drop", ledger=ledger)
     for gid, version in [(0, 3), (1, 1), (2, 3), (3, 2)]:
         _issue(buffer, gid, version)
         buffer.add(_group(gid, version))
     batch = buffer.take(learner_version=3)
-    assert [g.group_id for g in batch] == [0, 2]
+    # group 3 (lag 1) goes now: at the next step it would be stale; of the two at version 3, the first to arrive
+    assert [g.group_id for g in batch] == [3, 0]
     assert ledger.entries[1].status == "dropped" and "lag 2 > max_lag 1" in ledger.entries[1].reason
-    assert ledger.entries[3].status == "scored"  # lag 1 is allowed; it waits for the next step
+    assert ledger.entries[2].status == "scored"  # lag 0: it waits for the next step
     buffer.mark_trained(batch, 3)
-    assert ledger.entries[0].lag == 0 and ledger.entries[0].trained_step == 3
+    assert ledger.entries[3].lag == 1 and ledger.entries[0].lag == 0 and ledger.entries[0].trained_step == 3
+
+
+def test_under_wait_a_step_waits_for_a_group_in_flight_that_would_go_stale_after_it():
+    """Two generators finish out of order: a group issued later arrives first. The step that is the older
+    group's last chance waits for it instead of leaving it to go stale."""
+    ledger = Ledger()
+    buffer = RolloutBuffer(max_lag=1, prompts_per_step=1, stale_policy="wait", ledger=ledger)
+    _issue(buffer, 0, 0)  # sampled with v0 on generator 0: trainable at v0 or v1
+    _issue(buffer, 1, 1)  # sampled with v1 on generator 1, and back first
+    buffer.add(_group(1, 1))
+    assert buffer.take(learner_version=1) is None  # group 0 would be lag 2 at v2: this step is its last
+    buffer.add(_group(0, 0))
+    assert [g.group_id for g in buffer.take(learner_version=1)] == [0]
+    assert [g.group_id for g in buffer.take(learner_version=2)] == [1]
+    drop = RolloutBuffer(max_lag=1, prompts_per_step=1, stale_policy="drop", ledger=Ledger())
+    _issue(drop, 0, 0)
+    _issue(drop, 1, 1)
+    drop.add(_group(1, 1))
+    assert [g.group_id for g in drop.take(learner_version=1)] == [1]  # drop runs ahead and may lose group 0
 
 
 def test_drop_policy_bounds_how_far_generators_run_ahead():
