@@ -48,7 +48,7 @@ class GeneratorPool:
 
     def __init__(self, actors: dict[int, Any], schedule: Schedule[GenerationRequest, ray.ObjectRef],
                  start_generator: Callable[[int], Any], restore_weights: Callable[[int], int],
-                 nodes: dict[str, str], resource: str, max_generators: int | None, max_restarts: int) -> None:
+                 nodes: dict[str, str], resource: str | None, max_generators: int | None, max_restarts: int) -> None:
         self.actors = actors
         self.schedule = schedule
         self.start_generator = start_generator
@@ -73,9 +73,10 @@ class GeneratorPool:
 
     # ---- Ray restarts in place -----------------------------------------------------------------------
 
-    def failed(self, index: int, call: Call[GenerationRequest], error: BaseException) -> None:
+    def failed(self, call: Call[GenerationRequest], error: BaseException) -> None:
         """A generate call failed because its generator died: an elastic member leaves, any other is waited
         for until Ray has restarted it, and its groups go out again."""
+        index = call.index
         if self.elastic:
             self.leave(index, call.requests, f"generator {index} left during generation ({type(error).__name__})")
             return
@@ -129,7 +130,7 @@ class GeneratorPool:
 
     def scale(self) -> None:
         """Start a generator on every free unit of the generator resource, up to generator.max_generators."""
-        if self.max_generators is None or time.monotonic() < self.next_scale_check:
+        if self.max_generators is None or self.resource is None or time.monotonic() < self.next_scale_check:
             return
         self.next_scale_check = time.monotonic() + SCALE_CHECK_S
         free = ray.available_resources().get(self.resource, 0.0)

@@ -247,7 +247,7 @@ class AsyncLoop:
         try:
             groups: list[GeneratedGroup] = ray.get(ref)
         except RayActorError as error:
-            self.pool.failed(call.index, call, error)
+            self.pool.failed(call, error)
             return
         if self.pool.sampled_before_restart(call, groups):
             return

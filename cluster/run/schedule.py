@@ -13,7 +13,7 @@ caller's own records, of which the schedule reads only `group_id` and `problem_i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -179,10 +179,10 @@ class Schedule(Generic[R, H]):
         self.version += 1
         return lags
 
-    def published(self, members: Iterator[int] | None = None) -> None:
-        """Every generator (or those in `members`) samples its next call with the current version."""
-        for index in self.members if members is None else members:
-            self.members[index].weights_version = self.version
+    def published(self) -> None:
+        """Every generator samples its next call with the current version."""
+        for member in self.members.values():
+            member.weights_version = self.version
 
     # ---- the end -------------------------------------------------------------------------------------
 

@@ -69,7 +69,7 @@ def read_run_job(path: Path, error: type[Exception] = ValueError, defaulted: Ite
         raise error(f"{path}: expected the resolved job (a mapping with name, algorithm, async, ...)")
     for dotted in defaulted:
         *parents, name = dotted.split(".")
-        holder = data
+        holder: Any = data
         for part in parents:
             holder = holder.get(part) if isinstance(holder.get(part), dict) else holder.setdefault(part, {})
             if not isinstance(holder, dict):

@@ -78,7 +78,7 @@ class FakeRun:
         (an elastic member leaves instead, and its groups wait for another generator)."""
         handle = list(self.schedule.calls)[pick % len(self.schedule.calls)]
         call: Call[Request] = self.schedule.finished(handle)
-        self.pool.failed(call.index, call, ConnectionError("killed"))  # type: ignore[arg-type]
+        self.pool.failed(call, ConnectionError("killed"))  # type: ignore[arg-type]
 
     def leave(self, pick: int) -> None:
         """An elastic member's node goes away during its call: its groups wait for another generator."""
