@@ -111,7 +111,8 @@ class GeneratorSection(Section):
     prompts_per_request: int = Field(8, gt=0, description="prompt groups one generate call samples")
     max_new_tokens: int = Field(64, gt=0)
     temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; only 1.0 (off): the learner's log-probs "
+                         "cannot mirror a truncated distribution")
     max_model_len: int = Field(512, gt=0, description="prompt plus response tokens the engine accepts")
     kv_cache_mb: int = Field(64, gt=0, description="vLLM KV cache size of a CPU generator; uncapped it takes most "
                              "of RAM. A GPU generator sizes its cache by gpu_memory_utilization")
@@ -423,6 +424,11 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
         errors.append(JobError("algorithm.overlong_buffer_tokens", f"{job.algorithm.overlong_buffer_tokens} is more "
                                f"than the {generator.max_new_tokens} tokens a response may have "
                                "(generator.max_new_tokens)"))
+    if generator.top_p < 1:
+        errors.append(JobError("generator.top_p", f"{generator.top_p} is not supported: vLLM's log-probs of a "
+                               "nucleus-sampled token are renormalised over the nucleus, while the learner's are over "
+                               "the whole vocabulary, so every importance ratio would be biased even on-policy; use "
+                               "1.0 and set the sampling's spread with generator.temperature"))
     if job.algorithm.loss_aggregation == "constant" and job.algorithm.constant_tokens is None:
         errors.append(JobError("algorithm.constant_tokens", "required when loss_aggregation is 'constant'"))
     if generator.max_new_tokens >= generator.max_model_len:

@@ -116,6 +116,15 @@ def test_dropping_uniform_groups_needs_groups_of_more_than_one_response():
     assert not validate_job(MINIMAL).algorithm.drop_uniform_groups  # off unless asked for
 
 
+def test_nucleus_sampling_is_refused_because_the_learner_cannot_mirror_its_log_probs():
+    """vLLM renormalises a nucleus-sampled token's log-prob over the nucleus; the learner's are over the whole
+    vocabulary: with top_p < 1 every ratio would be biased, so validation says so instead of training on it."""
+    errors = _errors({**MINIMAL, "generator": {"top_p": 0.9}})
+    assert "renormalised over the nucleus" in errors["generator.top_p"] and "generator.temperature" in \
+        errors["generator.top_p"]
+    assert validate_job({**MINIMAL, "generator": {"top_p": 1.0}}).generator.top_p == 1.0
+
+
 def test_the_overlong_buffer_must_fit_in_a_response():
     errors = _errors({**MINIMAL, "algorithm": {"overlong_buffer_tokens": 65, "overlong_penalty": -1}})
     assert "more than the 64 tokens" in errors["algorithm.overlong_buffer_tokens"]
