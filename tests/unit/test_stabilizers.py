@@ -410,3 +410,28 @@ def test_float_indicator_helpers():
     kept = zero_where_set(ratio, flags)
     assert kept.data_ptr() == flags.data_ptr()  # written over the flags, no new tensor
     assert torch.equal(kept, torch.tensor([0.0, 2.0, 1e30, 0.0, 0.0, 7.0]))
+
+
+def test_stabilizers_see_per_token_behaviour_log_probs_only_so_mixed_version_sequences_are_exact():
+    """A response whose tokens were sampled by several policy versions (weights updated mid-response) has the
+    behaviour probability prod_t mu_{v(t)}(y_t): the product of each version's segment. The generator records
+    each token's log-prob under the weights that sampled it, and a stabilizer sees only those per-token values
+    (PolicyBatch carries no version), so a sequence-level correction is the product of the segments' ratios."""
+    assert "version" not in {f.name for f in dataclasses.fields(PolicyBatch)}
+    torch.manual_seed(0)
+    learner = torch.log_softmax(torch.randn(6, 5), -1)[:, 0].unsqueeze(0)  # log pi of 6 sampled tokens
+    by_v0 = torch.log_softmax(torch.randn(6, 5), -1)[:, 0]  # the token's log-prob under version 0
+    by_v1 = torch.log_softmax(torch.randn(6, 5), -1)[:, 0]  # and under version 1
+    mixed = torch.cat([by_v0[:4], by_v1[4:]]).unsqueeze(0)  # version 0 sampled tokens 0-3, version 1 tokens 4-5
+    batch = PolicyBatch(learner, mixed, torch.ones(1), torch.ones(1, 6, dtype=torch.bool))
+    segments = [(learner[0, :4] - by_v0[:4]).sum(), (learner[0, 4:] - by_v1[4:]).sum()]
+    sequence_ratio = math.exp(sum(float(s) for s in segments))  # product of the two versions' ratios
+    tis = _weights("tis_seq", batch, cap=1e6).weights
+    assert torch.allclose(tis, torch.full((1, 6), sequence_ratio), rtol=1e-5)
+    geometric = math.exp(sum(float(s) for s in segments) / 6)
+    gspo = _weights("gspo", batch, eps_low=10.0, eps_high=10.0).weights  # clip far away: the ratio itself
+    assert torch.allclose(gspo, torch.full((1, 6), geometric), rtol=1e-5)
+    kept = _weights("mis_seq", batch, low=sequence_ratio / 2, high=sequence_ratio * 2)
+    assert bool(kept.mask.all()) and torch.allclose(kept.weights, torch.full((1, 6), sequence_ratio), rtol=1e-5)
+    dropped = _weights("mis_seq", batch, low=sequence_ratio * 1.01, high=sequence_ratio * 2)
+    assert not bool(dropped.mask.bool().any())
