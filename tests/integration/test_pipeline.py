@@ -793,14 +793,14 @@ def test_a_hanging_verifier_fails_its_samples_and_the_job_goes_on(local_ray, tmp
     """The job's verifier hangs on every third problem: those samples time out after the job's
     scoring.timeout_s (reward 0, counted as score errors in the ledger), the worker is replaced, and every
     group still ends exactly once."""
-    from cluster.run import driver
+    from cluster.run import driver, loop
     from tasks.scoring import ScorePool
 
     def hanging_pool(task_name, task_config, **scoring):
         assert scoring["timeout_s"] == 0.5, "the driver passes the job's scoring section"
         return ScorePool("hanging-arithmetic", task_config, extra_modules=("tasks.testing",), **scoring)
 
-    monkeypatch.setattr(driver, "ScorePool", hanging_pool)
+    monkeypatch.setattr(loop, "ScorePool", hanging_pool)
     job = _job(tmp_path, max_lag=1, steps=3, logging={"run_name": "hanging"}, scoring={"timeout_s": 0.5})
     driver.train(validate_job(job))
     run_dir = tmp_path / "runs" / "hanging"
