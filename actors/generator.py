@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from actors.records import Completion
+from actors.records import Completion, version_spans
 
 if TYPE_CHECKING:
     from learner.weight_sync import PackedWeights
@@ -187,9 +187,10 @@ class Generator:
                 ids = list(completion.token_ids)
                 steps: list[Any] = list(completion.logprobs or [])  # one {token: Logprob} per step (logprobs=0)
                 logprobs = [step[token].logprob for step, token in zip(steps, ids)]
-                group.completions.append(Completion(completion_ids=ids, behaviour_logprobs=logprobs,
-                                                    text=completion.text,
-                                                    finish_reason=str(completion.finish_reason)))
+                group.completions.append(Completion(
+                    completion_ids=ids, behaviour_logprobs=logprobs, text=completion.text,
+                    finish_reason=str(completion.finish_reason),
+                    version_spans=version_spans(completion.weight_versions, len(ids), version)))
             groups.append(group)
         # The timing travels with the result: asking the actor later would queue behind its next call.
         generate_s = time.perf_counter() - start

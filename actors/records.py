@@ -7,7 +7,7 @@ Standard library only (the simulator uses them).
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, TypedDict
 
 
 class Completion(TypedDict):
@@ -17,6 +17,9 @@ class Completion(TypedDict):
     behaviour_logprobs: list[float]  # [T] log-prob of each sampled token under the generator's weights
     text: str  # the decoded response, what the verifier reads
     finish_reason: str  # "stop", or "length" when cut off at generator.max_new_tokens
+    # [[version, first token, end token), ...] in token order: the policy version that sampled each token
+    # (several when the weights changed while the response was being sampled)
+    version_spans: list[list[int]]
 
 
 class ScoredCompletion(Completion):
@@ -35,3 +38,30 @@ class TrainingSample(TypedDict):
     reward: float
     group_id: int  # the prompt group: advantages are computed within it
     version: int  # the policy version that sampled it
+
+
+def version_spans(labelled: list[Any] | None, tokens: int, fallback_version: int) -> list[list[int]]:
+    """`Completion.version_spans` from vLLM's `WeightVersionSpan`s (version label, start, end); tokens the
+    engine did not label with a version of ours (its initial label is "default") take `fallback_version`.
+    Neighbouring spans of one version are merged."""
+    if not labelled:
+        return [[fallback_version, 0, tokens]] if tokens else []
+    spans: list[list[int]] = []
+    for span in labelled:
+        version = int(span.version) if str(span.version).isdigit() else fallback_version
+        if span.end <= span.start:
+            continue
+        if spans and spans[-1][0] == version and spans[-1][2] == span.start:
+            spans[-1][2] = span.end
+        else:
+            spans.append([version, span.start, span.end])
+    return spans
+
+
+def oldest_version(completions: list[Completion], fallback_version: int) -> int:
+    """The oldest policy version among the tokens of a group: its lag is measured from this one."""
+    return min((span[0] for c in completions for span in c["version_spans"]), default=fallback_version)
+
+
+def newest_version(completions: list[Completion], fallback_version: int) -> int:
+    return max((span[0] for c in completions for span in c["version_spans"]), default=fallback_version)

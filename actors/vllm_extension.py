@@ -15,6 +15,7 @@ model and creates the engine, so importing it registers the engines in every wor
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,7 @@ class PackedUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str]
     shapes: list[list[int]]
     offsets: list[int]
-    data: Any  # [bytes] uint8 tensor
+    data: Any  # [bytes] uint8 tensor, or the bytes themselves when it crossed into another process
 
 
 @dataclass(kw_only=True)
@@ -106,8 +107,13 @@ class PackedEngine(_CheckpointFormatEngine):
     def receive_weights(self, update_info: PackedUpdateInfo) -> None:
         from learner.weight_sync import unpack
 
+        data = update_info.data
+        if not isinstance(data, torch.Tensor):  # bytes: the update crossed into an engine-core process
+            with warnings.catch_warnings():  # torch warns that the received bytes are read-only; they are read
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(data, dtype=torch.uint8)
         _model(self).load_weights(unpack(update_info.names, update_info.dtype_names, update_info.shapes,
-                                       update_info.offsets, update_info.data))
+                                       update_info.offsets, data))
 
 
 class GlooEngine(_CheckpointFormatEngine):

@@ -38,6 +38,8 @@ def test_weight_reload_changes_outputs_and_restoring_restores_them(generator, ti
     generator.update_weights(PackedWeights.pack(scaled), version=1)
     changed = generator.generate(_requests())
     assert changed[0].version_start == 1
+    # vLLM labels every token with the version the load set: one span, the whole response
+    assert all(c["version_spans"] == [[1, 0, len(c["completion_ids"])]] for g in changed for c in g.completions)
     # the load is reported once, with the next call's groups (it ran between the calls)
     assert {(g.weight_loads, g.weight_load_s > 0) for g in changed} == {(1, True)}
     assert generator.generate(_requests()[:1])[0].weight_loads == 0

@@ -1,0 +1,119 @@
+"""A streaming generator: vLLM's AsyncLLM samples many prompt groups at once and takes new weights between
+engine steps, while the requests in flight go on.
+
+Where `Generator` runs one blocking `LLM.generate` per request (new weights wait for it to end, and a group
+of short answers waits for the longest in the call), this engine keeps sampling: each `generate` call is
+one coroutine among many in the engine's continuous batch, and `update_weights` pauses the scheduler with
+the requests kept (`pause_generation(mode="keep")`), loads the weights through the same weight-transfer
+engines, recomputes the KV of the requests in flight with the new weights (vLLM preempts and re-prefills
+them), and resumes. Every token records the policy version that sampled it: vLLM labels each engine step
+with the version `finish_weight_update` set, and a response carries the spans (`Completion.version_spans`).
+A group's `version_start` is its oldest token's version, which is what its lag is measured from.
+
+A plain class with coroutines; `cluster/` runs it as an async Ray actor. AsyncLLM always runs its engine
+core in a process of its own, so weights reach the worker through `collective_rpc`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from actors.generator import (GeneratedGroup, GenerationRequest, GeneratorSpec, chat_prompt_ids, engine_args,
+                              quiet_per_reload_logs)
+from actors.records import Completion, newest_version, oldest_version, version_spans
+
+if TYPE_CHECKING:
+    from learner.weight_sync import PackedWeights
+
+
+class StreamingGenerator:
+    """An AsyncLLM engine configured for its device by `engine_args`, sampling groups as they are sent."""
+
+    def __init__(self, spec: GeneratorSpec, index: int = 0) -> None:
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.spec, self.index, self.version = spec, index, 0
+        self.unreported_loads, self.unreported_load_s = 0, 0.0
+        self.incarnation = uuid.uuid4().hex
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(spec, index)))
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
+        self.loading = asyncio.Lock()  # one weight update at a time
+        quiet_per_reload_logs()
+
+    async def generate(self, requests: list[GenerationRequest], samples: int | None = None,
+                       temperature: float | None = None) -> list[GeneratedGroup]:
+        """Sample every request's group concurrently with whatever else the engine is sampling; returns when
+        all of them are done. Weights may change while they run: each response records its version spans."""
+        start = time.perf_counter()
+        groups = await asyncio.gather(*(self._group(r, samples, temperature) for r in requests))
+        generate_s = time.perf_counter() - start
+        for group in groups:
+            group.generate_s = generate_s
+            group.weight_loads, group.weight_load_s = self.unreported_loads, self.unreported_load_s
+        if groups:
+            self.unreported_loads, self.unreported_load_s = 0, 0.0
+        return list(groups)
+
+    async def _group(self, request: GenerationRequest, samples: int | None,
+                     temperature: float | None) -> GeneratedGroup:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        issued_version = self.version
+        prompt_ids = chat_prompt_ids(self.tokenizer, request.messages)
+        params = SamplingParams(n=samples or self.spec.samples_per_prompt,
+                                temperature=self.spec.temperature if temperature is None else temperature,
+                                top_p=self.spec.top_p, max_tokens=self.spec.max_new_tokens, logprobs=0,
+                                seed=request.seed)
+        final = None
+        async for output in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                                 request_id=f"{request.group_id}-{uuid.uuid4().hex[:8]}"):
+            final = output
+        completions = []
+        for completion in final.outputs if final is not None else []:
+            ids = list(completion.token_ids)
+            steps: list[Any] = list(completion.logprobs or [])  # one {token: Logprob} per step (logprobs=0)
+            completions.append(Completion(
+                completion_ids=ids, behaviour_logprobs=[step[token].logprob for step, token in zip(steps, ids)],
+                text=completion.text, finish_reason=str(completion.finish_reason),
+                version_spans=version_spans(completion.weight_versions, len(ids), issued_version)))
+        return GeneratedGroup(request.group_id, request.problem_id, prompt_ids, completions,
+                              version_start=oldest_version(completions, issued_version),
+                              version_end=newest_version(completions, issued_version),
+                              generator_index=self.index, incarnation=self.incarnation)
+
+    async def update_weights(self, weights: PackedWeights, version: int) -> float:
+        """Load weights from the object store (`stableasync_packed`) between engine steps; seconds taken. The
+        engine core is another process: the buffer goes as bytes (vLLM's msgpack passes a tensor in an untyped
+        field as its raw parts, which the worker cannot put back together)."""
+        update_info = weights.update_info()
+        return await self._load({**update_info, "data": memoryview(update_info["data"].numpy())}, version)
+
+    async def _load(self, update_info: dict[str, Any], version: int) -> float:
+        """Pause with the requests in flight kept, load through vLLM's weight-transfer lifecycle, label the
+        next tokens with `version`, recompute the kept requests' KV with the new weights, resume."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        async with self.loading:
+            start = time.perf_counter()
+            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await self.engine.start_weight_update()
+                await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+                await self.engine.finish_weight_update(str(version))
+                await self.engine.reset_prefix_cache(reset_running_requests=True)
+                self.version = version
+            finally:
+                await self.engine.resume_generation()
+            load_s = time.perf_counter() - start
+        self.unreported_loads += 1
+        self.unreported_load_s += load_s
+        return load_s
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
