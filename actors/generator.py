@@ -39,6 +39,7 @@ class GeneratorSpec:
     prefix_caching: bool = True  # GPU: a group's samples share their prompt's KV blocks
     max_num_seqs: int | None = None  # GPU: sequences decoded at once (None: vLLM's default)
     weight_transfer: str = "stableasync_packed"  # vLLM weight-transfer engine: or stableasync_gloo, nccl
+    streaming: bool = False  # an AsyncLLM engine (actors/streaming.py) instead of the blocking LLM
 
     @property
     def on_gpu(self) -> bool:

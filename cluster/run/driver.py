@@ -226,7 +226,7 @@ def _generator_spec(job: Job, model_path: str) -> GeneratorSpec:
         dtype=job.model.dtype_on(gpu=g.gpus_per_generator > 0), seed=job.seed, gpus=g.gpus_per_generator,
         tensor_parallel_size=g.tensor_parallel_size, gpu_memory_utilization=g.gpu_memory_utilization,
         cuda_graphs=g.cuda_graphs, prefix_caching=g.prefix_caching, max_num_seqs=g.max_num_seqs,
-        weight_transfer=WEIGHT_TRANSFER_ENGINES[job.async_.weight_sync],
+        weight_transfer=WEIGHT_TRANSFER_ENGINES[job.async_.weight_sync], streaming=g.streaming,
     )
 
 

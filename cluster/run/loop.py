@@ -111,13 +111,16 @@ class AsyncLoop:
         self.run_dir = run_dir
         self.generators = dict(generators)  # index -> actor; elastic jobs add and remove members
         sync, dtype = job.async_.weight_sync, job.model.dtype_on(gpu=job.generator.gpus_per_generator > 0)
-        self.publisher = (runtime.ObjectStorePublisher(learners, self.generators, dtype) if sync == "object_store"
+        self.publisher = (runtime.ObjectStorePublisher(learners, self.generators, dtype,
+                                                       wait_for_loads=job.generator.streaming)
+                          if sync == "object_store"
                           else runtime.CollectivePublisher(learners, self.generators, sync, dtype,
                                                            job.generator.tensor_parallel_size))
         buffer = RolloutBuffer(job.async_.max_lag, job.learner.prompts_per_step, job.async_.stale_policy, ledger,
                                job.algorithm.drop_uniform_groups)
         self.schedule: Schedule[GenerationRequest, ray.ObjectRef] = Schedule(
-            buffer, job.generator.prompts_per_request, self._new_request, self._send)
+            buffer, job.generator.prompts_per_request, self._new_request, self._send,
+            calls_per_generator=job.generator.requests_in_flight if job.generator.streaming else 1)
         for index in generators:
             self.schedule.join(index, 0)
         self.pool = GeneratorPool(self.generators, self.schedule, start_generator, self.publisher.restore,

@@ -16,6 +16,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from actors.generator import Generator, GeneratorSpec, engine_env
+from actors.streaming import StreamingGenerator
 from algorithms import native
 from algorithms.errors import StableAsyncError
 from learner.batch import TrainBatch
@@ -133,6 +134,20 @@ class GeneratorActor(Generator):
         return ray.get_runtime_context().get_node_id()
 
 
+class StreamingGeneratorActor(StreamingGenerator):
+    """A streaming generator as an async Ray actor: its calls run at once on the actor's event loop (a weight
+    update among them), so the engine batches every group it was sent."""
+
+    async def ready(self) -> int:
+        return self.index
+
+    async def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    async def process_id(self) -> int:
+        return os.getpid()
+
+
 class WeightGroupClosed(StableAsyncError, RuntimeError):
     """A generator must join a collective weight group after it formed (a restart): it cannot."""
 
@@ -144,24 +159,37 @@ class PlacementTimeout(StableAsyncError, RuntimeError):
 class ObjectStorePublisher:
     """The default path: rank 0 puts the weights in the object store once; every generator reads them."""
 
-    def __init__(self, learners: LearnerGroup, generators: dict[int, Any], dtype: str) -> None:
+    def __init__(self, learners: LearnerGroup, generators: dict[int, Any], dtype: str,
+                 wait_for_loads: bool = False) -> None:
         self.learners, self.generators = learners, generators  # the driver's live map: members come and go
         self.dtype = dtype  # the generators' weights
         self.latest: tuple[ray.ObjectRef, int] | None = None
+        # Streaming generators load at once, beside their calls in flight: wait for the loads, so that every
+        # call sent after a publish samples with its weights. A blocking generator loads after its current
+        # call and before the next one (Ray runs its calls in order): nothing to wait for.
+        self.wait_for_loads = wait_for_loads
 
     def publish(self, version: int) -> None:
         weights = self.learners.publish(self.dtype)
         self.latest = (weights, version)
-        for generator in self.generators.values():
-            generator.update_weights.remote(weights, version)  # runs after the generator's current call
+        self._loaded([generator.update_weights.remote(weights, version) for generator in self.generators.values()])
 
     def restore(self, index: int) -> int:
         """A restarted or newly joined generator gets the latest weights before anything else it is sent;
         their version."""
         assert self.latest is not None, "publish first"
         weights, version = self.latest
-        self.generators[index].update_weights.remote(weights, version)
+        self._loaded([self.generators[index].update_weights.remote(weights, version)])
         return version
+
+    def _loaded(self, loads: list[ray.ObjectRef]) -> None:
+        if not self.wait_for_loads:
+            return
+        for load in loads:
+            try:
+                ray.get(load)
+            except RayActorError:  # it died: its failed generate call restarts it, and `restore` loads it
+                pass
 
 
 class CollectivePublisher:
@@ -361,7 +389,7 @@ def start_generator(spec: GeneratorSpec, index: int, cpus: float, max_restarts: 
         group = placement_group(bundles, strategy="STRICT_PACK")
         placement = {"num_gpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
-    actor = ray.remote(GeneratorActor).options(
+    actor = ray.remote(StreamingGeneratorActor if spec.streaming else GeneratorActor).options(
         num_cpus=cpus, max_restarts=max_restarts, max_task_retries=0, **placement,
         name=f"{name_prefix}-generator-{index}" if name_prefix else None,
         runtime_env={"env_vars": {**actor_env(), **engine_env(spec), "OMP_NUM_THREADS": str(max(1, int(cpus)))}},

@@ -69,6 +69,7 @@ class Schedule(Generic[R, H]):
     prompts_per_request: int
     new_request: Callable[[int, int], R]
     send: Callable[[Call[R]], H]
+    calls_per_generator: int = 1  # generate calls one generator runs at once (a streaming engine: several)
     members: dict[int, Member] = field(default_factory=dict)  # generator index -> member
     version: int = 0  # learner optimizer steps taken
     next_group_id: int = 0
@@ -89,29 +90,36 @@ class Schedule(Generic[R, H]):
     def busy(self) -> set[int]:
         return {call.index for call in self.calls.values()}
 
+    def calls_of(self, index: int) -> int:
+        return sum(call.index == index for call in self.calls.values())
+
     # ---- generation ----------------------------------------------------------------------------------
 
     def issue(self) -> None:
-        """Send every idle generator a request's worth of groups: orphans first, else new groups while the
-        buffer admits them under the lag bound."""
-        busy = self.busy()
+        """Send every generator with room (fewer than `calls_per_generator` calls) a request's worth of groups
+        per free call: orphans first, else new groups while the buffer admits them under the lag bound."""
         for index in list(self.members):
-            if index in busy:
-                continue
-            if self.orphans:  # groups of a generator that left go first, to whoever is free
-                size = self.prompts_per_request
-                adopted, self.orphans = self.orphans[:size], self.orphans[size:]
-                for request, reason in adopted:
-                    self.buffer.reissue(request.group_id, self.members[index].weights_version, index, reason)
-                self._send(index, [request for request, _ in adopted])
-                continue
-            requests: list[R] = []
-            while len(requests) < self.prompts_per_request and self.buffer.can_issue(
-                self.version, self.learner_busy, self.members[index].weights_version
-            ):
-                requests.append(self._new(index))
-            if requests:
-                self._send(index, requests)
+            free = self.calls_per_generator - self.calls_of(index)
+            while free > 0 and self._send_one(index):
+                free -= 1
+
+    def _send_one(self, index: int) -> bool:
+        """One call's worth of groups to generator `index`; False when there was nothing to send."""
+        if self.orphans:  # groups of a generator that left go first, to whoever is free
+            size = self.prompts_per_request
+            adopted, self.orphans = self.orphans[:size], self.orphans[size:]
+            for request, reason in adopted:
+                self.buffer.reissue(request.group_id, self.members[index].weights_version, index, reason)
+            self._send(index, [request for request, _ in adopted])
+            return True
+        requests: list[R] = []
+        while len(requests) < self.prompts_per_request and self.buffer.can_issue(
+            self.version, self.learner_busy, self.members[index].weights_version
+        ):
+            requests.append(self._new(index))
+        if requests:
+            self._send(index, requests)
+        return bool(requests)
 
     def _new(self, index: int) -> R:
         group_id, self.next_group_id = self.next_group_id, self.next_group_id + 1

@@ -150,6 +150,20 @@ def test_lagged_job_stays_within_max_lag(local_ray, tmp_path):
     assert counts["trained"] == len(trained) and set(counts) <= {"trained", "dropped"}
 
 
+def test_a_streaming_generator_runs_calls_side_by_side_and_takes_weights_while_they_run(local_ray, tmp_path):
+    """generator.streaming: one AsyncLLM engine with two generate calls in flight; each publish loads the
+    weights beside them (the driver waits for the load, then issues with the new version). Every group ends
+    once, none past the lag bound, and later groups were sampled with the learner's newer weights."""
+    result = _run(tmp_path, max_lag=1, steps=4, logging={"run_name": "streaming"},
+                  generator={"streaming": True, "requests_in_flight": 2, "prompts_per_request": 1})
+    trained = _trained(result.run_dir)
+    assert len(trained) == 4 * 2 and max(r["lag"] for r in trained) <= 1
+    assert max(r["trained_step"] - r["lag"] for r in trained) >= 2  # sampled with the weights of step 2 or later
+    _assert_each_group_ends_once(result.run_dir, steps=4)
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["weight_loads"] >= 4  # the initial publish and one per step
+
+
 def test_collective_weight_sync_path(local_ray, tmp_path):
     """The NCCL publisher's code path, over gloo: learner rank 0 broadcasts to the generator."""
     result = _run(tmp_path, max_lag=1, steps=3, **{"async": {"max_lag": 1, "weight_sync": "gloo"}})

@@ -35,12 +35,14 @@ class FakeRun:
     Ray would. `elastic`: a generator that dies leaves (its node went away) instead of being restarted."""
 
     def __init__(self, generators: int, max_lag: int, prompts_per_step: int, prompts_per_request: int,
-                 stale_policy: str = "wait", elastic: bool = False, max_restarts: int = 1000) -> None:
+                 stale_policy: str = "wait", elastic: bool = False, max_restarts: int = 1000,
+                 calls_per_generator: int = 1) -> None:
         self.ledger = Ledger()
         buffer = RolloutBuffer(max_lag, prompts_per_step, stale_policy, self.ledger)  # type: ignore[arg-type]
         self.handles = itertools.count()
         self.schedule: Schedule[Request, int] = Schedule(buffer, prompts_per_request, self._new_request,
-                                                         lambda call: next(self.handles))
+                                                         lambda call: next(self.handles),
+                                                         calls_per_generator=calls_per_generator)
         for index in range(generators):
             self.schedule.join(index, 0)
         self.pool = FakePool({index: f"actor-{index}" for index in range(generators)}, self.schedule,
@@ -116,11 +118,14 @@ def play(run: FakeRun, events: list[tuple[str, int]]) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(events=EVENTS, generators=st.integers(1, 3), max_lag=st.integers(0, 3), prompts_per_step=st.integers(1, 4),
-       prompts_per_request=st.integers(1, 3), stale_policy=st.sampled_from(["wait", "drop"]), elastic=st.booleans())
+       prompts_per_request=st.integers(1, 3), stale_policy=st.sampled_from(["wait", "drop"]), elastic=st.booleans(),
+       calls_per_generator=st.integers(1, 3))
 def test_every_group_ends_exactly_once_and_none_trains_past_the_lag_bound(events, generators, max_lag,
                                                                           prompts_per_step, prompts_per_request,
-                                                                          stale_policy, elastic):
-    run = FakeRun(generators, max_lag, prompts_per_step, prompts_per_request, stale_policy, elastic)
+                                                                          stale_policy, elastic, calls_per_generator):
+    """Streaming generators (several calls each) included."""
+    run = FakeRun(generators, max_lag, prompts_per_step, prompts_per_request, stale_policy, elastic,
+                  calls_per_generator=calls_per_generator)
     play(run, events)
     assert all(lag <= max_lag for lag in run.trained_lags), run.trained_lags
     assert all(0 <= lag for lag in run.trained_lags)
@@ -292,3 +297,15 @@ def test_an_elastic_member_that_dies_leaves_and_its_restarts_still_count():
     run.kill(0)
     assert 0 not in run.schedule.members and 0 not in run.pool.actors and run.pool.left == 1
     assert len(run.schedule.orphans) == 2 and run.schedule.generator_restarts == 2 and run.pool.waited == []
+
+
+def test_a_streaming_generator_gets_calls_up_to_its_room_while_the_buffer_admits():
+    run = FakeRun(generators=2, max_lag=8, prompts_per_step=4, prompts_per_request=1, calls_per_generator=3)
+    run.turn()
+    assert sorted(call.index for call in run.schedule.calls.values()) == [0, 0, 0, 1, 1, 1]
+    run.finish_call(0)
+    run.turn()
+    assert [run.schedule.calls_of(index) for index in (0, 1)] == [3, 3]
+    tight = FakeRun(generators=1, max_lag=0, prompts_per_step=2, prompts_per_request=1, calls_per_generator=3)
+    tight.turn()  # max_lag 0: the lag bound admits one step's worth, whatever the room
+    assert len(tight.schedule.calls) == 2
