@@ -77,10 +77,14 @@ class GeneratorPool:
         """A generate call failed because its generator died: an elastic member leaves, any other is waited
         for until Ray has restarted it, and its groups go out again."""
         index = call.index
+        if index not in self.schedule.members:  # an elastic member that left with an earlier failed call
+            self.schedule.leave(index, call.requests, f"generator {index} left during generation")
+            return
         if self.elastic:
             self.leave(index, call.requests, f"generator {index} left during generation ({type(error).__name__})")
             return
-        self.restarted(index, f"generator {index} died during generation ({type(error).__name__})")
+        if call.incarnation_seen == self.schedule.members[index].restarts:  # else: another call of this death
+            self.restarted(index, f"generator {index} died during generation ({type(error).__name__})")
         self.schedule.reissue(index, call.requests, f"generator {index} died during generation")
 
     def sampled_before_restart(self, call: Call[GenerationRequest], groups: list[GeneratedGroup]) -> bool:

@@ -46,6 +46,7 @@ class Call(Generic[R]):
     index: int
     requests: list[R]
     weights_version: int
+    incarnation_seen: int = 0  # the member's restarts when it was sent: a later death already handled shows
 
 
 @dataclass
@@ -128,7 +129,8 @@ class Schedule(Generic[R, H]):
         return request
 
     def _send(self, index: int, requests: list[R]) -> None:
-        call = Call(index, requests, self.members[index].weights_version)
+        member = self.members[index]
+        call = Call(index, requests, member.weights_version, member.restarts)
         self.calls[self.send(call)] = call
 
     def finished(self, handle: H) -> Call[R]:

@@ -228,11 +228,15 @@ def _assert_each_group_ends_once(run_dir: Path, steps: int, prompts_per_step: in
     return rows
 
 
-def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path):
+@pytest.mark.parametrize("streaming", [False, pytest.param(True, marks=pytest.mark.slow)])  # 50 s more
+def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path, streaming):
+    """Killed during the run, a generator is restarted once and every group still ends once; a streaming
+    one dies with several calls in flight, all of which fail and go out again, for one restart."""
     import threading
 
     job = _job(tmp_path, max_lag=2, steps=5, logging={"run_name": "killed-generator"},
-               generator={"max_restarts": 2})
+               generator={"max_restarts": 2, "streaming": streaming, "requests_in_flight": 2,
+                          "prompts_per_request": 1 if streaming else 2})
     run_dir = tmp_path / "runs" / "killed-generator"
     killed: list[int] = []
     killer = threading.Thread(target=_kill_after_step,

@@ -309,3 +309,23 @@ def test_a_streaming_generator_gets_calls_up_to_its_room_while_the_buffer_admits
     tight = FakeRun(generators=1, max_lag=0, prompts_per_step=2, prompts_per_request=1, calls_per_generator=3)
     tight.turn()  # max_lag 0: the lag bound admits one step's worth, whatever the room
     assert len(tight.schedule.calls) == 2
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_one_death_of_a_streaming_generator_fails_all_its_calls_and_counts_once(elastic):
+    """A streaming generator dies with two calls in flight: both fail. It is restarted (or leaves) once, and
+    the groups of both calls go out again."""
+    run = FakeRun(generators=2, max_lag=4, prompts_per_step=8, prompts_per_request=1, elastic=elastic,
+                  max_restarts=1, calls_per_generator=2)
+    run.turn()
+    dying = [handle for handle, call in run.schedule.calls.items() if call.index == 0]
+    groups = [r.group_id for handle in dying for r in run.schedule.calls[handle].requests]
+    for handle in dying:
+        run.pool.failed(run.schedule.finished(handle), ConnectionError("killed"))  # type: ignore[arg-type]
+    if elastic:
+        assert run.pool.left == 1 and sorted(r.group_id for r, _ in run.schedule.orphans) == sorted(groups)
+    else:
+        assert run.schedule.members[0].restarts == 1 and run.pool.waited == [0]
+        again = [r.group_id for call in run.schedule.calls.values() if call.index == 0 for r in call.requests]
+        assert sorted(again) == sorted(groups)
+    assert all(run.ledger.entries[g].reissues == (0 if elastic else 1) for g in groups)
