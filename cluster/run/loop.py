@@ -91,6 +91,23 @@ class GenerationTotals:
         self.tokens += sum(len(c["completion_ids"]) for g in groups for c in g.completions)
 
 
+def version_mix(groups: list[ScoredGroup], learner_version: int) -> dict[str, float | list[int]]:
+    """`async/token_lag` (trained tokens per lag: learner version minus the version that sampled the token)
+    and `async/mixed_version_share` (responses sampled by more than one version: weights changed mid-way)."""
+    counts: list[int] = []
+    mixed = responses = 0
+    for group in groups:
+        for completion in group.completions:
+            spans = completion["version_spans"]
+            responses += 1
+            mixed += len({span[0] for span in spans}) > 1
+            for version, start, end in spans:
+                lag = learner_version - version
+                counts.extend([0] * (lag + 1 - len(counts)))
+                counts[lag] += end - start
+    return {"async/token_lag": counts, "async/mixed_version_share": mixed / responses if responses else math.nan}
+
+
 def reward_workers(job: Job) -> ScorePool:
     """The verifier subprocesses of the job's task, as its `scoring` section sets them."""
     scoring = job.scoring
@@ -265,12 +282,13 @@ class AsyncLoop:
         self.learner_refs = []
         skipped = metrics.get("stability/skipped_step", 0.0) > 0
         training = self.schedule.training or []
+        mix = version_mix(training, self.version) if self.job.generator.streaming else {}
         lags = self.schedule.step_done(  # a skipped step did not move the weights: the ledger says so
             f"step {self.version + 1} skipped: non-finite loss or importance weights" if skipped else None)
         sync_s = self._sync_weights()
         step_s = time.perf_counter() - self.step_started
         eval_wait_s = self._start_evaluation() if self._due(self.job.eval.every_steps) else 0.0
-        self._log_step(metrics, lags, sync_s, step_s, eval_wait_s)
+        self._log_step({**metrics, **mix}, lags, sync_s, step_s, eval_wait_s)
         if self._due(self.job.logging.samples.every_steps):
             self._log_samples(training)
         if self._due(self.job.checkpoint.every_steps):
@@ -429,7 +447,7 @@ class AsyncLoop:
         self.schedule.published()
         return time.perf_counter() - start
 
-    def _log_step(self, metrics: dict[str, float], lags: list[int], publish_s: float, step_s: float,
+    def _log_step(self, metrics: dict[str, Any], lags: list[int], publish_s: float, step_s: float,
                   eval_wait_s: float) -> None:
         stats = lag_stats(torch.tensor(lags), self.job.async_.max_lag)
         totals = self.totals

@@ -77,6 +77,10 @@ KNOWN_METRICS: dict[str, str] = {
     "async/lag": "histogram of trained samples' lag (bin k counts samples k versions old)",
     "async/lag_mean": "mean lag of the trained samples (policy versions)",
     "async/lag_max": "largest lag among the trained samples (policy versions)",
+    "async/token_lag": "streaming generators: histogram of trained tokens' lag (bin k counts tokens sampled k "
+                       "versions before the learner's)",
+    "async/mixed_version_share": "streaming generators: share of trained responses whose tokens came from more "
+                                 "than one policy version (weights loaded mid-response)",
     "async/buffered_groups": "scored prompt groups waiting in the rollout buffer after the step",
     "async/num_generators": "generators running when the step is logged (elastic jobs gain and lose them)",
     "perf/gen_tokens_per_s": "generated tokens per second over all generators",
@@ -108,7 +112,7 @@ KNOWN_METRICS: dict[str, str] = {
     "sft/loss": "supervised warm-up loss (token-mean cross-entropy)",
     "sft/grad_norm": "supervised warm-up gradient norm",
 }
-HISTOGRAM_METRICS = frozenset({"async/lag"})  # logged as lists of counts, sent to W&B as histograms
+HISTOGRAM_METRICS = frozenset({"async/lag", "async/token_lag"})  # logged as lists of counts, sent to W&B as histograms
 
 # W&B run summaries beyond the default last value: the extreme that matters for each diagnostic.
 # NaN wins min/max in W&B, so after a skipped step the grad-norm max reads NaN: look at the curve.

@@ -191,3 +191,17 @@ def test_the_step_row_reports_the_responses_scored_since_the_last_one_with_each_
     assert scored.metrics(both) == {"rollout/truncated_share": 0.25, "rollout/scored_reward_mean": 0.5625,
                                     "rollout/uniform_groups_dropped": 3, "rollout/overlong_penalty_mean": -0.1875}
     assert math.isnan(ScoredSinceStep().metrics(both)["rollout/scored_reward_mean"])  # nothing scored: no number
+
+
+def test_version_mix_counts_each_token_at_the_lag_of_the_version_that_sampled_it():
+    from cluster.run.loop import version_mix
+
+    def completion(spans):
+        return {"completion_ids": [0] * spans[-1][2], "behaviour_logprobs": [], "text": "", "finish_reason": "stop",
+                "version_spans": spans, "reward": 0.0, "score_error": None}
+
+    groups = [ScoredGroup(0, "p0", [], [completion([[3, 0, 4], [5, 4, 6]]), completion([[5, 0, 2]])], 3, 5, 0),
+              ScoredGroup(1, "p1", [], [completion([[4, 0, 3]])], 4, 4, 0)]
+    mix = version_mix(groups, learner_version=5)
+    assert mix["async/token_lag"] == [2 + 2, 3, 4]  # lag 0: 2 + 2 tokens of version 5; lag 1: 3; lag 2: 4
+    assert mix["async/mixed_version_share"] == 1 / 3
