@@ -24,9 +24,14 @@ from typing import TYPE_CHECKING, Any
 from actors.generator import (GeneratedGroup, GenerationRequest, GeneratorSpec, chat_prompt_ids, engine_args,
                               quiet_per_reload_logs)
 from actors.records import Completion, newest_version, oldest_version, version_spans
+from algorithms.errors import StableAsyncError
 
 if TYPE_CHECKING:
     from learner.weight_sync import PackedWeights
+
+
+class IncompleteGroup(StableAsyncError, RuntimeError):
+    """The engine ended a request with fewer responses than asked for (a bug, not a fault)."""
 
 
 class StreamingGenerator:
@@ -63,19 +68,24 @@ class StreamingGenerator:
                      temperature: float | None) -> GeneratedGroup:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         issued_version = self.version
         prompt_ids = chat_prompt_ids(self.tokenizer, request.messages)
         params = SamplingParams(n=samples or self.spec.samples_per_prompt,
                                 temperature=self.spec.temperature if temperature is None else temperature,
                                 top_p=self.spec.top_p, max_tokens=self.spec.max_new_tokens, logprobs=0,
-                                seed=request.seed)
-        final = None
+                                seed=request.seed, output_kind=RequestOutputKind.FINAL_ONLY)
+        # FINAL_ONLY: one output with all n responses (streamed outputs carry one response each, as it moves);
+        # kept by index all the same, so that no response is lost whichever way vLLM hands them over
+        finished: dict[int, Any] = {}
         async for output in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
                                                  request_id=f"{request.group_id}-{uuid.uuid4().hex[:8]}"):
-            final = output
+            finished.update((completion.index, completion) for completion in output.outputs if completion.finished())
+        if len(finished) != params.n:
+            raise IncompleteGroup(f"group {request.group_id}: vLLM returned {len(finished)} of {params.n} responses")
         completions = []
-        for completion in final.outputs if final is not None else []:
+        for completion in (finished[index] for index in sorted(finished)):
             ids = list(completion.token_ids)
             steps: list[Any] = list(completion.logprobs or [])  # one {token: Logprob} per step (logprobs=0)
             completions.append(Completion(

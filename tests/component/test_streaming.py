@@ -108,6 +108,7 @@ def test_groups_are_sampled_concurrently_and_each_returns_when_its_own_responses
 
     first, second = loop.run_until_complete(scenario())
     assert [g.group_id for g in first] == [1] and [g.group_id for g in second] == [2, 3]
+    assert all(len(group.completions) == 2 for group in first + second)  # every sample, however they ended
     for group in first + second:
         assert (group.version_start, group.version_end) == (4, 4)
         assert all(c["version_spans"] == [[4, 0, len(c["completion_ids"])]] for c in group.completions

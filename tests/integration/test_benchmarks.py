@@ -57,6 +57,15 @@ def test_async_speedup_trains_each_lag_and_prints_its_tables(tmp_path):
     assert "phases at max_lag 0: generator g" in out and "slowdown x" in out
 
 
+def test_streaming_benchmark_trains_both_generators_and_prints_their_rows(tmp_path):
+    out = _command(["benchmarks.streaming", "--steps", "7", "--requests-in-flight", "2",
+                    "--out", str(tmp_path / "bench")], tmp_path)
+    assert re.search(rf"^\s+request-batch\s+{NUMBER}\s+1\.00\s+(never|{NUMBER})\s+{NUMBER}\s+-$", out,
+                     re.MULTILINE), out
+    assert re.search(rf"^\s+streaming\s+{NUMBER}\s+{NUMBER}\s+(never|{NUMBER})\s+{NUMBER}\s+{NUMBER}$", out,
+                     re.MULTILINE), out
+
+
 def test_learner_step_times_every_configuration(tmp_path):
     out = _command(["benchmarks.learner_step", "--sequences", "8", "--tokens", "32", "--rounds", "1"], tmp_path)
     from benchmarks.learner_step import CONFIGS

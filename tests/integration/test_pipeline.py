@@ -163,6 +163,7 @@ def test_a_streaming_generator_runs_calls_side_by_side_and_takes_weights_while_t
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["train/step"] > 0 and "async/token_lag" in r]
     assert len(steps) == 4 and all(0 <= r["async/mixed_version_share"] <= 1 for r in steps)
+    assert all(sum(r["async/lag"]) == 2 * 4 for r in steps), "each step trains every response of its 2 groups"
     assert all(len(r["async/token_lag"]) <= 2 and sum(r["async/token_lag"]) > 0 for r in steps)  # lags 0 and 1
 
 

@@ -77,6 +77,8 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "benchmarks.learner_step": ("tests/integration/test_benchmarks.py::test_learner_step_times_every_configuration",),
     "benchmarks.generation": ("tests/integration/test_benchmarks.py::test_generation_compares_vllm_with_transformers",),
+    "benchmarks.streaming": (
+        "tests/integration/test_benchmarks.py::test_streaming_benchmark_trains_both_generators_and_prints_their_rows",),
     "benchmarks.weight_sync": (
         "tests/integration/test_benchmarks.py::test_weight_sync_prints_the_paths_and_their_ratios",
     ),
