@@ -60,9 +60,9 @@ def test_async_speedup_trains_each_lag_and_prints_its_tables(tmp_path):
 def test_streaming_benchmark_trains_both_generators_and_prints_their_rows(tmp_path):
     out = _command(["benchmarks.streaming", "--steps", "7", "--requests-in-flight", "2",
                     "--out", str(tmp_path / "bench")], tmp_path)
-    assert re.search(rf"^\s+request-batch\s+{NUMBER}\s+1\.00\s+(never|{NUMBER})\s+{NUMBER}\s+-$", out,
+    assert re.search(rf"^\s*request-batch\s+{NUMBER}\s+1\.00\s+(never|{NUMBER})\s+{NUMBER}\s+-$", out,
                      re.MULTILINE), out
-    assert re.search(rf"^\s+streaming\s+{NUMBER}\s+{NUMBER}\s+(never|{NUMBER})\s+{NUMBER}\s+{NUMBER}$", out,
+    assert re.search(rf"^\s*streaming\s+{NUMBER}\s+{NUMBER}\s+(never|{NUMBER})\s+{NUMBER}\s+{NUMBER}$", out,
                      re.MULTILINE), out
 
 
