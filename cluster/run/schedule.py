@@ -88,9 +88,6 @@ class Schedule(Generic[R, H]):
         """Generator restarts over the run, of members and of generators that left."""
         return self.departed_restarts + sum(m.restarts for m in self.members.values())
 
-    def busy(self) -> set[int]:
-        return {call.index for call in self.calls.values()}
-
     def calls_of(self, index: int) -> int:
         return sum(call.index == index for call in self.calls.values())
 
