@@ -180,6 +180,12 @@ class LearnerSection(Section):
     max_skipped_steps_in_a_row: int = Field(
         5, gt=0, description="consecutive steps skipped for non-finite values before the job stops (with a checkpoint)"
     )
+    mini_batches: int = Field(
+        1, gt=0, description="optimizer updates per pass over a step's batch, each on its own share of the prompt "
+        "groups (PPO's mini-batches); more than one needs algorithm.proximal: recompute"
+    )
+    epochs: int = Field(1, gt=0, description="passes over a step's batch; more than one needs algorithm.proximal: "
+                        "recompute")
     cpus_per_rank: float = Field(1.0, gt=0)
     gpus_per_rank: float = Field(0.0, ge=0)
 
@@ -190,6 +196,16 @@ class AlgorithmSection(Section):
     )
     advantage: Literal["grpo", "dr_grpo", "reinforce", "rloo"] = "grpo"
     loss_aggregation: LossAggregation = "token-mean"
+    proximal: Literal["behaviour", "recompute"] = Field(
+        "behaviour", description="the decoupled objective (AReaL): recompute takes the learner's own log-probs at "
+        "the start of each step (one no-grad pass) as the proximal policy. The stabilizer corrects the staleness "
+        "against it, and each of the step's updates (learner.mini_batches x learner.epochs) is clipped to "
+        "proximal_eps_low/high around it. behaviour: one update, the stabilizer against the behaviour policy"
+    )
+    proximal_eps_low: float = Field(0.2, gt=0, lt=1, description="recompute: ratios pi/pi_prox below 1 - eps_low "
+                                    "get no gradient where the advantage is negative")
+    proximal_eps_high: float = Field(0.2, gt=0, description="recompute: ratios pi/pi_prox above 1 + eps_high get no "
+                                     "gradient where the advantage is positive")
     constant_tokens: int | None = Field(None, gt=0, description="the constant length of `constant` aggregation")
     drop_uniform_groups: bool = Field(
         False, description="DAPO's dynamic sampling: a prompt group whose responses all scored the same (all solved "
@@ -418,6 +434,18 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
             "learner.prompts_per_step",
             f"{learner.prompts_per_step} prompt groups cannot be split evenly over {learner.num_ranks} ranks "
             "(each prompt group stays on one rank)",
+        ))
+    updates = learner.mini_batches * learner.epochs
+    if updates > 1 and job.algorithm.proximal != "recompute":
+        errors.append(JobError("algorithm.proximal", f"{updates} updates per step (learner.mini_batches x "
+                               "learner.epochs) need recompute: after the first update the learner's policy has moved, "
+                               "and the later ones are clipped around the step's starting policy"))
+    groups_per_rank, rest = divmod(learner.prompts_per_step, learner.num_ranks)
+    if not rest and groups_per_rank % learner.mini_batches:
+        errors.append(JobError(
+            "learner.mini_batches",
+            f"{groups_per_rank} prompt groups per rank cannot be split evenly into "
+            f"{learner.mini_batches} mini-batches (each prompt group stays in one)",
         ))
     if learner.lr_warmup_steps > learner.steps:
         errors.append(JobError("learner.lr_warmup_steps",

@@ -25,6 +25,7 @@ from algorithms.advantages import ADVANTAGES, group_mean_advantages
 from algorithms.aggregation import loss_denominator, policy_loss
 from algorithms.batch import PolicyBatch, TokenWeights
 from algorithms.diagnostics import chi2_seq, ess_ratio, health_metrics
+from algorithms.proximal import trust_region_weights
 from learner import micro_batches
 from learner.batch import TrainBatch, sequence_logprob_grad, token_entropy, token_logprobs
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
@@ -156,6 +157,11 @@ class LearnerSpec:
     backend: str = "gloo"
     max_tokens_per_micro_batch: int | None = None  # padded tokens per forward; None: the rank's batch at once
     gradient_checkpointing: bool = False
+    proximal: str = "behaviour"  # recompute: the decoupled objective (algorithms/proximal.py)
+    proximal_eps_low: float = 0.2
+    proximal_eps_high: float = 0.2
+    mini_batches: int = 1  # recompute: optimizer updates per pass, each on its share of the prompt groups
+    epochs: int = 1  # recompute: passes over the batch
 
 
 def check_owned_by_me(path: Path) -> None:
@@ -290,6 +296,8 @@ class LearnerRank:
         A stabilizer that decides per row does so per micro-batch, one forward each; any other first gets
         the whole batch's learner log-probs from a no-grad pass (docs/stabilizers.md, "Passes over the batch").
         Either way the gradient is the single-pass step's, accumulated one micro-batch at a time.
+        With `proximal: recompute` the first pass is always a no-grad one, and its log-probs are the proximal
+        policy of the step's updates (`_decoupled_updates`).
         """
         start = time.perf_counter()
         self.engine.train()
@@ -300,15 +308,19 @@ class LearnerRank:
         one_pass = self.stabilizer.decides_per_row and (plan.groups_whole or not needs_norms
                                                         or self._carries_every_split_group(batch, plan))
         runs, one_pass = self._agreed_runs(plan, one_pass)
-        # one micro-batch is the whole batch: any stabilizer decides on it in one forward
-        step = self._one_pass(batch, runs) if one_pass or len(runs) == 1 else self._two_passes(batch, runs)
+        decoupled = self.spec.proximal == "recompute"
+        if decoupled:
+            step = self._decide_on_whole_batch(batch, runs)
+        else:  # one micro-batch is the whole batch: any stabilizer decides on it in one forward
+            step = self._one_pass(batch, runs) if one_pass or len(runs) == 1 else self._two_passes(batch, runs)
         policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
         decision = step.decision or self.stabilizer.token_weights(policy)  # one pass: for the metrics only
         metrics = {**health_metrics(policy), **decision.metrics, **self._baseline_metrics(batch, step)}
         self.last_sequence_log_ratios = policy.seq_log_ratio
         metrics["stability/entropy"] = (step.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
         metrics["perf/micro_batches"] = self._scalar(len(plan))
-        metrics["perf/learner_passes"] = self._scalar(1.0 if step.decision is None else 2.0)
+        metrics["perf/learner_passes"] = self._scalar(
+            1.0 + self.spec.epochs if decoupled else 1.0 if step.decision is None else 2.0)
         if step.squared_norms is not None:
             metrics["opob/bookkeeping_share"] = self._scalar(step.bookkept_micro_batches / len(runs))
             metrics["opob/carried_groups"] = self._scalar(step.carried_groups)
@@ -323,7 +335,15 @@ class LearnerRank:
         schedule = lr_factor(self.version, self.spec.total_steps, self.spec.lr_warmup_steps, self.spec.lr_schedule,
                              self.spec.lr_min_ratio)
         metrics["optim/lr"] = self._scalar(self.spec.learning_rate * schedule * lr_scale)
-        grad_norm = self._step_with_lr_scale(lr_scale * schedule)
+        if decoupled:
+            grad_norm, update_metrics = self._decoupled_updates(batch, step, lr_scale * schedule)
+            metrics.update(update_metrics)
+            if update_metrics["optim/updates"] == 0:  # the first update was already non-finite
+                return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan,
+                                    batch=batch)
+            self.version += 1
+        else:
+            grad_norm = self._step_with_lr_scale(lr_scale * schedule)
         return self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm,
                             batch=batch)
 
@@ -384,8 +404,7 @@ class LearnerRank:
         step = _StepValues.empty(batch, with_norms=self.stabilizer.needs_grad_norms)
         if not self.stabilizer.needs_grad_norms:  # advantages from the rewards alone, whole groups at once
             step.advantages = self._advantages(batch, step.logprobs, None)[0]
-        mask_denominator = None if len(runs) == 1 else self._all_reduce_sum(loss_denominator(
-            batch.loss_mask, self.spec.loss_aggregation, self.spec.constant_tokens))
+        mask_denominator = None if len(runs) == 1 else self._global_denominator(batch.loss_mask)
         carried: _CarriedGroup | None = None
         for index, rows in enumerate(runs):
             micro = self._micro_batch(batch, rows)
@@ -410,8 +429,7 @@ class LearnerRank:
                 advantages, baseline = step.advantages[rows], None
             policy = PolicyBatch(logprobs, micro.behaviour_logprobs, advantages, micro.loss_mask)
             decision = self.stabilizer.token_weights(policy)
-            denominator = mask_denominator if mask_denominator is not None else self._all_reduce_sum(
-                loss_denominator(decision.mask, self.spec.loss_aggregation, self.spec.constant_tokens))
+            denominator = mask_denominator if mask_denominator is not None else self._global_denominator(decision.mask)
             loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
             slope = None if carried is None else policy_loss(
                 PolicyBatch(logprobs, micro.behaviour_logprobs, carried.slope[rows], micro.loss_mask), decision,
@@ -442,6 +460,16 @@ class LearnerRank:
     def _two_passes(self, batch: TrainBatch, runs: list[Tensor | None]) -> _StepValues:
         """A no-grad pass gives the whole batch's learner log-probs (and per-sample gradient norms), the
         stabilizer decides once on them, and the gradient pass backpropagates each micro-batch's share."""
+        step = self._decide_on_whole_batch(batch, runs)
+        if not step.skipped:
+            denominator = self._global_denominator(step.decision.mask)
+            self._backpropagate(batch, runs, step.decision, step.advantages, denominator)
+        return step
+
+    def _decide_on_whole_batch(self, batch: TrainBatch, runs: list[Tensor | None]) -> _StepValues:
+        """The first of two passes: the whole batch's learner log-probs (and per-sample gradient norms)
+        without grad, the advantages, and the stabilizer's decision on them; no gradient yet. Skipped when
+        the decision or the loss is not finite on some rank."""
         step = _StepValues.empty(batch, with_norms=self.stabilizer.needs_grad_norms)
         for rows in runs:
             micro = self._micro_batch(batch, rows)
@@ -458,30 +486,83 @@ class LearnerRank:
         step.advantages, step.baseline = self._advantages(batch, step.logprobs, step.sample_grads())
         policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
         step.decision = self.stabilizer.token_weights(policy)
-        denominator = self._all_reduce_sum(loss_denominator(step.decision.mask, self.spec.loss_aggregation,
-                                                            self.spec.constant_tokens))
+        denominator = self._global_denominator(step.decision.mask)
         step.loss = float(policy_loss(policy, step.decision, self.spec.loss_aggregation, denominator,
                                       self.spec.constant_tokens))
         if not self._all_finite(step.decision.weights, self._scalar(step.loss)):
             step.skipped = True
             self.engine.zero_grad()
-            return step
-        for rows in runs:
+        return step
+
+    def _backpropagate(self, batch: TrainBatch, runs: list[Tensor | None], decision: TokenWeights,
+                       advantages: Tensor, denominator: Tensor, proximal_logprobs: Tensor | None = None) -> float:
+        """Each micro-batch's share of the loss of a decision made on the whole `batch`, into the engine's
+        accumulated gradient; returns the loss tokens the trust region clipped.
+
+        With the proximal policy's log-probs [B, L-1] (the decoupled objective) each token's weight also
+        carries the trust region around them, and since the policy may have moved since the decision, a
+        non-finite loss on any rank poisons the gradient so that the engine's step drops it (`_discard_step`).
+        """
+        clipped_tokens = 0.0
+        for index, rows in enumerate(runs):
             micro = self._micro_batch(batch, rows)
             width = micro.loss_mask.shape[1]
             if rows is None:  # nothing to train on: zero weights on an empty mask
                 weights, mask = micro.behaviour_logprobs, micro.loss_mask
-                advantages = torch.zeros(1, device=self.device)
+                micro_advantages = torch.zeros(1, device=self.device)
             else:
-                weights, mask = step.decision.weights[rows, :width], step.decision.mask[rows, :width]
-                advantages = step.advantages[rows]
+                weights, mask = decision.weights[rows, :width], decision.mask[rows, :width]
+                micro_advantages = advantages[rows]
             logprobs = token_logprobs(self._logits(micro), micro.input_ids, self.spec.temperature)
-            share = PolicyBatch(logprobs, micro.behaviour_logprobs, advantages, micro.loss_mask)
+            if proximal_logprobs is not None and rows is not None:
+                trust, clipped = trust_region_weights(logprobs, proximal_logprobs[rows, :width], micro_advantages,
+                                                      micro.loss_mask, self.spec.proximal_eps_low,
+                                                      self.spec.proximal_eps_high)
+                weights = weights * trust
+                clipped_tokens += float(clipped.sum())
+            share = PolicyBatch(logprobs, micro.behaviour_logprobs, micro_advantages, micro.loss_mask)
             loss = policy_loss(share, TokenWeights(weights, mask, {}), self.spec.loss_aggregation, denominator,
                                self.spec.constant_tokens)
+            if proximal_logprobs is not None and not self._all_finite(loss):
+                if index:  # poisons what the earlier micro-batches accumulated
+                    self.engine.backward(loss * math.nan)
+                else:
+                    self.engine.zero_grad()
+                raise _NonFiniteUpdate(index)
             self.engine.backward(loss * self.world_size)
             del logprobs, share, loss
-        return step
+        return clipped_tokens
+
+    def _decoupled_updates(self, batch: TrainBatch, step: _StepValues, lr_scale: float
+                           ) -> tuple[float, dict[str, Tensor]]:
+        """`epochs` passes over the batch in `mini_batches` shares of whole prompt groups, one optimizer update
+        per share: the stabilizer's decision at pi_prox (step.logprobs) times the trust region around pi_prox.
+        Returns the largest update's gradient norm and the updates' metrics; after a non-finite share no
+        further update runs (those before it stay applied)."""
+        shares = _prompt_group_shares(batch.group_ids, self.spec.mini_batches)
+        norms: list[float] = []
+        clipped_tokens = 0.0
+        try:
+            for _ in range(self.spec.epochs):
+                for rows in shares:
+                    share = batch.rows(rows)
+                    decision = TokenWeights(step.decision.weights[rows], step.decision.mask[rows], {})
+                    denominator = self._global_denominator(decision.mask)
+                    plan = micro_batches.plan(share.sequence_lengths, share.group_ids,
+                                              self.spec.max_tokens_per_micro_batch, keep_groups=False)
+                    runs = self._agreed_runs(plan)[0]
+                    clipped_tokens += self._backpropagate(share, runs, decision, step.advantages[rows], denominator,
+                                                          step.logprobs[rows])
+                    norms.append(self._apply_update(lr_scale))
+        except _NonFiniteUpdate as error:
+            if error.micro_batch:  # gradients accumulated before it: the engine's step must drop them
+                self._discard_step()
+        planned = self.spec.epochs * len(shares)
+        tokens = float(batch.loss_mask.sum()) * len(norms)
+        metrics = {"optim/updates": self._scalar(len(norms)),
+                   "stability/skipped_updates": self._scalar(planned - len(norms)),
+                   "stability/proximal_clip_frac": self._scalar(clipped_tokens / tokens if tokens else 0.0)}
+        return (max(norms) if norms else math.nan), metrics
 
     def _discard_step(self) -> None:
         """The engine's step on a poisoned gradient: ZeRO finds the non-finite norm and drops the gradient
@@ -701,7 +782,13 @@ class LearnerRank:
     # ---- helpers -----------------------------------------------------------------------------
 
     def _step_with_lr_scale(self, lr_scale: float) -> float:
-        """optimizer.step at lr * lr_scale for this step only, then the base LR is restored."""
+        """The step's one update at lr * lr_scale: a new policy version."""
+        norm = self._apply_update(lr_scale)
+        self.version += 1
+        return norm
+
+    def _apply_update(self, lr_scale: float) -> float:
+        """optimizer.step at lr * lr_scale for this update only, then the base LR is restored; the gradient norm."""
         groups = self.optimizer.param_groups
         base = [group["lr"] for group in groups]
         for group in groups:
@@ -711,7 +798,6 @@ class LearnerRank:
         finally:
             for group, lr in zip(groups, base):
                 group["lr"] = lr
-        self.version += 1
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else math.nan
 
@@ -749,6 +835,10 @@ class LearnerRank:
         """A 0-dim fp32 tensor on this rank's device (a host tensor would cost a copy, or meet a device one)."""
         return torch.tensor(float(value), device=self.device)
 
+    def _global_denominator(self, mask: Tensor) -> Tensor:
+        """The loss denominator of `mask` summed over the ranks, so each rank's loss is its share of the global one."""
+        return self._all_reduce_sum(loss_denominator(mask, self.spec.loss_aggregation, self.spec.constant_tokens))
+
     def _all_reduce_sum(self, value: Tensor) -> Tensor:
         value = value.detach().float().clone()
         if self.world_size > 1:
@@ -774,6 +864,23 @@ class LearnerRank:
         gathered = [values.new_zeros(width) for _ in range(self.world_size)]
         dist.all_gather(gathered, padded)
         return torch.cat([g[: int(s.item())] for g, s in zip(gathered, sizes)])
+
+
+class _NonFiniteUpdate(Exception):
+    """A decoupled update's loss was not finite on some rank (every rank raises it at the same micro-batch)."""
+
+    def __init__(self, micro_batch: int) -> None:
+        super().__init__(f"non-finite loss at micro-batch {micro_batch}")
+        self.micro_batch = micro_batch
+
+
+def _prompt_group_shares(group_ids: Tensor, shares: int) -> list[Tensor]:
+    """[b] row indices of `shares` runs of consecutive whole prompt groups, as even as the groups allow."""
+    groups = torch.unique(group_ids)
+    if len(groups) < shares:
+        raise ValueError(f"{shares} mini-batches need at least as many prompt groups per rank, got {len(groups)} "
+                         "(learner.mini_batches)")
+    return [torch.isin(group_ids, part).nonzero().flatten() for part in groups.tensor_split(shares)]
 
 
 def per_sequence_coefficients(token_coefficients: Tensor, loss_mask: Tensor) -> Tensor:

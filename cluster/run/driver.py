@@ -210,7 +210,9 @@ def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
         dtype=job.model.dtype_on(gpu=job.learner.gpus_per_rank > 0), seed=job.seed,
         backend="nccl" if job.learner.gpus_per_rank else "gloo",
         max_tokens_per_micro_batch=job.learner.max_tokens_per_micro_batch,
-        gradient_checkpointing=job.learner.gradient_checkpointing,
+        gradient_checkpointing=job.learner.gradient_checkpointing, proximal=job.algorithm.proximal,
+        proximal_eps_low=job.algorithm.proximal_eps_low, proximal_eps_high=job.algorithm.proximal_eps_high,
+        mini_batches=job.learner.mini_batches, epochs=job.learner.epochs,
     )
 
 

@@ -59,8 +59,14 @@ KNOWN_METRICS: dict[str, str] = {
     "stability/is_weight_mean": "mean token importance weight after the stabilizer",
     "stability/is_weight_max": "largest token importance weight after the stabilizer",
     "stability/skipped_step": "1 if the step was skipped for non-finite loss or weights, else 0",
+    "stability/proximal_clip_frac": "algorithm.proximal recompute: share of loss tokens over the step's updates whose "
+    "ratio to the proximal policy left the trust region (no gradient)",
+    "stability/skipped_updates": "algorithm.proximal recompute: updates of the step left out after a non-finite loss",
+    "optim/updates": "optimizer updates the step applied (learner.mini_batches x learner.epochs, fewer after a "
+    "non-finite loss)",
     "optim/loss": "policy loss of the step",
-    "optim/grad_norm": "global gradient norm before clipping (NaN on a skipped step)",
+    "optim/grad_norm": "global gradient norm before clipping (NaN on a skipped step; the largest update's with "
+    "algorithm.proximal recompute)",
     "optim/lr": "learning rate of this step: learner.learning_rate x the schedule (warm-up, decay) x "
     "stability/lr_scale (0 on a skipped step)",
     "opob/baseline_mean": "mean of VCPO's off-policy optimal baseline",
@@ -87,7 +93,8 @@ KNOWN_METRICS: dict[str, str] = {
     "perf/learner_tokens_per_s": "tokens (prompt and completion) the learner processed per second",
     "perf/micro_batches": "token-budget micro-batches the step ran (learner.max_tokens_per_micro_batch; mean "
                           "over ranks)",
-    "perf/learner_passes": "forwards over the batch: 1, or 2 when the stabilizer needed a no-grad pass first",
+    "perf/learner_passes": "forwards over the batch: 1, or 2 when the stabilizer needed a no-grad pass first; "
+    "1 + learner.epochs with algorithm.proximal recompute",
     "perf/weight_sync_s": "seconds to publish the new weights to the generators",
     "perf/weight_load_s": "seconds a generator takes to load one weight version into its engine (mean so far; "
     "it runs between the generator's calls, after the publish)",

@@ -125,6 +125,16 @@ def test_nucleus_sampling_is_refused_because_the_learner_cannot_mirror_its_log_p
     assert validate_job({**MINIMAL, "generator": {"top_p": 1.0}}).generator.top_p == 1.0
 
 
+def test_several_updates_per_step_need_the_recomputed_proximal_policy_and_whole_groups_per_mini_batch():
+    errors = _errors({**MINIMAL, "learner": {"epochs": 2, "prompts_per_step": 8, "num_ranks": 2, "mini_batches": 3}})
+    assert "6 updates per step" in errors["algorithm.proximal"] and "recompute" in errors["algorithm.proximal"]
+    assert "4 prompt groups per rank cannot be split evenly into 3" in errors["learner.mini_batches"]
+    job = validate_job({**MINIMAL, "algorithm": {"proximal": "recompute"},
+                        "learner": {"epochs": 2, "prompts_per_step": 8, "num_ranks": 2, "mini_batches": 2}})
+    assert (job.learner.mini_batches, job.learner.epochs, job.algorithm.proximal_eps_high) == (2, 2, 0.2)
+    assert validate_job(MINIMAL).algorithm.proximal == "behaviour"  # one update against the behaviour policy
+
+
 def test_the_overlong_buffer_must_fit_in_a_response():
     errors = _errors({**MINIMAL, "algorithm": {"overlong_buffer_tokens": 65, "overlong_penalty": -1}})
     assert "more than the 64 tokens" in errors["algorithm.overlong_buffer_tokens"]
