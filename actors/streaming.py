@@ -21,9 +21,9 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from actors.generator import (GeneratedGroup, GenerationRequest, GeneratorSpec, chat_prompt_ids, engine_args,
-                              quiet_per_reload_logs)
-from actors.records import Completion, newest_version, oldest_version, version_spans
+from actors.generator import (GeneratedGroup, GenerationRequest, GeneratorSpec, ReportsLoads, chat_prompt_ids,
+                              completion_record, engine_args, quiet_per_reload_logs)
+from actors.records import newest_version, oldest_version
 from algorithms.errors import StableAsyncError
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ class IncompleteGroup(StableAsyncError, RuntimeError):
     """The engine ended a request with fewer responses than asked for (a bug, not a fault)."""
 
 
-class StreamingGenerator:
+class StreamingGenerator(ReportsLoads):
     """An AsyncLLM engine configured for its device by `engine_args`, sampling groups as they are sent."""
 
     def __init__(self, spec: GeneratorSpec, index: int = 0) -> None:
@@ -43,7 +43,6 @@ class StreamingGenerator:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.spec, self.index, self.version = spec, index, 0
-        self.unreported_loads, self.unreported_load_s = 0, 0.0
         self.incarnation = uuid.uuid4().hex
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(spec, index)))
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
@@ -56,13 +55,7 @@ class StreamingGenerator:
         all of them are done. Weights may change while they run: each response records its version spans."""
         start = time.perf_counter()
         groups = await asyncio.gather(*(self._group(r, samples, temperature) for r in requests))
-        generate_s = time.perf_counter() - start
-        for group in groups:
-            group.generate_s = generate_s
-            group.weight_loads, group.weight_load_s = self.unreported_loads, self.unreported_load_s
-        if groups:
-            self.unreported_loads, self.unreported_load_s = 0, 0.0
-        return list(groups)
+        return self._report(list(groups), time.perf_counter() - start)
 
     async def _group(self, request: GenerationRequest, samples: int | None,
                      temperature: float | None) -> GeneratedGroup:
@@ -84,14 +77,7 @@ class StreamingGenerator:
             finished.update((completion.index, completion) for completion in output.outputs if completion.finished())
         if len(finished) != params.n:
             raise IncompleteGroup(f"group {request.group_id}: vLLM returned {len(finished)} of {params.n} responses")
-        completions = []
-        for completion in (finished[index] for index in sorted(finished)):
-            ids = list(completion.token_ids)
-            steps: list[Any] = list(completion.logprobs or [])  # one {token: Logprob} per step (logprobs=0)
-            completions.append(Completion(
-                completion_ids=ids, behaviour_logprobs=[step[token].logprob for step, token in zip(steps, ids)],
-                text=completion.text, finish_reason=str(completion.finish_reason),
-                version_spans=version_spans(completion.weight_versions, len(ids), issued_version)))
+        completions = [completion_record(finished[index], issued_version) for index in sorted(finished)]
         return GeneratedGroup(request.group_id, request.problem_id, prompt_ids, completions,
                               version_start=oldest_version(completions, issued_version),
                               version_end=newest_version(completions, issued_version),
@@ -121,9 +107,11 @@ class StreamingGenerator:
             finally:
                 await self.engine.resume_generation()
             load_s = time.perf_counter() - start
-        self.unreported_loads += 1
-        self.unreported_load_s += load_s
-        return load_s
+        return self._count_load(load_s)
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        """Stop the engine core, on the event loop that runs the engine: vLLM closes the client's sockets
+        there. Called from anywhere else while that loop is not running, the close is only scheduled, never
+        runs, and the client's zmq context then blocks whoever garbage-collects it, for good (a test
+        process at exit, or the next test's `ray.init`)."""
         self.engine.shutdown()

@@ -12,11 +12,6 @@ from learner.weight_sync import PackedWeights
 
 pytest.importorskip("vllm")
 
-# Slow suite: in the CI run of 2026-11-26 the next test's ray.init in this pytest process waited about 10 minutes
-# after these tests (AsyncLLM's engine-core process and its multiprocessing resource tracker are the suspects;
-# not yet found). The streaming job tests run AsyncLLM inside Ray actors and stay in the default suite.
-pytestmark = pytest.mark.slow
-
 
 def _request(group_id: int, seed: int = 0):
     from actors.generator import GenerationRequest
@@ -64,7 +59,7 @@ def streaming(tiny_qwen2):
 
     generator = loop.run_until_complete(build())
     yield generator, loop
-    generator.shutdown()
+    loop.run_until_complete(generator.shutdown())
     loop.close()
 
 
