@@ -120,6 +120,38 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def completion_record(completion: Any, issued_version: int) -> Completion:
+    """One vLLM CompletionOutput (sampled with logprobs=0) as our record; a token vLLM labelled with no
+    version counts as `issued_version`, the generator's version when the request was sent."""
+    ids = list(completion.token_ids)
+    steps: list[Any] = list(completion.logprobs or [])  # one {token: Logprob} per step (logprobs=0)
+    return Completion(completion_ids=ids, behaviour_logprobs=[step[token].logprob for step, token in zip(steps, ids)],
+                      text=completion.text, finish_reason=str(completion.finish_reason),
+                      version_spans=version_spans(completion.weight_versions, len(ids), issued_version))
+
+
+class ReportsLoads:
+    """Weight loads a generator finished since its previous call, reported with that call's groups: the
+    timing travels with the result, since asking the actor later would queue behind its next call."""
+
+    unreported_loads: int = 0
+    unreported_load_s: float = 0.0
+
+    def _count_load(self, load_s: float) -> float:
+        self.unreported_loads += 1
+        self.unreported_load_s += load_s
+        return load_s
+
+    def _report(self, groups: list[GeneratedGroup], generate_s: float) -> list[GeneratedGroup]:
+        """The call's seconds and the loads not yet reported, on each of its groups."""
+        for group in groups:
+            group.generate_s = generate_s
+            group.weight_loads, group.weight_load_s = self.unreported_loads, self.unreported_load_s
+        if groups:
+            self.unreported_loads, self.unreported_load_s = 0, 0.0
+        return groups
+
+
 # vLLM logs from these on every in-place reload, i.e. once per step: at INFO the reload, its timing (our
 # perf/weight_load_s carries it) and the prefix-cache reset, and at WARNING that RotaryEmbedding "failed
 # to load weights" (its cos/sin cache is a buffer, not a weight; vLLM puts it back). Their other
@@ -142,7 +174,7 @@ def quiet_per_reload_logs() -> None:
             logger.addFilter(_is_not_per_reload_noise)
 
 
-class Generator:
+class Generator(ReportsLoads):
     """A vLLM engine, configured for its device by `engine_args`."""
 
     def __init__(self, spec: GeneratorSpec, index: int = 0) -> None:
@@ -153,7 +185,6 @@ class Generator:
         import actors.vllm_extension  # noqa: F401 - registers our weight-transfer engines (an in-process worker)
 
         self.spec, self.index, self.version = spec, index, 0
-        self.unreported_loads, self.unreported_load_s = 0, 0.0  # reported with the next call's groups
         self.incarnation = uuid.uuid4().hex  # a restarted actor gets a new one: the driver can tell
         self.llm = LLM(**engine_args(spec, index))
         self.tokenizer = self.llm.get_tokenizer()
@@ -184,23 +215,9 @@ class Generator:
             group = GeneratedGroup(request.group_id, request.problem_id, list(prompt["prompt_token_ids"]),
                                    version_start=version, version_end=self.version, generator_index=self.index,
                                    incarnation=self.incarnation)
-            for completion in output.outputs:
-                ids = list(completion.token_ids)
-                steps: list[Any] = list(completion.logprobs or [])  # one {token: Logprob} per step (logprobs=0)
-                logprobs = [step[token].logprob for step, token in zip(steps, ids)]
-                group.completions.append(Completion(
-                    completion_ids=ids, behaviour_logprobs=logprobs, text=completion.text,
-                    finish_reason=str(completion.finish_reason),
-                    version_spans=version_spans(completion.weight_versions, len(ids), version)))
+            group.completions.extend(completion_record(completion, version) for completion in output.outputs)
             groups.append(group)
-        # The timing travels with the result: asking the actor later would queue behind its next call.
-        generate_s = time.perf_counter() - start
-        for group in groups:
-            group.generate_s = generate_s
-            group.weight_loads, group.weight_load_s = self.unreported_loads, self.unreported_load_s
-        if groups:
-            self.unreported_loads, self.unreported_load_s = 0, 0.0
-        return groups
+        return self._report(groups, time.perf_counter() - start)
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)
@@ -230,10 +247,7 @@ class Generator:
         self.llm.finish_weight_update(str(version))
         self.llm.reset_prefix_cache()
         self.version = version
-        load_s = time.perf_counter() - start
-        self.unreported_loads += 1
-        self.unreported_load_s += load_s
-        return load_s
+        return self._count_load(time.perf_counter() - start)
 
     def process_id(self) -> int:
         """This generator's OS process (operators and fault tests kill it to check recovery)."""

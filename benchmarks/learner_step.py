@@ -1,4 +1,4 @@
-"""Learner step time and peak memory of `none`, `tis_seq` and VCPO's per-sample-norm paths.
+"""Learner step time and peak memory of `none`, `tis_seq`, VCPO's per-sample-norm paths and the decoupled objective.
 
     python -m benchmarks.learner_step [--sequences 64] [--tokens 512] [--rounds 3] [--job deploy/jobs/demo.yaml]
         [--budget 8192] [--configs tis_seq,vcpo-auto]
@@ -28,13 +28,17 @@ from typing import Any
 
 import torch
 
-CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "none": ("none", {}),
-    "tis_seq": ("tis_seq", {}),
-    "vcpo-loop": ("vcpo", {"opob_impl": "per_sample_loop"}),
-    "vcpo-ghost": ("vcpo", {"opob_impl": "ghost"}),
-    "vcpo-bookkeeping": ("vcpo", {"opob_impl": "bookkeeping"}),
-    "vcpo-auto": ("vcpo", {"opob_impl": "auto"}),  # the default
+# label -> (stabilizer, its config, LearnerSpec options)
+CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "none": ("none", {}, {}),
+    "tis_seq": ("tis_seq", {}, {}),
+    "vcpo-loop": ("vcpo", {"opob_impl": "per_sample_loop"}, {}),
+    "vcpo-ghost": ("vcpo", {"opob_impl": "ghost"}, {}),
+    "vcpo-bookkeeping": ("vcpo", {"opob_impl": "bookkeeping"}, {}),
+    "vcpo-auto": ("vcpo", {"opob_impl": "auto"}, {}),  # the default
+    # algorithm.proximal: recompute, with one update and with learner.mini_batches 2 x learner.epochs 2
+    "tis_seq-recompute": ("tis_seq", {}, {"proximal": "recompute"}),
+    "tis_seq-recompute-2x2": ("tis_seq", {}, {"proximal": "recompute", "mini_batches": 2, "epochs": 2}),
 }
 REFERENCE = "tis_seq"
 GROUP_SIZE = 8
@@ -66,13 +70,14 @@ def _batch(sequences: int, tokens: int, vocab: int):
     return collate(samples, 0)
 
 
-def _learner(model_path: str, name: str, config: dict[str, Any], port: int, budget: int | None):
+def _learner(model_path: str, name: str, config: dict[str, Any], options: dict[str, Any], port: int,
+             budget: int | None):
     from algorithms import registry
     from learner.rank import LearnerRank, LearnerSpec
 
     spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=1e-6, stabilizer_name=name,
                        stabilizer_config=registry.build(name, **config).config, loss_aggregation="seq-mean-token-mean",
-                       max_tokens_per_micro_batch=budget)
+                       max_tokens_per_micro_batch=budget, **options)
     return LearnerRank(spec, 0, 1, "127.0.0.1", port)
 
 
@@ -105,8 +110,8 @@ def _peak_growth(step) -> int:
 
 def _configuration_child(args: argparse.Namespace, label: str) -> None:
     """One configuration in this process: warm-up, timed steps, then the peak-memory step; one JSON line."""
-    name, config = CONFIGS[label]
-    learner = _learner(args.model_path, name, config, args.port, args.budget)
+    name, config, options = CONFIGS[label]
+    learner = _learner(args.model_path, name, config, options, args.port, args.budget)
     batch = _batch(args.sequences, args.tokens, args.vocab)
     metrics = learner.train_step(batch)  # warm-up: optimizer state and allocator pools exist before measuring
     times = []

@@ -67,7 +67,7 @@ def test_streaming_benchmark_trains_both_generators_and_prints_their_rows(tmp_pa
 
 
 def test_learner_step_times_every_configuration(tmp_path):
-    out = _command(["benchmarks.learner_step", "--sequences", "8", "--tokens", "32", "--rounds", "1"], tmp_path)
+    out = _command(["benchmarks.learner_step", "--sequences", "16", "--tokens", "32", "--rounds", "1"], tmp_path)
     from benchmarks.learner_step import CONFIGS
 
     for label in CONFIGS:
