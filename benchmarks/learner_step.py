@@ -181,12 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model {model_path}; {args.sequences} sequences x {args.tokens} tokens, micro-batches of {args.budget} "
           f"tokens; ZeRO-2, 1 rank, {args.threads} torch thread(s); {args.rounds} timed steps per configuration, "
           "each configuration in its own process")
-    print(f"{'configuration':<18} {'step s (min)':>12} {'x tis_seq':>10} {'median x':>9} {'peak MiB':>9}"
+    print(f"{'configuration':<22} {'step s (min)':>12} {'x tis_seq':>10} {'median x':>9} {'peak MiB':>9}"
           f" {'x tis_seq':>10} {'book-kept':>9}")
     for label, result in results.items():
         best, median = min(result["times"]), statistics.median(result["times"])
         share = result["bookkeeping_share"]
-        print(f"{label:<18} {best:>12.3f} {best / min(reference['times']):>10.2f} "
+        print(f"{label:<22} {best:>12.3f} {best / min(reference['times']):>10.2f} "
               f"{median / statistics.median(reference['times']):>9.2f} {result['peak_bytes'] / 2**20:>9.0f} "
               f"{result['peak_bytes'] / reference['peak_bytes']:>10.2f} {'-' if share is None else f'{share:.2f}':>9}")
 

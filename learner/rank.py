@@ -25,6 +25,7 @@ from algorithms.advantages import ADVANTAGES, group_mean_advantages
 from algorithms.aggregation import loss_denominator, policy_loss
 from algorithms.batch import PolicyBatch, TokenWeights
 from algorithms.diagnostics import chi2_seq, ess_ratio, health_metrics
+from algorithms.errors import StableAsyncError
 from algorithms.proximal import trust_region_weights
 from learner import micro_batches
 from learner.batch import TrainBatch, sequence_logprob_grad, token_entropy, token_logprobs
@@ -866,7 +867,7 @@ class LearnerRank:
         return torch.cat([g[: int(s.item())] for g, s in zip(gathered, sizes)])
 
 
-class _NonFiniteUpdate(Exception):
+class _NonFiniteUpdate(StableAsyncError, ArithmeticError):
     """A decoupled update's loss was not finite on some rank (every rank raises it at the same micro-batch)."""
 
     def __init__(self, micro_batch: int) -> None:
