@@ -10,6 +10,8 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -104,11 +106,13 @@ class GeneratedGroup:
     version_end: int = 0
     generator_index: int = 0
     incarnation: str = ""  # changes when the generator's process is restarted
-    generate_s: float = 0.0  # seconds of the generate call that produced it (shared by the call's groups)
-    # weight loads the generator finished since its previous call, and their seconds (shared likewise):
-    # they take the engine between calls, so a step's generation phase is generate_s plus these
+    # What the generator did since its previous report, on every group of the call that reports it: the
+    # seconds in which it had at least one generate call running (calls that overlap count once), the weight
+    # loads it finished and their seconds, and the seconds in which it had a call or a load running.
+    generate_s: float = 0.0
     weight_loads: int = 0
     weight_load_s: float = 0.0
+    busy_s: float = 0.0
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -118,6 +122,15 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
     """
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def weight_group_info(spec: GeneratorSpec, host: str, port: int, rank_offset: int, world_size: int) -> dict[str, Any]:
+    """The init_info by which a generator's engine workers join learner rank 0's weight group (nccl or
+    stableasync_gloo), as ranks rank_offset .. rank_offset + tensor_parallel_size - 1."""
+    info = {"master_address": host, "master_port": port, "rank_offset": rank_offset, "world_size": world_size}
+    if spec.weight_transfer == "nccl":
+        info["packed"] = True  # learner rank 0 sends packed buckets of vLLM's default size
+    return info
 
 
 def completion_record(completion: Any, issued_version: int) -> Completion:
@@ -130,25 +143,67 @@ def completion_record(completion: Any, issued_version: int) -> Completion:
                       version_spans=version_spans(completion.weight_versions, len(ids), issued_version))
 
 
-class ReportsLoads:
-    """Weight loads a generator finished since its previous call, reported with that call's groups: the
-    timing travels with the result, since asking the actor later would queue behind its next call."""
+def clock() -> float:
+    """Seconds on the monotonic clock the timings below read (a test steps it by hand)."""
+    return time.perf_counter()
 
-    unreported_loads: int = 0
-    unreported_load_s: float = 0.0
 
-    def _count_load(self, load_s: float) -> float:
+class ActiveTime:
+    """Seconds in which at least one of some overlapping activities ran: the union of their intervals, not
+    the sum of their durations (a streaming generator runs several calls at once)."""
+
+    def __init__(self) -> None:
+        self.running, self.since, self.unreported_s = 0, 0.0, 0.0
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        if not self.running:
+            self.since = clock()
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            if not self.running:
+                self.unreported_s += clock() - self.since
+
+    def take(self) -> float:
+        """The seconds not yet taken, up to now (an activity still running counts up to now)."""
+        if self.running:
+            now = clock()
+            self.unreported_s += now - self.since
+            self.since = now
+        taken, self.unreported_s = self.unreported_s, 0.0
+        return taken
+
+
+class ReportsTimings:
+    """What a generator did since its previous report, reported with a call's groups: the timing travels with
+    the result, since asking the actor later would queue behind its next call."""
+
+    def __init__(self) -> None:
+        self.sampling, self.busy = ActiveTime(), ActiveTime()  # calls; calls and weight loads
+        self.unreported_loads, self.unreported_load_s = 0, 0.0
+
+    @contextmanager
+    def loading(self) -> Iterator[None]:
+        """Around one weight load: its seconds are counted when it ends."""
+        start = clock()
+        with self.busy.active():
+            yield
         self.unreported_loads += 1
-        self.unreported_load_s += load_s
-        return load_s
+        self.unreported_load_s += clock() - start
 
-    def _report(self, groups: list[GeneratedGroup], generate_s: float) -> list[GeneratedGroup]:
-        """The call's seconds and the loads not yet reported, on each of its groups."""
+    def _report(self, groups: list[GeneratedGroup]) -> list[GeneratedGroup]:
+        """The timings not yet reported, on each of a call's groups (inside the call's `sampling` and `busy`);
+        a call without groups leaves them for the next."""
+        if not groups:
+            return groups
+        generate_s, busy_s = self.sampling.take(), self.busy.take()
         for group in groups:
-            group.generate_s = generate_s
+            group.generate_s, group.busy_s = generate_s, busy_s
             group.weight_loads, group.weight_load_s = self.unreported_loads, self.unreported_load_s
-        if groups:
-            self.unreported_loads, self.unreported_load_s = 0, 0.0
+        self.unreported_loads, self.unreported_load_s = 0, 0.0
         return groups
 
 
@@ -174,7 +229,7 @@ def quiet_per_reload_logs() -> None:
             logger.addFilter(_is_not_per_reload_noise)
 
 
-class Generator(ReportsLoads):
+class Generator(ReportsTimings):
     """A vLLM engine, configured for its device by `engine_args`."""
 
     def __init__(self, spec: GeneratorSpec, index: int = 0) -> None:
@@ -184,6 +239,7 @@ class Generator(ReportsLoads):
 
         import actors.vllm_extension  # noqa: F401 - registers our weight-transfer engines (an in-process worker)
 
+        super().__init__()
         self.spec, self.index, self.version = spec, index, 0
         self.incarnation = uuid.uuid4().hex  # a restarted actor gets a new one: the driver can tell
         self.llm = LLM(**engine_args(spec, index))
@@ -196,10 +252,15 @@ class Generator(ReportsLoads):
 
         `samples` and `temperature` override the spec's for one call (evaluation: 1 greedy answer each).
         """
+        with self.sampling.active(), self.busy.active():
+            return self._generate(requests, samples, temperature)
+
+    def _generate(self, requests: list[GenerationRequest], samples: int | None,
+                  temperature: float | None) -> list[GeneratedGroup]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        start, version = time.perf_counter(), self.version
+        version = self.version
         prompts = [TokensPrompt(prompt_token_ids=self.prompt_ids(r.messages)) for r in requests]
         params = [
             SamplingParams(
@@ -217,7 +278,7 @@ class Generator(ReportsLoads):
                                    incarnation=self.incarnation)
             group.completions.extend(completion_record(completion, version) for completion in output.outputs)
             groups.append(group)
-        return self._report(groups, time.perf_counter() - start)
+        return self._report(groups)
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)
@@ -229,10 +290,8 @@ class Generator(ReportsLoads):
     def join_weight_transfer(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
         """Join learner rank 0's weight group (nccl or stableasync_gloo): this engine's workers take ranks
         rank_offset .. rank_offset + tensor_parallel_size - 1. Learner rank 0 joins at the same time."""
-        info = {"master_address": host, "master_port": port, "rank_offset": rank_offset, "world_size": world_size}
-        if self.spec.weight_transfer == "nccl":
-            info["packed"] = True  # learner rank 0 sends packed buckets of vLLM's default size
-        self.llm.init_weight_transfer_engine({"init_info": info})
+        self.llm.init_weight_transfer_engine({"init_info": weight_group_info(self.spec, host, port, rank_offset,
+                                                                             world_size)})
 
     def receive_weights(self, update_info: dict[str, Any], version: int) -> float:
         """Receive the broadcast that learner rank 0 sends at the same time; seconds taken."""
@@ -242,12 +301,13 @@ class Generator(ReportsLoads):
         """One update through vLLM's weight-transfer lifecycle (each layer processed as it completes), then
         the prefix cache dropped: its blocks were computed with the old weights."""
         start = time.perf_counter()
-        self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": update_info})
-        self.llm.finish_weight_update(str(version))
-        self.llm.reset_prefix_cache()
-        self.version = version
-        return self._count_load(time.perf_counter() - start)
+        with self.loading():
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": update_info})
+            self.llm.finish_weight_update(str(version))
+            self.llm.reset_prefix_cache()
+            self.version = version
+        return time.perf_counter() - start
 
     def process_id(self) -> int:
         """This generator's OS process (operators and fault tests kill it to check recovery)."""

@@ -21,8 +21,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from actors.generator import (GeneratedGroup, GenerationRequest, GeneratorSpec, ReportsLoads, chat_prompt_ids,
-                              completion_record, engine_args, quiet_per_reload_logs)
+from actors.generator import (GeneratedGroup, GenerationRequest, GeneratorSpec, ReportsTimings, chat_prompt_ids,
+                              completion_record, engine_args, quiet_per_reload_logs, weight_group_info)
 from actors.records import newest_version, oldest_version
 from algorithms.errors import StableAsyncError
 
@@ -34,7 +34,7 @@ class IncompleteGroup(StableAsyncError, RuntimeError):
     """The engine ended a request with fewer responses than asked for (a bug, not a fault)."""
 
 
-class StreamingGenerator(ReportsLoads):
+class StreamingGenerator(ReportsTimings):
     """An AsyncLLM engine configured for its device by `engine_args`, sampling groups as they are sent."""
 
     def __init__(self, spec: GeneratorSpec, index: int = 0) -> None:
@@ -42,20 +42,21 @@ class StreamingGenerator(ReportsLoads):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        super().__init__()
         self.spec, self.index, self.version = spec, index, 0
         self.incarnation = uuid.uuid4().hex
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(spec, index)))
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
-        self.loading = asyncio.Lock()  # one weight update at a time
+        self.one_load_at_a_time = asyncio.Lock()
         quiet_per_reload_logs()
 
     async def generate(self, requests: list[GenerationRequest], samples: int | None = None,
                        temperature: float | None = None) -> list[GeneratedGroup]:
         """Sample every request's group concurrently with whatever else the engine is sampling; returns when
         all of them are done. Weights may change while they run: each response records its version spans."""
-        start = time.perf_counter()
-        groups = await asyncio.gather(*(self._group(r, samples, temperature) for r in requests))
-        return self._report(list(groups), time.perf_counter() - start)
+        with self.sampling.active(), self.busy.active():
+            groups = await asyncio.gather(*(self._group(r, samples, temperature) for r in requests))
+            return self._report(list(groups))
 
     async def _group(self, request: GenerationRequest, samples: int | None,
                      temperature: float | None) -> GeneratedGroup:
@@ -90,24 +91,37 @@ class StreamingGenerator(ReportsLoads):
         update_info = weights.update_info()
         return await self._load({**update_info, "data": memoryview(update_info["data"].numpy())}, version)
 
+    async def join_weight_transfer(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join learner rank 0's weight group (nccl or stableasync_gloo) from the engine-core process; learner
+        rank 0 joins at the same time."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        info = weight_group_info(self.spec, host, port, rank_offset, world_size)
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+    async def receive_weights(self, update_info: dict[str, Any], version: int) -> float:
+        """Receive the broadcast that learner rank 0 sends at the same time, between engine steps, with the
+        requests in flight kept; seconds taken."""
+        return await self._load(update_info, version)
+
     async def _load(self, update_info: dict[str, Any], version: int) -> float:
         """Pause with the requests in flight kept, load through vLLM's weight-transfer lifecycle, label the
         next tokens with `version`, recompute the kept requests' KV with the new weights, resume."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        async with self.loading:
+        async with self.one_load_at_a_time:
             start = time.perf_counter()
-            await self.engine.pause_generation(mode="keep", clear_cache=False)
-            try:
-                await self.engine.start_weight_update()
-                await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-                await self.engine.finish_weight_update(str(version))
-                await self.engine.reset_prefix_cache(reset_running_requests=True)
-                self.version = version
-            finally:
-                await self.engine.resume_generation()
-            load_s = time.perf_counter() - start
-        return self._count_load(load_s)
+            with self.loading():
+                await self.engine.pause_generation(mode="keep", clear_cache=False)
+                try:
+                    await self.engine.start_weight_update()
+                    await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+                    await self.engine.finish_weight_update(str(version))
+                    await self.engine.reset_prefix_cache(reset_running_requests=True)
+                    self.version = version
+                finally:
+                    await self.engine.resume_generation()
+            return time.perf_counter() - start
 
     async def shutdown(self) -> None:
         """Stop the engine core, on the event loop that runs the engine: vLLM closes the client's sockets

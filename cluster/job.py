@@ -487,10 +487,6 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
             f"{generator.gpus_per_generator:g} GPUs for an engine of tensor_parallel_size 1 would leave all but one "
             "idle; set tensor_parallel_size to use them, or run more generators",
         ))
-    if generator.streaming and job.async_.weight_sync != "object_store":
-        errors.append(JobError("async.weight_sync", f"{job.async_.weight_sync} is not available with "
-                               "generator.streaming yet: a collective publish waits for every generator's calls "
-                               "to end, which a streaming generator's never all do; use object_store"))
     if job.async_.weight_sync == "nccl" and (generator.gpus_per_generator == 0 or learner.gpus_per_rank == 0):
         errors.append(JobError("async.weight_sync",
                                "nccl needs GPUs on generators and learner ranks; use object_store"))

@@ -75,10 +75,10 @@ class GenerationTotals:
     """What the generators reported with their calls, over the run and since the last step row."""
 
     tokens: int = 0  # over every generate call of this run
-    generate_s: float = 0.0  # summed over generators
+    generate_s: float = 0.0  # seconds with a call running, summed over generators
     weight_loads: int = 0  # generators' own weight loads
     weight_load_s: float = 0.0
-    busy_s_since_step: float = 0.0  # generate calls and weight loads reported since the last step row
+    busy_s_since_step: float = 0.0  # seconds with a call or a weight load running, reported since the last step row
 
     def add(self, groups: list[GeneratedGroup]) -> None:
         """A call's groups carry the call's own timing in the first one."""
@@ -87,7 +87,7 @@ class GenerationTotals:
         self.generate_s += groups[0].generate_s
         self.weight_loads += groups[0].weight_loads
         self.weight_load_s += groups[0].weight_load_s
-        self.busy_s_since_step += groups[0].generate_s + groups[0].weight_load_s
+        self.busy_s_since_step += groups[0].busy_s
         self.tokens += sum(len(c["completion_ids"]) for g in groups for c in g.completions)
 
 

@@ -197,8 +197,10 @@ class CollectivePublisher:
     stableasync_gloo engine (the same ranks and call order) on CPU.
 
     Rank 0 hosts the group on its own node; generator i's tensor-parallel workers take the ranks after
-    those of generators 0..i-1. A broadcast starts only once every generator has ended the calls it was
-    given, so no rank waits inside a collective (and its timeout) behind a long generate call.
+    those of generators 0..i-1. A broadcast starts only once every generator is ready to receive it, so no
+    rank waits inside a collective (and its timeout) behind a long generate call: a request-batch generator
+    once the calls it was given have ended (Ray runs its calls in order), a streaming one at once (it pauses
+    its requests in flight for the broadcast).
     """
 
     def __init__(self, learners: LearnerGroup, generators: dict[int, Any], backend: str, dtype: str,

@@ -89,7 +89,8 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     assert 0 < rl_steps[-1]["perf/weight_load_s"] <= summary["weight_load_s"]  # the mean of one load so far
     # synchronous: each step's own call (and the load before it) is reported in that step's row
     busy = [m["time/generator_busy_s"] for m in rl_steps]
-    assert min(busy) > 0 and sum(busy) == pytest.approx(summary["generate_s"] + summary["weight_load_s"])
+    # a generator's busy, sampling and load timers each read the clock on their own, microseconds apart
+    assert min(busy) > 0 and sum(busy) == pytest.approx(summary["generate_s"] + summary["weight_load_s"], abs=0.01)
     _assert_the_trained_model_is_saved(result, summary)
     _assert_rollout_samples_are_rank_zeros_groups(result.run_dir, trained)
     # evaluated before training and at steps 2 and 4, on the weights just published: 5 greedy answers, scored.
@@ -167,13 +168,18 @@ def test_a_streaming_generator_runs_calls_side_by_side_and_takes_weights_while_t
     assert all(len(r["async/token_lag"]) <= 2 and sum(r["async/token_lag"]) > 0 for r in steps)  # lags 0 and 1
 
 
-def test_collective_weight_sync_path(local_ray, tmp_path):
-    """The NCCL publisher's code path, over gloo: learner rank 0 broadcasts to the generator."""
-    result = _run(tmp_path, max_lag=1, steps=3, **{"async": {"max_lag": 1, "weight_sync": "gloo"}})
+@pytest.mark.parametrize("streaming", [False, True])
+def test_collective_weight_sync_path(local_ray, tmp_path, streaming):
+    """The NCCL publisher's code path, over gloo: learner rank 0 broadcasts to the generator, a streaming one
+    receiving in its engine-core process beside its calls in flight."""
+    generator = {"streaming": True, "requests_in_flight": 2, "prompts_per_request": 1} if streaming else {}
+    result = _run(tmp_path, max_lag=1, steps=3, generator=generator,
+                  **{"async": {"max_lag": 1, "weight_sync": "gloo"}})
     trained = _trained(result.run_dir)
     assert len(trained) == 3 * 2 and max(r["lag"] for r in trained) <= 1
     # the generator tags samples with the version it received over the broadcast
     assert max(r["trained_step"] - r["lag"] for r in trained) >= 1
+    _assert_each_group_ends_once(result.run_dir, steps=3)
 
 
 def test_vcpo_job_with_the_off_policy_baseline(local_ray, tmp_path, monkeypatch):
