@@ -554,6 +554,29 @@ def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, 
     assert json.loads((run_dir / "checkpoints" / "step-000004" / "driver.json").read_text())["version"] == 4
 
 
+@pytest.mark.slow  # about 70 s: a 4-step run and its resume
+def test_a_streaming_run_resumes_from_a_checkpoint_with_every_group_once(local_ray, tmp_path):
+    """A streaming run's checkpoint at step 2 holds its buffered groups with their version spans and the groups
+    in flight; resumed from it (step 4's damaged), every step's groups are trained once and each trained step
+    logs its tokens' lags again."""
+    job = _job(tmp_path, max_lag=2, steps=4, logging={"run_name": "streaming-resumed"},
+               checkpoint={"every_steps": 2},
+               generator={"streaming": True, "requests_in_flight": 2, "prompts_per_request": 1})
+    run_dir = tmp_path / "runs" / "streaming-resumed"
+    from cluster.run.driver import train
+
+    train(validate_job(job))
+    (run_dir / "checkpoints" / "step-000004" / "driver.json").write_text('{"version": 4, "trunc')
+    state = json.loads((run_dir / "checkpoints" / "step-000002" / "driver.json").read_text())
+    assert all(c["version_spans"] for group in state["ready"] for c in group["completions"])
+    assert cli_main(["train", "--resume", str(run_dir)]) == 0
+    _assert_each_group_ends_once(run_dir, steps=4)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["train/step"] > 0 and "async/token_lag" in r]
+    assert [r["train/step"] for r in steps] == [1, 2, 3, 4]
+    assert all(len(r["async/token_lag"]) <= 3 and sum(r["async/token_lag"]) > 0 for r in steps)  # lags 0 to 2
+
+
 @pytest.mark.slow  # 60 s: a 2-step run and its resume
 def test_a_checkpoint_whose_rank_1_shard_is_damaged_resumes_both_ranks_from_the_older_one(local_ray, tmp_path,
                                                                                          caplog):

@@ -152,19 +152,23 @@ def test_restore_takes_the_newest_checkpoint_that_loads_but_stops_at_a_fatal_err
 
 
 def test_the_driver_state_reads_back_what_it_wrote_and_names_what_an_old_or_damaged_one_lacks():
-    """driver.json round-trips through JSON as typed records; a checkpoint from before samples were logged
-    still reads (nothing to cut); one that lacks a key every checkpoint has is refused naming the key."""
+    """driver.json round-trips through JSON as typed records (a buffered group's version spans too); a
+    checkpoint from before samples were logged still reads (nothing to cut); one that lacks a key every
+    checkpoint has is refused naming the key."""
     import json
     import random
 
     from actors.buffer import ScoredGroup
     from actors.generator import GenerationRequest
+    from cluster.run.loop import version_mix
     from cluster.run.state import InFlight, UnreadableState
     from tasks.base import Problem
 
     rng = random.Random(3)
     rng.random()
-    group = ScoredGroup(4, "p4", [1, 2], [{"reward": 1.0}], 2, 2, 0, "1+1?", "2")
+    # a streaming generator's response: tokens 0-2 sampled by version 2, tokens 3-4 by version 3
+    response = {"reward": 1.0, "completion_ids": [7] * 5, "version_spans": [[2, 0, 3], [3, 3, 5]]}
+    group = ScoredGroup(4, "p4", [1, 2], [response], 2, 3, 0, "1+1?", "2")
     in_flight = InFlight(GenerationRequest(5, "p5", [{"role": "user", "content": "2+2?"}], 11),
                          Problem("p5", "2+2?", "4"))
     state = DriverState(version=3, next_group_id=6, problems_drawn=6, rng=DriverState.rng_state(rng), ready=[group],
@@ -172,6 +176,8 @@ def test_the_driver_state_reads_back_what_it_wrote_and_names_what_an_old_or_dama
                         samples_lines=2, evaluating=[3])
     back = DriverState.from_json(json.loads(json.dumps(state.to_json())))
     assert back == state
+    # the resumed step counts each token's lag from the version that sampled it
+    assert version_mix(back.ready, 4) == {"async/token_lag": [0, 2, 3], "async/mixed_version_share": 1.0}
     again = random.Random()
     back.restore_rng(again)
     assert again.random() == rng.random()
