@@ -63,7 +63,8 @@ class LedgerEntry:
     generator_index: int
     status: Literal["issued", "scored", "trained", "dropped"] = "issued"
     trained_step: int | None = None
-    lag: int | None = None
+    lag: int | None = None  # trained_step minus the oldest sampled version
+    sampled_versions: list[int] | None = None  # [oldest, newest] policy version that sampled the group's tokens
     reason: str | None = None
     score_errors: int = 0
     reissues: int = 0
@@ -110,8 +111,8 @@ class Ledger:
     def scored(self, group_id: int, score_errors: int = 0) -> None:
         self._move(group_id, "scored", ("issued",), score_errors=score_errors)
 
-    def trained(self, group_id: int, step: int, lag: int) -> None:
-        self._move(group_id, "trained", ("scored",), trained_step=step, lag=lag)
+    def trained(self, group_id: int, step: int, lag: int, sampled_versions: list[int] | None = None) -> None:
+        self._move(group_id, "trained", ("scored",), trained_step=step, lag=lag, sampled_versions=sampled_versions)
 
     def dropped(self, group_id: int, reason: str) -> None:
         self._move(group_id, "dropped", ("issued", "scored"), reason=reason)
@@ -272,4 +273,5 @@ class RolloutBuffer:
     def mark_trained(self, groups: list[ScoredGroup], step_version: int) -> None:
         """`step_version`: the learner version the step trained at (its groups' lag is measured there)."""
         for group in groups:
-            self.ledger.trained(group.group_id, step_version, step_version - group.version_start)
+            self.ledger.trained(group.group_id, step_version, step_version - group.version_start,
+                                [group.version_start, group.version_end])

@@ -160,6 +160,10 @@ def test_a_streaming_generator_runs_calls_side_by_side_and_takes_weights_while_t
     trained = _trained(result.run_dir)
     assert len(trained) == 4 * 2 and max(r["lag"] for r in trained) <= 1
     assert max(r["trained_step"] - r["lag"] for r in trained) >= 2  # sampled with the weights of step 2 or later
+    # the ledger names the oldest and newest version that sampled each group; the lag counts from the oldest
+    for row in trained:
+        oldest, newest = row["sampled_versions"]
+        assert row["lag"] == row["trained_step"] - oldest and oldest <= newest <= row["trained_step"], row
     _assert_each_group_ends_once(result.run_dir, steps=4)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["train/step"] > 0 and "async/token_lag" in r]
