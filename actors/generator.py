@@ -212,13 +212,19 @@ class ReportsTimings:
 # to load weights" (its cos/sin cache is a buffer, not a weight; vLLM puts it back). Their other
 # warnings and errors still pass.
 _PER_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace", "vllm.v1.core.block_pool",
-                       "vllm.model_executor.model_loader.reload.layerwise")
+                       "vllm.model_executor.model_loader.reload.layerwise",
+                       "vllm.v1.core.sched.scheduler")  # a streaming engine's pause and resume around each load
 
 
 def _is_not_per_reload_noise(record: logging.LogRecord) -> bool:
     if record.levelno < logging.WARNING:
         return False
     return not (record.levelno == logging.WARNING and record.getMessage() == "RotaryEmbedding: Failed to load weights")
+
+
+def quieted_loggers() -> list[str]:
+    """The per-reload loggers that drop their noise in this process."""
+    return [name for name in _PER_RELOAD_LOGGERS if _is_not_per_reload_noise in logging.getLogger(name).filters]
 
 
 def quiet_per_reload_logs() -> None:

@@ -10,11 +10,13 @@ Every generator loads new weights through vLLM's own weight-transfer lifecycle (
   nccl path on CPU, so that CPU tests exercise the collective path end to end.
 
 vLLM imports this module into each worker by dotted path (`worker_extension_cls`) before it loads the
-model and creates the engine, so importing it registers the engines in every worker process.
+model and creates the engine, so importing it registers the engines in every worker process, and keeps
+vLLM's per-reload log lines quiet there: a streaming generator's engine core is a process of its own.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from actors.generator import quiet_per_reload_logs, quieted_loggers
 
 PACKED_BACKEND = "stableasync_packed"
 GLOO_BACKEND = "stableasync_gloo"
@@ -150,7 +154,12 @@ def register_engines() -> None:
 
 
 register_engines()
+quiet_per_reload_logs()
 
 
 class WeightUpdateExtension:
     """Mixed into the vLLM worker; importing it is what registers the engines above in the worker."""
+
+    def quieted_loggers(self) -> tuple[int, list[str]]:
+        """This worker's process and its quieted per-reload loggers (a test asks through collective_rpc)."""
+        return os.getpid(), quieted_loggers()

@@ -74,10 +74,11 @@ def test_a_weight_update_lands_while_a_long_response_is_in_flight(streaming, tin
         await generator.update_weights(PackedWeights.pack(_weights(tiny_qwen2)), version=1)
         long = _never_ending(tiny_qwen2)
         await generator.update_weights(PackedWeights.pack(long), version=2)
+        own = PackedWeights.pack(_weights(tiny_qwen2))  # packed before the request: the update lands early in it
         running = asyncio.ensure_future(generator.generate([_request(0)]))
         await _until_tokens_are_sampled(generator)  # some tokens sampled with version 2
         assert not running.done(), "the response finished before the update could land in it"
-        load_s = await generator.update_weights(PackedWeights.pack(_weights(tiny_qwen2)), version=3)
+        load_s = await generator.update_weights(own, version=3)
         groups = await running
         return groups, load_s
 
@@ -87,7 +88,9 @@ def test_a_weight_update_lands_while_a_long_response_is_in_flight(streaming, tin
     for completion in group.completions:  # the tokens after the update were sampled by the new weights:
         (_, start, update), (_, _, end) = completion["version_spans"]  # sharp before, the model's own after
         logprobs = completion["behaviour_logprobs"]
-        assert statistics.fmean(logprobs[start:update]) > -1.0 > -2.0 > statistics.fmean(logprobs[update:end])
+        # (the head may be only a token or two, the first drawn from a flatter distribution: compared, not fixed)
+        before, after = statistics.fmean(logprobs[start:update]), statistics.fmean(logprobs[update:end])
+        assert after < -2.0 and before > after + 2.0, (logprobs[start:update], after)
     for completion in group.completions:
         spans = completion["version_spans"]
         assert [span[0] for span in spans] == [2, 3], spans  # sampled by version 2, finished by version 3
@@ -95,6 +98,19 @@ def test_a_weight_update_lands_while_a_long_response_is_in_flight(streaming, tin
         assert all(a[2] == b[1] for a, b in zip(spans, spans[1:]))  # contiguous, every token labelled once
         assert len(completion["behaviour_logprobs"]) == len(completion["completion_ids"])
     assert (group.version_start, group.version_end) == (2, 3)  # lag counts from the oldest token
+
+
+def test_the_engine_core_process_keeps_vllms_per_load_lines_quiet(streaming):
+    """Each load logs four lines in the engine core (pause, resume, the prefix-cache reset, the rotary cache that
+    "failed to load"): at one load per step they flood the driver's console. The engine core is a process of
+    its own, so the filters must be installed there, not only in the actor's."""
+    import os
+
+    from actors.generator import _PER_RELOAD_LOGGERS
+
+    generator, loop = streaming
+    [(pid, quieted)] = loop.run_until_complete(generator.engine.collective_rpc("quieted_loggers"))
+    assert pid != os.getpid() and quieted == list(_PER_RELOAD_LOGGERS)
 
 
 def test_groups_are_sampled_concurrently_and_each_returns_when_its_own_responses_are_done(streaming, tiny_qwen2):
