@@ -66,11 +66,17 @@ def test_streaming_benchmark_trains_both_generators_and_prints_their_rows(tmp_pa
                      re.MULTILINE), out
 
 
-def test_learner_step_times_every_configuration(tmp_path):
-    out = _command(["benchmarks.learner_step", "--sequences", "16", "--tokens", "32", "--rounds", "1"], tmp_path)
+# one configuration of each kind by default (plain, VCPO's norms, the decoupled objective: each child process
+# costs seconds of DeepSpeed start); every configuration with -m slow
+@pytest.mark.parametrize("labels", [("tis_seq", "vcpo-auto", "tis_seq-recompute-2x2"),
+                                    pytest.param(None, marks=pytest.mark.slow)])
+def test_learner_step_times_its_configurations(tmp_path, labels):
     from benchmarks.learner_step import CONFIGS
 
-    for label in CONFIGS:
+    chosen = ["--configs", ",".join(labels)] if labels else []
+    out = _command(["benchmarks.learner_step", "--sequences", "16", "--tokens", "32", "--rounds", "1", *chosen],
+                   tmp_path)
+    for label in labels or CONFIGS:
         found = re.search(rf"^{re.escape(label)}\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s+(\d+)\s+({NUMBER})\s+"
                           rf"(-|{NUMBER})$", out, re.MULTILINE)
         assert found, out

@@ -172,7 +172,7 @@ def test_a_streaming_generator_runs_calls_side_by_side_and_takes_weights_while_t
     assert all(len(r["async/token_lag"]) <= 2 and sum(r["async/token_lag"]) > 0 for r in steps)  # lags 0 and 1
 
 
-@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("streaming", [False, pytest.param(True, marks=pytest.mark.slow)])  # 35 s more
 def test_collective_weight_sync_path(local_ray, tmp_path, streaming):
     """The NCCL publisher's code path, over gloo: learner rank 0 broadcasts to the generator, a streaming one
     receiving in its engine-core process beside its calls in flight."""

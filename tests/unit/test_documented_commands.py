@@ -75,7 +75,7 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     "benchmarks.learner_memory": (
         "tests/integration/test_benchmarks.py::test_learner_memory_measures_each_batch_size_in_its_own_process",
     ),
-    "benchmarks.learner_step": ("tests/integration/test_benchmarks.py::test_learner_step_times_every_configuration",),
+    "benchmarks.learner_step": ("tests/integration/test_benchmarks.py::test_learner_step_times_its_configurations",),
     "benchmarks.generation": ("tests/integration/test_benchmarks.py::test_generation_compares_vllm_with_transformers",),
     "benchmarks.streaming": (
         "tests/integration/test_benchmarks.py::test_streaming_benchmark_trains_both_generators_and_prints_their_rows",),
