@@ -184,15 +184,23 @@ class ReportsTimings:
     def __init__(self) -> None:
         self.sampling, self.busy = ActiveTime(), ActiveTime()  # calls; calls and weight loads
         self.unreported_loads, self.unreported_load_s = 0, 0.0
+        self.last_load_s = 0.0
+
+    @contextmanager
+    def calling(self) -> Iterator[None]:
+        """Around one generate call."""
+        with self.sampling.active(), self.busy.active():
+            yield
 
     @contextmanager
     def loading(self) -> Iterator[None]:
-        """Around one weight load: its seconds are counted when it ends."""
+        """Around one weight load: its seconds are counted, and kept in `last_load_s`, when it ends."""
         start = clock()
         with self.busy.active():
             yield
+        self.last_load_s = clock() - start
         self.unreported_loads += 1
-        self.unreported_load_s += clock() - start
+        self.unreported_load_s += self.last_load_s
 
     def _report(self, groups: list[GeneratedGroup]) -> list[GeneratedGroup]:
         """The timings not yet reported, on each of a call's groups (inside the call's `sampling` and `busy`);
@@ -258,7 +266,7 @@ class Generator(ReportsTimings):
 
         `samples` and `temperature` override the spec's for one call (evaluation: 1 greedy answer each).
         """
-        with self.sampling.active(), self.busy.active():
+        with self.calling():
             return self._generate(requests, samples, temperature)
 
     def _generate(self, requests: list[GenerationRequest], samples: int | None,
@@ -306,14 +314,13 @@ class Generator(ReportsTimings):
     def _load(self, update_info: dict[str, Any], version: int) -> float:
         """One update through vLLM's weight-transfer lifecycle (each layer processed as it completes), then
         the prefix cache dropped: its blocks were computed with the old weights."""
-        start = time.perf_counter()
         with self.loading():
             self.llm.start_weight_update()
             self.llm.update_weights({"update_info": update_info})
             self.llm.finish_weight_update(str(version))
             self.llm.reset_prefix_cache()
             self.version = version
-        return time.perf_counter() - start
+        return self.last_load_s
 
     def process_id(self) -> int:
         """This generator's OS process (operators and fault tests kill it to check recovery)."""

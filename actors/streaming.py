@@ -17,7 +17,6 @@ core in a process of its own, so weights reach the worker through `collective_rp
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +53,7 @@ class StreamingGenerator(ReportsTimings):
                        temperature: float | None = None) -> list[GeneratedGroup]:
         """Sample every request's group concurrently with whatever else the engine is sampling; returns when
         all of them are done. Weights may change while they run: each response records its version spans."""
-        with self.sampling.active(), self.busy.active():
+        with self.calling():
             groups = await asyncio.gather(*(self._group(r, samples, temperature) for r in requests))
             return self._report(list(groups))
 
@@ -110,7 +109,6 @@ class StreamingGenerator(ReportsTimings):
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         async with self.one_load_at_a_time:
-            start = time.perf_counter()
             with self.loading():
                 await self.engine.pause_generation(mode="keep", clear_cache=False)
                 try:
@@ -121,7 +119,7 @@ class StreamingGenerator(ReportsTimings):
                     self.version = version
                 finally:
                     await self.engine.resume_generation()
-            return time.perf_counter() - start
+            return self.last_load_s
 
     async def shutdown(self) -> None:
         """Stop the engine core, on the event loop that runs the engine: vLLM closes the client's sockets

@@ -20,9 +20,9 @@ def _group() -> GeneratedGroup:
 
 def test_overlapping_calls_count_once_and_a_report_takes_what_ran_until_then(now):
     timings = ReportsTimings()
-    with timings.sampling.active(), timings.busy.active():  # the first call, from t = 0
+    with timings.calling():  # the first call, from t = 0
         now[0] = 2.0
-        with timings.sampling.active(), timings.busy.active():  # a second call, from t = 2, at the same time
+        with timings.calling():  # a second call, from t = 2, at the same time
             now[0] = 5.0
             [first] = timings._report([_group()])  # it returns at t = 5 while the first runs on
         now[0] = 9.0
@@ -38,11 +38,11 @@ def test_a_load_between_calls_is_busy_time_reported_once_with_the_next_call(now)
         now[0] = 1.5
     assert timings._report([]) == []  # a call without groups leaves the load for the next
     now[0] = 4.0  # idle
-    with timings.sampling.active(), timings.busy.active():
+    with timings.calling():
         now[0] = 7.0
         [group] = timings._report([_group()])
     assert (group.weight_loads, group.weight_load_s, group.generate_s, group.busy_s) == (1, 1.5, 3.0, 4.5)
-    with timings.sampling.active(), timings.busy.active():
+    with timings.calling():
         now[0] = 8.0
         [later] = timings._report([_group()])
     assert (later.weight_loads, later.weight_load_s, later.busy_s) == (0, 0.0, 1.0)
@@ -50,7 +50,7 @@ def test_a_load_between_calls_is_busy_time_reported_once_with_the_next_call(now)
 
 def test_a_load_during_a_call_is_busy_time_once(now):
     timings = ReportsTimings()
-    with timings.sampling.active(), timings.busy.active():
+    with timings.calling():
         now[0] = 1.0
         with timings.loading():  # a streaming generator loads new weights while its call runs
             now[0] = 3.0
