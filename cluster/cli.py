@@ -193,6 +193,12 @@ def _report(args: argparse.Namespace) -> int:
                           args.ess_collapse_steps)
 
 
+def _wandb_workspace(args: argparse.Namespace) -> int:
+    from cluster.telemetry import workspace
+
+    return workspace.run_cli(args.spec, args.entity, args.project, args.offline, args.out)
+
+
 def _int_list(text: str, flag: str) -> list[int]:
     """Comma-separated integers, or a ValueError naming the flag and the item."""
     try:
@@ -357,6 +363,16 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--ess-collapse-steps", type=int, help="consecutive low-ESS steps that make a collapse "
                         "(default: each run's logging.alerts.ess_collapse_steps, 3 unless set)")
     report.set_defaults(run=_report)
+    wandb_workspace = commands.add_parser("wandb-workspace", help="build the W&B workspace of a workspace file "
+                                          "and save it to a project (offline: write the view it would save)")
+    wandb_workspace.add_argument("--spec", default="deploy/wandb/workspace.yaml", help="the workspace file")
+    wandb_workspace.add_argument("--entity", required=True, help="W&B entity (logging.wandb.entity of the jobs)")
+    wandb_workspace.add_argument("--project", required=True, help="W&B project (logging.wandb.project of the jobs)")
+    wandb_workspace.add_argument("--offline", action="store_true", help="write the view instead of saving it "
+                                 "(the default when WANDB_MODE=offline or no W&B key is set)")
+    wandb_workspace.add_argument("--out", help="where the view is written (default: runs/wandb-workspace.json; "
+                                 "online, also written when given)")
+    wandb_workspace.set_defaults(run=_wandb_workspace)
     export = commands.add_parser("export", help="write a run checkpoint's policy as a Hugging Face model folder "
                                  "(a finished run has its last one in RUN_DIR/model)")
     export.add_argument("run_dir", metavar="RUN_DIR")

@@ -35,6 +35,10 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     "stableasync export": (
         "tests/integration/test_pipeline.py::test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_nothing",
     ),
+    "stableasync wandb-workspace": (
+        "tests/unit/test_wandb_workspace.py::test_the_command_writes_the_view_offline_and_a_bad_file_exits_2",
+        "tests/unit/test_wandb_workspace.py::test_online_saves_the_workspace_and_prints_its_url",
+    ),
     "stableasync submit": (
         "tests/integration/test_submit.py::test_a_submission_without_the_token_or_with_a_wrong_one_is_refused",
         "tests/integration/test_submit.py::test_two_jobs_at_once_each_with_its_own_stabilizer_run_dir_and_wandb_run",

@@ -83,7 +83,7 @@ def test_step_rows_are_the_learner_steps_alone_in_logged_order(tmp_path):
 ROOT = Path(__file__).resolve().parents[2]
 WORKSPACE = ROOT / "deploy" / "wandb" / "workspace.yaml"
 SOURCE_FOLDERS = ("algorithms", "learner", "actors", "cluster", "tasks")
-PANEL_FIELDS = {"kind", "title", "y", "log_y", "range_y"}  # what docs/wandb.md's apply script reads
+PANEL_FIELDS = {"kind", "title", "y", "log_y", "range_y"}  # what cluster/telemetry/workspace.py reads
 FOLDER_PREFIXES = {"runs"}  # "runs/sweep" and the like are default folders, not metric keys
 METRIC_LITERAL = re.compile(r"""["']([a-z][a-z0-9_]+/[a-z][a-z0-9_]*)["']""")  # "group/name"; not "n/a"
 
