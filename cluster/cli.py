@@ -113,14 +113,15 @@ def _jobs_api(args: argparse.Namespace) -> tuple[str, str | None] | None:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from cluster.remote.submit import SubmitError, submit, wait
+    from cluster.remote.submit import DEFAULT_REMOTE_PREFIXES, SubmitError, submit, wait
 
     job = _load(args.job, args.set)
     api = _jobs_api(args) if job is not None else None
     if job is None or api is None:
         return 2
     try:
-        submission = submit(job, *api, run_dir=args.run_dir)
+        submission = submit(job, *api, run_dir=args.run_dir,
+                            remote_prefixes=(*DEFAULT_REMOTE_PREFIXES, *(args.remote_prefix or ())))
         print(f"submitted {submission.submission_id}; run directory on the head node: {submission.run_dir}")
         print(f"  stableasync status {submission.submission_id} --address {api[0]}")
         print(f"  stableasync logs {submission.submission_id} --address {api[0]} --follow")

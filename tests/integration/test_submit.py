@@ -125,6 +125,70 @@ def test_a_submission_without_the_token_or_with_a_wrong_one_is_refused(token_hea
     assert "no-such-job" in capsys.readouterr().err
 
 
+def _carried_job(tmp_path: Path) -> tuple[Path, Path]:
+    """A dataset job whose files are the user's, outside the repository: its data (every row weighs 0.5) and
+    reward module (a row's weight) in `mine/`, named from there, and an evaluation set (rows weigh 0.25) on
+    "shared storage" (`shared/`, which the head on this machine sees). Returns the job file and `shared/`."""
+    mine, shared = tmp_path / "mine", tmp_path / "shared"
+    mine.mkdir()
+    shared.mkdir()
+    for path, weight in ((mine / "mine.jsonl", 0.5), (shared / "held_out.jsonl", 0.25)):
+        path.write_text("".join(json.dumps({"prompt": f"What is {n} + 1?", "answer": n + 1, "weight": weight}) + "\n"
+                                for n in range(1, 5)))
+    (mine / "mine_reward.py").write_text("def score(completion, answer, row):\n    return row['weight']\n")
+    job_file = _job(tmp_path, "carried", {"name": "tis_seq"})
+    job = yaml.safe_load(job_file.read_text())
+    job["task"] = {"name": "dataset", "path": "mine.jsonl", "reward": "mine_reward.py:score"}  # from mine/
+    job["eval"] = {"every_steps": 3, "num_problems": 4, "task_path": str(shared / "held_out.jsonl")}
+    job_file.write_text(yaml.safe_dump(job))
+    return job_file, shared
+
+
+def test_a_job_whose_file_is_missing_here_is_not_submitted(token_head, tmp_path, monkeypatch, capsys):
+    api, token_file = token_head
+    from cluster.remote.submit import client
+
+    job_file, _ = _carried_job(tmp_path)
+    monkeypatch.chdir(tmp_path)  # mine.jsonl and mine_reward.py are in mine/, not here
+    before = len(client(api, token_file.read_text()).list_jobs())
+    assert cli_main(["submit", str(job_file), "--address", api, "--token-file", str(token_file)]) == 1
+    err = capsys.readouterr().err
+    assert "task.path: mine.jsonl" in err and "task.reward: mine_reward.py" in err and "--remote-prefix" in err
+    assert "eval.task_path" not in err, "the evaluation set is here, and carried"
+    assert len(client(api, token_file.read_text()).list_jobs()) == before, "nothing was submitted"
+
+
+@pytest.mark.slow
+def test_a_job_runs_on_the_cluster_with_the_files_it_names_here(token_head, tmp_path, monkeypatch, capsys):
+    """The data file and reward module travel with the job (relative paths, from the folder submit runs in);
+    the evaluation set, under a remote prefix, is read where it is. About a minute."""
+    api, token_file = token_head
+    from cluster.remote.submit import client, wait
+
+    job_file, shared = _carried_job(tmp_path)
+    monkeypatch.chdir(tmp_path / "mine")
+    runs = tmp_path / "runs"
+    assert cli_main(["submit", str(job_file), "--address", api, "--token-file", str(token_file),
+                     "--run-dir", str(runs), "--remote-prefix", str(shared)]) == 0
+    submission_id = capsys.readouterr().out.split()[1].rstrip(";")
+    token = token_file.read_text()
+    status = wait(api, token, submission_id, timeout_s=400)
+    assert status == "SUCCEEDED", client(api, token).get_job_logs(submission_id)[-3000:]
+    run_dir = runs / submission_id
+    ran = yaml.safe_load((run_dir / "job.yaml").read_text())
+    assert ran["task"]["path"] == "user_files/mine.jsonl"
+    assert ran["task"]["reward"] == "user_files/mine_reward.py:score"
+    assert ran["eval"]["task_path"] == str(shared / "held_out.jsonl"), "a remote path is left as it is"
+    rows = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert audit_ledger(rows) == [] and sum(r["event"] == "trained" for r in rows) == 3 * 2
+    assert {r["problem_id"].rsplit("-", 1)[0] for r in rows if r["event"] == "trained"} == {"mine"}
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [m["rollout/reward_mean"] for m in metrics if "rollout/reward_mean" in m]
+    assert trained and all(reward == pytest.approx(0.5) for reward in trained), "the user's reward on their rows"
+    (evaluation,) = [m for m in metrics if "eval/reward_mean" in m]
+    assert evaluation["eval/problems"] == 4 and evaluation["eval/reward_mean"] == pytest.approx(0.25)
+
+
 # Two whole jobs through the job API take about 2.5 minutes here: run with -m slow, to keep the default
 # suite inside its budget; the token checks above stay in the default run.
 @pytest.mark.slow
