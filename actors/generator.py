@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actors.records import Completion, version_spans
 
 if TYPE_CHECKING:
+    from learner.lora import LoraSpec
     from learner.weight_sync import PackedWeights
+
+# vLLM's max_lora_rank takes one of these; an engine serves adapters of any rank up to it
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class GeneratorSpec:
     max_num_seqs: int | None = None  # GPU: sequences decoded at once (None: vLLM's default)
     weight_transfer: str = "stableasync_packed"  # vLLM weight-transfer engine: or stableasync_gloo, nccl
     streaming: bool = False  # an AsyncLLM engine (actors/streaming.py) instead of the blocking LLM
+    lora: LoraSpec | None = None  # the policy is the base model plus an adapter, loaded per version
 
     @property
     def on_gpu(self) -> bool:
@@ -62,6 +70,9 @@ def engine_args(spec: GeneratorSpec, index: int = 0) -> dict[str, Any]:
         logprobs_mode="processed_logprobs", worker_extension_cls="actors.vllm_extension.WeightUpdateExtension",
         weight_transfer_config={"backend": spec.weight_transfer},
     )
+    if spec.lora is not None:  # one adapter serves every request; the next version's is added before the old goes
+        rank = min(r for r in VLLM_MAX_LORA_RANKS if r >= spec.lora.rank)
+        common.update(enable_lora=True, max_lora_rank=rank, max_loras=1, max_cpu_loras=2)
     if not spec.on_gpu:
         return dict(common, distributed_executor_backend="uni", enforce_eager=True,
                     kv_cache_memory_bytes=spec.kv_cache_mb << 20, enable_chunked_prefill=False,
@@ -258,6 +269,8 @@ class Generator(ReportsTimings):
         self.incarnation = uuid.uuid4().hex  # a restarted actor gets a new one: the driver can tell
         self.llm = LLM(**engine_args(spec, index))
         self.tokenizer = self.llm.get_tokenizer()
+        self.adapter: Any = None  # LoRA: the vLLM LoRARequest of the current policy version (None: base model)
+        self.adapter_dir: Path | None = None  # LoRA: where each version's adapter is written for vLLM to load
         quiet_per_reload_logs()
 
     def generate(self, requests: list[GenerationRequest], samples: int | None = None,
@@ -284,7 +297,7 @@ class Generator(ReportsTimings):
             )
             for r in requests
         ]
-        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False, lora_request=self.adapter)
         groups = []
         for request, prompt, output in zip(requests, prompts, outputs):
             group = GeneratedGroup(request.group_id, request.problem_id, list(prompt["prompt_token_ids"]),
@@ -298,8 +311,30 @@ class Generator(ReportsTimings):
         return chat_prompt_ids(self.tokenizer, messages)
 
     def update_weights(self, weights: PackedWeights, version: int) -> float:
-        """Load weights from the object store (`stableasync_packed`); seconds taken."""
+        """Load weights from the object store (`stableasync_packed`), or with LoRA the adapter; seconds taken."""
+        if self.spec.lora is not None:
+            return self._load_adapter(self.spec.lora, weights.tensors(), version)
         return self._load(weights.update_info(), version)
+
+    def _load_adapter(self, lora: LoraSpec, tensors: dict[str, Any], version: int) -> float:
+        """The policy version's adapter as a vLLM LoRA: written to a folder of this process, added to the engine
+        (loaded now, not at the next request), and the previous version's removed. vLLM keys its prefix cache by
+        adapter, so no cached block of the old one is reused."""
+        from vllm.lora.request import LoRARequest
+
+        from learner.lora import write_adapter_folder
+
+        if self.adapter_dir is None:
+            self.adapter_dir = Path(tempfile.mkdtemp(prefix="stableasync-adapters-"))
+        with self.loading():
+            folder = write_adapter_folder(tensors, lora, self.spec.model_path, self.adapter_dir / f"v{version}")
+            adapter = LoRARequest(f"policy-v{version}", version + 1, str(folder))
+            self.llm.llm_engine.add_lora(adapter)
+            if self.adapter is not None:
+                self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
+                shutil.rmtree(self.adapter.lora_path, ignore_errors=True)
+            self.adapter, self.version = adapter, version
+        return self.last_load_s
 
     def join_weight_transfer(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
         """Join learner rank 0's weight group (nccl or stableasync_gloo): this engine's workers take ranks

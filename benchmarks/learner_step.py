@@ -11,6 +11,8 @@ not fit in one process together): a warm-up step, `--rounds` timed steps (ratios
 one's fastest step, since noise only adds time; the median beside it), then one step whose peak
 resident-set growth (sampled every millisecond, after malloc_trim) is its memory: activations,
 gradients and the per-sample-norm temporaries, not the model or optimizer state every configuration holds.
+`held MiB` is the process's resident memory once the learner is built and has taken its first step: the
+model, its optimizer state and anything a configuration keeps beside them (the KL's reference copy).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Any
 
 import torch
 
+from learner.lora import LoraSpec
+
 # label -> (stabilizer, its config, LearnerSpec options)
 CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "none": ("none", {}, {}),
@@ -39,6 +43,12 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # algorithm.proximal: recompute, with one update and with learner.mini_batches 2 x learner.epochs 2
     "tis_seq-recompute": ("tis_seq", {}, {"proximal": "recompute"}),
     "tis_seq-recompute-2x2": ("tis_seq", {}, {"proximal": "recompute", "mini_batches": 2, "epochs": 2}),
+    # algorithm.kl (a frozen reference copy on the rank) and algorithm.entropy_coef
+    "tis_seq-kl": ("tis_seq", {}, {"kl_coef": 1e-3}),
+    "tis_seq-entropy": ("tis_seq", {}, {"entropy_coef": 1e-3}),
+    # model.lora rank 16 on every linear layer: adapter gradients and optimizer state only
+    "tis_seq-lora": ("tis_seq", {}, {"lora": LoraSpec(16, 32.0, 0.0, ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                      "gate_proj", "up_proj", "down_proj"))}),
 }
 REFERENCE = "tis_seq"
 GROUP_SIZE = 8
@@ -114,13 +124,16 @@ def _configuration_child(args: argparse.Namespace, label: str) -> None:
     learner = _learner(args.model_path, name, config, options, args.port, args.budget)
     batch = _batch(args.sequences, args.tokens, args.vocab)
     metrics = learner.train_step(batch)  # warm-up: optimizer state and allocator pools exist before measuring
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    held = _rss_bytes()
     times = []
     for _ in range(args.rounds):
         start = time.perf_counter()
         learner.train_step(batch)
         times.append(time.perf_counter() - start)
     peak = _peak_growth(lambda: learner.train_step(batch))
-    print(json.dumps({"times": times, "peak_bytes": peak, "bookkeeping_share": metrics.get("opob/bookkeeping_share")}))
+    print(json.dumps({"times": times, "peak_bytes": peak, "held_bytes": held,
+                      "bookkeeping_share": metrics.get("opob/bookkeeping_share")}))
 
 
 def _free_port() -> int:
@@ -182,13 +195,14 @@ def main(argv: list[str] | None = None) -> None:
           f"tokens; ZeRO-2, 1 rank, {args.threads} torch thread(s); {args.rounds} timed steps per configuration, "
           "each configuration in its own process")
     print(f"{'configuration':<22} {'step s (min)':>12} {'x tis_seq':>10} {'median x':>9} {'peak MiB':>9}"
-          f" {'x tis_seq':>10} {'book-kept':>9}")
+          f" {'x tis_seq':>10} {'book-kept':>9} {'held MiB':>9}")
     for label, result in results.items():
         best, median = min(result["times"]), statistics.median(result["times"])
         share = result["bookkeeping_share"]
         print(f"{label:<22} {best:>12.3f} {best / min(reference['times']):>10.2f} "
               f"{median / statistics.median(reference['times']):>9.2f} {result['peak_bytes'] / 2**20:>9.0f} "
-              f"{result['peak_bytes'] / reference['peak_bytes']:>10.2f} {'-' if share is None else f'{share:.2f}':>9}")
+              f"{result['peak_bytes'] / reference['peak_bytes']:>10.2f} {'-' if share is None else f'{share:.2f}':>9} "
+              f"{result['held_bytes'] / 2**20:>9.0f}")
 
 
 if __name__ == "__main__":

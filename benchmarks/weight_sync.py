@@ -1,7 +1,7 @@
 """Weight sync through the Ray object store, next to raw `ray.put`/`ray.get` of the same bytes and to
 a learner step, all measured in one run on a local Ray cluster.
 
-    python -m benchmarks.weight_sync [--job deploy/jobs/demo.yaml] [--rounds 10]
+    python -m benchmarks.weight_sync [--job deploy/jobs/demo.yaml] [--rounds 10] [--lora-rank 16]
 
 - sync: what the driver does after every step on the object-store path: the learner ranks gather the
   full weights and rank 0 puts them in the object store as one `PackedWeights` buffer, and the
@@ -14,7 +14,9 @@ a learner step, all measured in one run on a local Ray cluster.
   tell the generator to load).
 - step: the learner's `train_step` on a batch the size of the job's (prompts_per_step x
   samples_per_prompt sequences of prompt + max_new_tokens tokens).
-Each figure is the fastest of `--rounds` interleaved rounds (noise only adds time).
+Each figure is the fastest of `--rounds` interleaved rounds (noise only adds time). With `--lora-rank R` the
+same measurements run again on the job with `model.lora` (rank R, every linear layer), where only the adapter
+is sent and the generator loads it as a vLLM LoRA, and a last table sets the two side by side.
 """
 
 from __future__ import annotations
@@ -23,14 +25,6 @@ import argparse
 import time
 
 import torch
-
-
-def _job_and_model(job_file: str):
-    from cluster.job import job_task, load_job
-    from cluster.run.model_prep import prepare_model
-
-    job = load_job(job_file)
-    return job, prepare_model(job, job_task(job))
 
 
 def _batch(job, vocab: int):
@@ -50,20 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", default="deploy/jobs/demo.yaml")
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="also measure the job with model.lora at this rank (every linear layer), side by side")
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-
+def _measure(job, model_path: str, rounds: int) -> dict[str, float]:
+    """The fastest of `rounds` interleaved sync, raw-transport and learner-step rounds of one job."""
     import numpy as np
     import ray
+    from transformers import AutoConfig
 
     from cluster.run import runtime
     from cluster.run.driver import _generator_spec, _learner_spec
 
-    job, model_path = _job_and_model(args.job)
-    runtime.connect(None, 3, "stableasync-bench")
     learners = runtime.LearnerGroup(_learner_spec(job, model_path), 1, 1.0, 0.0)
     generator_spec = _generator_spec(job, model_path)
     generator = runtime.start_generator(generator_spec, 0, 1.0)
@@ -79,14 +73,11 @@ def main(argv: list[str] | None = None) -> None:
         def get(self, refs: list[ray.ObjectRef]) -> int:
             return int(ray.get(refs[0]).nbytes)
 
-    weights_ref = learners.publish(generator_spec.dtype)
-    size = ray.get(weights_ref).nbytes
-    from transformers import AutoConfig
-
+    size = ray.get(learners.publish(generator_spec.dtype)).nbytes
     batch = _batch(job, vocab=AutoConfig.from_pretrained(model_path).vocab_size)
     writer, reader = Writer.remote(), Reader.remote()
     sync_s, reload_s, raw_s, step_s = [], [], [], []
-    for version in range(1, args.rounds + 1):
+    for version in range(1, rounds + 1):
         start = time.perf_counter()
         reload_s.append(ray.get(generator.update_weights.remote(learners.publish(generator_spec.dtype), version)))
         sync_s.append(time.perf_counter() - start)
@@ -96,22 +87,53 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         ray.get(learners.train_step([batch]))
         step_s.append(time.perf_counter() - start)
-    transport_s = [sync - reload for sync, reload in zip(sync_s, reload_s)]
-    sync, reload, transport, raw, step = min(sync_s), min(reload_s), min(transport_s), min(raw_s), min(step_s)
-    mib = size / 2**20
-    print(f"model {model_path}: {mib:.2f} MiB of weights; best of {args.rounds} interleaved rounds\n")
-    print(f"{'path':<46}{'seconds':>9}{'MiB/s':>10}")
-    print(f"{'sync (gather, put, get, vLLM reload)':<46}{sync:>9.4f}{mib / sync:>10.1f}")
-    print(f"{'  object-store path (sync minus reload)':<46}{transport:>9.4f}{mib / transport:>10.1f}")
-    print(f"{'  vLLM reload in the generator':<46}{reload:>9.4f}")
-    print(f"{'raw ray.put + ray.get':<46}{raw:>9.4f}{mib / raw:>10.1f}")
-    print(f"{'learner step':<46}{step:>9.4f}")
-    print(f"\nobject-store path bandwidth / raw bandwidth: {raw / transport:.2f} (goal >= 0.50)")
-    print(f"object-store path / learner step time:       {transport / step:.3f} (goal <= 0.05)")
-    print(f"whole sync, reload included / learner step:  {sync / step:.3f}")
     learners.shutdown()
     runtime.stop_generator(generator)
+    transport_s = [sync - reload for sync, reload in zip(sync_s, reload_s)]
+    return {"mib": size / 2**20, "sync": min(sync_s), "reload": min(reload_s), "transport": min(transport_s),
+            "raw": min(raw_s), "step": min(step_s)}
+
+
+def _print(label: str, model_path: str, rounds: int, r: dict[str, float]) -> None:
+    mib = r["mib"]
+    print(f"{label}: model {model_path}: {mib:.2f} MiB of weights sent; best of {rounds} interleaved rounds\n")
+    print(f"{'path':<46}{'seconds':>9}{'MiB/s':>10}")
+    print(f"{'sync (gather, put, get, vLLM reload)':<46}{r['sync']:>9.4f}{mib / r['sync']:>10.1f}")
+    print(f"{'  object-store path (sync minus reload)':<46}{r['transport']:>9.4f}{mib / r['transport']:>10.1f}")
+    print(f"{'  vLLM reload in the generator':<46}{r['reload']:>9.4f}")
+    print(f"{'raw ray.put + ray.get':<46}{r['raw']:>9.4f}{mib / r['raw']:>10.1f}")
+    print(f"{'learner step':<46}{r['step']:>9.4f}")
+    print(f"\nobject-store path bandwidth / raw bandwidth: {r['raw'] / r['transport']:.2f} (goal >= 0.50)")
+    print(f"object-store path / learner step time:       {r['transport'] / r['step']:.3f} (goal <= 0.05)")
+    print(f"whole sync, reload included / learner step:  {r['sync'] / r['step']:.3f}\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+
+    import ray
+
+    from cluster.job import job_task, load_job
+    from cluster.run import runtime
+    from cluster.run.model_prep import prepare_model
+
+    variants = {"full fine-tuning": ()}
+    if args.lora_rank:
+        variants[f"LoRA rank {args.lora_rank}"] = (f"model.lora={{rank: {args.lora_rank}}}",)
+    runtime.connect(None, 3, "stableasync-bench")
+    results = {}
+    for label, overrides in variants.items():
+        job = load_job(args.job, overrides)
+        model_path = prepare_model(job, job_task(job))
+        results[label] = _measure(job, model_path, args.rounds)
+        _print(label, model_path, args.rounds, results[label])
     ray.shutdown()
+    if len(results) == 2:
+        full, lora = results.values()
+        print(f"{'per step, LoRA / full fine-tuning':<40}{'full':>10}{'LoRA':>10}{'ratio':>8}")
+        rows = (("mib", "MiB sent"), ("sync", "sync s"), ("reload", "vLLM load s"), ("step", "learner step s"))
+        for key, name in rows:
+            print(f"{name:<40}{full[key]:>10.4f}{lora[key]:>10.4f}{lora[key] / full[key]:>8.3f}")
 
 
 if __name__ == "__main__":

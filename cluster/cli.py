@@ -72,7 +72,7 @@ def _train(args: argparse.Namespace) -> int:
         except JobStopped as stopped:
             print(stopped, file=sys.stderr)
             return stopped.exit_code
-        except (TaskError, ModelPathError) as error:  # raised before anything starts
+        except (TaskError, ModelPathError, JobValidationError) as error:  # raised before anything starts
             print(f"stableasync train: {error}", file=sys.stderr)
             return 2
         except RunHalted as halted:  # the run stopped itself with a checkpoint; the message says what to fix
@@ -234,6 +234,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from cluster.run.checkpoints import LEARNER, TAG, ModelSaveFailed, readable_checkpoints, write_model
+    from cluster.run.driver import lora_spec
     from cluster.job import job_task
     from cluster.run.model_prep import prepare_model
     from learner.export import save_checkpoint_model
@@ -254,7 +255,8 @@ def _export(args: argparse.Namespace) -> int:
     base_model = prepare_model(job, job_task(job))
     out = Path(args.out) if args.out else run_dir / f"model-{name}"
     try:
-        write_model(out, lambda folder: save_checkpoint_model(usable[name] / LEARNER, TAG, base_model, folder))
+        write_model(out, lambda folder: save_checkpoint_model(usable[name] / LEARNER, TAG, base_model, folder,
+                                                              lora_spec(job)))
     except ModelSaveFailed as failure:
         print(f"stableasync export: {failure}", file=sys.stderr)
         return 1
@@ -306,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set_option(submit)
     _add_cluster_options(submit)
     submit.add_argument("--run-dir", default="~/stableasync/runs", help="parent of the run directory on the head node")
+    submit.add_argument("--remote-prefix", action="append", metavar="PREFIX",
+                        help="the job's paths under PREFIX (absolute, or ~/...: the nodes' home) are on the cluster "
+                        "already and not uploaded; repeatable, beside /mnt/shared and ~/stableasync")
     submit.add_argument("--wait", action="store_true", help="block until the job ends; exit 0 only if it succeeded")
     submit.add_argument("--timeout-s", type=float, default=24 * 3600.0, help="how long --wait waits")
     submit.set_defaults(run=_submit)

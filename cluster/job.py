@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from algorithms.config import STABILIZER_CONFIGS, LossAggregation
+from algorithms.config import STABILIZER_CONFIGS, KLEstimator, LossAggregation
 from algorithms.errors import StableAsyncError
 from tasks.config import TASK_CONFIGS
 
@@ -87,12 +87,27 @@ class SFTWarmupSection(Section):
     learning_rate: float = Field(1e-3, gt=0)
 
 
+class LoraSection(Section):
+    """Train a LoRA adapter (peft) instead of every weight: the generators keep the base model and load each
+    policy version's adapter through vLLM's LoRA support, so only the adapter's weights travel."""
+
+    rank: int = Field(16, gt=0, le=512, description="r: the adapter's rank")
+    alpha: float = Field(32.0, gt=0, description="lora_alpha: the adapter's output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1, description="names of the linear layers that get an adapter (the last part of the module "
+        "name); each must name a linear layer of the model"
+    )
+
+
 class ModelSection(Section):
     path: str = Field(
         "tiny", description="'tiny' (built offline), a known name (smollm2-135m), a local folder or a hub id"
     )
     tiny: TinyModelSection = TinyModelSection()
     sft_warmup: SFTWarmupSection = SFTWarmupSection()
+    lora: LoraSection | None = Field(None, description="train a LoRA adapter only; null: full fine-tuning")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="auto: bfloat16 where the part runs on GPUs (learner ranks train it with fp32 master "
         "weights), float32 on CPU, where bf16 kernels skew log-probs"
@@ -190,6 +205,29 @@ class LearnerSection(Section):
     gpus_per_rank: float = Field(0.0, ge=0)
 
 
+class KLSection(Section):
+    """A KL term to the frozen initial policy (verl's kl loss or kl in reward, OpenRLHF's init_kl_coef, TRL's
+    beta): the reference's log-probs come from a second copy of the starting model on the learner ranks."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    coef: float = Field(0.001, gt=0, description="weight of the KL term (the starting value with `target`)")
+    estimator: KLEstimator = Field(
+        "low_var", description="per-token estimator of KL(policy || reference) from l = log pi - log ref: k1 = l, "
+        "k2 = l^2 / 2, k3 = exp(-l) - 1 + l, low_var = k3 bounded to [-10, 10] (verl's low_var_kl)"
+    )
+    in_: Literal["loss", "reward"] = Field(
+        "loss", alias="in", description="loss: coef x the aggregated token KL is added to the loss (GRPO's way); "
+        "reward: coef x each response's summed KL, from its behaviour log-probs, is subtracted from its reward "
+        "before the advantages (PPO's way)"
+    )
+    target: float | None = Field(
+        None, gt=0, description="adaptive coefficient: after each step the coefficient moves towards keeping "
+        "stability/kl_ref_mean (per token) at this value, by at most 20% of the gap per `horizon` sequences"
+    )
+    horizon: int = Field(10000, gt=0, description="adaptive coefficient: sequences over which it may move by 20%")
+
+
 class AlgorithmSection(Section):
     stabilizer: StabilizerSection = Field(  # type: ignore[valid-type]
         default_factory=lambda: {"name": "tis_seq"}, validate_default=True
@@ -207,6 +245,11 @@ class AlgorithmSection(Section):
     proximal_eps_high: float = Field(0.2, gt=0, description="recompute: ratios pi/pi_prox above 1 + eps_high get no "
                                      "gradient where the advantage is positive")
     constant_tokens: int | None = Field(None, gt=0, description="the constant length of `constant` aggregation")
+    kl: KLSection | None = Field(None, description="a KL term to the frozen starting policy; null: none")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="entropy bonus: the loss loses this times the aggregated token entropy of the policy "
+        "(from the same chunked log-softmax as the log-probs); 0: off"
+    )
     drop_uniform_groups: bool = Field(
         False, description="DAPO's dynamic sampling: a prompt group whose responses all scored the same (all solved "
         "or all failed, so every advantage is 0) is dropped when scored, in the ledger with why, and the generators "
@@ -462,6 +505,19 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                                "nucleus-sampled token are renormalised over the nucleus, while the learner's are over "
                                "the whole vocabulary, so every importance ratio would be biased even on-policy; use "
                                "1.0 and set the sampling's spread with generator.temperature"))
+    if job.model.lora is not None:
+        lora_limits = [("learner.zero_stage", learner.zero_stage == 3, "ZeRO-3 with LoRA is not supported yet; the "
+                        "adapter is small, so use zero_stage 2"),
+                       ("async.weight_sync", job.async_.weight_sync != "object_store", "a LoRA adapter travels through "
+                        "the object store only; use object_store"),
+                       ("generator.streaming", generator.streaming, "streaming generators do not load LoRA adapters "
+                        "yet; use streaming: false")]
+        errors += [JobError(field, why) for field, refused, why in lora_limits if refused]
+    token_terms = (job.algorithm.kl is not None and job.algorithm.kl.in_ == "loss") or job.algorithm.entropy_coef > 0
+    if token_terms and getattr(job.algorithm.stabilizer, "opob_impl", None) == "bookkeeping":
+        errors.append(JobError("algorithm.stabilizer.opob_impl", "bookkeeping forms each sequence's whole gradient "
+                               "from its log-prob alone, so it cannot carry a KL term in the loss or an entropy bonus; "
+                               "use ghost or auto (which then takes ghost)"))
     if job.algorithm.loss_aggregation == "constant" and job.algorithm.constant_tokens is None:
         errors.append(JobError("algorithm.constant_tokens", "required when loss_aggregation is 'constant'"))
     if generator.max_new_tokens >= generator.max_model_len:

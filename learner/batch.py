@@ -104,36 +104,64 @@ def _position_chunks(positions: int, vocab: int) -> Iterator[slice]:
 
 
 class _TargetLogprobs(torch.autograd.Function):
-    """log softmax(logits / T)[target] per position, upcast to fp32 one chunk of positions at a time.
+    """log softmax(logits / T)[target] and the entropy of softmax(logits / T) per position, upcast to fp32 one
+    chunk of positions at a time; both differentiable.
 
     Autograd of `logsumexp(logits.float())` would keep an fp32 copy of every chunk until the backward;
-    this keeps only the logits themselves (in the model's dtype) and the [N] log-normalisers, and the
-    backward rebuilds each chunk's softmax.
+    this keeps only the logits themselves (in the model's dtype) and the [N] log-normalisers and entropies,
+    and the backward rebuilds each chunk's softmax. The entropy costs one more exp per chunk, so it is
+    computed only when asked for.
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float) -> Tensor:  # logits [N, V], targets [N]
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float,  # logits [N, V], targets [N]
+                with_entropy: bool) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)
         logprobs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         normalisers = torch.empty_like(logprobs)
+        entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_zeros(0)
         for rows in _position_chunks(*logits.shape):
             chunk = logits[rows].float() / temperature
             normalisers[rows] = torch.logsumexp(chunk, dim=-1)
             logprobs[rows] = chunk.gather(-1, targets[rows, None]).squeeze(-1) - normalisers[rows]
-        ctx.save_for_backward(logits, targets, normalisers)
+            if with_entropy:
+                log_p = chunk.sub_(normalisers[rows, None])
+                entropy[rows] = -(log_p.exp() * log_p).sum(dim=-1)
+        ctx.save_for_backward(logits, targets, normalisers, entropy)
         ctx.temperature = temperature
-        return logprobs
+        return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, None, None]:
-        logits, targets, normalisers = ctx.saved_tensors
+    def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None
+                 ) -> tuple[Tensor | None, None, None, None]:
+        """d logp[target]/dx = onehot - p and dH/dx = -p (log p + H), with x = logits / T."""
+        logits, targets, normalisers, entropy = ctx.saved_tensors
         temperature = ctx.temperature
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None
         grad_logits = torch.empty_like(logits)
         for rows in _position_chunks(*logits.shape):
-            scale = (grad_output[rows] / temperature).unsqueeze(-1)
-            chunk = torch.exp(logits[rows].float() / temperature - normalisers[rows, None]).mul_(scale).neg_()
-            chunk.scatter_add_(-1, targets[rows, None], scale)  # d/dx of x[target]: + g / T
+            log_p = logits[rows].float() / temperature - normalisers[rows, None]
+            chunk = torch.zeros_like(log_p)
+            if grad_entropy is not None:
+                chunk.add_(log_p + entropy[rows, None]).mul_(-grad_entropy[rows, None])
+            if grad_logprobs is not None:
+                chunk.sub_(grad_logprobs[rows, None])
+            chunk.mul_(log_p.exp_()).div_(temperature)
+            if grad_logprobs is not None:  # d/dx of x[target]: + g / T
+                chunk.scatter_add_(-1, targets[rows, None], (grad_logprobs[rows] / temperature).unsqueeze(-1))
             grad_logits[rows] = chunk
-        return grad_logits, None, None
+        return grad_logits, None, None, None
+
+
+def _chunked(logits: Tensor, input_ids: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    batch, length, vocab = logits.shape
+    # score every position against the next token (the last one against a dummy) so the logits stay a view
+    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
+    logprobs, entropy = _TargetLogprobs.apply(logits.reshape(batch * length, vocab), targets, float(temperature),
+                                              with_entropy)
+    entropy = entropy.view(batch, length)[:, :-1] if with_entropy else entropy
+    return logprobs.view(batch, length)[:, :-1], entropy
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
@@ -142,11 +170,13 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     The temperature matches the generator's processed log-probs, so on-policy ratios are 1. The fp32
     upcast happens one chunk of positions at a time, in the forward and in the backward.
     """
-    batch, length, vocab = logits.shape
-    # score every position against the next token (the last one against a dummy) so the logits stay a view
-    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
-    flat = _TargetLogprobs.apply(logits.reshape(batch * length, vocab), targets, float(temperature))
-    return flat.view(batch, length)[:, :-1]
+    return _chunked(logits, input_ids, temperature, with_entropy=False)[0]
+
+
+def token_logprobs_and_entropy(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """`token_logprobs` and the entropy of softmax(logits / T) at each position, both [B, L-1] fp32 and both
+    differentiable (the entropy bonus trains on it), from one chunked pass over the logits."""
+    return _chunked(logits, input_ids, temperature, with_entropy=True)
 
 
 @torch.no_grad()
@@ -156,13 +186,8 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     One chunk of positions at a time, so the extra softmax never costs more than one fp32 chunk; a policy
     whose entropy collapses stops exploring, the usual way GRPO runs stall.
     """
-    batch, length, vocab = logits.shape
-    flat = logits.reshape(batch * length, vocab)
-    entropy = torch.empty(batch * length, dtype=torch.float32, device=logits.device)
-    for rows in _position_chunks(*flat.shape):
-        log_p = torch.log_softmax(flat[rows].float() / temperature, dim=-1)
-        entropy[rows] = -(log_p.exp() * log_p).sum(dim=-1)
-    return entropy.view(batch, length)[:, :-1]
+    return _chunked(logits, torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device), temperature,
+                    with_entropy=True)[1]
 
 
 def sequence_logprob_grad(logits: Tensor, input_ids: Tensor, loss_mask: Tensor, temperature: float = 1.0) -> Tensor:

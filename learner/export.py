@@ -11,21 +11,31 @@ from pathlib import Path
 
 import torch
 
+from learner.lora import ADAPTER_FOLDER, LoraSpec, adapter_weights, merged_state_dict, with_lora, write_adapter_folder
 from learner.rank import check_owned_by_me, save_model_folder
 
 
-def save_checkpoint_model(learner_dir: Path, tag: str, base_model: str, folder: str) -> None:
+def save_checkpoint_model(learner_dir: Path, tag: str, base_model: str, folder: str,
+                          lora: LoraSpec | None = None) -> None:
     """Write the policy of the checkpoint in `learner_dir` (DeepSpeed's save folder, state under `tag`) to
-    `folder`; `base_model` is the job's model folder, for the architecture and the tokenizer."""
+    `folder`; `base_model` is the job's model folder, for the architecture and the tokenizer. A LoRA run's
+    checkpoint becomes the merged model, with its adapter alone in `folder/adapter`."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
     check_owned_by_me(learner_dir / tag)  # DeepSpeed unpickles its checkpoint files
     weights = get_fp32_state_dict_from_zero_checkpoint(str(learner_dir), tag=tag)
     model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    peft_model = with_lora(model, lora) if lora is not None else None
+    missing, unexpected = (model if peft_model is None else peft_model).load_state_dict(weights, strict=False)
+    prefix = "base_model.model." if peft_model is not None else ""  # peft's names of the base model's weights
+    tied = {prefix + key for key in getattr(model, "_tied_weights_keys", None) or []}
     if unexpected or set(missing) - tied:
         raise ValueError(f"checkpoint {learner_dir} does not fit the job's model {base_model}: "
                          f"missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
-    save_model_folder(model, base_model, folder)
+    if peft_model is None:
+        save_model_folder(model, base_model, folder)
+        return
+    merged = merged_state_dict(peft_model)
+    save_model_folder(AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32), base_model, folder, merged)
+    write_adapter_folder(adapter_weights(peft_model), lora, base_model, Path(folder) / ADAPTER_FOLDER)

@@ -130,6 +130,11 @@ def _covered_parameters(module: nn.Module) -> list[nn.Parameter]:
     return []
 
 
+def _trained_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The covered parameters that train (a LoRA model freezes its base layers: their norms do not count)."""
+    return [p for p in _covered_parameters(module) if p.requires_grad]
+
+
 Contribution = Union[_Factors, Tensor]
 """A per-sample gradient of one parameter in one call: factors, or dense [B, *parameter shape]."""
 
@@ -216,8 +221,10 @@ class GhostGradNorms:
         self.output_layer = model.get_output_embeddings()
         if not isinstance(self.output_layer, nn.Linear):
             raise UncoveredParameters(f"output layer {type(self.output_layer).__name__} is not a linear layer")
-        self.modules = [m for m in model.modules() if _covered_parameters(m)]
-        owned = {id(p) for m in self.modules for p in _covered_parameters(m)}
+        # the output layer is always recorded: the backward starts below it, through its weight, trained or not
+        self.modules = [m for m in model.modules() if _trained_parameters(m) or m is self.output_layer]
+        self.trained = [p for m in self.modules for p in _trained_parameters(m)]
+        owned = {id(p) for p in self.trained}
         missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
         if missing:
             raise UncoveredParameters(f"no ghost-norm rule for parameters {missing[:5]}"
@@ -231,6 +238,8 @@ class GhostGradNorms:
         smaller of its dense per-sample gradient and its factors, in fp32 (what `_compact` keeps)."""
         numbers = 0
         for module in self.modules:
+            if not _trained_parameters(module):
+                continue
             if isinstance(module, nn.Linear):
                 rows, cols = module.out_features, module.in_features
                 numbers += min(rows * cols, steps * (rows + cols)) + (rows if module.bias is not None else 0)
@@ -317,13 +326,15 @@ class GhostGradNorms:
             start, start_grad = head.input, (logits_grad.to(weight.dtype) @ weight).to(head.input.dtype)
         batch = logits_grad.shape[0]
         calls = [r.module for r in records if r is not None] + [head.module]
-        uses = Counter(id(p) for module in calls for p in _covered_parameters(module))
+        uses = Counter(id(p) for module in calls for p in _trained_parameters(module))
         total = torch.zeros(batch, dtype=torch.float32, device=logits_grad.device)
         kept: dict[nn.Parameter, list[Contribution]] = {}
 
         def consume(module: nn.Module, x: Tensor, grad: Tensor) -> None:
             """Add a call's norm now unless its parameter is shared, and keep what the caller needs."""
             for param, contribution in self._contributions(module, x.detach(), grad.float(), batch):
+                if not param.requires_grad:  # a frozen output layer
+                    continue
                 if keep:
                     contribution = _compact(contribution)
                 if uses[id(param)] == 1:
@@ -340,8 +351,12 @@ class GhostGradNorms:
         del head
         self._consumer = on_grad
         # Asking only for the first layer's output runs the whole backward below `start` while each
-        # layer's hook consumes its gradient at once: one layer's output gradient alive at a time.
-        torch.autograd.grad(start, [first_output], grad_outputs=start_grad, retain_graph=not (from_logits or keep))
+        # layer's hook consumes its gradient at once: one layer's output gradient alive at a time. Without a
+        # trained embedding (LoRA) no one output is upstream of every recorded layer, and the backward asks
+        # for the trained parameters themselves (adapter-sized, so their summed gradients cost little).
+        upstream = [first_output] if isinstance(records[0].module, nn.Embedding) else self.trained
+        torch.autograd.grad(start, upstream, grad_outputs=start_grad, retain_graph=not (from_logits or keep),
+                            allow_unused=True)
         missed = [type(r.module).__name__ for r in records if r is not None]
         if missed:
             raise UncoveredParameters(f"no gradient reached the outputs of {missed[:5]} on the way to the first layer")

@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +22,15 @@ from torch import Tensor
 
 from algorithms import registry
 from algorithms.advantages import ADVANTAGES, group_mean_advantages
-from algorithms.aggregation import loss_denominator, policy_loss
+from algorithms.aggregation import aggregate_token_loss, loss_denominator, policy_loss
 from algorithms.batch import PolicyBatch, TokenWeights
 from algorithms.diagnostics import chi2_seq, ess_ratio, health_metrics
 from algorithms.errors import StableAsyncError
 from algorithms.proximal import trust_region_weights
+from algorithms.regularizers import adapted_kl_coef, kl_penalty, sequence_kl
 from learner import micro_batches
-from learner.batch import TrainBatch, sequence_logprob_grad, token_entropy, token_logprobs
+from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs, token_logprobs_and_entropy
+from learner.lora import ADAPTER_FOLDER, LoraSpec, adapter_weights, merged_state_dict, with_lora, write_adapter_folder
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
 from learner.lr_schedule import LRSchedule, lr_factor
 from learner.weight_sync import PackedWeights, TensorSpec
@@ -163,6 +165,20 @@ class LearnerSpec:
     proximal_eps_high: float = 0.2
     mini_batches: int = 1  # recompute: optimizer updates per pass, each on its share of the prompt groups
     epochs: int = 1  # recompute: passes over the batch
+    kl_coef: float = 0.0  # > 0: a frozen reference policy (the initial model) and a KL term to it
+    kl_estimator: str = "low_var"  # algorithms/regularizers.py KL_TERMS
+    kl_in: str = "loss"  # loss: a term of the loss; reward: subtracted from each sequence's reward
+    kl_target: float | None = None  # adaptive coefficient: the KL per token it steers towards
+    kl_horizon: int = 10000  # adaptive coefficient: sequences over which it moves by at most 20%
+    entropy_coef: float = 0.0  # entropy bonus: minus coef times the aggregated token entropy in the loss
+    lora: LoraSpec | None = None  # train a LoRA adapter only (learner/lora.py); None: every weight
+
+    @property
+    def token_terms(self) -> bool:
+        """Whether the loss has terms besides the policy gradient whose token coefficients differ within a
+        sequence (a KL term, an entropy bonus): book-keeping, which forms whole-sequence gradients, cannot
+        carry them."""
+        return (self.kl_coef > 0 and self.kl_in == "loss") or self.entropy_coef > 0
 
 
 def check_owned_by_me(path: Path) -> None:
@@ -241,10 +257,12 @@ class LearnerRank:
 
             self._zero3_load = HfDeepSpeedConfig(config)
         model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype)
+        if spec.lora is not None:  # the base weights stay frozen: no gradients and no optimizer state for them
+            model = with_lora(model, spec.lora)
         if spec.gradient_checkpointing:  # activations recomputed in the backward, layer by layer
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=config
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
         )
         self.device = self.engine.device
         self.stabilizer = registry.build(spec.stabilizer_name, **_config_values(spec.stabilizer_config))
@@ -261,9 +279,30 @@ class LearnerRank:
         self.carries_split_groups = self.bookkeeping and self.stabilizer.advantages_from_baseline(
             torch.zeros(1), torch.zeros(1), torch.zeros(1, dtype=torch.long)) is not None
         self.score_buffer_bytes = 4 * sum(p.numel() for p in self.engine.module.parameters() if p.requires_grad)
+        # with LoRA the reference is the same model with its adapter switched off: no second copy
+        self.reference = (self._reference_model(config, dtype) if spec.kl_coef > 0 and spec.lora is None else None)
+        self.kl_coef = spec.kl_coef  # moves each step with an adaptive coefficient; kept in checkpoints
         self.version = 0
         # the latest train_step's [B] sequence log-ratios, kept on the device until the rollout samples ask
         self.last_sequence_log_ratios = torch.zeros(0)
+
+    def _reference_model(self, config: dict[str, Any], dtype: torch.dtype) -> Any:
+        """The frozen initial policy the KL term measures against, loaded a second time. Under ZeRO-3 it is a
+        DeepSpeed engine without an optimizer, so each rank keeps only its partition (as OpenRLHF's reference
+        does); otherwise a plain copy on the rank's device, which costs one more set of weights and no
+        optimizer state."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.spec.model_path, dtype=dtype).requires_grad_(False)
+        if self.spec.zero_stage != 3:
+            return model.to(self.device).eval()
+        import deepspeed
+
+        frozen = {key: config[key] for key in ("train_micro_batch_size_per_gpu", "zero_optimization", "bf16",
+                                               "steps_per_print")}
+        engine, *_ = deepspeed.initialize(model=model, config=frozen)
+        engine.eval()  # DeepSpeed's eval() returns None
+        return engine
 
     def _ghost_norms(self, opob_impl: str) -> tuple[GhostGradNorms | None, bool]:
         """The ghost-norm path when the stabilizer needs per-sample norms and every parameter has a rule;
@@ -281,6 +320,8 @@ class LearnerRank:
         """Book-keeping forms the update from the kept per-sample gradients, which needs whole parameters:
         under ZeRO-3 the norms come from the two-pass ghost path instead (said once, here)."""
         if self.ghost_norms is None or opob_impl not in ("bookkeeping", "auto"):
+            return False
+        if self.spec.token_terms:  # the KL term or entropy bonus needs the model's own backward
             return False
         if self.spec.zero_stage == 3:
             if opob_impl == "bookkeeping":  # asked for by name: say why it is not used
@@ -309,14 +350,21 @@ class LearnerRank:
         one_pass = self.stabilizer.decides_per_row and (plan.groups_whole or not needs_norms
                                                         or self._carries_every_split_group(batch, plan))
         runs, one_pass = self._agreed_runs(plan, one_pass)
+        reference = self._reference_logprobs(batch, runs)
+        task_rewards = batch.rewards
+        batch, reward_metrics = self._kl_in_reward(batch, reference)
         decoupled = self.spec.proximal == "recompute"
         if decoupled:
-            step = self._decide_on_whole_batch(batch, runs)
-        else:  # one micro-batch is the whole batch: any stabilizer decides on it in one forward
-            step = self._one_pass(batch, runs) if one_pass or len(runs) == 1 else self._two_passes(batch, runs)
+            step = self._decide_on_whole_batch(batch, runs, reference)
+        elif one_pass or len(runs) == 1:  # one micro-batch is the whole batch: any stabilizer decides on it at once
+            step = self._one_pass(batch, runs, reference)
+        else:
+            step = self._two_passes(batch, runs, reference)
         policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
         decision = step.decision or self.stabilizer.token_weights(policy)  # one pass: for the metrics only
-        metrics = {**health_metrics(policy), **decision.metrics, **self._baseline_metrics(batch, step)}
+        metrics = {**health_metrics(policy), **decision.metrics, **self._baseline_metrics(batch, step),
+                   **reward_metrics, **self._kl_metrics(batch, step.logprobs, reference),
+                   "rollout/reward_mean": task_rewards.mean()}
         self.last_sequence_log_ratios = policy.seq_log_ratio
         metrics["stability/entropy"] = (step.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
         metrics["perf/micro_batches"] = self._scalar(len(plan))
@@ -337,7 +385,7 @@ class LearnerRank:
                              self.spec.lr_min_ratio)
         metrics["optim/lr"] = self._scalar(self.spec.learning_rate * schedule * lr_scale)
         if decoupled:
-            grad_norm, update_metrics = self._decoupled_updates(batch, step, lr_scale * schedule)
+            grad_norm, update_metrics = self._decoupled_updates(batch, step, lr_scale * schedule, reference)
             metrics.update(update_metrics)
             if update_metrics["optim/updates"] == 0:  # the first update was already non-finite
                 return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan,
@@ -345,8 +393,12 @@ class LearnerRank:
             self.version += 1
         else:
             grad_norm = self._step_with_lr_scale(lr_scale * schedule)
-        return self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm,
-                            batch=batch)
+        reduced = self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm,
+                               batch=batch)
+        if reference is not None and self.spec.kl_target is not None:  # the same reduced KL on every rank
+            self.kl_coef = adapted_kl_coef(self.kl_coef, reduced["stability/kl_ref_mean"], self.spec.kl_target,
+                                           self.spec.kl_horizon, batch.size * self.world_size)
+        return reduced
 
     def sequence_log_ratios(self) -> list[float]:
         """sum_t log pi_learner - log pi_behaviour of each row of the latest train_step's batch, in its order."""
@@ -398,7 +450,7 @@ class LearnerRank:
         return all(self._keeps_sample_gradients(self._micro_batch(batch, rows), self.score_buffer_bytes)
                    for rows in pieces)
 
-    def _one_pass(self, batch: TrainBatch, runs: list[Tensor | None]) -> _StepValues:
+    def _one_pass(self, batch: TrainBatch, runs: list[Tensor | None], reference: Tensor | None) -> _StepValues:
         """Decide, weigh and backpropagate each micro-batch in one forward. Over several micro-batches the
         loss denominator is the loss mask's (a per-row stabilizer keeps it), known before any forward; in
         one, it comes from the decision on the whole batch."""
@@ -417,7 +469,7 @@ class LearnerRank:
             step.bookkept_micro_batches += bookkeeping
             with self.ghost_norms.recording() if record else nullcontext():
                 logits = self._logits(micro, plain=bookkeeping)  # no loss backward through the engine follows
-            logprobs = token_logprobs(logits, micro.input_ids, self.spec.temperature)
+            logprobs, entropy = token_logprobs_and_entropy(logits, micro.input_ids, self.spec.temperature)
             sample_grads = (self._sample_gradients(micro, logits, bookkeeping) if self.stabilizer.needs_grad_norms
                             else None)
             if rows is None:
@@ -431,7 +483,7 @@ class LearnerRank:
             policy = PolicyBatch(logprobs, micro.behaviour_logprobs, advantages, micro.loss_mask)
             decision = self.stabilizer.token_weights(policy)
             denominator = mask_denominator if mask_denominator is not None else self._global_denominator(decision.mask)
-            loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
+            loss = self._loss(policy, decision, denominator, entropy, _rows_of(reference, rows, logprobs))
             slope = None if carried is None else policy_loss(
                 PolicyBatch(logprobs, micro.behaviour_logprobs, carried.slope[rows], micro.loss_mask), decision,
                 self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
@@ -441,8 +493,7 @@ class LearnerRank:
                 self.engine.zero_grad()
                 break
             if rows is not None:
-                step.record(rows, logprobs, token_entropy(logits, self.spec.temperature), advantages, sample_grads,
-                            baseline)
+                step.record(rows, logprobs, entropy.detach(), advantages, sample_grads, baseline)
             step.loss += float(loss.detach()) if finite else math.nan
             if carried is not None and finite:
                 self._backward_piece(step, batch, carried, loss, slope, logprobs, sample_grads, micro.loss_mask)
@@ -455,19 +506,20 @@ class LearnerRank:
                 step.skipped = True
                 self._discard_step()
                 break
-            del logits, logprobs, sample_grads, policy, decision, loss  # before the next forward allocates its own
+            del logits, logprobs, entropy, sample_grads, policy, decision, loss  # before the next forward allocates
         return step
 
-    def _two_passes(self, batch: TrainBatch, runs: list[Tensor | None]) -> _StepValues:
+    def _two_passes(self, batch: TrainBatch, runs: list[Tensor | None], reference: Tensor | None) -> _StepValues:
         """A no-grad pass gives the whole batch's learner log-probs (and per-sample gradient norms), the
         stabilizer decides once on them, and the gradient pass backpropagates each micro-batch's share."""
-        step = self._decide_on_whole_batch(batch, runs)
+        step = self._decide_on_whole_batch(batch, runs, reference)
         if not step.skipped:
             denominator = self._global_denominator(step.decision.mask)
-            self._backpropagate(batch, runs, step.decision, step.advantages, denominator)
+            self._backpropagate(batch, runs, step.decision, step.advantages, denominator, reference=reference)
         return step
 
-    def _decide_on_whole_batch(self, batch: TrainBatch, runs: list[Tensor | None]) -> _StepValues:
+    def _decide_on_whole_batch(self, batch: TrainBatch, runs: list[Tensor | None], reference: Tensor | None
+                               ) -> _StepValues:
         """The first of two passes: the whole batch's learner log-probs (and per-sample gradient norms)
         without grad, the advantages, and the stabilizer's decision on them; no gradient yet. Skipped when
         the decision or the loss is not finite on some rank."""
@@ -480,23 +532,23 @@ class LearnerRank:
             else:
                 with torch.no_grad():
                     logits, sample_grads = self._logits(micro), None
-            logprobs = token_logprobs(logits, micro.input_ids, self.spec.temperature).detach()
+            logprobs, entropy = token_logprobs_and_entropy(logits.detach(), micro.input_ids, self.spec.temperature)
             if rows is not None:
-                step.record(rows, logprobs, token_entropy(logits, self.spec.temperature), None, sample_grads, None)
+                step.record(rows, logprobs, entropy, None, sample_grads, None)
             del logits
         step.advantages, step.baseline = self._advantages(batch, step.logprobs, step.sample_grads())
         policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
         step.decision = self.stabilizer.token_weights(policy)
         denominator = self._global_denominator(step.decision.mask)
-        step.loss = float(policy_loss(policy, step.decision, self.spec.loss_aggregation, denominator,
-                                      self.spec.constant_tokens))
+        step.loss = float(self._loss(policy, step.decision, denominator, step.entropy, reference))
         if not self._all_finite(step.decision.weights, self._scalar(step.loss)):
             step.skipped = True
             self.engine.zero_grad()
         return step
 
     def _backpropagate(self, batch: TrainBatch, runs: list[Tensor | None], decision: TokenWeights,
-                       advantages: Tensor, denominator: Tensor, proximal_logprobs: Tensor | None = None) -> float:
+                       advantages: Tensor, denominator: Tensor, proximal_logprobs: Tensor | None = None,
+                       reference: Tensor | None = None) -> float:
         """Each micro-batch's share of the loss of a decision made on the whole `batch`, into the engine's
         accumulated gradient; returns the loss tokens the trust region clipped.
 
@@ -514,7 +566,11 @@ class LearnerRank:
             else:
                 weights, mask = decision.weights[rows, :width], decision.mask[rows, :width]
                 micro_advantages = advantages[rows]
-            logprobs = token_logprobs(self._logits(micro), micro.input_ids, self.spec.temperature)
+            logits = self._logits(micro)
+            if self.spec.entropy_coef:
+                logprobs, entropy = token_logprobs_and_entropy(logits, micro.input_ids, self.spec.temperature)
+            else:  # the entropy costs an exp per logit: only where it is trained on
+                logprobs, entropy = token_logprobs(logits, micro.input_ids, self.spec.temperature), None
             if proximal_logprobs is not None and rows is not None:
                 trust, clipped = trust_region_weights(logprobs, proximal_logprobs[rows, :width], micro_advantages,
                                                       micro.loss_mask, self.spec.proximal_eps_low,
@@ -522,8 +578,8 @@ class LearnerRank:
                 weights = weights * trust
                 clipped_tokens += float(clipped.sum())
             share = PolicyBatch(logprobs, micro.behaviour_logprobs, micro_advantages, micro.loss_mask)
-            loss = policy_loss(share, TokenWeights(weights, mask, {}), self.spec.loss_aggregation, denominator,
-                               self.spec.constant_tokens)
+            loss = self._loss(share, TokenWeights(weights, mask, {}), denominator, entropy,
+                              _rows_of(reference, rows, logprobs))
             if proximal_logprobs is not None and not self._all_finite(loss):
                 if index:  # poisons what the earlier micro-batches accumulated
                     self.engine.backward(loss * math.nan)
@@ -531,10 +587,10 @@ class LearnerRank:
                     self.engine.zero_grad()
                 raise _NonFiniteUpdate(index)
             self.engine.backward(loss * self.world_size)
-            del logprobs, share, loss
+            del logits, logprobs, entropy, share, loss
         return clipped_tokens
 
-    def _decoupled_updates(self, batch: TrainBatch, step: _StepValues, lr_scale: float
+    def _decoupled_updates(self, batch: TrainBatch, step: _StepValues, lr_scale: float, reference: Tensor | None
                            ) -> tuple[float, dict[str, Tensor]]:
         """`epochs` passes over the batch in `mini_batches` shares of whole prompt groups, one optimizer update
         per share: the stabilizer's decision at pi_prox (step.logprobs) times the trust region around pi_prox.
@@ -552,8 +608,9 @@ class LearnerRank:
                     plan = micro_batches.plan(share.sequence_lengths, share.group_ids,
                                               self.spec.max_tokens_per_micro_batch, keep_groups=False)
                     runs = self._agreed_runs(plan)[0]
-                    clipped_tokens += self._backpropagate(share, runs, decision, step.advantages[rows], denominator,
-                                                          step.logprobs[rows])
+                    clipped_tokens += self._backpropagate(
+                        share, runs, decision, step.advantages[rows], denominator, step.logprobs[rows],
+                        None if reference is None else reference[rows])
                     norms.append(self._apply_update(lr_scale))
         except _NonFiniteUpdate as error:
             if error.micro_batch:  # gradients accumulated before it: the engine's step must drop them
@@ -564,6 +621,58 @@ class LearnerRank:
                    "stability/skipped_updates": self._scalar(planned - len(norms)),
                    "stability/proximal_clip_frac": self._scalar(clipped_tokens / tokens if tokens else 0.0)}
         return (max(norms) if norms else math.nan), metrics
+
+    def _loss(self, policy: PolicyBatch, decision: TokenWeights, denominator: Tensor, entropy: Tensor | None,
+              reference: Tensor | None) -> Tensor:
+        """The policy-gradient loss, plus the KL term to the reference and minus the entropy bonus when the job
+        has them: all three aggregated over the decision's mask with one denominator."""
+        loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
+        mask = policy.mask_float if decision.mask is policy.mask else decision.mask
+        terms = []
+        if reference is not None and self.spec.kl_in == "loss":
+            terms.append(self.kl_coef * kl_penalty(policy.logprobs, reference, self.spec.kl_estimator, mask))
+        if self.spec.entropy_coef:
+            terms.append(-self.spec.entropy_coef * entropy)
+        if not terms:
+            return loss
+        return loss + aggregate_token_loss(sum(terms), mask, self.spec.loss_aggregation, denominator,
+                                           self.spec.constant_tokens)
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: TrainBatch, runs: list[Tensor | None]) -> Tensor | None:
+        """[B, L-1] fp32 log-probs of the frozen reference, micro-batched like the policy's; None without a KL
+        term. Every rank runs every micro-batch (ZeRO-3 gathers the reference's parameters in each forward)."""
+        if self.spec.kl_coef <= 0:
+            return None
+        out = torch.zeros_like(batch.behaviour_logprobs)
+        for rows in runs:
+            micro = self._micro_batch(batch, rows)
+            with nullcontext() if self.reference is not None else self.engine.module.disable_adapter():
+                model = self.reference if self.reference is not None else self.engine.module
+                logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
+            if rows is not None:
+                out[rows, :micro.loss_mask.shape[1]] = token_logprobs(logits, micro.input_ids, self.spec.temperature)
+            del logits
+        return out
+
+    def _kl_in_reward(self, batch: TrainBatch, reference: Tensor | None) -> tuple[TrainBatch, dict[str, Tensor]]:
+        """With `kl in: reward`, the batch whose rewards lose coef x the sampled response's summed KL to the
+        reference, from the behaviour log-probs the sampler recorded (known before the step, as verl's
+        in-reward penalty uses the rollout's); otherwise the batch as it is."""
+        if reference is None or self.spec.kl_in != "reward":
+            return batch, {}
+        penalty = self.kl_coef * sequence_kl(batch.behaviour_logprobs, reference, batch.loss_mask,
+                                             self.spec.kl_estimator)
+        shaped = replace(batch, rewards=batch.rewards - penalty)
+        return shaped, {"rollout/kl_ref_penalty_mean": penalty.mean()}
+
+    def _kl_metrics(self, batch: TrainBatch, logprobs: Tensor, reference: Tensor | None) -> dict[str, Tensor]:
+        """The KL per loss token of the learner at the step's start to the reference, and the coefficient."""
+        if reference is None:
+            return {}
+        tokens = kl_penalty(logprobs, reference, self.spec.kl_estimator, batch.loss_mask)
+        return {"stability/kl_ref_mean": tokens.sum() / batch.loss_mask.sum().clamp(min=1),
+                "stability/kl_ref_coef": self._scalar(self.kl_coef)}
 
     def _discard_step(self) -> None:
         """The engine's step on a poisoned gradient: ZeRO finds the non-finite norm and drops the gradient
@@ -708,13 +817,20 @@ class LearnerRank:
         """Name (HF checkpoint), whole shape and wire `dtype` of every published weight, in the order
         `published_weights` yields them; read locally (ZeRO-3's `ds_shape`), no collective."""
         return [TensorSpec(name, tuple(getattr(param, "ds_shape", param.shape)), dtype)
-                for name, param in self.engine.module.named_parameters()]
+                for name, param in self._published_parameters()]
+
+    def _published_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        """What the generators load: every parameter, or with LoRA the adapter's alone (peft's names)."""
+        if self.spec.lora is not None:
+            yield from adapter_weights(self.engine.module).items()
+        else:
+            yield from self.engine.module.named_parameters()
 
     def published_weights(self) -> Iterator[tuple[str, Tensor]]:
         """(name, weight) of `publish_specs`, whole, one at a time: valid until the next is asked for (copy it).
         Under ZeRO-3 every rank must iterate in step, since each parameter's gather is a collective; no
         rank holds more than one gathered parameter."""
-        for name, param in self.engine.module.named_parameters():
+        for name, param in self._published_parameters():
             if self.spec.zero_stage != 3:
                 yield name, param.detach()
                 continue
@@ -749,6 +865,10 @@ class LearnerRank:
         """The policy as a Hugging Face model folder (config, safetensors, tokenizer) that transformers and
         vLLM load as they are; rank 0 writes it. A collective under ZeRO-3, which gathers the parameters."""
         module = self.engine.module
+        if self.spec.lora is not None:  # the merged model, with the adapter alone beside it
+            if self.rank == 0:
+                self._save_merged_and_adapter(folder)
+            return
         if self.spec.zero_stage != 3:
             if self.rank == 0:
                 save_model_folder(module, self.spec.model_path, folder)
@@ -760,11 +880,20 @@ class LearnerRank:
         state = {name: tensor.to("cpu", copy=True) for name, tensor in self.published_weights()}
         save_model_folder(module, self.spec.model_path, folder, state)
 
+    def _save_merged_and_adapter(self, folder: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(self.spec.model_path, dtype=torch.float32)
+        save_model_folder(base, self.spec.model_path, folder, merged_state_dict(self.engine.module))
+        with storage_errors(f"the adapter in {folder}"):
+            tensors = {name: t.detach().to("cpu", torch.float32) for name, t in self._published_parameters()}
+            write_adapter_folder(tensors, self.spec.lora, self.spec.model_path, Path(folder) / ADAPTER_FOLDER)
+
     # ---- checkpoints -------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         """Model, optimizer (each rank its ZeRO shard), policy version and RNG state; a collective."""
-        client_state = {"version": self.version, "torch_rng": torch.get_rng_state()}
+        client_state = {"version": self.version, "torch_rng": torch.get_rng_state(), "kl_coef": self.kl_coef}
         with storage_errors(f"learner rank {self.rank}'s checkpoint to {directory}"):
             self.engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
 
@@ -777,6 +906,7 @@ class LearnerRank:
         if loaded is None:
             raise FileNotFoundError(f"learner rank {self.rank}: no checkpoint in {path}")
         self.version = int(client_state["version"])
+        self.kl_coef = float(client_state.get("kl_coef", self.spec.kl_coef))
         torch.set_rng_state(client_state["torch_rng"])
         return self.version
 
@@ -809,7 +939,7 @@ class LearnerRank:
         metrics["optim/grad_norm"] = self._scalar(grad_norm)
         metrics["stability/lr_scale"] = self._scalar(lr_scale)
         metrics["stability/skipped_step"] = self._scalar(skipped)
-        metrics["rollout/reward_mean"] = batch.rewards.mean()
+        metrics.setdefault("rollout/reward_mean", batch.rewards.mean())  # the task's, before any KL shaping
         metrics["rollout/response_len"] = batch.loss_mask.float().sum(1).mean()
         metrics["time/learner_step_s"] = self._scalar(time.perf_counter() - start)
         metrics["perf/learner_tokens_per_s"] = batch.attention_mask.sum() / metrics["time/learner_step_s"]
@@ -882,6 +1012,14 @@ def _prompt_group_shares(group_ids: Tensor, shares: int) -> list[Tensor]:
         raise ValueError(f"{shares} mini-batches need at least as many prompt groups per rank, got {len(groups)} "
                          "(learner.mini_batches)")
     return [torch.isin(group_ids, part).nonzero().flatten() for part in groups.tensor_split(shares)]
+
+
+def _rows_of(reference: Tensor | None, rows: Tensor | None, logprobs: Tensor) -> Tensor | None:
+    """The reference log-probs of a micro-batch's rows, trimmed to its width; an empty micro-batch's own
+    log-probs (a KL of 0 on its empty mask)."""
+    if reference is None:
+        return None
+    return logprobs.detach() if rows is None else reference[rows, :logprobs.shape[1]]
 
 
 def per_sequence_coefficients(token_coefficients: Tensor, loss_mask: Tensor) -> Tensor:

@@ -18,7 +18,8 @@ import ray
 from actors.buffer import Ledger, keep_first_lines
 from actors.generator import GeneratorSpec
 from algorithms.config import STABILIZER_CONFIGS
-from cluster.job import Job, JobError, JobValidationError, dump_job, evaluation_set, job_task, section_config
+from cluster.job import (Job, JobError, JobValidationError, KLSection, dump_job, evaluation_set, job_task,
+                         section_config)
 from cluster.run import runtime
 from cluster.run.checkpoints import (CHECKPOINTS, MODEL, ModelSaveFailed, readable_checkpoints, restore_learners,
                                      write_model)
@@ -28,6 +29,7 @@ from cluster.run.model_prep import prepare_model, sft_samples
 from cluster.run.stopping import StopRequest
 from cluster.telemetry.metrics import SAMPLES_FILE, MetricSink
 from learner.batch import collate
+from learner.lora import LoraSpec, missing_target_modules
 from learner.rank import LearnerSpec
 from tasks.base import Task
 
@@ -83,6 +85,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     task = job_task(job)
     evaluation = evaluation_set(job, task)  # a bad data file or reward function fails here, before anything starts
     model_path = prepare_model(job, task)  # and a model path that loads nothing, likewise
+    _check_lora_targets(job, model_path)
     run_dir = resume_dir if resume_dir is not None else create_run_dir(job)
     runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace)
     if stop is not None:
@@ -179,6 +182,23 @@ def _sft_warmup(job: Job, task: Task, model_path: str, learners: runtime.Learner
         sink.log(-warmup.steps + step, metrics)
 
 
+def _check_lora_targets(job: Job, model_path: str) -> None:
+    """Refuse LoRA target modules the model does not have, before any actor starts (peft would only say so in
+    every learner rank)."""
+    if job.model.lora is None:
+        return
+    missing = missing_target_modules(model_path, tuple(job.model.lora.target_modules))
+    if missing:
+        raise JobValidationError(job.name, [JobError("model.lora.target_modules", f"{missing} name no linear layer "
+                                                     f"of the model {model_path}")])
+
+
+def lora_spec(job: Job) -> LoraSpec | None:
+    """The learner's and generators' LoraSpec of the job's model.lora (None: full fine-tuning)."""
+    lora = job.model.lora
+    return None if lora is None else LoraSpec(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
+
+
 def _generator_starter(job: Job, model_path: str, name_prefix: str) -> Callable[[int], Any]:
     """Starts generator `index` of this job (its engine loads in the background)."""
     spec, g = _generator_spec(job, model_path), job.generator
@@ -212,8 +232,17 @@ def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
         max_tokens_per_micro_batch=job.learner.max_tokens_per_micro_batch,
         gradient_checkpointing=job.learner.gradient_checkpointing, proximal=job.algorithm.proximal,
         proximal_eps_low=job.algorithm.proximal_eps_low, proximal_eps_high=job.algorithm.proximal_eps_high,
-        mini_batches=job.learner.mini_batches, epochs=job.learner.epochs,
+        mini_batches=job.learner.mini_batches, epochs=job.learner.epochs, **_kl_values(job.algorithm.kl),
+        entropy_coef=job.algorithm.entropy_coef, lora=lora_spec(job),
     )
+
+
+def _kl_values(kl: KLSection | None) -> dict[str, Any]:
+    """The LearnerSpec fields of the job's KL term (none: coefficient 0, no reference model)."""
+    if kl is None:
+        return {}
+    return {"kl_coef": kl.coef, "kl_estimator": kl.estimator, "kl_in": kl.in_, "kl_target": kl.target,
+            "kl_horizon": kl.horizon}
 
 
 # async.weight_sync -> the vLLM weight-transfer engine that loads the weights in each generator
@@ -228,7 +257,7 @@ def _generator_spec(job: Job, model_path: str) -> GeneratorSpec:
         dtype=job.model.dtype_on(gpu=g.gpus_per_generator > 0), seed=job.seed, gpus=g.gpus_per_generator,
         tensor_parallel_size=g.tensor_parallel_size, gpu_memory_utilization=g.gpu_memory_utilization,
         cuda_graphs=g.cuda_graphs, prefix_caching=g.prefix_caching, max_num_seqs=g.max_num_seqs,
-        weight_transfer=WEIGHT_TRANSFER_ENGINES[job.async_.weight_sync], streaming=g.streaming,
+        weight_transfer=WEIGHT_TRANSFER_ENGINES[job.async_.weight_sync], streaming=g.streaming, lora=lora_spec(job),
     )
 
 

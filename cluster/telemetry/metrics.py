@@ -62,6 +62,11 @@ KNOWN_METRICS: dict[str, str] = {
     "stability/proximal_clip_frac": "algorithm.proximal recompute: share of loss tokens over the step's updates whose "
     "ratio to the proximal policy left the trust region (no gradient)",
     "stability/skipped_updates": "algorithm.proximal recompute: updates of the step left out after a non-finite loss",
+    "stability/kl_ref_mean": "algorithm.kl: the estimator's KL of the learner (at the step's start) to the frozen "
+    "starting policy, per loss token; 0 at the first step",
+    "stability/kl_ref_coef": "algorithm.kl: the KL coefficient this step used (moves with an adaptive target)",
+    "rollout/kl_ref_penalty_mean": "algorithm.kl in: reward: mean reward each response lost to its KL to the "
+    "reference (coef x summed token KL from its behaviour log-probs)",
     "optim/updates": "optimizer updates the step applied (learner.mini_batches x learner.epochs, fewer after a "
     "non-finite loss)",
     "optim/loss": "policy loss of the step",
@@ -127,6 +132,7 @@ SUMMARIES: dict[str, str] = {
     "stability/ess_ratio": "min,last",
     "stability/lr_scale": "min,last",
     "stability/kl_k3": "max,last",
+    "stability/kl_ref_mean": "max,last",
     "stability/entropy": "min,last",
     "stability/skipped_step": "max",
     "optim/grad_norm": "max,last",

@@ -630,6 +630,45 @@ def _assert_the_last_checkpoint_exports_the_saved_model(run_dir: Path, capsys) -
     assert (run_dir / "model-step-000004" / "tokenizer.json").exists()
 
 
+def test_a_lora_job_with_kl_and_entropy_trains_the_adapter_and_exports_it(local_ray, tmp_path, capsys):
+    """model.lora: the learners train an adapter, the generator samples with each version's adapter, and the
+    saved model and the checkpoint's export are the same merged model, each with the adapter beside it. The KL
+    term (its reference is the base model, the adapter off) and the entropy bonus ride along."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "lora"}, checkpoint={"every_steps": 4},
+               model={"lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}},
+               algorithm={"kl": {"coef": 0.01}, "entropy_coef": 0.001})
+    from cluster.run.driver import train
+
+    result = train(validate_job(job))
+    run_dir = result.run_dir
+    _assert_each_group_ends_once(run_dir, steps=4)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kl = [m["stability/kl_ref_mean"] for m in metrics if "stability/kl_ref_mean" in m]
+    assert len(kl) == 4 and kl[0] == 0.0 and kl[-1] > 0
+    trained = _trained(run_dir)
+    assert max(r["version"] for r in trained) >= 1  # the generator sampled with a trained adapter
+
+    assert cli_main(["export", str(run_dir), "--checkpoint", "step-000004"]) == 0
+    saved, exported = (load_file(run_dir / name / "model.safetensors") for name in ("model", "model-step-000004"))
+    assert set(exported) == set(saved)
+    for name, tensor in saved.items():
+        assert torch.allclose(exported[name], tensor, atol=1e-6), name
+    adapter_config = json.loads((run_dir / "model" / "adapter" / "adapter_config.json").read_text())
+    base_path = adapter_config["base_model_name_or_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    assert any(not torch.equal(base.state_dict()[name], tensor) for name, tensor in saved.items())
+    adapted = PeftModel.from_pretrained(base, str(run_dir / "model-step-000004" / "adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32)
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(adapted(ids).logits, merged(ids).logits, atol=1e-4)
+
+
 def test_killed_learner_resumes_from_its_checkpoint_by_itself(local_ray, tmp_path):
     import threading
 

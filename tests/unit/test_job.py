@@ -329,3 +329,41 @@ def test_the_cli_prints_an_explained_failure_without_a_traceback(monkeypatch, ca
     monkeypatch.setattr(cli, "_validate", fails)
     assert cli.main(["validate", "job.yaml"]) == 1
     assert capsys.readouterr().err.strip() == "stableasync validate: task.path: row 3 has no 'answer'"
+
+
+def test_kl_and_entropy_settings_validate_and_bad_ones_name_their_field():
+    job = validate_job({**MINIMAL, "algorithm": {"kl": {"coef": 0.01, "in": "reward", "target": 0.1},
+                                                 "entropy_coef": 0.001}})
+    assert (job.algorithm.kl.in_, job.algorithm.kl.estimator, job.algorithm.kl.target) == ("reward", "low_var", 0.1)
+    assert validate_job(yaml.safe_load(dump_job(job))) == job  # `in` round-trips under its own name
+    errors = _errors({**MINIMAL, "algorithm": {"kl": {"estimator": "k9"}, "entropy_coef": -1}})
+    assert "'k1', 'k2', 'k3' or 'low_var'" in errors["algorithm.kl.estimator"]
+    assert "algorithm.entropy_coef" in errors
+    errors = _errors({**MINIMAL, "algorithm": {"entropy_coef": 0.01,
+                                               "stabilizer": {"name": "vcpo", "opob_impl": "bookkeeping"}}})
+    assert "cannot carry a KL term in the loss or an entropy bonus" in errors["algorithm.stabilizer.opob_impl"]
+
+
+def test_lora_settings_outside_what_runs_name_their_field():
+    lora = {"model": {"lora": {"rank": 8}}}
+    assert validate_job({**MINIMAL, **lora}).model.lora.target_modules[0] == "q_proj"
+    errors = _errors({**MINIMAL, **lora, "learner": {"zero_stage": 3}, "async": {"weight_sync": "gloo"},
+                      "generator": {"streaming": True}})
+    assert {"learner.zero_stage", "async.weight_sync", "generator.streaming"} <= set(errors)
+    assert "model.lora.rank" in _errors({**MINIMAL, "model": {"lora": {"rank": 0}}})
+    assert "model.lora.target_modules" in _errors({**MINIMAL, "model": {"lora": {"target_modules": []}}})
+
+
+def test_a_lora_target_the_model_lacks_stops_train_before_anything_starts(tmp_path, tiny_qwen2):
+    runs = tmp_path / "runs"
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {{path: {tiny_qwen2}, lora: {{target_modules: [q_proj, attn_c_proj]}}}}\n"
+                   f"task: {{name: arithmetic}}\nlogging: {{run_dir: {runs}}}\n")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "cluster.cli", "train", str(job)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "model.lora.target_modules: ['attn_c_proj'] name no linear layer of the model" in done.stderr, done.stderr
+    assert not runs.exists(), "no run directory for a job that never started"
