@@ -631,8 +631,9 @@ def _assert_the_last_checkpoint_exports_the_saved_model(run_dir: Path, capsys) -
 
 
 def test_a_lora_job_with_kl_and_entropy_trains_the_adapter_and_exports_it(local_ray, tmp_path, capsys):
-    """model.lora: the learners train an adapter, the generator samples with each version's adapter, and the
-    saved model and the checkpoint's export are the same merged model, each with the adapter beside it. The KL
+    """model.lora: the learners train an adapter, the generator samples with each version's adapter, the
+    saved model and the checkpoint's export are the same merged model, each with the adapter beside it, and
+    the run resumes from a checkpoint. The KL
     term (its reference is the base model, the adapter off: the model before the SFT warm-up) and the entropy
     bonus ride along."""
     from peft import PeftModel
@@ -640,7 +641,7 @@ def test_a_lora_job_with_kl_and_entropy_trains_the_adapter_and_exports_it(local_
     import torch
     from transformers import AutoModelForCausalLM
 
-    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "lora"}, checkpoint={"every_steps": 4},
+    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "lora"}, checkpoint={"every_steps": 2},
                model={"lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}},
                algorithm={"kl": {"coef": 0.01}, "entropy_coef": 0.001})
     from cluster.run.driver import train
@@ -668,6 +669,11 @@ def test_a_lora_job_with_kl_and_entropy_trains_the_adapter_and_exports_it(local_
     ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(adapted(ids).logits, merged(ids).logits, atol=1e-4)
+
+    # resume from step 2's checkpoint (step 4's damaged): the adapter and its optimizer state load back
+    (run_dir / "checkpoints" / "step-000004" / "driver.json").write_text('{"version": 4, "trunc')
+    assert cli_main(["train", "--resume", str(run_dir)]) == 0
+    _assert_each_group_ends_once(run_dir, steps=4)
 
 
 def test_killed_learner_resumes_from_its_checkpoint_by_itself(local_ray, tmp_path):
