@@ -70,16 +70,18 @@ def phase_s(run_dir: Path, rows: list[dict[str, Any]]) -> tuple[float, float]:
     return g, t
 
 
-def _job_for(base: dict[str, Any], lag: int, steps: int, out: Path) -> Any:
+def two_core_job(base: dict[str, Any], lag: int, steps: int, out: Path, run_name: str, **generator: Any) -> Any:
+    """The base job on two cores, one learner rank and one generator (with `generator` settings over it), at
+    `lag`, for `steps`, quiet, into `out/run_name`: what the timing benchmarks compare side by side."""
     from cluster.job import validate_job
 
     data = json.loads(json.dumps(base))
     data["async"]["max_lag"] = lag
     data["learner"].update(steps=steps, num_ranks=1, cpus_per_rank=1.0)
-    data["generator"].update(num_generators=1, cpus_per_generator=1.0)
+    data["generator"].update(num_generators=1, cpus_per_generator=1.0, **generator)
     data["cluster"].update(num_cpus=2)
-    data["logging"].update(run_dir=str(out), run_name=f"lag{lag}", progress_bar=False, wandb={"mode": "disabled"})
-    return validate_job(data, f"max_lag {lag}")
+    data["logging"].update(run_dir=str(out), run_name=run_name, progress_bar=False, wandb={"mode": "disabled"})
+    return validate_job(data, run_name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     contention = slowdown_with_both_cores_busy()  # forks: before Ray starts its threads in this process
     runs = {}
     for lag in lags:  # one process, one Ray cluster, one job after the other
-        runs[lag] = train(_job_for(base, lag, args.steps, out)).run_dir
+        runs[lag] = train(two_core_job(base, lag, args.steps, out, f"lag{lag}")).run_dir
 
     rows = {lag: _rows(run_dir) for lag, run_dir in runs.items()}
     g, t = phase_s(runs[0], rows[0])

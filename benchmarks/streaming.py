@@ -15,29 +15,21 @@ trained responses that more than one policy version sampled.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.async_speedup import SKIP_STEPS, time_to_target_s, wall_per_step_s
+from benchmarks.async_speedup import SKIP_STEPS, time_to_target_s, two_core_job, wall_per_step_s
 from cluster.telemetry.run_files import metric_number, read_jsonl_rows, step_rows
 
 
 def _job_for(base: dict[str, Any], streaming: bool, steps: int, lag: int, requests_in_flight: int,
              out: Path) -> Any:
-    from cluster.job import validate_job
-
-    data = json.loads(json.dumps(base))
-    data["async"]["max_lag"] = lag
-    data["learner"].update(steps=steps, num_ranks=1, cpus_per_rank=1.0)
-    data["generator"].update(num_generators=1, cpus_per_generator=1.0, streaming=streaming)
-    if streaming:
-        data["generator"].update(prompts_per_request=1, requests_in_flight=requests_in_flight)
-    data["cluster"].update(num_cpus=2)
-    name = "streaming" if streaming else "request-batch"
-    data["logging"].update(run_dir=str(out), run_name=name, progress_bar=False, wandb={"mode": "disabled"})
-    return validate_job(data, name)
+    """The request-batch job, or its streaming twin with one prompt per request and `requests_in_flight` of them."""
+    if not streaming:
+        return two_core_job(base, lag, steps, out, "request-batch", streaming=False)
+    return two_core_job(base, lag, steps, out, "streaming", streaming=True, prompts_per_request=1,
+                        requests_in_flight=requests_in_flight)
 
 
 def build_parser() -> argparse.ArgumentParser:
