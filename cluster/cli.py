@@ -33,13 +33,19 @@ def _validate(args: argparse.Namespace) -> int:
     from learner.models import KNOWN_MODELS, ModelPathError, resolve_model
     from tasks.base import TaskError
 
-    try:  # the data file's rows, the reward function and a local model folder, as a run here would load them
+    try:  # the data file's rows, the reward function, a local model folder and reward models, as a run would load
         if not args.schema_only:
+            from cluster.run.rewards import check_reward_models
+
             evaluation_set(job, job_task(job))
             if job.model.path not in ("tiny", *KNOWN_MODELS):
                 resolve_model(job.model.path)
+            check_reward_models(job)
     except (TaskError, ModelPathError) as error:
         print(f"{args.job}: {error}", file=sys.stderr)
+        return 2
+    except JobValidationError as error:
+        print(error, file=sys.stderr)
         return 2
     if args.dry_run:
         print(dump_job(job), end="")

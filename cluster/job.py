@@ -360,9 +360,58 @@ class CheckpointSection(Section):
     )
 
 
+# The kinds of scoring.rewards components, each with the fields it takes and their defaults (None: required).
+# Only a reward model has fields of its own; the other kinds take name and weight alone.
+REWARD_KINDS: dict[str, dict[str, Any]] = {
+    "task": {},  # the task's own verifier, in the reward workers
+    "format": {},  # 1.0 for a completion with an <answer></answer>, else 0.0
+    "reward_model": {"path": None, "batch_size": 8, "timeout_s": 60.0, "gpus": 0.0, "max_length": 1024},
+}
+
+
+class RewardSection(Section):
+    """One component of a composite reward: the sample's reward is the sum of weight x component."""
+
+    name: Literal[tuple(REWARD_KINDS)] = Field(  # type: ignore[valid-type]
+        description="task: the task's verifier; format: 1.0 with an <answer></answer>, else 0.0; reward_model: a "
+        "Hugging Face sequence-classification model with one output, scored in a Ray actor"
+    )
+    weight: float = Field(1.0, allow_inf_nan=False, description="its factor in the sum (negative: a penalty)")
+    path: str | None = Field(None, description="reward_model: a local model folder (config, weights, tokenizer)")
+    batch_size: int | None = Field(None, gt=0, description="reward_model: texts per forward pass (default 8)")
+    timeout_s: float | None = Field(None, gt=0, description="reward_model: seconds one group's scoring may take; "
+                                    "past it the group's samples fail and the actor is replaced (default 60)")
+    gpus: float | None = Field(None, ge=0, description="reward_model: GPUs of its actor (default 0: on CPU)")
+    max_length: int | None = Field(None, gt=0, description="reward_model: tokens of prompt and completion it reads, "
+                                   "cut from the left (default 1024)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def kind_fields(cls, data: Any) -> Any:
+        """Fill in the kind's defaults; refuse a field the kind does not take, or a required one left out."""
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str) or data["name"] not in REWARD_KINDS:
+            return data  # the `name` field reports it
+        kind, fields = data["name"], REWARD_KINDS[data["name"]]
+        foreign = sorted(str(key) for key, value in data.items()  # null: as the resolved job writes them
+                         if key not in {"name", "weight", *fields} and value is not None)
+        if foreign:
+            raise ValueError(f"{', '.join(foreign)}: not a field of a {kind!r} reward (its fields: "
+                             f"{', '.join(['name', 'weight', *fields])})")
+        missing = [key for key, default in fields.items() if default is None and data.get(key) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: required for a {kind!r} reward")
+        return {**{k: v for k, v in fields.items() if v is not None}, **data}
+
+
 class ScoringSection(Section):
     """Reward workers (`tasks/scoring.py`): each completion is scored in a verifier subprocess, so a verifier
     that raises, hangs or eats memory fails only its own sample."""
+
+    rewards: list[RewardSection] | None = Field(
+        None, min_length=1, description="a composite reward: the sum of weight x each component, each logged as "
+        "rollout/reward_<name>_mean; a component that fails a sample fails it (reward 0, the reason in the "
+        "ledger). One component per name. None: the task's verifier alone"
+    )
 
     workers: int = Field(1, gt=0, description="verifier subprocesses scoring a group's completions in parallel")
     timeout_s: float = Field(
@@ -558,6 +607,8 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
         if job.async_.weight_sync != "object_store":
             errors.append(JobError("async.weight_sync", "elastic generators (generator.max_generators) need "
                                    "object_store: a collective weight group cannot take new members"))
+    errors += _scoring_errors(job, available_cpus if available_cpus is not None else job.cluster.num_cpus,
+                              available_gpus)
     if job.eval.samples_per_problem > 1 and job.eval.temperature == 0:
         errors.append(JobError("eval.samples_per_problem", f"{job.eval.samples_per_problem} greedy answers "
                                "(eval.temperature 0) would all be the same; set eval.temperature > 0, or 1 answer"))
@@ -590,6 +641,31 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                     field, f"the job starts {count} actor(s) on nodes with resource {resource!r}, but the cluster "
                     f"offers {units:g} unit(s) of it (add such nodes, or start with fewer)",
                 ))
+    return errors
+
+
+def _scoring_errors(job: Job, cpu_limit: float | None, available_gpus: float | None) -> list[JobError]:
+    """scoring.rewards: one component per name (each is its own metric); room on the cluster for the reward model
+    actors (one CPU each, and their GPUs) beside the generators and learner ranks."""
+    rewards = job.scoring.rewards or []
+    errors = [JobError(f"scoring.rewards.{i}.name", f"a second {r.name!r} component (one per name: each is logged "
+                       f"as rollout/reward_{r.name}_mean)")
+              for i, r in enumerate(rewards) if r.name in {earlier.name for earlier in rewards[:i]}]
+    models = [(i, r) for i, r in enumerate(rewards) if r.name == "reward_model"]
+    if not models:
+        return errors
+    generator, learner = job.generator, job.learner
+    for unit, limit, others, wanted in (
+            ("CPUs", cpu_limit, generator.num_generators * generator.cpus_per_generator
+             + learner.num_ranks * learner.cpus_per_rank, [(i, 1.0) for i, _ in models]),
+            ("GPUs", available_gpus, generator.num_generators * generator.gpus_per_generator
+             + learner.num_ranks * learner.gpus_per_rank, [(i, r.gpus or 0.0) for i, r in models])):
+        taken = sum(count for _, count in wanted)
+        if limit is not None and taken and others <= limit < others + taken:
+            index = next(i for i, count in wanted if count)
+            errors.append(JobError(f"scoring.rewards.{index}.{'gpus' if unit == 'GPUs' else 'name'}",
+                                   f"reward model actors take {taken:g} {unit} beside the {others:g} of generators "
+                                   f"and learner ranks, but the cluster has {limit:g}"))
     return errors
 
 

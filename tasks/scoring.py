@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -30,6 +30,8 @@ from tasks.base import Problem, Task, build_task
 class ScoreResult:
     reward: float
     error: str | None = None
+    # composite rewards (`tasks.rewards.CompositeScorer`): each component's score by its kind, the failed ones left out
+    components: dict[str, float] = field(default_factory=dict)
 
 
 def checked_score(task: Task, problem: Problem, completion: str) -> ScoreResult:

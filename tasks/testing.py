@@ -64,3 +64,25 @@ class BrokenStartArithmetic(Arithmetic):
 
     def __init__(self, config: ArithmeticConfig) -> None:
         raise ImportError("no module named 'verifier_dependency'")
+
+
+class MisbehavingRewardModel:
+    """A reward-model scorer for the actor tests: scores a completion by its length, hangs on HANG, kills its
+    process on DIE; `fail_start` raises while loading, as a model that does not fit would."""
+
+    def __init__(self, fail_start: bool = False) -> None:
+        if fail_start:
+            raise RuntimeError("CUDA out of memory while loading")
+
+    def ready(self) -> bool:
+        return True
+
+    def score(self, conversations: list[tuple[list[dict[str, str]], str]]) -> list[object]:
+        from tasks.scoring import ScoreResult
+
+        completions = [completion for _, completion in conversations]
+        if any("HANG" in c for c in completions):
+            time.sleep(600)
+        if any("DIE" in c for c in completions):
+            os._exit(1)
+        return [ScoreResult(float(len(c))) for c in completions]

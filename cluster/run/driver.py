@@ -26,6 +26,7 @@ from cluster.run.checkpoints import (CHECKPOINTS, MODEL, ModelSaveFailed, readab
 from cluster.run.faults import LEARNER_GROUP_FAILURES, CannotResume, LearnerCrashed, learners_may_crash
 from cluster.run.loop import AsyncLoop
 from cluster.run.model_prep import prepare_model, sft_samples
+from cluster.run.rewards import check_reward_models
 from cluster.run.stopping import StopRequest
 from cluster.telemetry.metrics import SAMPLES_FILE, MetricSink
 from learner.batch import collate
@@ -86,6 +87,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     evaluation = evaluation_set(job, task)  # a bad data file or reward function fails here, before anything starts
     model_path = prepare_model(job, task)  # and a model path that loads nothing, likewise
     _check_lora_targets(job, model_path)
+    check_reward_models(job)  # a reward model path that does not load, by its field
     run_dir = resume_dir if resume_dir is not None else create_run_dir(job)
     runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace)
     if stop is not None:

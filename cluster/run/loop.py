@@ -30,12 +30,13 @@ from actors.generator import GeneratedGroup, GenerationRequest
 from actors.records import ScoredCompletion
 from algorithms.diagnostics import lag_stats
 from algorithms.rewards import overlong_penalty
-from cluster.job import AlgorithmSection, Job, section_config
+from cluster.job import AlgorithmSection, Job, ScoringSection, section_config
 from cluster.run import runtime
 from cluster.run.checkpoints import CheckpointFailed, readable_checkpoints, write_checkpoint
 from cluster.run.evaluation import Evaluator, evaluate_again_on_resume
 from cluster.run.faults import NumericalFailure, SkipStreak, UniformRewards, learners_may_crash
 from cluster.run.generators import SCALE_CHECK_S, GeneratorPool
+from cluster.run.rewards import REWARD_METRICS, training_scorer
 from cluster.run.schedule import Call, Schedule, SchedulerStuck
 from cluster.run.state import DriverState, InFlight
 from cluster.run.stopping import JobStopped, StopRequest
@@ -55,8 +56,9 @@ class ScoredSinceStep:
     overlong_penalties: list[float] = field(default_factory=list)
     truncated: int = 0  # responses the generator cut off at max_new_tokens
     uniform_groups_dropped: int = 0  # by algorithm.drop_uniform_groups
+    components: dict[str, list[float]] = field(default_factory=dict)  # scoring.rewards: each kind's scores
 
-    def metrics(self, algorithm: AlgorithmSection) -> dict[str, float]:
+    def metrics(self, algorithm: AlgorithmSection, scoring: ScoringSection | None = None) -> dict[str, float]:
         """`rollout/*` keys of the step row; those of options the job leaves off are not logged."""
         def mean(values: list[float]) -> float:
             return sum(values) / len(values) if values else math.nan
@@ -67,6 +69,8 @@ class ScoredSinceStep:
             row["rollout/uniform_groups_dropped"] = self.uniform_groups_dropped
         if algorithm.overlong_buffer_tokens:
             row["rollout/overlong_penalty_mean"] = mean(self.overlong_penalties)
+        for section in (scoring.rewards if scoring else None) or []:  # NaN: nothing scored since, or all failed
+            row[REWARD_METRICS[section.name]] = mean(self.components.get(section.name, []))
         return row
 
 
@@ -149,7 +153,12 @@ class AsyncLoop:
         self.problem_of: dict[int, Problem] = {}
         self.problems_drawn = 0
         self.resumed_requests: list[GenerationRequest] = []
-        self.scorer = reward_workers(job)
+        verifiers = reward_workers(job)  # the evaluation's scorer; training's too, unless scoring.rewards is set
+        try:
+            self.scorer = training_scorer(job, task, verifiers)
+        except BaseException:  # a reward model actor that cannot start
+            verifiers.close()
+            raise
         self.rng = random.Random(job.seed)
         self.learner_refs: list[ray.ObjectRef] = []
         self.step_started = 0.0
@@ -158,7 +167,7 @@ class AsyncLoop:
         self.skips = SkipStreak(job.learner.max_skipped_steps_in_a_row)
         self.checkpoint_failures = 0
         self.evaluator = Evaluator(evaluation, job.eval.temperature, job.eval.samples_per_problem, job.seed,
-                                   self.scorer, sink)
+                                   verifiers, sink)
         self.evaluations_to_redo: list[int] = []  # policy versions a checkpoint was still evaluating
         self.resumed = False  # restored from a checkpoint (set by restore)
 
@@ -424,6 +433,9 @@ class AsyncLoop:
         errors = sum(r.error is not None for r in results)
         self.scored.rewards += [c["reward"] for c in completions]
         self.scored.overlong_penalties += penalties
+        for section in self.job.scoring.rewards or []:  # a component's failed samples have no score of it
+            self.scored.components.setdefault(section.name, []).extend(
+                r.components[section.name] for r in results if section.name in r.components)
         self.scored.truncated += sum(c["finish_reason"] == "length" for c in completions)
         scored = ScoredGroup(group.group_id, group.problem_id, group.prompt_ids, completions, group.version_start,
                              group.version_end, group.generator_index, problem.question, problem.answer)
@@ -468,7 +480,7 @@ class AsyncLoop:
             "time/generator_busy_s": totals.busy_s_since_step,
             "time/eval_wait_s": eval_wait_s,  # the loop held up by the previous evaluation
         }
-        row.update(self.scored.metrics(self.job.algorithm))
+        row.update(self.scored.metrics(self.job.algorithm, self.job.scoring))
         self.scored = ScoredSinceStep()
         totals.busy_s_since_step = 0.0
         self.rewards.append(metrics.get("rollout/reward_mean", math.nan))

@@ -37,6 +37,12 @@ KNOWN_METRICS: dict[str, str] = {
     "uniform groups included (logged with algorithm.drop_uniform_groups, where rollout/reward_mean leaves them out)",
     "rollout/truncated_share": "share of the responses scored since the previous step that the generator cut off "
     "at generator.max_new_tokens (trained or not)",
+    "rollout/reward_task_mean": "scoring.rewards: mean score of the task's verifier component over the responses "
+    "scored since the previous step whose verifier succeeded (before its weight)",
+    "rollout/reward_format_mean": "scoring.rewards: mean of the format component (1.0 with an <answer></answer>) "
+    "over the responses scored since the previous step (before its weight)",
+    "rollout/reward_reward_model_mean": "scoring.rewards: mean reward-model score over the responses scored since "
+    "the previous step that it scored (before its weight; its failures fail the sample)",
     "rollout/overlong_penalty_mean": "mean overlong penalty (algorithm.overlong_buffer_tokens) of the responses "
     "scored since the previous step; the rewards trained on include it",
     "stability/ess_ratio": "effective sample size / samples of the sequence importance weights (1: on-policy)",
