@@ -69,6 +69,7 @@ def test_the_learner_trains_and_publishes_only_the_adapter(tiny_qwen2, tmp_path)
     assert not torch.allclose(merged_logits, base_logits, atol=1e-4)  # it trained
 
 
+@pytest.mark.slow  # 80 s: two runs; the default suite keeps the job test, whose KL reference is the base too
 def test_vcpo_norms_cover_the_adapter_only_and_the_kl_reference_is_the_base(tiny_qwen2, tmp_path):
     vcpo = lambda impl: ("vcpo", {"opob_impl": impl})  # noqa: E731
     options = {"kl_coef": 0.1, "kl_estimator": "k3"}

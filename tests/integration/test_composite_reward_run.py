@@ -30,6 +30,7 @@ def local_ray(tmp_path_factory):
     ray.shutdown()
 
 
+@pytest.mark.slow  # 85 s: a whole job; tests/component/test_reward_model_actor.py runs the actor in the default suite
 def test_a_job_with_a_reward_model_logs_each_component(local_ray, tiny_qwen2, tmp_path):
     from cluster.run.driver import train
 
