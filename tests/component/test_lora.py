@@ -44,6 +44,8 @@ def _run(world: int, model_path: str, out, stabilizer=("tis_seq", {"cap": 2.0}),
     return torch.load(out, weights_only=True)
 
 
+# 50 s. The default suite's LoRA job test shows the same end to end: its saved model is the base plus the adapter
+@pytest.mark.slow
 def test_the_learner_trains_and_publishes_only_the_adapter(tiny_qwen2, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file

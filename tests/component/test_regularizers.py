@@ -62,7 +62,11 @@ def test_kl_starts_at_zero_grows_and_holds_the_policy_nearer_the_reference(tiny_
     # the KL term is part of the reported loss
     assert tight["metrics"][2]["optim/loss"] != pytest.approx(loose["metrics"][2]["optim/loss"], rel=1e-3)
 
-    # ZeRO-3 on 2 ranks: the reference is a partitioned engine, and every rank runs its forwards
+
+@pytest.mark.slow  # 40 s: a 2-rank ZeRO-3 run beside a 1-rank one
+def test_the_kl_term_is_the_same_on_two_zero3_ranks(tiny_qwen2, tmp_path):
+    """ZeRO-3 on 2 ranks: the reference is a partitioned engine, and every rank runs its forwards."""
+    tight = _run(1, tiny_qwen2, tmp_path / "tight.pt", {"kl_coef": 5.0, "kl_estimator": "k3"}, steps=3)
     sharded = _run(2, tiny_qwen2, tmp_path / "sharded.pt", {"kl_coef": 5.0, "kl_estimator": "k3", "zero_stage": 3},
                    steps=3)
     for one, two in zip(tight["metrics"], sharded["metrics"]):

@@ -469,6 +469,7 @@ def test_uniform_reward_groups_are_dropped_and_replaced_so_every_step_trains_gro
     assert 0 < sum(m["rollout/uniform_groups_dropped"] for m in steps) <= len(dropped)
 
 
+@pytest.mark.slow  # 35 s; tests/unit/test_buffer.py and test_rewards.py cover the penalty and its metric
 def test_overlong_shaping_lowers_the_rewards_trained_on_by_length_and_leaves_evaluation_alone(local_ray, tmp_path):
     """Every response scores 1 from the verifier. With the whole response inside the overlong buffer (8 of
     max_new_tokens 8) at penalty 0.5, a response of n tokens is trained on with reward 1 - n / 16: below 1 for
@@ -641,22 +642,23 @@ def test_a_lora_job_with_kl_and_entropy_trains_the_adapter_and_exports_it(local_
     import torch
     from transformers import AutoModelForCausalLM
 
-    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "lora"}, checkpoint={"every_steps": 2},
+    job = _job(tmp_path, max_lag=0, steps=2, logging={"run_name": "lora"}, checkpoint={"every_steps": 1},
+               learner={"num_ranks": 1},
                model={"lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}},
                algorithm={"kl": {"coef": 0.01}, "entropy_coef": 0.001})
     from cluster.run.driver import train
 
     result = train(validate_job(job))
     run_dir = result.run_dir
-    _assert_each_group_ends_once(run_dir, steps=4)
+    _assert_each_group_ends_once(run_dir, steps=2)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     kl = [m["stability/kl_ref_mean"] for m in metrics if "stability/kl_ref_mean" in m]
-    assert len(kl) == 4 and 0 < kl[0] < kl[-1]  # the reference is the model before the warm-up trained the adapter
+    assert len(kl) == 2 and 0 < kl[0] < kl[-1]  # the reference is the model before the warm-up trained the adapter
     trained = _trained(run_dir)
     assert max(r["issued_version"] for r in trained) >= 1  # the generator sampled with an RL-trained adapter
 
-    assert cli_main(["export", str(run_dir), "--checkpoint", "step-000004"]) == 0
-    saved, exported = (load_file(run_dir / name / "model.safetensors") for name in ("model", "model-step-000004"))
+    assert cli_main(["export", str(run_dir), "--checkpoint", "step-000002"]) == 0
+    saved, exported = (load_file(run_dir / name / "model.safetensors") for name in ("model", "model-step-000002"))
     assert set(exported) == set(saved)
     for name, tensor in saved.items():
         assert torch.allclose(exported[name], tensor, atol=1e-6), name
@@ -664,16 +666,16 @@ def test_a_lora_job_with_kl_and_entropy_trains_the_adapter_and_exports_it(local_
     base_path = adapter_config["base_model_name_or_path"]
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     assert any(not torch.equal(base.state_dict()[name], tensor) for name, tensor in saved.items())
-    adapted = PeftModel.from_pretrained(base, str(run_dir / "model-step-000004" / "adapter"))
+    adapted = PeftModel.from_pretrained(base, str(run_dir / "model-step-000002" / "adapter"))
     merged = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32)
     ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(adapted(ids).logits, merged(ids).logits, atol=1e-4)
 
-    # resume from step 2's checkpoint (step 4's damaged): the adapter and its optimizer state load back
-    (run_dir / "checkpoints" / "step-000004" / "driver.json").write_text('{"version": 4, "trunc')
+    # resume from step 1's checkpoint (step 2's damaged): the adapter and its optimizer state load back
+    (run_dir / "checkpoints" / "step-000002" / "driver.json").write_text('{"version": 2, "trunc')
     assert cli_main(["train", "--resume", str(run_dir)]) == 0
-    _assert_each_group_ends_once(run_dir, steps=4)
+    _assert_each_group_ends_once(run_dir, steps=2)
 
 
 @pytest.mark.slow  # 85 s: a whole job; tests/component/test_reward_model_actor.py runs the actor in the default suite
