@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from learner.lora import ADAPTER_FOLDER, LoraSpec, adapter_weights, merged_state_dict, with_lora, write_adapter_folder
-from learner.rank import check_owned_by_me, save_model_folder
+from learner.lora import LoraSpec, with_lora
+from learner.rank import check_owned_by_me, save_lora_model_folder, save_model_folder
 
 
 def save_checkpoint_model(learner_dir: Path, tag: str, base_model: str, folder: str,
@@ -35,7 +35,5 @@ def save_checkpoint_model(learner_dir: Path, tag: str, base_model: str, folder: 
                          f"missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
     if peft_model is None:
         save_model_folder(model, base_model, folder)
-        return
-    merged = merged_state_dict(peft_model)
-    save_model_folder(AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32), base_model, folder, merged)
-    write_adapter_folder(adapter_weights(peft_model), lora, base_model, Path(folder) / ADAPTER_FOLDER)
+    else:
+        save_lora_model_folder(peft_model, lora, base_model, folder)

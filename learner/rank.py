@@ -181,6 +181,18 @@ class LearnerSpec:
         return (self.kl_coef > 0 and self.kl_in == "loss") or self.entropy_coef > 0
 
 
+def save_lora_model_folder(peft_model: Any, lora: LoraSpec, base_model: str, folder: str) -> None:
+    """A LoRA policy as the merged model folder, with its adapter alone in `folder/adapter`: what a run saves
+    and what `stableasync export` writes from a checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    save_model_folder(base, base_model, folder, merged_state_dict(peft_model))
+    with storage_errors(f"the adapter in {folder}"):
+        tensors = {name: t.detach().to("cpu", torch.float32) for name, t in adapter_weights(peft_model).items()}
+        write_adapter_folder(tensors, lora, base_model, Path(folder) / ADAPTER_FOLDER)
+
+
 def check_owned_by_me(path: Path) -> None:
     """Refuse a checkpoint folder that holds anything another user owns or can write: loading it unpickles
     its files, and a pickle can run code."""
@@ -645,10 +657,10 @@ class LearnerRank:
         if self.spec.kl_coef <= 0:
             return None
         out = torch.zeros_like(batch.behaviour_logprobs)
+        model = self.reference if self.reference is not None else self.engine.module  # LoRA: its adapter off
         for rows in runs:
             micro = self._micro_batch(batch, rows)
-            with nullcontext() if self.reference is not None else self.engine.module.disable_adapter():
-                model = self.reference if self.reference is not None else self.engine.module
+            with nullcontext() if self.reference is not None else model.disable_adapter():
                 logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
             if rows is not None:
                 out[rows, :micro.loss_mask.shape[1]] = token_logprobs(logits, micro.input_ids, self.spec.temperature)
@@ -867,7 +879,7 @@ class LearnerRank:
         module = self.engine.module
         if self.spec.lora is not None:  # the merged model, with the adapter alone beside it
             if self.rank == 0:
-                self._save_merged_and_adapter(folder)
+                save_lora_model_folder(module, self.spec.lora, self.spec.model_path, folder)
             return
         if self.spec.zero_stage != 3:
             if self.rank == 0:
@@ -879,15 +891,6 @@ class LearnerRank:
             return
         state = {name: tensor.to("cpu", copy=True) for name, tensor in self.published_weights()}
         save_model_folder(module, self.spec.model_path, folder, state)
-
-    def _save_merged_and_adapter(self, folder: str) -> None:
-        from transformers import AutoModelForCausalLM
-
-        base = AutoModelForCausalLM.from_pretrained(self.spec.model_path, dtype=torch.float32)
-        save_model_folder(base, self.spec.model_path, folder, merged_state_dict(self.engine.module))
-        with storage_errors(f"the adapter in {folder}"):
-            tensors = {name: t.detach().to("cpu", torch.float32) for name, t in self._published_parameters()}
-            write_adapter_folder(tensors, self.spec.lora, self.spec.model_path, Path(folder) / ADAPTER_FOLDER)
 
     # ---- checkpoints -------------------------------------------------------------------------
 
