@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import itertools
 import json
 import random
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,3 +131,37 @@ def file_problems(rows: Sequence[Problem], split: str, seed: int) -> Iterator[Pr
     for _ in itertools.count() if split in CYCLING_SPLITS else range(1):
         rng.shuffle(order)
         yield from (rows[i] for i in order)
+
+
+def user_function(entry: str, field: str) -> Callable[..., Any]:
+    """A user's function 'FILE.py:NAME' or 'module:NAME' (a reward, a tool), imported in this process; any error
+    is a TaskError naming `field`."""
+    source, _, name = entry.rpartition(":")
+    try:
+        module = _import_file(Path(source), field) if source.endswith(".py") else importlib.import_module(source)
+    except TaskError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any error in the user's module is reported with its field
+        raise TaskError(f"{field}: importing {source!r} failed: {type(error).__name__}: {error}") from error
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise TaskError(f"{field}: {source!r} has no function {name!r}")
+    return function  # type: ignore[no-any-return]
+
+
+def _import_file(path: Path, field: str) -> Any:
+    path = path.expanduser().resolve()
+    if not path.is_file():
+        raise TaskError(f"{field}: no file {path}")
+    name = "stableasync_user_" + re.sub(r"\W", "_", path.stem)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise TaskError(f"{field}: {path} cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look a class's module up here
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module

@@ -9,17 +9,14 @@ starts. A reward function that raises, hangs or returns a non-number at run time
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import json
-import re
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks.base import ANSWER_FORMAT, Problem, Task, TaskError, file_problems, graded_answer, read_jsonl, register
+from tasks.base import (ANSWER_FORMAT, Problem, Task, TaskError, file_problems, graded_answer, read_jsonl, register,
+                        user_function)
 from tasks.config import DatasetConfig
 from tasks.gsm8k import math_equivalent
 
@@ -118,15 +115,7 @@ def load_reward_function(spec: str) -> RewardFunction:
     if not source or not name.isidentifier():
         raise TaskError(f"task.reward: {spec!r} is neither a built-in ({', '.join(BUILT_IN_REWARDS)}) nor "
                         "'FILE.py:NAME' or 'module:NAME'")
-    try:
-        module = _import_file(Path(source)) if source.endswith(".py") else importlib.import_module(source)
-    except TaskError:
-        raise
-    except Exception as error:  # noqa: BLE001 - any error in the user's module is reported with its name
-        raise TaskError(f"task.reward: importing {source!r} failed: {type(error).__name__}: {error}") from error
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise TaskError(f"task.reward: {source!r} has no function {name!r}")
+    function = user_function(spec, "task.reward")
     try:
         inspect.signature(function).bind("completion", "answer", {})
     except TypeError:
@@ -135,21 +124,3 @@ def load_reward_function(spec: str) -> RewardFunction:
     except ValueError:  # no signature to inspect (some builtins): it is tried on the first sample
         pass
     return function
-
-
-def _import_file(path: Path) -> Any:
-    path = path.expanduser().resolve()
-    if not path.is_file():
-        raise TaskError(f"task.reward: no file {path}")
-    name = "stableasync_reward_" + re.sub(r"\W", "_", path.stem)
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise TaskError(f"task.reward: {path} cannot be imported")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look a class's module up here
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
