@@ -47,12 +47,15 @@ class ScoredGroup:
 
     def samples(self) -> list[TrainingSample]:
         """One training sample per response (the learner's collate input)."""
-        return [
-            TrainingSample(prompt_ids=self.prompt_ids, completion_ids=c["completion_ids"],
-                           behaviour_logprobs=c["behaviour_logprobs"], reward=c["reward"], group_id=self.group_id,
-                           version=self.version_start)
-            for c in self.completions
-        ]
+        samples = []
+        for c in self.completions:
+            sample = TrainingSample(prompt_ids=self.prompt_ids, completion_ids=c["completion_ids"],
+                                    behaviour_logprobs=c["behaviour_logprobs"], reward=c["reward"],
+                                    group_id=self.group_id, version=self.version_start)
+            if "policy_mask" in c:
+                sample["policy_mask"] = c["policy_mask"]
+            samples.append(sample)
+        return samples
 
 
 @dataclass
@@ -67,6 +70,8 @@ class LedgerEntry:
     sampled_versions: list[int] | None = None  # [oldest, newest] policy version that sampled the group's tokens
     reason: str | None = None
     score_errors: int = 0
+    # why samples failed (a verifier's error, or an episode's tool that raised, hung or printed too much), distinct
+    sample_errors: list[str] | None = None
     reissues: int = 0
     history: list[str] = field(default_factory=list)
 
@@ -108,8 +113,9 @@ class Ledger:
         self._move(group_id, "issued", ("issued",), issued_version=version, generator_index=generator_index,
                    reason=reason, reissues=reissues, event="reissued")
 
-    def scored(self, group_id: int, score_errors: int = 0) -> None:
-        self._move(group_id, "scored", ("issued",), score_errors=score_errors)
+    def scored(self, group_id: int, score_errors: int = 0, sample_errors: list[str] | None = None) -> None:
+        self._move(group_id, "scored", ("issued",), score_errors=score_errors,
+                   sample_errors=list(dict.fromkeys(sample_errors)) if sample_errors else None)
 
     def trained(self, group_id: int, step: int, lag: int, sampled_versions: list[int] | None = None) -> None:
         self._move(group_id, "trained", ("scored",), trained_step=step, lag=lag, sampled_versions=sampled_versions)
@@ -221,7 +227,8 @@ class RolloutBuffer:
         """A generated and scored group arrives; with `drop_uniform_groups`, one with uniform rewards ends here.
         Returns whether the group was kept to train on."""
         self.in_flight_versions.pop(group.group_id, None)
-        self.ledger.scored(group.group_id, score_errors)
+        self.ledger.scored(group.group_id, score_errors,
+                           [error for c in group.completions if (error := c.get("score_error"))])
         if self.drop_uniform_groups and group.uniform_rewards:
             self.uniform_in_a_row += 1
             self.ledger.dropped(group.group_id, f"uniform rewards: all {len(group.completions)} responses scored "

@@ -23,6 +23,8 @@ from actors.records import Completion, version_spans
 if TYPE_CHECKING:
     from learner.lora import LoraSpec
     from learner.weight_sync import PackedWeights
+    from tasks.base import Problem
+    from tasks.environment import EnvironmentSpec, EpisodeRunner, Turn, TurnRequest
 
 # vLLM's max_lora_rank takes one of these; an engine serves adapters of any rank up to it
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -50,6 +52,7 @@ class GeneratorSpec:
     weight_transfer: str = "stableasync_packed"  # vLLM weight-transfer engine: or stableasync_gloo, nccl
     streaming: bool = False  # an AsyncLLM engine (actors/streaming.py) instead of the blocking LLM
     lora: LoraSpec | None = None  # the policy is the base model plus an adapter, loaded per version
+    environment: EnvironmentSpec | None = None  # multi-turn episodes with tools; None: one turn per response
 
     @property
     def on_gpu(self) -> bool:
@@ -103,6 +106,7 @@ class GenerationRequest:
     problem_id: str
     messages: list[dict[str, str]]
     seed: int
+    problem: Problem | None = None  # what an episode's tools may read (countdown's checker); episodes only
 
 
 @dataclass
@@ -271,6 +275,7 @@ class Generator(ReportsTimings):
         self.tokenizer = self.llm.get_tokenizer()
         self.adapter: Any = None  # LoRA: the vLLM LoRARequest of the current policy version (None: base model)
         self.adapter_dir: Path | None = None  # LoRA: where each version's adapter is written for vLLM to load
+        self.episodes: EpisodeRunner | None = None  # tool episodes: built at the first call (it starts tool workers)
         quiet_per_reload_logs()
 
     def generate(self, requests: list[GenerationRequest], samples: int | None = None,
@@ -287,6 +292,8 @@ class Generator(ReportsTimings):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self.spec.environment is not None:  # tool episodes
+            return self._generate_episodes(requests, samples, temperature)
         version = self.version
         prompts = [TokensPrompt(prompt_token_ids=self.prompt_ids(r.messages)) for r in requests]
         params = [
@@ -309,6 +316,45 @@ class Generator(ReportsTimings):
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)
+
+    def _generate_episodes(self, requests: list[GenerationRequest], samples: int | None,
+                           temperature: float | None) -> list[GeneratedGroup]:
+        """Each response is a multi-turn episode (`tasks/environment.py`): one engine call per round of turns
+        over every episode still going, the tools run in this generator's tool workers between rounds. The
+        weights cannot change during a call, so each episode's tokens carry this call's version."""
+        from tasks.environment import episode_runner
+
+        if self.episodes is None:
+            assert self.spec.environment is not None
+            self.episodes = episode_runner(self.spec.environment, self.tokenizer, self.spec.max_new_tokens,
+                                           self.spec.max_model_len)
+        version, n = self.version, samples or self.spec.samples_per_prompt
+        episodes = []
+        for request in requests:
+            if request.problem is None:
+                raise ValueError(f"group {request.group_id}: a tool episode needs the request's problem")
+            episodes.append([self.episodes.start(request.problem, request.messages, request.seed * 1000 + i)
+                             for i in range(n)])
+        self.episodes.run_batched([e for group in episodes for e in group],
+                                  lambda turns: self._sample_turns(turns, temperature, version))
+        groups = [GeneratedGroup(request.group_id, request.problem_id, group[0].prompt_ids,
+                                 [episode.record() for episode in group], version_start=version,
+                                 version_end=self.version, generator_index=self.index, incarnation=self.incarnation)
+                  for request, group in zip(requests, episodes)]
+        return self._report(groups)
+
+    def _sample_turns(self, turns: list[TurnRequest], temperature: float | None, version: int) -> list[Turn]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from tasks.environment import turn_of
+
+        params = [SamplingParams(n=1, temperature=self.spec.temperature if temperature is None else temperature,
+                                 top_p=self.spec.top_p, max_tokens=turn.max_tokens, logprobs=0, seed=turn.seed)
+                  for turn in turns]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=turn.context_ids) for turn in turns],
+                                    sampling_params=params, use_tqdm=False, lora_request=self.adapter)
+        return [turn_of(completion_record(output.outputs[0], version)) for output in outputs]
 
     def update_weights(self, weights: PackedWeights, version: int) -> float:
         """Load weights from the object store (`stableasync_packed`), or with LoRA the adapter; seconds taken."""

@@ -7,11 +7,12 @@ Standard library only (the simulator uses them).
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 
 class Completion(TypedDict):
-    """One response as a generator sampled it."""
+    """One response as a generator sampled it: one turn, or a multi-turn episode (`tasks/environment.py`)
+    whose tool results sit between the policy's turns."""
 
     completion_ids: list[int]  # [T] sampled token ids, end-of-turn included when the model stopped
     behaviour_logprobs: list[float]  # [T] log-prob of each sampled token under the generator's weights
@@ -20,6 +21,14 @@ class Completion(TypedDict):
     # [[version, first token, end token), ...] in token order: the policy version that sampled each token
     # (several when the weights changed while the response was being sampled)
     version_spans: list[list[int]]
+    # Episodes only (absent: every token is the policy's). [T] 1 for a token the policy sampled, 0 for a token of
+    # a tool's result: those are context, never trained on, and carry behaviour log-prob 0 and no version span.
+    policy_mask: NotRequired[list[int]]
+    turns: NotRequired[int]  # policy turns sampled
+    tool_calls: NotRequired[int]  # tool calls run
+    tool_errors: NotRequired[int]  # calls answered with an error the model reads (malformed, unknown tool, ...)
+    episode_error: NotRequired[str | None]  # why the episode failed (a tool raised, hung, printed too much): no score
+    transcript: NotRequired[str]  # the policy's turns and the tools' messages as text, for a person to read
 
 
 class ScoredCompletion(Completion):
@@ -35,6 +44,7 @@ class TrainingSample(TypedDict):
     prompt_ids: list[int]  # [P] the chat prompt's token ids
     completion_ids: list[int]  # [T]
     behaviour_logprobs: list[float]  # [T]; zeros for supervised samples (their ratio is unused)
+    policy_mask: NotRequired[list[int]]  # [T] 0 on tool-result tokens, which are not trained on (absent: all 1)
     reward: float
     group_id: int  # the prompt group: advantages are computed within it
     version: int  # the policy version that sampled it

@@ -27,6 +27,7 @@ from algorithms.errors import StableAsyncError
 
 if TYPE_CHECKING:
     from learner.weight_sync import PackedWeights
+    from tasks.environment import EpisodeRunner, Turn, TurnRequest
 
 
 class IncompleteGroup(StableAsyncError, RuntimeError):
@@ -47,15 +48,61 @@ class StreamingGenerator(ReportsTimings):
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(spec, index)))
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
         self.one_load_at_a_time = asyncio.Lock()
+        self.episodes: EpisodeRunner | None = None  # tool episodes: built at the first call (it starts tool workers)
         quiet_per_reload_logs()
 
     async def generate(self, requests: list[GenerationRequest], samples: int | None = None,
                        temperature: float | None = None) -> list[GeneratedGroup]:
         """Sample every request's group concurrently with whatever else the engine is sampling; returns when
         all of them are done. Weights may change while they run: each response records its version spans."""
+        sample_group = self._episode_group if self.spec.environment is not None else self._group
         with self.calling():
-            groups = await asyncio.gather(*(self._group(r, samples, temperature) for r in requests))
+            groups = await asyncio.gather(*(sample_group(r, samples, temperature) for r in requests))
             return self._report(list(groups))
+
+    async def _episode_group(self, request: GenerationRequest, samples: int | None,
+                             temperature: float | None) -> GeneratedGroup:
+        """Each response a multi-turn episode (`tasks/environment.py`), every episode going at its own pace: its next
+        turn is sent as soon as its tools answered, and weights may change between turns and within one (each
+        token keeps its version; the group's lag counts from the oldest)."""
+        from tasks.environment import episode_runner
+
+        if self.episodes is None:
+            assert self.spec.environment is not None
+            self.episodes = episode_runner(self.spec.environment, self.tokenizer, self.spec.max_new_tokens,
+                                           self.spec.max_model_len)
+        if request.problem is None:
+            raise ValueError(f"group {request.group_id}: a tool episode needs the request's problem")
+        issued_version = self.version
+        episodes = [self.episodes.start(request.problem, request.messages, request.seed * 1000 + i)
+                    for i in range(samples or self.spec.samples_per_prompt)]
+        await asyncio.gather(*(self.episodes.run_one(episode, lambda turn: self._turn(turn, temperature))
+                               for episode in episodes))
+        completions = [episode.record() for episode in episodes]
+        return GeneratedGroup(request.group_id, request.problem_id, episodes[0].prompt_ids, completions,
+                              version_start=oldest_version(completions, issued_version),
+                              version_end=newest_version(completions, issued_version),
+                              generator_index=self.index, incarnation=self.incarnation)
+
+    async def _turn(self, turn: TurnRequest, temperature: float | None) -> Turn:
+        """One policy turn of an episode, sampled beside everything else the engine runs."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        from tasks.environment import turn_of
+
+        issued_version = self.version
+        params = SamplingParams(n=1, temperature=self.spec.temperature if temperature is None else temperature,
+                                top_p=self.spec.top_p, max_tokens=turn.max_tokens, logprobs=0, seed=turn.seed,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for output in self.engine.generate(TokensPrompt(prompt_token_ids=turn.context_ids), params,
+                                                 request_id=f"turn-{uuid.uuid4().hex[:12]}"):
+            final = next((c for c in output.outputs if c.finished()), final)
+        if final is None:
+            raise IncompleteGroup(f"vLLM ended an episode's turn (seed {turn.seed}) without its response")
+        return turn_of(completion_record(final, issued_version))
 
     async def _group(self, request: GenerationRequest, samples: int | None,
                      temperature: float | None) -> GeneratedGroup:

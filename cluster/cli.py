@@ -1,4 +1,5 @@
-"""`stableasync`: train, validate, submit (status, logs, stop), sweep, report, soak, simulate and prepare-model.
+"""`stableasync`: train, validate, evaluate, submit (status, logs, stop), sweep, report, soak, simulate and
+prepare-model.
 
 Validation imports no torch or ray, so `stableasync validate` answers in well under a second.
 """
@@ -29,18 +30,20 @@ def _validate(args: argparse.Namespace) -> int:
     job = _load(args.job, args.set)
     if job is None:
         return 2
-    from cluster.job import evaluation_set, job_task
+    from cluster.job import evaluation_sets, job_task
     from learner.models import KNOWN_MODELS, ModelPathError, resolve_model
     from tasks.base import TaskError
 
     try:  # the data file's rows, the reward function, a local model folder and reward models, as a run would load
         if not args.schema_only:
+            from cluster.run.model_prep import check_tools
             from cluster.run.rewards import check_reward_models
 
-            evaluation_set(job, job_task(job))
+            evaluation_sets(job, job_task(job), always=bool(job.eval.sets))  # named sets: also for `evaluate`
             if job.model.path not in ("tiny", *KNOWN_MODELS):
                 resolve_model(job.model.path)
             check_reward_models(job)
+            check_tools(job)
     except (TaskError, ModelPathError) as error:
         print(f"{args.job}: {error}", file=sys.stderr)
         return 2
@@ -270,6 +273,49 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluate(args: argparse.Namespace) -> int:
+    """The job's evaluation sets answered by a saved model: a table per set, and the results as JSON."""
+    import json
+
+    from cluster.job import DEFAULT_EVAL_SET, evaluation_sets, job_task
+    from cluster.run.evaluation import SavedModelError, evaluate_saved_model, results_table, saved_model_folder
+    from tasks.base import TaskError
+
+    try:
+        model = saved_model_folder(Path(args.model_or_run))
+    except SavedModelError as error:
+        print(f"stableasync evaluate: {error}", file=sys.stderr)
+        return 2
+    run_job_file = Path(args.model_or_run) / "job.yaml"
+    if args.job is None and not run_job_file.is_file():
+        print("stableasync evaluate: give --job JOB.yaml, the job whose task and eval section say what to answer "
+              "(a run directory's own job.yaml is the default)", file=sys.stderr)
+        return 2
+    job = _load(args.job or str(run_job_file), args.set)
+    if job is None:
+        return 2
+    known = [DEFAULT_EVAL_SET, *job.eval.sets]
+    labels = known if args.sets is None else [label.strip() for label in args.sets.split(",")]
+    unknown = [label for label in labels if label not in known]
+    if unknown:
+        print(f"stableasync evaluate: --sets: no set {', '.join(unknown)} in the job (its sets: {', '.join(known)})",
+              file=sys.stderr)
+        return 2
+    try:
+        sets = evaluation_sets(job, job_task(job), always=True, labels=labels)
+    except TaskError as error:
+        print(f"stableasync evaluate: {error}", file=sys.stderr)
+        return 2
+    results = evaluate_saved_model(job, model, sets)
+    print(results_table(results))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": str(model), "job": args.job or str(run_job_file), "sets": results},
+                              indent=2) + "\n")
+    print(f"results: {out}")
+    return 0
+
+
 def _prepare_model(args: argparse.Namespace) -> int:
     from learner.models import KNOWN_MODELS
 
@@ -391,6 +437,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint", metavar="step-NNNNNN", help="which checkpoint (default: the newest usable)")
     export.add_argument("--out", help="the model folder (default: RUN_DIR/model-step-NNNNNN)")
     export.set_defaults(run=_export)
+    evaluate = commands.add_parser("evaluate", help="answer a job's evaluation sets with a saved model (one "
+                                   "generator in this process, no training): a table per set and a JSON file")
+    evaluate.add_argument("model_or_run", metavar="MODEL_OR_RUN", help="a Hugging Face model folder, or a run "
+                          "directory (its model/, the policy the run saved)")
+    evaluate.add_argument("--job", help="the job file whose task, eval section and generator settings apply "
+                          "(default: the run directory's job.yaml)")
+    _add_set_option(evaluate)
+    evaluate.add_argument("--sets", metavar="NAME,NAME", help="answer only these sets ('default': the unnamed set of "
+                          "eval.num_problems; default: every set)")
+    evaluate.add_argument("--out", default="evaluation.json", help="where the results are written as JSON")
+    evaluate.set_defaults(run=_evaluate)
     prepare = commands.add_parser("prepare-model", help="build a known model offline into the cache")
     prepare.add_argument("name")
     prepare.set_defaults(run=_prepare_model)

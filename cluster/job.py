@@ -10,8 +10,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import re
 import typing
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
@@ -24,6 +25,7 @@ from tasks.config import TASK_CONFIGS
 
 if TYPE_CHECKING:
     from tasks.base import Problem, Task
+    from tasks.environment import EnvironmentSpec
 
 
 class Section(BaseModel):
@@ -427,6 +429,55 @@ class ScoringSection(Section):
     )
 
 
+class EnvironmentSection(Section):
+    """Multi-turn episodes with tools (`tasks/environment.py`): the policy calls tools between its turns; their
+    results are context, never trained on. No tools: one turn, the answer."""
+
+    tools: list[str] = Field(default_factory=list, description="tools the policy may call: built-in names "
+                             "(calculator, countdown_check) or your own function as 'FILE.py:NAME' or 'module:NAME'")
+    max_turns: int = Field(4, ge=1, description="policy turns per episode, the answer's included; the episode "
+                           "ends there even mid-call")
+    tool_call_format: Literal["hermes"] = Field(
+        "hermes", description='how a turn writes tool calls: hermes is <tool_call>{"name": ..., "arguments": {...}}'
+        "</tool_call>")
+    tool_timeout_s: float = Field(5.0, gt=0, description="seconds one tool call may run; past it the episode fails "
+                                  "(reason in the ledger) and the tool's worker is replaced")
+    tool_memory_limit_mb: int | None = Field(1024, gt=0, description="address space a tool worker may add once "
+                                             "started; past it the episode fails; null: no limit")
+    max_tool_output_chars: int = Field(4096, gt=0, description="characters a tool may return or print; more "
+                                       "fails the episode")
+    tool_workers: int = Field(1, gt=0, description="tool subprocesses per generator, running a round's calls in "
+                              "parallel")
+
+
+# The tasks that read a data file (their config has a `path`): the formats an evaluation set's file may have.
+FILE_TASKS = tuple(name for name, config in TASK_CONFIGS.items()
+                   if "path" in {field.name for field in dataclasses.fields(config)})
+EVAL_SET_NAME = r"^[A-Za-z0-9_-]+$"  # it becomes part of metric keys (eval/NAME/solved) and of --set paths
+DEFAULT_EVAL_SET = "default"  # what `stableasync evaluate` calls the unnamed set of eval.num_problems
+# Fields of a set's task config that serve training only: an evaluation set is answered, never demonstrated.
+EVAL_SET_TASK_RESETS: dict[str, Any] = {"max_rows": None, "demonstration_field": None}
+
+
+class EvalSetSection(Section):
+    """One named evaluation set: a JSONL file the policy answers at every evaluation, logged as `eval/NAME/*`."""
+
+    path: str = Field(description="JSONL file of the set's problems; a relative path is from the working directory")
+    task: Literal[FILE_TASKS] | None = Field(  # type: ignore[valid-type]
+        None, description="the task format that reads the file and scores its answers: gsm8k (rows {question, "
+        "answer: '... #### GOLD'}) or dataset (rows {prompt, answer}, see prompt_field); default: the job's task, "
+        "which must read a file")
+    prompt_field: str | None = Field(None, description="dataset sets: the field with the prompt (default: the job's "
+                                     "task.prompt_field for a dataset job, else 'prompt')")
+    answer_field: str | None = Field(None, description="dataset sets: the field with the gold answer (default: the "
+                                     "job's task.answer_field for a dataset job, else 'answer')")
+    num_problems: int | None = Field(None, gt=0, description="problems drawn from the file, a seeded sample that "
+                                     "stays the same at every evaluation; none: every row")
+    samples_per_problem: int | None = Field(None, gt=0, description="answers per problem, k of pass@k; none: "
+                                            "eval.samples_per_problem")
+    temperature: float | None = Field(None, ge=0, description="sampling temperature; none: eval.temperature")
+
+
 class EvalSection(Section):
     """Periodic evaluation: the policy answers one fixed set of problems; `eval/*` metrics at those steps."""
 
@@ -440,6 +491,9 @@ class EvalSection(Section):
                                      "eval/pass_at_k the share of problems with a correct answer among them")
     task_path: str | None = Field(None, description="data file of the evaluation set for a task that reads one "
                                   "(gsm8k: the test split); default: the task's own data, drawn in another order")
+    sets: dict[str, EvalSetSection] = Field(
+        default_factory=dict, description="named evaluation sets answered at the same steps as the set above, "
+        "each logged under its own keys eval/NAME/* (docs/tasks.md); names are letters, digits, _ and -")
 
 
 class Job(Section):
@@ -458,6 +512,7 @@ class Job(Section):
     logging: LoggingSection = LoggingSection()
     checkpoint: CheckpointSection = CheckpointSection()
     eval: EvalSection = EvalSection()
+    environment: EnvironmentSection = EnvironmentSection()
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -554,6 +609,7 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                                "nucleus-sampled token are renormalised over the nucleus, while the learner's are over "
                                "the whole vocabulary, so every importance ratio would be biased even on-policy; use "
                                "1.0 and set the sampling's spread with generator.temperature"))
+    errors += _environment_errors(job)
     if job.model.lora is not None:
         lora_limits = [("learner.zero_stage", learner.zero_stage == 3, "ZeRO-3 with LoRA is not supported yet; the "
                         "adapter is small, so use zero_stage 2"),
@@ -614,6 +670,7 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                                "(eval.temperature 0) would all be the same; set eval.temperature > 0, or 1 answer"))
     if job.eval.task_path is not None and not hasattr(job.task, "path"):
         errors.append(JobError("eval.task_path", f"task {job.task.name!r} reads no data file; leave it unset"))
+    errors += _eval_set_errors(job)
     if job.model.path == "tiny" and job.model.tiny.num_heads % job.model.tiny.num_kv_heads:
         errors.append(JobError("model.tiny.num_kv_heads", "must divide num_heads"))
     cpus_needed = generator.num_generators * generator.cpus_per_generator + learner.num_ranks * learner.cpus_per_rank
@@ -642,6 +699,67 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                     f"offers {units:g} unit(s) of it (add such nodes, or start with fewer)",
                 ))
     return errors
+
+
+def _environment_errors(job: Job) -> list[JobError]:
+    """Tools the policy may call: a built-in name, or a user's 'FILE.py:NAME' (the file is read by `validate` and
+    `train`, not here: it may be on the cluster only)."""
+    from tasks.tools import BUILTIN_TOOLS  # standard library only
+
+    errors = []
+    for index, name in enumerate(job.environment.tools):
+        where = f"environment.tools.{index}"
+        path, colon, function = name.rpartition(":")
+        if not colon and name not in BUILTIN_TOOLS:
+            errors.append(JobError(where, f"unknown tool {name!r}; built-in: {', '.join(sorted(BUILTIN_TOOLS))}, or "
+                                          "your own as 'FILE.py:NAME' or 'module:NAME'"))
+        elif colon and (not function.isidentifier() or not path):
+            errors.append(JobError(where, f"{name!r}: give a tool of your own as 'FILE.py:NAME' or 'module:NAME'"))
+    if len(set(job.environment.tools)) != len(job.environment.tools):
+        errors.append(JobError("environment.tools", "a tool is listed twice"))
+    return errors
+
+
+def eval_set_task(job: Job, name: str) -> str | None:
+    """The task that reads eval set `name`'s file: its own `task`, else the job's when that reads files."""
+    chosen = job.eval.sets[name].task
+    return chosen if chosen is not None else (job.task.name if job.task.name in FILE_TASKS else None)
+
+
+def _eval_set_errors(job: Job) -> list[JobError]:
+    """eval.sets: names that fit in metric keys, a task format that reads the file, fields that format has, and
+    sampled answers when there are several per problem. The files themselves are read with the task's data
+    (`evaluation_sets`), so `validate --schema-only` passes a job whose data is on the cluster."""
+    errors = []
+    for name, spec in job.eval.sets.items():
+        where = f"eval.sets.{name}"
+        if not re.fullmatch(EVAL_SET_NAME, name):
+            errors.append(JobError(where, "a set name is letters, digits, _ and - only: it becomes the metric keys "
+                                          f"eval/{name}/*"))
+        elif name == DEFAULT_EVAL_SET:
+            errors.append(JobError(where, f"{DEFAULT_EVAL_SET!r} names the unnamed set of eval.num_problems "
+                                          "(`stableasync evaluate --sets`); pick another name"))
+        task = eval_set_task(job, name)
+        if task is None:
+            errors.append(JobError(f"{where}.task", f"required: the job's task {job.task.name!r} reads no data "
+                                                    f"file; give the file's format ({', '.join(FILE_TASKS)})"))
+        else:
+            errors += [JobError(f"{where}.{key}", f"the {task!r} format has no {key}; only "
+                                f"{' or '.join(t for t in FILE_TASKS if key in _config_fields(t))} sets read one")
+                       for key in ("prompt_field", "answer_field")
+                       if getattr(spec, key) is not None and key not in _config_fields(task)]
+        samples = spec.samples_per_problem or job.eval.samples_per_problem
+        temperature = job.eval.temperature if spec.temperature is None else spec.temperature
+        if samples > 1 and temperature == 0:
+            field = "samples_per_problem" if spec.samples_per_problem is not None else "temperature"
+            errors.append(JobError(f"{where}.{field}", f"{samples} greedy answers (temperature 0) would all be the "
+                                   "same; set the set's temperature > 0, or 1 answer"))
+    return errors
+
+
+def _config_fields(task: str) -> set[str]:
+    """The fields of a task's config (`tasks/config.py`)."""
+    return {field.name for field in dataclasses.fields(TASK_CONFIGS[task])}
 
 
 def _scoring_errors(job: Job, cpu_limit: float | None, available_gpus: float | None) -> list[JobError]:
@@ -770,12 +888,23 @@ def job_task(job: Job, **overrides: Any) -> Task:
     return build_task(job.task.name, dataclasses.replace(section_config(job.task, TASK_CONFIGS), **overrides))
 
 
-def evaluation_set(job: Job, task: Task) -> list[tuple[Problem, list[dict[str, str]]]]:
+def environment_spec(job: Job) -> EnvironmentSpec | None:
+    """The job's tool episodes as generators and the warm-up take them; None: one turn per response."""
+    from tasks.environment import EnvironmentSpec  # standard library only, like the task configs
+
+    e = job.environment
+    if not e.tools:
+        return None
+    return EnvironmentSpec(tuple(e.tools), e.max_turns, e.tool_call_format, e.tool_timeout_s, e.tool_memory_limit_mb,
+                           e.max_tool_output_chars, e.tool_workers)
+
+
+def evaluation_set(job: Job, task: Task, always: bool = False) -> list[tuple[Problem, list[dict[str, str]]]]:
     """`eval.num_problems` problems from the task's "eval" stream (of `eval.task_path`'s data when set), with
-    their chat messages; empty when the job does not evaluate."""
+    their chat messages; empty when the job does not evaluate, unless `always` (`stableasync evaluate`)."""
     from tasks.base import TaskError
 
-    if not (job.eval.every_steps or job.eval.before_training):
+    if not (always or job.eval.every_steps or job.eval.before_training):
         return []
     if job.eval.task_path is not None:
         try:
@@ -786,6 +915,70 @@ def evaluation_set(job: Job, task: Task) -> list[tuple[Problem, list[dict[str, s
     if not problems:
         raise TaskError(f"eval: the task {job.task.name!r} gave no evaluation problems")
     return [(problem, task.messages(problem)) for problem in problems]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluationSet:
+    """One set the policy answers at each evaluation, with how its answers are sampled and scored: the unnamed
+    set of eval.num_problems (`name` None) logs eval/*, so earlier runs and dashboards still read; a named one
+    eval/NAME/*."""
+
+    name: str | None
+    problems: list[tuple[Problem, list[dict[str, str]]]]  # with each problem's chat messages
+    temperature: float
+    samples_per_problem: int  # k of pass@k
+    task_name: str  # the task whose verifier scores the answers, built in the reward workers from task_config
+    task_config: Any
+
+    @property
+    def label(self) -> str:
+        """The set's name in `stableasync evaluate`'s table and JSON; the unnamed set is 'default'."""
+        return self.name or DEFAULT_EVAL_SET
+
+    def key(self, metric: str) -> str:
+        """`metric` (an eval/* key) as this set logs it: eval/solved for the unnamed set, eval/NAME/solved else."""
+        return metric if self.name is None else metric.replace("eval/", f"eval/{self.name}/", 1)
+
+
+def evaluation_sets(job: Job, task: Task, always: bool = False,
+                    labels: Collection[str] | None = None) -> list[EvaluationSet]:
+    """Every set an evaluation answers: the unnamed one (`evaluation_set`), then each of eval.sets in the file's
+    order, their files read and checked now; empty when the job does not evaluate, unless `always`. `labels`
+    keeps only those sets (the unnamed one is 'default'; `stableasync evaluate --sets`)."""
+    if not (always or job.eval.every_steps or job.eval.before_training):
+        return []
+    config = section_config(job.task, TASK_CONFIGS)
+    sets = []
+    if labels is None or DEFAULT_EVAL_SET in labels:
+        sets.append(EvaluationSet(None, evaluation_set(job, task, always=True), job.eval.temperature,
+                                  job.eval.samples_per_problem, job.task.name, config))
+    return sets + [_named_evaluation_set(job, name, config) for name in job.eval.sets
+                   if labels is None or name in labels]
+
+
+def _named_evaluation_set(job: Job, name: str, job_task_config: Any) -> EvaluationSet:
+    """eval.sets.NAME read by its task format: the job's task config when the format is the job's task (its
+    reward, system prompt and fields carry over), else that format's defaults; the set's file and fields on top."""
+    from tasks.base import TaskError, build_task
+
+    spec, where = job.eval.sets[name], f"eval.sets.{name}"
+    if not Path(spec.path).expanduser().is_file():
+        raise TaskError(f"{where}.path: no data file at {spec.path}")
+    task_name = eval_set_task(job, name)
+    assert task_name is not None, "validate_job refuses a set without a file format"
+    fields = _config_fields(task_name)
+    overrides = {"path": spec.path, **{key: value for key, value in EVAL_SET_TASK_RESETS.items() if key in fields},
+                 **{key: getattr(spec, key) for key in ("prompt_field", "answer_field") if getattr(spec, key)}}
+    base = job_task_config if task_name == job.task.name else TASK_CONFIGS[task_name]()
+    config = dataclasses.replace(base, **overrides)
+    try:
+        task = build_task(task_name, config)
+    except TaskError as error:
+        raise TaskError(f"{where}: {error}") from error
+    problems = list(itertools.islice(task.problems("eval", job.seed), spec.num_problems))
+    temperature = job.eval.temperature if spec.temperature is None else spec.temperature
+    return EvaluationSet(name, [(problem, task.messages(problem)) for problem in problems], temperature,
+                         spec.samples_per_problem or job.eval.samples_per_problem, task_name, config)
 
 
 def dump_job(job: Job) -> str:

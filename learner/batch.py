@@ -17,7 +17,8 @@ class TrainBatch:
     """B sequences (prompt + completion) right-padded to L tokens.
 
     Target-aligned tensors have L - 1 columns: column t scores token t + 1 from the logits at t.
-    `loss_mask` marks completion tokens, the only ones trained on.
+    `loss_mask` marks the completion tokens the policy sampled, the only ones trained on (an episode's tool
+    results are completion tokens off the mask).
     """
 
     input_ids: Tensor  # [B, L] long
@@ -78,7 +79,14 @@ def collate(samples: Sequence[TrainingSample], pad_token_id: int) -> TrainBatch:
         input_ids[row, len(prompt) : lengths[row]] = completion
         attention_mask[row, : lengths[row]] = 1
         start = len(prompt) - 1  # logits at the last prompt token score the first completion token
-        loss_mask[row, start : start + len(completion)] = True
+        policy_mask = sample.get("policy_mask")
+        if policy_mask is None:
+            loss_mask[row, start : start + len(completion)] = True
+        elif len(policy_mask) != len(completion):
+            raise ValueError(f"sample {row} (group {sample['group_id']}): {len(completion)} completion tokens but "
+                             f"a policy mask of {len(policy_mask)}")
+        else:  # tool results are context only: off the loss, every importance ratio and the ESS
+            loss_mask[row, start : start + len(completion)] = np.asarray(policy_mask, dtype=np.bool_)
         behaviour[row, start : start + len(completion)] = sample["behaviour_logprobs"]
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids),

@@ -6,7 +6,7 @@ import random
 from collections.abc import Iterator
 from itertools import count
 
-from tasks.base import Problem, Task, graded_answer, register, split_seed
+from tasks.base import Problem, Task, graded_answer, register, split_seed, tool_call_text
 from tasks.config import ArithmeticConfig
 
 
@@ -31,6 +31,15 @@ class Arithmetic(Task):
 
     def demonstration(self, problem: Problem) -> str:
         return f"<answer>{problem.answer}</answer>"
+
+    def tool_demonstration(self, problem: Problem, tools: frozenset[str]) -> list[dict[str, str]] | None:
+        """Ask the calculator for the question's expression, then answer with its result."""
+        if "calculator" not in tools:
+            return None
+        expression = problem.question.removeprefix("What is ").removesuffix("?")
+        return [{"role": "assistant", "content": tool_call_text("calculator", {"expression": expression})},
+                {"role": "tool", "content": problem.answer},
+                {"role": "assistant", "content": self.demonstration(problem)}]
 
 
 def _same_integer(answer: str, gold: str) -> bool:

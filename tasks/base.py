@@ -18,6 +18,8 @@ from algorithms.errors import StableAsyncError
 
 ANSWER_FORMAT = "Reply with the final answer inside <answer></answer> tags."
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_BOXED = re.compile(r"\\boxed\s*\{")
+_BRACE_DEPTH = {"{": 1, "}": -1}
 
 
 CYCLING_SPLITS = ("train", "sft")  # the splits drawn for as long as a run lasts
@@ -35,16 +37,36 @@ class Problem:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """A tool call as the hermes format writes it (`tasks.tools`), for tasks' demonstrated episodes."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
 def last_answer(completion: str) -> str | None:
     """The content of the last <answer>...</answer>, or None when there is none."""
     found = _ANSWER.findall(completion)
     return found[-1].strip() if found else None
 
 
-def graded_answer(completion: str, is_correct: Callable[[str], bool]) -> float:
-    """The reward scale of the built-in verifiers, from the last <answer></answer>: 1.0 when `is_correct`
-    says so, 0.1 for a well-formed but wrong answer, 0.0 without one."""
+def last_boxed(completion: str) -> str | None:
+    """The content of the last \\boxed{...} whose braces close (nested ones included), or None: math models
+    (and MATH-500 or AIME style prompts) give their final answer so."""
+    for match in reversed(list(_BOXED.finditer(completion))):
+        depth = 1
+        for index in range(match.end(), len(completion)):
+            depth += _BRACE_DEPTH.get(completion[index], 0)
+            if depth == 0:
+                return completion[match.end():index].strip()
+    return None
+
+
+def graded_answer(completion: str, is_correct: Callable[[str], bool], boxed: bool = False) -> float:
+    """The reward scale of the built-in verifiers, from the last <answer></answer> (with `boxed`, for the
+    math-verified ones, from the last \\boxed{} when there is no such tag): 1.0 when `is_correct` says so,
+    0.1 for a well-formed but wrong answer, 0.0 without one."""
     answer = last_answer(completion)
+    if answer is None and boxed:
+        answer = last_boxed(completion)
     if answer is None:
         return 0.0
     return 1.0 if is_correct(answer) else 0.1
@@ -68,6 +90,12 @@ class Task:
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"{problem.question} {ANSWER_FORMAT}"}]
+
+    def tool_demonstration(self, problem: Problem, tools: frozenset[str]) -> list[dict[str, str]] | None:
+        """A correct episode with the job's `tools` (assistant and tool messages, the last the answer) for the
+        supervised warm-up of a tool-using job; None: the task has none for these tools (its plain
+        demonstration is used)."""
+        return None
 
 
 TASKS: dict[str, Callable[[Any], Task]] = {}

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from fractions import Fraction
 from itertools import count
 
-from tasks.base import Problem, Task, graded_answer, register, split_seed
+from tasks.base import Problem, Task, graded_answer, register, split_seed, tool_call_text
 from tasks.config import CountdownConfig
 
 _ALLOWED = re.compile(r"^[\d+\-*/().\s]+$")
@@ -117,3 +117,12 @@ class Countdown(Task):
 
     def demonstration(self, problem: Problem) -> str:
         return f"<answer>{problem.metadata['solution']}</answer>"
+
+    def tool_demonstration(self, problem: Problem, tools: frozenset[str]) -> list[dict[str, str]] | None:
+        """Check the solution with the countdown checker, then answer it."""
+        if "countdown_check" not in tools:
+            return None
+        solution = problem.metadata["solution"]
+        return [{"role": "assistant", "content": tool_call_text("countdown_check", {"expression": solution})},
+                {"role": "tool", "content": f"correct: {solution} = {problem.metadata['target']}"},
+                {"role": "assistant", "content": self.demonstration(problem)}]

@@ -33,6 +33,7 @@ def _math(gold: str, answer: str) -> bool:
 
 
 BUILT_IN_REWARDS: dict[str, Callable[[str, str], bool]] = {"math": _math, "exact": _exact}
+BOXED_REWARDS = frozenset({"math"})  # also read a \boxed{} answer (without <answer> tags): math-verify's format
 
 
 @register("dataset")
@@ -82,7 +83,8 @@ class Dataset(Task):
     def score(self, problem: Problem, completion: str) -> float:
         if self.reward_function is not None:
             return self.reward_function(completion, problem.metadata["gold"], problem.metadata["row"])
-        return graded_answer(completion, lambda answer: self.equivalent(problem.answer, answer))
+        return graded_answer(completion, lambda answer: self.equivalent(problem.answer, answer),
+                             boxed=self.config.reward in BOXED_REWARDS)
 
     def demonstration(self, problem: Problem) -> str:
         return problem.metadata["demonstration"] or f"<answer>{problem.answer}</answer>"

@@ -10,10 +10,12 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from tasks.base import Problem, Task, TaskError, file_problems, graded_answer, read_jsonl, register
+from tasks.base import (Problem, Task, TaskError, file_problems, graded_answer, read_jsonl, register,
+                        tool_call_text)
 from tasks.config import GSM8KConfig
 
 _CALC = re.compile(r"<<[^>]*>>")
+_CALC_PARTS = re.compile(r"<<([^>]*)>>")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -30,7 +32,7 @@ def load_rows(path: Path, max_rows: int | None = None) -> list[Problem]:
         if not _NUMBER.fullmatch(gold):
             raise TaskError(f"{path}:{line_number}: gold answer {gold!r} is not a number")
         problems.append(Problem(f"gsm8k-{path.stem}-{line_number:05d}", row["question"].strip(), gold,
-                                {"reasoning": _CALC.sub("", reasoning).strip()}))
+                                {"reasoning": _CALC.sub("", reasoning).strip(), "annotated": reasoning.strip()}))
     return problems
 
 
@@ -47,18 +49,42 @@ class GSM8K(Task):
         return file_problems(self.rows, split, seed)
 
     def score(self, problem: Problem, completion: str) -> float:
-        return graded_answer(completion, lambda answer: math_equivalent(problem.answer, answer))
+        return graded_answer(completion, lambda answer: math_equivalent(problem.answer, answer), boxed=True)
 
     def demonstration(self, problem: Problem) -> str:
         return f"{problem.metadata['reasoning']}\n<answer>{problem.answer}</answer>"
+
+    def tool_demonstration(self, problem: Problem, tools: frozenset[str]) -> list[dict[str, str]] | None:
+        """The worked solution with each of its <<expression=result>> calculations asked of the calculator: a
+        turn ends at a calculation, whose result comes back as the tool's message."""
+        if "calculator" not in tools or "annotated" not in problem.metadata:
+            return None
+        parts = _CALC_PARTS.split(problem.metadata["annotated"])  # text, calculation, text, ..., text
+        messages: list[dict[str, str]] = []
+        for text, calculation in zip(parts[0::2], parts[1::2]):
+            expression, _, result = calculation.partition("=")
+            call = tool_call_text("calculator", {"expression": expression.strip()})
+            messages += [{"role": "assistant", "content": f"{text.strip()} {call}".strip()},
+                         {"role": "tool", "content": result.strip()}]
+        messages.append({"role": "assistant", "content": f"{parts[-1].strip()}\n<answer>{problem.answer}</answer>"})
+        return messages
 
 
 def math_equivalent(gold: str, answer: str) -> bool:
     """Whether `answer` is mathematically the gold (math-verify), or its last bare number is."""
     from math_verify import parse, verify
 
-    target = parse(gold)
-    if verify(target, parse(answer)):
+    target = _math_reading(gold)
+    if verify(target, _math_reading(answer)):
         return True
     numbers = _NUMBER.findall(answer)  # a bare final number counts too
     return bool(numbers) and verify(target, parse(numbers[-1].replace(",", "")))
+
+
+def _math_reading(text: str) -> list[object]:
+    """math-verify's reading of `text`. LaTeX without $ delimiters (a \\boxed{} answer's content, a MATH-style gold
+    such as \\dfrac{14}{3}) is read as LaTeX first: read plainly, only a number inside it may be found, or none."""
+    from math_verify import parse
+
+    readings = (f"${text}$", text) if "\\" in text else (text, f"${text}$")
+    return next((parsed for parsed in map(parse, readings) if parsed), [])

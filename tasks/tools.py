@@ -19,6 +19,7 @@ import json
 import math
 import operator
 import re
+import threading
 import types
 import typing
 from collections import Counter
@@ -466,11 +467,14 @@ class ToolPool(WorkerPool[ToolResult]):
                          memory_limit_mb, startup_timeout_s, describe=f"tool worker for {field}",
                          startup_setting="ToolPool startup_timeout_s")
         self.calls_run = self.failures = self.call_errors = 0
+        self.one_caller = threading.Lock()  # a streaming generator's episodes call from threads of their own
 
     def run_many(self, calls: Sequence[tuple[ToolCall, Problem]]) -> list[ToolResult]:
-        """Each call's result, in order, the calls spread over the workers."""
-        results = self.run_items(calls, lambda index, reason: _said(f"tool {calls[index][0].name} {reason}", True))
-        self.calls_run += len(results)
-        self.failures += sum(r.fatal for r in results)
-        self.call_errors += sum(r.error is not None and not r.fatal for r in results)
+        """Each call's result, in order, the calls spread over the workers; one caller at a time."""
+        with self.one_caller:
+            results = self.run_items(calls, lambda index, reason: _said(f"tool {calls[index][0].name} {reason}",
+                                                                        True))
+            self.calls_run += len(results)
+            self.failures += sum(r.fatal for r in results)
+            self.call_errors += sum(r.error is not None and not r.fatal for r in results)
         return results

@@ -7,9 +7,9 @@ joins the cluster it runs in (RAY_ADDRESS). The plain Ray equivalent is `ray job
 --working-dir DIR -- python -m cluster.remote.job_entrypoint python -m cluster.cli train job.yaml`.
 
 The files the job reads travel with it: its data file (`task.path`), a reward function given as
-`FILE.py:NAME` (`task.reward`) and the evaluation set's data file (`eval.task_path`) are copied into the
-working_dir under `user_files/`, and the job the cluster runs names them there (relative paths: the driver
-runs in the working_dir). A path under a remote prefix (absolute, or `~` for the home directory on the
+`FILE.py:NAME` (`task.reward`) and the evaluation sets' data files (`eval.task_path`, `eval.sets.NAME.path`) are
+copied into the working_dir under `user_files/`, and the job the cluster runs names them there (relative paths:
+the driver runs in the working_dir). A path under a remote prefix (absolute, or `~` for the home directory on the
 cluster's nodes: `/mnt/shared` and `~/stableasync` by default, more with `--remote-prefix`) is on the
 cluster already and left as it is. The working_dir must stay under Ray's upload limit (`upload_limit_bytes`).
 
@@ -115,8 +115,8 @@ class CarriedFile:
 
 def job_files(job: Job) -> list[tuple[str, str]]:
     """(field, path as the job writes it) of every file the job reads: the task's data file, a reward function's
-    FILE.py and the evaluation set's data file. A model (model.path) is not among them: a hub id, a known name,
-    or a folder on every node (docs/cluster.md, Shared storage)."""
+    FILE.py, the evaluation sets' data files and the tools' FILE.py. A model (model.path) is not among them: a
+    hub id, a known name, or a folder on every node (docs/cluster.md, Shared storage)."""
     files = []
     if getattr(job.task, "path", ""):
         files.append(("task.path", job.task.path))
@@ -125,6 +125,9 @@ def job_files(job: Job) -> list[tuple[str, str]]:
         files.append(("task.reward", source))
     if job.eval.task_path:
         files.append(("eval.task_path", job.eval.task_path))
+    files += [(f"eval.sets.{name}.path", spec.path) for name, spec in job.eval.sets.items()]
+    files += [(f"environment.tools.{index}", entry.rpartition(":")[0]) for index, entry in
+              enumerate(job.environment.tools) if entry.rpartition(":")[0].endswith(".py")]  # a tool's FILE.py
     return files
 
 
@@ -188,6 +191,11 @@ def with_carried_paths(job: Job, carried: Sequence[CarriedFile]) -> Job:
         data["task"]["reward"] = f"{staged['task.reward']}:{job.task.reward.rpartition(':')[2]}"
     if "eval.task_path" in staged:
         data["eval"]["task_path"] = staged["eval.task_path"]
+    for name, values in data["eval"]["sets"].items():
+        values["path"] = staged.get(f"eval.sets.{name}.path", values["path"])
+    data["environment"]["tools"] = [f"{staged[f'environment.tools.{index}']}:{entry.rpartition(':')[2]}"
+                                    if f"environment.tools.{index}" in staged else entry
+                                    for index, entry in enumerate(job.environment.tools)]
     try:
         return validate_job(data, "the job with its carried files")
     except JobValidationError as error:  # a bug here, not the user's: their job validated before

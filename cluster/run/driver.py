@@ -18,14 +18,14 @@ import ray
 from actors.buffer import Ledger, keep_first_lines
 from actors.generator import GeneratorSpec
 from algorithms.config import STABILIZER_CONFIGS
-from cluster.job import (Job, JobError, JobValidationError, KLSection, dump_job, evaluation_set, job_task,
-                         section_config)
+from cluster.job import (Job, JobError, JobValidationError, KLSection, dump_job, environment_spec, evaluation_sets,
+                         job_task, section_config)
 from cluster.run import runtime
 from cluster.run.checkpoints import (CHECKPOINTS, MODEL, ModelSaveFailed, readable_checkpoints, restore_learners,
                                      write_model)
 from cluster.run.faults import LEARNER_GROUP_FAILURES, CannotResume, LearnerCrashed, learners_may_crash
 from cluster.run.loop import AsyncLoop
-from cluster.run.model_prep import prepare_model, sft_samples
+from cluster.run.model_prep import check_tools, prepare_model, sft_samples
 from cluster.run.rewards import check_reward_models
 from cluster.run.stopping import StopRequest
 from cluster.telemetry.metrics import SAMPLES_FILE, MetricSink
@@ -84,10 +84,11 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     if resume_dir is not None and not candidates:
         raise FileNotFoundError(f"no usable checkpoint under {resume_dir / CHECKPOINTS}")
     task = job_task(job)
-    evaluation = evaluation_set(job, task)  # a bad data file or reward function fails here, before anything starts
+    evaluation = evaluation_sets(job, task)  # a bad data file or reward function fails here, before anything starts
     model_path = prepare_model(job, task)  # and a model path that loads nothing, likewise
     _check_lora_targets(job, model_path)
     check_reward_models(job)  # a reward model path that does not load, by its field
+    check_tools(job)  # a tool file that does not load, by its entry
     run_dir = resume_dir if resume_dir is not None else create_run_dir(job)
     runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace)
     if stop is not None:
@@ -177,7 +178,7 @@ def _sft_warmup(job: Job, task: Task, model_path: str, learners: runtime.Learner
     ranks = job.learner.num_ranks
     for step in range(warmup.steps):
         batch = [next(problems) for _ in range(warmup.prompts_per_step)]
-        samples = sft_samples(model_path, task, batch)
+        samples = sft_samples(model_path, task, batch, environment_spec(job))
         per_rank = len(samples) // ranks
         shards = [collate(samples[r * per_rank:(r + 1) * per_rank], 0) for r in range(ranks)]
         metrics = learners.sft_step(shards, warmup.learning_rate)
@@ -260,6 +261,7 @@ def _generator_spec(job: Job, model_path: str) -> GeneratorSpec:
         tensor_parallel_size=g.tensor_parallel_size, gpu_memory_utilization=g.gpu_memory_utilization,
         cuda_graphs=g.cuda_graphs, prefix_caching=g.prefix_caching, max_num_seqs=g.max_num_seqs,
         weight_transfer=WEIGHT_TRANSFER_ENGINES[job.async_.weight_sync], streaming=g.streaming, lora=lora_spec(job),
+        environment=environment_spec(job),
     )
 
 

@@ -30,10 +30,10 @@ from actors.generator import GeneratedGroup, GenerationRequest
 from actors.records import ScoredCompletion
 from algorithms.diagnostics import lag_stats
 from algorithms.rewards import overlong_penalty
-from cluster.job import AlgorithmSection, Job, ScoringSection, section_config
+from cluster.job import AlgorithmSection, EvaluationSet, Job, ScoringSection, section_config
 from cluster.run import runtime
 from cluster.run.checkpoints import CheckpointFailed, readable_checkpoints, write_checkpoint
-from cluster.run.evaluation import Evaluator, evaluate_again_on_resume
+from cluster.run.evaluation import Evaluator, evaluate_again_on_resume, verifier_pool
 from cluster.run.faults import NumericalFailure, SkipStreak, UniformRewards, learners_may_crash
 from cluster.run.generators import SCALE_CHECK_S, GeneratorPool
 from cluster.run.rewards import REWARD_METRICS, training_scorer
@@ -44,6 +44,7 @@ from cluster.telemetry.metrics import MetricSink
 from cluster.telemetry.samples import rollout_samples
 from learner.batch import TrainBatch, collate
 from tasks.base import Problem, Task
+from tasks.environment import EpisodeStats, score_responses
 from tasks.config import TASK_CONFIGS
 from tasks.scoring import ScorePool
 
@@ -57,6 +58,7 @@ class ScoredSinceStep:
     truncated: int = 0  # responses the generator cut off at max_new_tokens
     uniform_groups_dropped: int = 0  # by algorithm.drop_uniform_groups
     components: dict[str, list[float]] = field(default_factory=dict)  # scoring.rewards: each kind's scores
+    episodes: EpisodeStats = field(default_factory=EpisodeStats)  # tool episodes (environment.tools)
 
     def metrics(self, algorithm: AlgorithmSection, scoring: ScoringSection | None = None) -> dict[str, float]:
         """`rollout/*` keys of the step row; those of options the job leaves off are not logged."""
@@ -71,7 +73,7 @@ class ScoredSinceStep:
             row["rollout/overlong_penalty_mean"] = mean(self.overlong_penalties)
         for section in (scoring.rewards if scoring else None) or []:  # NaN: nothing scored since, or all failed
             row[REWARD_METRICS[section.name]] = mean(self.components.get(section.name, []))
-        return row
+        return row | self.episodes.metrics()
 
 
 @dataclass
@@ -114,16 +116,13 @@ def version_mix(groups: list[ScoredGroup], learner_version: int) -> dict[str, fl
 
 def reward_workers(job: Job) -> ScorePool:
     """The verifier subprocesses of the job's task, as its `scoring` section sets them."""
-    scoring = job.scoring
-    return ScorePool(job.task.name, section_config(job.task, TASK_CONFIGS), max_workers=scoring.workers,
-                     timeout_s=scoring.timeout_s, memory_limit_mb=scoring.memory_limit_mb,
-                     startup_timeout_s=scoring.startup_timeout_s)
+    return verifier_pool(job.scoring, job.task.name, section_config(job.task, TASK_CONFIGS))
 
 
 class AsyncLoop:
     """Generators, scorer, buffer and learner, driven by completions (`ray.wait`)."""
 
-    def __init__(self, job: Job, task: Task, evaluation: list[tuple[Problem, list[dict[str, str]]]],
+    def __init__(self, job: Job, task: Task, evaluation: list[EvaluationSet],
                  learners: runtime.LearnerGroup, generators: dict[int, Any],
                  ledger: Ledger, sink: MetricSink, run_dir: Path, start_generator: Callable[[int], Any],
                  generator_nodes: dict[str, str], stop: StopRequest) -> None:
@@ -166,8 +165,7 @@ class AsyncLoop:
         self.rewards: list[float] = []
         self.skips = SkipStreak(job.learner.max_skipped_steps_in_a_row)
         self.checkpoint_failures = 0
-        self.evaluator = Evaluator(evaluation, job.eval.temperature, job.eval.samples_per_problem, job.seed,
-                                   verifiers, sink)
+        self.evaluator = Evaluator(evaluation, job, verifiers, sink)
         self.evaluations_to_redo: list[int] = []  # policy versions a checkpoint was still evaluating
         self.resumed = False  # restored from a checkpoint (set by restore)
 
@@ -200,6 +198,7 @@ class AsyncLoop:
             self.evaluator.wait()  # the last step's evaluation
         finally:
             self.scorer.close()
+            self.evaluator.close()  # the pools of sets in another task's format
         self._end_unfinished_groups("run finished", wait_for_generation=True)
         return self.rewards
 
@@ -231,7 +230,8 @@ class AsyncLoop:
         problem = next(self.problems)
         self.problems_drawn += 1
         self.problem_of[group_id] = problem
-        return GenerationRequest(group_id, problem.problem_id, self.task.messages(problem), self.rng.getrandbits(31))
+        return GenerationRequest(group_id, problem.problem_id, self.task.messages(problem), self.rng.getrandbits(31),
+                                 problem)
 
     def _start_learner_step(self) -> None:
         groups = self.schedule.take_batch()
@@ -418,8 +418,8 @@ class AsyncLoop:
     def _score_and_buffer(self, group: GeneratedGroup, request: GenerationRequest) -> None:
         """Score a generated group into the buffer; a stopping run keeps its request to issue again on resume."""
         problem = self.problem_of[group.group_id]
-        texts = [c["text"] for c in group.completions]
-        results = None if self.stop.requested else self.scorer.score_many([problem] * len(texts), texts)
+        results = None if self.stop.requested else score_responses(self.scorer, [problem] * len(group.completions),
+                                                                   group.completions)
         if results is None or self.stop.requested:  # a stop during scoring may have reached the verifiers too
             self.schedule.orphans.append((request, "generated while the run was stopping"))
             return
@@ -437,6 +437,7 @@ class AsyncLoop:
             self.scored.components.setdefault(section.name, []).extend(
                 r.components[section.name] for r in results if section.name in r.components)
         self.scored.truncated += sum(c["finish_reason"] == "length" for c in completions)
+        self.scored.episodes.add(completions)
         scored = ScoredGroup(group.group_id, group.problem_id, group.prompt_ids, completions, group.version_start,
                              group.version_end, group.generator_index, problem.question, problem.answer)
         self.scored.uniform_groups_dropped += not self.buffer.add(scored, errors)

@@ -12,9 +12,11 @@ from typing import Any
 
 from actors.generator import chat_prompt_ids
 from actors.records import TrainingSample
-from cluster.job import Job
+from cluster.job import Job, environment_spec
 from learner.models import build_tiny_model, check_chat_template, resolve_model
 from tasks.base import Problem, Task
+from tasks.environment import EnvironmentSpec, ToolChat, environment_tools
+from tasks.tools import tools_prompt
 
 CORPUS_PROBLEMS = 2000
 
@@ -30,24 +32,39 @@ def prepare_model(job: Job, task: Task) -> str:
         check_chat_template(path)
         return path
     tiny = job.model.tiny.model_dump()
-    corpus = task_corpus(task, job.seed)
-    key = hashlib.sha256(json.dumps({"tiny": tiny, "task": job.task.model_dump(), "corpus": corpus[:50]},
+    environment = environment_spec(job)
+    corpus = task_corpus(task, job.seed, environment)
+    key = hashlib.sha256(json.dumps({"tiny": tiny, "task": job.task.model_dump(), "corpus": corpus[:50],
+                                     "tools": environment and list(environment.tools)},
                                     sort_keys=True).encode()).hexdigest()[:12]
     out_dir = cache_root() / "models" / f"tiny-{job.task.name}-{key}"
     build_tiny_model(out_dir, corpus, **tiny)
     return str(out_dir)
 
 
-def task_corpus(task: Task, seed: int) -> list[str]:
-    """Everything the tiny model reads: the rendered messages (instructions included) and demonstrations.
+def check_tools(job: Job) -> None:
+    """Load the job's tools here, as the generators will: TaskError naming the entry of one that does not."""
+    environment = environment_spec(job)
+    if environment is not None:
+        environment_tools(environment)
+
+
+def task_corpus(task: Task, seed: int, environment: EnvironmentSpec | None = None) -> list[str]:
+    """Everything the tiny model reads: the rendered messages (instructions included) and demonstrations, and
+    with tools their description and demonstrated episodes.
 
     Text left out of the tokenizer's corpus is spelled byte by byte, which pushes the operands of
     a question dozens of positions away from the answer and leaves a tiny model unable to use them.
     """
-    lines = ["system", "user", "assistant"]  # the chat template's role names
+    lines = ["system", "user", "assistant", "tool"]  # the chat template's role names
+    schemas = environment_tools(environment) if environment else []
+    tools = frozenset(schema["function"]["name"] for schema in schemas)
+    if environment:
+        lines.append(tools_prompt(schemas))
     for problem in islice(task.problems("corpus", seed), CORPUS_PROBLEMS):
         lines.extend(message["content"] for message in task.messages(problem))
         lines.append(task.demonstration(problem))
+        lines.extend(message["content"] for message in task.tool_demonstration(problem, tools) or [])
     return lines
 
 
@@ -58,13 +75,34 @@ def _tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def sft_samples(model_path: str, task: Task, problems: list[Problem]) -> list[TrainingSample]:
-    """Training samples whose completion is the task's demonstration followed by end-of-turn."""
+def sft_samples(model_path: str, task: Task, problems: list[Problem],
+                environment: EnvironmentSpec | None = None) -> list[TrainingSample]:
+    """Training samples whose completion is the task's demonstration followed by end-of-turn; with tools, its
+    demonstrated episode where it has one within `max_turns` (the tools' results masked out, as in RL)."""
     tokenizer = _tokenizer(model_path)
+    chat = ToolChat(tokenizer, environment_tools(environment)) if environment else None
     samples = []
     for group_id, problem in enumerate(problems):
-        completion = tokenizer.encode(task.demonstration(problem), add_special_tokens=False) + [tokenizer.eos_token_id]
-        samples.append(TrainingSample(prompt_ids=chat_prompt_ids(tokenizer, task.messages(problem)),
-                                      completion_ids=completion, behaviour_logprobs=[0.0] * len(completion),
-                                      reward=0.0, group_id=group_id, version=0))
+        messages = task.messages(problem)
+        prompt = chat.prompt_ids(messages) if chat else chat_prompt_ids(tokenizer, messages)
+        episode = _demonstrated_episode(task, problem, environment, chat)
+        completion = episode[0] if episode else (
+            tokenizer.encode(task.demonstration(problem), add_special_tokens=False) + [tokenizer.eos_token_id])
+        sample = TrainingSample(prompt_ids=prompt, completion_ids=completion, reward=0.0, group_id=group_id,
+                                behaviour_logprobs=[0.0] * len(completion), version=0)
+        if episode:
+            sample["policy_mask"] = episode[1]
+        samples.append(sample)
     return samples
+
+
+def _demonstrated_episode(task: Task, problem: Problem, environment: EnvironmentSpec | None,
+                          chat: ToolChat | None) -> tuple[list[int], list[int]] | None:
+    """The task's demonstrated episode with the job's tools as completion ids and policy mask, or None when it has
+    none or it takes more than `max_turns`."""
+    if environment is None or chat is None:
+        return None
+    episode = task.tool_demonstration(problem, chat.tool_names)
+    if not episode or sum(message["role"] == "assistant" for message in episode) > environment.max_turns:
+        return None
+    return chat.demonstration(episode)

@@ -64,12 +64,18 @@ class DriverState:
             known = {f.name for f in fields(cls)}
             values = {key: value for key, value in data.items() if key in known}
             values["ready"] = [ScoredGroup(**group) for group in data["ready"]]
-            values["in_flight"] = [InFlight(GenerationRequest(**item["request"]), Problem(**item["problem"]))
+            values["in_flight"] = [InFlight(_request(item["request"]), Problem(**item["problem"]))
                                    for item in data["in_flight"]]
             values["restarts"] = [(int(index), int(count)) for index, count in data["restarts"]]
             return cls(**values)
         except (KeyError, TypeError, ValueError) as error:
             raise UnreadableState(f"driver.json does not read back: {type(error).__name__}: {error}") from error
+
+
+def _request(written: dict[str, Any]) -> GenerationRequest:
+    """A request as `to_json` wrote it (its problem as a dict, or none: older checkpoints have no such key)."""
+    problem = written.get("problem")
+    return GenerationRequest(**{**written, "problem": Problem(**problem) if problem else None})
 
 
 # the keys every checkpoint holds; those with a default came later, and older checkpoints lack them

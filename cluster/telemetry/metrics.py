@@ -37,6 +37,14 @@ KNOWN_METRICS: dict[str, str] = {
     "uniform groups included (logged with algorithm.drop_uniform_groups, where rollout/reward_mean leaves them out)",
     "rollout/truncated_share": "share of the responses scored since the previous step that the generator cut off "
     "at generator.max_new_tokens (trained or not)",
+    "rollout/turns_mean": "environment.tools: policy turns per episode scored since the previous step",
+    "rollout/tool_calls_mean": "environment.tools: tool calls run per episode",
+    "rollout/tool_errors_mean": "environment.tools: calls per episode answered with an error the model reads (a "
+    "malformed call, an unknown tool, wrong arguments)",
+    "rollout/failed_episode_share": "environment.tools: share of episodes a tool failed (raised, hung, printed too "
+    "much): not scored, reward 0, the reason in the ledger",
+    "rollout/tool_token_share": "environment.tools: share of the episodes' tokens that are tool results (context, "
+    "off the loss)",
     "rollout/reward_task_mean": "scoring.rewards: mean score of the task's verifier component over the responses "
     "scored since the previous step whose verifier succeeded (before its weight)",
     "rollout/reward_format_mean": "scoring.rewards: mean of the format component (1.0 with an <answer></answer>) "
@@ -126,6 +134,8 @@ KNOWN_METRICS: dict[str, str] = {
     "eval/score_errors": "evaluation answers whose verifier failed (scored 0)",
     "eval/policy_version": "policy version the evaluation answers were generated with",
     "eval/problems": "problems in the evaluation set",
+    "eval/answers": "answers scored in the evaluation: problems x samples_per_problem. Each named set of "
+    "eval.sets logs every eval/* key of this table as eval/NAME/* in a row of its own (docs/tasks.md)",
     "eval/seconds": "seconds from sending the evaluation to its scored answers (training goes on meanwhile)",
     "sft/loss": "supervised warm-up loss (token-mean cross-entropy)",
     "sft/grad_norm": "supervised warm-up gradient norm",

@@ -21,11 +21,11 @@ class RolloutSample:
     problem_id: str
     question: str
     answer: str  # the reference answer
-    completion: str  # the response text, cut to logging.samples.max_chars
+    completion: str  # the response text (a tool episode's transcript), cut to logging.samples.max_chars
     reward: float  # as trained on (verifier plus any overlong penalty)
     score_error: str | None  # why the verifier failed this response, if it did
     finish_reason: str  # "stop", or "length" when cut off at generator.max_new_tokens
-    completion_tokens: int
+    completion_tokens: int  # the policy's (a tool episode's results left out)
     lag: int  # policy versions between the weights that sampled it and the step that trained on it
     log_ratio: float  # sum over its tokens of log pi_learner - log pi_behaviour (0: on-policy)
     log_ratio_per_token: float  # the same, divided by its tokens
@@ -44,8 +44,9 @@ def rollout_samples(step: int, trained_version: int, groups: list[ScoredGroup], 
         raise ValueError(f"{len(completions)} responses but {len(log_ratios)} learner log-ratios")
     rows = []
     for (group, completion), log_ratio in zip(completions, log_ratios):
-        tokens = len(completion["completion_ids"])
-        text = completion["text"]
+        mask = completion.get("policy_mask")  # a tool episode's results carry no ratio: its policy's tokens count
+        tokens = sum(mask) if mask is not None else len(completion["completion_ids"])
+        text = completion.get("transcript") or completion["text"]
         rows.append(RolloutSample(
             step=step, group_id=group.group_id, problem_id=group.problem_id, question=group.question,
             answer=group.answer, completion=text if len(text) <= max_chars else text[:max_chars] + " [...]",

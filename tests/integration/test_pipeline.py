@@ -68,7 +68,10 @@ def run_job_in(tmp_path, **kwargs):
 
 
 def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
-    result = _run(tmp_path, max_lag=0, eval={"every_steps": 2, "num_problems": 5, "before_training": True})
+    held_out = tmp_path / "held_out.jsonl"  # a named evaluation set in another task's format (eval.sets)
+    held_out.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "answer": a + 2}) + "\n" for a in range(3)))
+    result = _run(tmp_path, max_lag=0, eval={"every_steps": 2, "num_problems": 5, "before_training": True,
+                                             "sets": {"held": {"path": str(held_out), "task": "dataset"}}})
     trained = _trained(result.run_dir)
     assert len(trained) == 4 * 2  # steps x prompts_per_step, each group exactly once
     assert {r["lag"] for r in trained} == {0}
@@ -98,12 +101,19 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     # the run ends.
     order = [(m["train/step"], is_evaluation_row(m)) for m in metrics if m["train/step"] > 0]
     assert order.index((2, True)) > order.index((2, False)) and order[-1] == (4, True), order
-    evaluated = {m["train/step"]: m for m in metrics if is_evaluation_row(m)}
+    evaluated = {m["train/step"]: m for m in metrics if is_evaluation_row(m) and "eval/solved" in m}
     assert sorted(evaluated) == [0, 2, 4]  # eval.before_training: the starting policy too
     for step, row in evaluated.items():
         assert row["eval/policy_version"] == step and row["eval/problems"] == 5 and row["eval/score_errors"] == 0
         assert 0.0 <= row["eval/solved"] <= row["eval/reward_mean"] <= 1.0 and row["eval/response_len"] > 0
         assert row["eval/seconds"] > 0
+    # the named set: a row of its own at each of those steps, every key under eval/held/
+    held = {m["train/step"]: m for m in metrics if "eval/held/solved" in m}
+    assert sorted(held) == [0, 2, 4] and all(set(m) - {"train/step", "time/wall_s"} == {
+        f"eval/held/{key}" for key in ("reward_mean", "solved", "pass_at_k", "response_len", "score_errors",
+                                       "problems", "answers", "policy_version", "seconds")} for m in held.values())
+    assert all(m["eval/held/policy_version"] == step and m["eval/held/problems"] == 3 for step, m in held.items())
+    assert all(0.0 <= m["eval/held/solved"] <= m["eval/held/pass_at_k"] <= 1.0 for m in held.values())
     # each evaluation ends before the next step's generation (queued behind it): the loop never waited for one
     assert [m["time/eval_wait_s"] for m in rl_steps] == [0.0] * 4
 
@@ -354,7 +364,7 @@ def test_an_evaluation_due_while_the_previous_one_runs_waits_for_it(local_ray, t
     from actors.generator import GeneratorSpec
     from cluster.run import runtime
     from cluster.run.evaluation import Evaluator
-    from cluster.job import evaluation_set, job_task, section_config
+    from cluster.job import evaluation_sets, job_task, section_config
     from cluster.telemetry.metrics import MetricSink
     from tasks.config import TASK_CONFIGS
     from tasks.scoring import ScorePool
@@ -364,7 +374,7 @@ def test_an_evaluation_due_while_the_previous_one_runs_waits_for_it(local_ray, t
                                                       temperature=0.0, max_model_len=96), 0, cpus=1)
     scorer = ScorePool("arithmetic", section_config(job.task, TASK_CONFIGS))
     sink = MetricSink(tmp_path, "run", {}, "disabled", progress_bar=False)
-    evaluator = Evaluator(evaluation_set(job, job_task(job)), 0.0, 1, 0, scorer, sink)
+    evaluator = Evaluator(evaluation_sets(job, job_task(job)), job, scorer, sink)
     try:
         ray.get(generator.ready.remote())
         with caplog.at_level("WARNING", logger="stableasync"):
@@ -1023,3 +1033,89 @@ def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes(local_ray,
 
     assert cli_main(["train", "--resume", str(run_dir)]) == 0
     _assert_each_group_ends_once(run_dir, steps=steps)
+
+
+FAULTY_CALCULATOR = '''
+import time
+
+from tasks.tools import calculator as exact
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses."""
+    first = expression.split()[0] if expression.split() else ""
+    if first == "7":
+        raise RuntimeError("calculator bug on purpose")
+    if first == "8":
+        print("x" * 10_000_000)
+    if first == "9":
+        time.sleep(600)
+    return exact(expression)
+'''
+
+
+def _tool_job(tmp_path: Path, name: str) -> dict:
+    """Arithmetic with a calculator that raises, prints 10 MB or hangs when the expression starts with 7, 8 or 9;
+    the tiny model learns to call it in the warm-up."""
+    tools = tmp_path / "faulty_tools.py"
+    tools.write_text(FAULTY_CALCULATOR)
+    return _job(tmp_path, max_lag=1, steps=4, model={"sft_warmup": {"steps": 60, "prompts_per_step": 16,
+                                                                    "learning_rate": 5e-3}},
+                environment={"tools": [f"{tools}:calculator"], "max_turns": 3, "tool_timeout_s": 1.0},
+                generator={"max_new_tokens": 64, "max_model_len": 400}, learner={"num_ranks": 1},
+                checkpoint={"every_steps": 2}, eval={"every_steps": 4, "num_problems": 4},
+                logging={"run_name": name, "samples": {"every_steps": 1}})
+
+
+def test_tool_episodes_train_with_failing_tools_failing_only_their_episode(local_ray, tmp_path):
+    """The warmed-up tiny model calls the calculator in most episodes; a call that raises, prints 10 MB or hangs
+    fails that episode alone (not scored, its reason in the ledger) and the run trains every group once within
+    the lag bound. The samples show each episode's transcript, the tools' messages in it."""
+    from cluster.run.driver import train
+
+    train(validate_job(_tool_job(tmp_path, "tools")))
+    run_dir = tmp_path / "runs" / "tools"
+    rows = _assert_each_group_ends_once(run_dir, steps=4)
+    assert max(r["lag"] for r in rows if r["event"] == "trained") <= 1
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if m["train/step"] > 0 and not is_evaluation_row(m)]
+    assert sum(m["rollout/tool_calls_mean"] for m in steps) / len(steps) > 0.5
+    assert sum(m["rollout/turns_mean"] for m in steps) / len(steps) > 1.5
+    assert 0 < sum(m["rollout/tool_token_share"] for m in steps) / len(steps) < 0.6
+    reasons = [reason for r in rows if r["event"] == "scored" for reason in r["sample_errors"] or []]
+    assert reasons and all(reason.startswith("episode failed: tool calculator") for reason in reasons)
+    assert any(m["rollout/failed_episode_share"] > 0 for m in steps)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert any("<tool_call>" in s["completion"] and "\n[tool] " in s["completion"] for s in samples)
+    evaluations = [m for m in metrics if is_evaluation_row(m)]
+    assert [m["train/step"] for m in evaluations] == [4]  # the evaluation's episodes call the tools too
+
+
+@pytest.mark.slow  # about 70 s
+def test_a_streaming_generator_runs_episodes_across_weight_versions(local_ray, tmp_path):
+    """Each episode takes its next turn when its tools answer, beside the others, while weights load: some groups'
+    episodes span versions, every group is trained once and its lag, from its oldest token, within the bound."""
+    from cluster.run.driver import train
+
+    job = _tool_job(tmp_path, "tools-streaming")
+    job["generator"].update(streaming=True, requests_in_flight=2, prompts_per_request=1)
+    train(validate_job(job))
+    rows = _assert_each_group_ends_once(tmp_path / "runs" / "tools-streaming", steps=4)
+    trained = [r for r in rows if r["event"] == "trained"]
+    assert max(r["lag"] for r in trained) <= 1
+    assert all(r["lag"] == r["trained_step"] - r["sampled_versions"][0] for r in trained)
+    assert any(r["sampled_versions"][1] > r["sampled_versions"][0] for r in trained), "no episode spanned a load"
+
+
+@pytest.mark.slow  # about 80 s: a tool run and its resume
+def test_a_tool_run_resumes_its_episodes_whole(local_ray, tmp_path):
+    """Episodes in flight at the checkpoint are issued again whole on resume: every group still ends once."""
+    from cluster.run.driver import train
+
+    train(validate_job(_tool_job(tmp_path, "tools-resumed")))
+    run_dir = tmp_path / "runs" / "tools-resumed"
+    (run_dir / "checkpoints" / "step-000004" / "driver.json").write_text('{"version": 4, "trunc')
+    assert cli_main(["train", "--resume", str(run_dir)]) == 0
+    rows = _assert_each_group_ends_once(run_dir, steps=4)
+    assert any(r["event"] == "reissued" for r in rows) or all(r["trained_step"] < 2 for r in rows
+                                                              if r["event"] == "trained" and r["reissues"])

@@ -67,3 +67,19 @@ def test_token_entropy_is_the_entropy_of_each_next_token_distribution():
     assert token_entropy(logits)[0, 0].item() == pytest.approx(math.log(11))
     assert token_entropy(logits)[1, 2].item() == pytest.approx(0.0, abs=1e-6)
     assert token_entropy(logits, 0.5).mean() < token_entropy(logits, 1.0).mean() < token_entropy(logits, 2.0).mean()
+
+
+def test_a_policy_mask_keeps_tool_tokens_off_the_loss_mask():
+    samples = _samples(4, n=3)
+    completion = samples[1]["completion_ids"]
+    mask = [i % 3 != 1 for i in range(len(completion))]
+    samples[1]["policy_mask"] = [int(m) for m in mask]
+    batch = collate(samples, 0)
+    start = len(samples[1]["prompt_ids"]) - 1
+    assert batch.loss_mask[1, start:start + len(completion)].tolist() == mask
+    assert batch.loss_mask[1].sum() == sum(mask) < len(completion)  # nothing else of the row is on it
+    unmasked = collate([{k: v for k, v in s.items() if k != "policy_mask"} for s in samples], 0)
+    assert torch.equal(batch.loss_mask[[0, 2]], unmasked.loss_mask[[0, 2]])  # the other rows as before
+    samples[1]["policy_mask"] = samples[1]["policy_mask"][:-1]
+    with pytest.raises(ValueError, match=r"sample 1 .* policy mask of"):
+        collate(samples, 0)

@@ -32,6 +32,10 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/component/test_models.py::test_prepare_model_names_the_models_it_knows",
         "tests/component/test_models.py::test_prepare_smollm2_from_the_wheel",
     ),
+    "stableasync evaluate": (
+        "tests/unit/test_evaluation.py::test_evaluate_refuses_bad_input_with_exit_2_before_loading_a_model",
+        "tests/integration/test_evaluate.py::test_evaluate_answers_every_set_and_writes_each_ones_results",
+    ),
     "stableasync export": (
         "tests/integration/test_pipeline.py::test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_nothing",
     ),

@@ -367,3 +367,32 @@ def test_a_lora_target_the_model_lacks_stops_train_before_anything_starts(tmp_pa
     assert done.returncode == 2, done.stderr[-2000:]
     assert "model.lora.target_modules: ['attn_c_proj'] name no linear layer of the model" in done.stderr, done.stderr
     assert not runs.exists(), "no run directory for a job that never started"
+
+
+def test_tool_settings_name_their_field(tmp_path):
+    tools = validate_job({**MINIMAL, "environment": {"tools": ["calculator", "countdown_check"], "max_turns": 2}})
+    assert tools.environment.tools == ["calculator", "countdown_check"]
+    assert validate_job(MINIMAL).environment.tools == []
+    errors = _errors({**MINIMAL, "environment": {"tools": ["abacus", "calculator", "calculator",
+                                                            str(tmp_path / "missing.py") + ":lookup", "x.py:"],
+                                                  "max_turns": 0}})
+    assert "unknown tool 'abacus'" in errors["environment.tools.0"] and "calculator" in errors["environment.tools.0"]
+    assert "environment.tools.3" not in errors  # a file is read by validate and train: it may be on the cluster
+    assert "FILE.py:NAME" in errors["environment.tools.4"]
+    assert "listed twice" in errors["environment.tools"]
+    assert "greater than or equal to 1" in errors["environment.max_turns"]
+
+
+def test_a_tool_file_that_does_not_load_stops_validate_and_train_before_anything_starts(tmp_path, capsys):
+    from cluster.cli import main as cli_main
+
+    runs = tmp_path / "runs"
+    job = tmp_path / "job.yaml"
+    job.write_text(f"task: {{name: arithmetic}}\nenvironment: {{tools: [calculator, {tmp_path}/gone.py:lookup]}}\n"
+                   f"logging: {{run_dir: {runs}}}\n")
+    assert cli_main(["validate", str(job)]) == 2
+    assert f"environment.tools.1: no file {tmp_path}/gone.py" in capsys.readouterr().err
+    assert cli_main(["validate", "--schema-only", str(job)]) == 0  # the file may be on the cluster only
+    assert cli_main(["train", str(job)]) == 2
+    assert f"environment.tools.1: no file {tmp_path}/gone.py" in capsys.readouterr().err
+    assert not runs.exists(), "no run directory for a job that never started"

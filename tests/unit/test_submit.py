@@ -155,3 +155,19 @@ def test_a_working_dir_over_rays_upload_limit_is_an_error_naming_the_biggest_fil
     assert f"the biggest files: task.path {mine / 'rows.jsonl'} (10.0 MiB), tasks/data/gsm8k/" in message
     assert "absolute path under a remote prefix" in message
     assert not (tmp_path / "too-big" / USER_FILES).exists(), "the big file was not copied"
+
+
+def test_a_tools_file_travels_and_built_in_and_remote_tools_stay(tmp_path, monkeypatch):
+    mine = _user_files(tmp_path)
+    (mine / "my_tools.py").write_text('def lookup(term: str) -> str:\n    """Look it up."""\n    return term\n')
+    monkeypatch.chdir(mine)
+    tools = ["calculator", "my_tools.py:lookup", "/mnt/shared/tools.py:search"]
+    job = validate_job({**_dataset_job(tmp_path, path="rows.jsonl"), "environment": {"tools": tools}})
+    staged = stage_working_dir(job, tmp_path / "wd")
+    sent = load_job(staged / "job.yaml")
+    assert sent.environment.tools == ["calculator", "user_files/my_tools.py:lookup", "/mnt/shared/tools.py:search"]
+    assert (staged / "user_files/my_tools.py").read_text() == (mine / "my_tools.py").read_text()
+    monkeypatch.chdir(staged)  # the driver's cwd: the carried entry loads there
+    from tasks.tools import load_tools
+
+    assert load_tools(sent.environment.tools[:2])["lookup"]("x") == "x"
