@@ -277,6 +277,7 @@ def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path, s
     assert result.ledger_counts["trained"] == 5 * 2
 
 
+@pytest.mark.slow  # 36 s; test_killed_generator_is_restarted_and_loses_no_group restarts one in the default run
 def test_a_generator_restarted_between_calls_is_noticed_and_gets_the_latest_weights(local_ray, tmp_path, monkeypatch,
                                                                                  caplog):
     """With max_lag 0 the generator is idle while the learner steps. SIGKILLed then (during step 2) and
@@ -933,14 +934,14 @@ def test_a_hanging_verifier_fails_its_samples_and_the_job_goes_on(local_ray, tmp
     """The job's verifier hangs on every third problem: those samples time out after the job's
     scoring.timeout_s (reward 0, counted as score errors in the ledger), the worker is replaced, and every
     group still ends exactly once."""
-    from cluster.run import driver, loop
+    from cluster.run import driver, evaluation
     from tasks.scoring import ScorePool
 
     def hanging_pool(task_name, task_config, **scoring):
         assert scoring["timeout_s"] == 0.5, "the driver passes the job's scoring section"
         return ScorePool("hanging-arithmetic", task_config, extra_modules=("tasks.testing",), **scoring)
 
-    monkeypatch.setattr(loop, "ScorePool", hanging_pool)
+    monkeypatch.setattr(evaluation, "ScorePool", hanging_pool)  # verifier_pool builds the loop's verifiers
     job = _job(tmp_path, max_lag=1, steps=3, logging={"run_name": "hanging"}, scoring={"timeout_s": 0.5})
     driver.train(validate_job(job))
     run_dir = tmp_path / "runs" / "hanging"
