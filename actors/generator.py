@@ -329,12 +329,7 @@ class Generator(ReportsTimings):
             self.episodes = episode_runner(self.spec.environment, self.tokenizer, self.spec.max_new_tokens,
                                            self.spec.max_model_len)
         version, n = self.version, samples or self.spec.samples_per_prompt
-        episodes = []
-        for request in requests:
-            if request.problem is None:
-                raise ValueError(f"group {request.group_id}: a tool episode needs the request's problem")
-            episodes.append([self.episodes.start(request.problem, request.messages, request.seed * 1000 + i)
-                             for i in range(n)])
+        episodes = [self.episodes.start_group(r.group_id, r.problem, r.messages, r.seed, n) for r in requests]
         self.episodes.run_batched([e for group in episodes for e in group],
                                   lambda turns: self._sample_turns(turns, temperature, version))
         groups = [GeneratedGroup(request.group_id, request.problem_id, group[0].prompt_ids,

@@ -71,11 +71,9 @@ class StreamingGenerator(ReportsTimings):
             assert self.spec.environment is not None
             self.episodes = episode_runner(self.spec.environment, self.tokenizer, self.spec.max_new_tokens,
                                            self.spec.max_model_len)
-        if request.problem is None:
-            raise ValueError(f"group {request.group_id}: a tool episode needs the request's problem")
         issued_version = self.version
-        episodes = [self.episodes.start(request.problem, request.messages, request.seed * 1000 + i)
-                    for i in range(samples or self.spec.samples_per_prompt)]
+        episodes = self.episodes.start_group(request.group_id, request.problem, request.messages, request.seed,
+                                             samples or self.spec.samples_per_prompt)
         await asyncio.gather(*(self.episodes.run_one(episode, lambda turn: self._turn(turn, temperature))
                                for episode in episodes))
         completions = [episode.record() for episode in episodes]

@@ -139,7 +139,7 @@ class ToolChat:
         self.template_renders_tools = self._render(probe, tools=schemas) != self._render(probe)
         self.eos_id: int = tokenizer.eos_token_id
         self.eos_text: str = tokenizer.eos_token or ""
-        self.tool_names = frozenset(schema["function"]["name"] for schema in schemas)  # as the model calls them
+        self.tool_names = schema_names(schemas)
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool = False, **extra: Any) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
@@ -218,6 +218,14 @@ class EpisodeRunner:
     def start(self, problem: Problem, messages: list[dict[str, str]], seed: int) -> Episode:
         return Episode(problem, self.chat.prompt_ids(messages), seed)
 
+    def start_group(self, group_id: int, problem: Problem | None, messages: list[dict[str, str]], seed: int,
+                    episodes: int) -> list[Episode]:
+        """A prompt group's episodes, each with a seed of its own; the tools need the group's problem."""
+        if problem is None:
+            raise ValueError(f"group {group_id}: a tool episode needs the request's problem")
+        prompt_ids = self.chat.prompt_ids(messages)
+        return [Episode(problem, prompt_ids, seed * 1000 + i) for i in range(episodes)]
+
     def turn_request(self, episode: Episode) -> TurnRequest:
         return TurnRequest(episode.context_ids(), self.budget.left(episode), episode.seed * 1009 + episode.turns)
 
@@ -272,6 +280,11 @@ class EpisodeRunner:
             for episode, parsed in waiting:
                 mine, results = results[:len(parsed.calls)], results[len(parsed.calls):]
                 self.after_tools(episode, parsed, mine)
+
+
+def schema_names(schemas: list[dict[str, Any]]) -> frozenset[str]:
+    """The tools' names as the model calls them."""
+    return frozenset(schema["function"]["name"] for schema in schemas)
 
 
 def environment_tools(spec: EnvironmentSpec, field_name: str = "environment.tools") -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from actors.records import TrainingSample
 from cluster.job import Job, environment_spec
 from learner.models import build_tiny_model, check_chat_template, resolve_model
 from tasks.base import Problem, Task
-from tasks.environment import EnvironmentSpec, ToolChat, environment_tools
+from tasks.environment import EnvironmentSpec, ToolChat, environment_tools, schema_names
 from tasks.tools import tools_prompt
 
 CORPUS_PROBLEMS = 2000
@@ -58,7 +58,7 @@ def task_corpus(task: Task, seed: int, environment: EnvironmentSpec | None = Non
     """
     lines = ["system", "user", "assistant", "tool"]  # the chat template's role names
     schemas = environment_tools(environment) if environment else []
-    tools = frozenset(schema["function"]["name"] for schema in schemas)
+    tools = schema_names(schemas)
     if environment:
         lines.append(tools_prompt(schemas))
     for problem in islice(task.problems("corpus", seed), CORPUS_PROBLEMS):
@@ -75,12 +75,18 @@ def _tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path)
 
 
+@lru_cache(maxsize=4)
+def _tool_chat(model_path: str, environment: EnvironmentSpec) -> ToolChat:
+    """Built once per run, not at every warm-up step: it loads the tools and probes the chat template."""
+    return ToolChat(_tokenizer(model_path), environment_tools(environment))
+
+
 def sft_samples(model_path: str, task: Task, problems: list[Problem],
                 environment: EnvironmentSpec | None = None) -> list[TrainingSample]:
     """Training samples whose completion is the task's demonstration followed by end-of-turn; with tools, its
     demonstrated episode where it has one within `max_turns` (the tools' results masked out, as in RL)."""
     tokenizer = _tokenizer(model_path)
-    chat = ToolChat(tokenizer, environment_tools(environment)) if environment else None
+    chat = _tool_chat(model_path, environment) if environment else None
     samples = []
     for group_id, problem in enumerate(problems):
         messages = task.messages(problem)
