@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from algorithms.config import STABILIZER_CONFIGS, KLEstimator, LossAggregation
 from algorithms.errors import StableAsyncError
@@ -165,6 +165,13 @@ class GeneratorSection(Section):
     gpus_per_generator: float = Field(0.0, ge=0)
 
 
+def _token_budget(value: Any) -> Any:
+    """`auto` or a whole number of tokens above 0, in one error (a union would report each of its members)."""
+    if value == "auto" or (type(value) is int and value > 0):
+        return value
+    raise ValueError(f"{value!r} is neither auto nor a whole number of tokens above 0")
+
+
 class LearnerSection(Section):
     num_ranks: int = Field(1, gt=0, description="DeepSpeed data-parallel ranks, one Ray actor each")
     zero_stage: Literal[0, 1, 2, 3] = 2
@@ -182,10 +189,11 @@ class LearnerSection(Section):
     weight_decay: float = Field(0.0, ge=0)
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon; larger values damp steps of near-zero gradients")
     grad_clip: float = Field(1.0, gt=0)
-    max_tokens_per_micro_batch: int = Field(
-        8192, gt=0, description="padded tokens (rows x longest row) a rank runs through the model at once; a step "
-        "accumulates as many micro-batches as its batch needs, with the same update. Lower it when a step runs "
-        "out of memory; at least generator.max_model_len"
+    max_tokens_per_micro_batch: Annotated[int | Literal["auto"], BeforeValidator(_token_budget)] = Field(
+        "auto", description="padded tokens (rows x longest row) a rank runs through the model at once; a step "
+        "accumulates as many micro-batches as its batch needs, with the same update. auto: what the memory left "
+        "on the rank's device holds, from the model's size (each rank logs its choice); a number: at least "
+        "generator.max_model_len, lower when a step runs out of memory"
     )
     gradient_checkpointing: bool = Field(
         False, description="recompute each layer's activations in the backward: less memory, about a third "
@@ -630,7 +638,7 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
             "generator.max_new_tokens",
             f"{generator.max_new_tokens} leaves no room for the prompt in max_model_len {generator.max_model_len}",
         ))
-    if learner.max_tokens_per_micro_batch < generator.max_model_len:
+    if learner.max_tokens_per_micro_batch != "auto" and learner.max_tokens_per_micro_batch < generator.max_model_len:
         errors.append(JobError(
             "learner.max_tokens_per_micro_batch",
             f"{learner.max_tokens_per_micro_batch} is less than one sequence may hold (generator.max_model_len "

@@ -28,7 +28,7 @@ from algorithms.diagnostics import chi2_seq, ess_ratio, health_metrics
 from algorithms.errors import StableAsyncError
 from algorithms.proximal import trust_region_weights
 from algorithms.regularizers import adapted_kl_coef, kl_penalty, sequence_kl
-from learner import micro_batches
+from learner import memory_budget, micro_batches
 from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs, token_logprobs_and_entropy
 from learner.lora import ADAPTER_FOLDER, LoraSpec, adapter_weights, merged_state_dict, with_lora, write_adapter_folder
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
@@ -58,8 +58,8 @@ class _StepValues:
     advantages: Tensor  # [B] fp32
     squared_norms: Tensor | None  # [B] fp32: ||grad log pi(tau_i)||^2, when the stabilizer needs them
     baseline: Tensor | None  # [B] fp32: VCPO's baseline, formed with the norms
+    loss: Tensor  # [] fp32: this rank's share of the global loss, summed on the device (no host sync per micro-batch)
     decision: TokenWeights | None = None  # two passes: the stabilizer's decision on the whole batch
-    loss: float = 0.0  # this rank's share of the global loss
     skipped: bool = False  # non-finite values on some rank: no update
     bookkept_micro_batches: int = 0  # micro-batches whose update came from kept per-sample gradients
     carried_groups: int = 0  # prompt groups trained across micro-batches with a score buffer
@@ -69,7 +69,7 @@ class _StepValues:
         zeros = batch.behaviour_logprobs.new_zeros
         norms = zeros(batch.size) if with_norms else None
         return cls(zeros(batch.loss_mask.shape), zeros(batch.loss_mask.shape), zeros(batch.size), norms,
-                   None if norms is None else zeros(batch.size))
+                   None if norms is None else zeros(batch.size), zeros(()))
 
     def record(self, rows: Tensor, logprobs: Tensor, entropy: Tensor | None, advantages: Tensor | None,
                sample_grads: SampleGradients | None, baseline: Tensor | None) -> None:
@@ -103,7 +103,7 @@ class _CarriedGroup:
     at_zero: Tensor  # [B] fp32: the rank's advantages at baseline 0
     slope: Tensor  # [B] fp32: at_zero minus the advantages at baseline 1
     score: dict[torch.nn.Parameter, Tensor] | None = None  # fp32, per parameter: sum over seen rows of grad slope
-    slope_loss: float = 0.0  # the pieces' loss at advantages `slope`
+    slope_loss: Tensor | float = 0.0  # the pieces' loss at advantages `slope`
     seen: int = 0  # rows of the group passed so far
 
     @classmethod
@@ -113,7 +113,7 @@ class _CarriedGroup:
         at_one = stabilizer.advantages_from_baseline(batch.rewards, zeros + 1, batch.group_ids).float()
         return cls(rows, at_zero, at_zero - at_one)
 
-    def add(self, piece_rows: int, score: dict[torch.nn.Parameter, Tensor], slope_loss: float) -> None:
+    def add(self, piece_rows: int, score: dict[torch.nn.Parameter, Tensor], slope_loss: Tensor) -> None:
         """A piece's gradient of the slope loss, into the buffer."""
         self.seen += piece_rows
         if self.score is None:
@@ -128,7 +128,7 @@ class _CarriedGroup:
         """Whether every row of the group has passed (the piece just added was the last)."""
         return self.seen == len(self.rows)
 
-    def close(self, grads: dict[torch.nn.Parameter, Tensor], baseline: float) -> dict[torch.nn.Parameter, Tensor]:
+    def close(self, grads: dict[torch.nn.Parameter, Tensor], baseline: Tensor) -> dict[torch.nn.Parameter, Tensor]:
         """The last piece's gradient minus b times the score buffer, which is then released."""
         out = {param: (grad.float() - baseline * self.score[param]).to(grad.dtype) for param, grad in grads.items()}
         self.score = None
@@ -158,7 +158,10 @@ class LearnerSpec:
     dtype: str = "float32"
     seed: int = 0
     backend: str = "gloo"
-    max_tokens_per_micro_batch: int | None = None  # padded tokens per forward; None: the rank's batch at once
+    # padded tokens per forward; "auto": what the rank's free memory holds (learner/memory_budget.py); None: the
+    # rank's batch at once
+    max_tokens_per_micro_batch: int | str | None = None
+    max_sequence_tokens: int | None = None  # generator.max_model_len: the least an "auto" budget must hold
     gradient_checkpointing: bool = False
     proximal: str = "behaviour"  # recompute: the decoupled objective (algorithms/proximal.py)
     proximal_eps_low: float = 0.2
@@ -277,6 +280,8 @@ class LearnerRank:
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
         )
         self.device = self.engine.device
+        self.micro_batch_budget = memory_budget.resolve(spec, self.engine, self.device, rank, world_size)
+        self.micro_batch_tokens = self.micro_batch_budget.tokens  # padded tokens per forward; None: the whole batch
         self.stabilizer = registry.build(spec.stabilizer_name, **_config_values(spec.stabilizer_config))
         self.advantage_fn = ADVANTAGES[spec.advantage]
         # a stabilizer without the option (a user's own) gets the ghost path
@@ -357,7 +362,7 @@ class LearnerRank:
         self.engine.train()
         batch = batch.to(self.device)
         needs_norms = self.stabilizer.needs_grad_norms
-        plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.spec.max_tokens_per_micro_batch,
+        plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.micro_batch_tokens,
                                   keep_groups=needs_norms)
         one_pass = self.stabilizer.decides_per_row and (plan.groups_whole or not needs_norms
                                                         or self._carries_every_split_group(batch, plan))
@@ -388,7 +393,7 @@ class LearnerRank:
         global_log_w = self._all_gather(policy.seq_log_ratio[policy.token_lengths > 0])
         metrics.update(sequence_metrics(global_log_w))
         metrics.update(self.stabilizer.global_metrics(global_log_w))
-        loss = torch.tensor(step.loss, device=self.device)
+        loss = step.loss
         if step.skipped:
             metrics["optim/lr"] = self._scalar(0.0)
             return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan, batch=batch)
@@ -471,7 +476,10 @@ class LearnerRank:
             step.advantages = self._advantages(batch, step.logprobs, None)[0]
         mask_denominator = None if len(runs) == 1 else self._global_denominator(batch.loss_mask)
         carried: _CarriedGroup | None = None
-        for index, rows in enumerate(runs):
+        # counted on the device and checked once after the loop: no host sync per micro-batch
+        nonfinite = torch.zeros((), device=self.device)
+        coefficient_gap = torch.zeros((), device=self.device)
+        for rows in runs:
             micro = self._micro_batch(batch, rows)
             group_rows = self._split_group_rows(batch, rows) if self.stabilizer.needs_grad_norms else None
             if group_rows is not None and carried is None:  # the first piece of a split group
@@ -499,26 +507,28 @@ class LearnerRank:
             slope = None if carried is None else policy_loss(
                 PolicyBatch(logprobs, micro.behaviour_logprobs, carried.slope[rows], micro.loss_mask), decision,
                 self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
-            finite = self._all_finite(loss, decision.weights, *([] if slope is None else [slope]))
-            if not finite and index == 0:  # nothing accumulated yet: leave before any backward
-                step.skipped = True
-                self.engine.zero_grad()
-                break
+            bad = _nonfinite_count(loss, decision.weights, *([] if slope is None else [slope]))
+            nonfinite = nonfinite + bad
+            # a non-finite micro-batch poisons the accumulated gradient, so that the engine's step finds a
+            # non-finite norm and discards it all (checked in _discard_step)
+            loss = loss * torch.where(bad > 0, math.nan, 1.0)
             if rows is not None:
                 step.record(rows, logprobs, entropy.detach(), advantages, sample_grads, baseline)
-            step.loss += float(loss.detach()) if finite else math.nan
-            if carried is not None and finite:
-                self._backward_piece(step, batch, carried, loss, slope, logprobs, sample_grads, micro.loss_mask)
+            step.loss = step.loss + loss.detach()
+            if carried is not None:
+                gap = self._backward_piece(step, batch, carried, loss, slope, logprobs, sample_grads, micro.loss_mask)
                 carried = None if carried.complete else carried
             else:
-                # a later non-finite micro-batch poisons the accumulated gradient, so the engine's step finds a
-                # non-finite norm and discards it all (checked in _discard_step)
-                self._backward(loss if finite else loss * math.nan, logprobs, sample_grads, micro.loss_mask)
-            if not finite:
-                step.skipped = True
-                self._discard_step()
-                break
+                gap = self._backward(loss, logprobs, sample_grads, micro.loss_mask)
+            coefficient_gap = torch.maximum(coefficient_gap, gap)
             del logits, logprobs, entropy, sample_grads, policy, decision, loss  # before the next forward allocates
+        nonfinite, coefficient_gap = self._all_reduce_max(torch.stack([nonfinite, coefficient_gap])).tolist()
+        if coefficient_gap > COEFFICIENT_GAP_TOLERANCE:
+            raise RuntimeError(f"book-keeping needs one loss coefficient per sequence; tokens of a sequence differ by "
+                               f"{coefficient_gap:.3g} of the largest (use opob_impl: ghost for this loss)")
+        if nonfinite:
+            step.skipped = True
+            self._discard_step()
         return step
 
     def _two_passes(self, batch: TrainBatch, runs: list[Tensor | None], reference: Tensor | None) -> _StepValues:
@@ -552,8 +562,8 @@ class LearnerRank:
         policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
         step.decision = self.stabilizer.token_weights(policy)
         denominator = self._global_denominator(step.decision.mask)
-        step.loss = float(self._loss(policy, step.decision, denominator, step.entropy, reference))
-        if not self._all_finite(step.decision.weights, self._scalar(step.loss)):
+        step.loss = self._loss(policy, step.decision, denominator, step.entropy, reference).detach()
+        if not self._all_finite(step.decision.weights, step.loss):
             step.skipped = True
             self.engine.zero_grad()
         return step
@@ -618,7 +628,7 @@ class LearnerRank:
                     decision = TokenWeights(step.decision.weights[rows], step.decision.mask[rows], {})
                     denominator = self._global_denominator(decision.mask)
                     plan = micro_batches.plan(share.sequence_lengths, share.group_ids,
-                                              self.spec.max_tokens_per_micro_batch, keep_groups=False)
+                                              self.micro_batch_tokens, keep_groups=False)
                     runs = self._agreed_runs(plan)[0]
                     clipped_tokens += self._backpropagate(
                         share, runs, decision, step.advantages[rows], denominator, step.logprobs[rows],
@@ -661,7 +671,7 @@ class LearnerRank:
         for rows in runs:
             micro = self._micro_batch(batch, rows)
             with nullcontext() if self.reference is not None else model.disable_adapter():
-                logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
+                logits = causal_logits(model, micro)
             if rows is not None:
                 out[rows, :micro.loss_mask.shape[1]] = token_logprobs(logits, micro.input_ids, self.spec.temperature)
             del logits
@@ -694,42 +704,50 @@ class LearnerRank:
             raise RuntimeError(f"learner rank {self.rank}: DeepSpeed applied a step with a non-finite gradient")
 
     def _backward(self, loss: Tensor, logprobs: Tensor, sample_grads: SampleGradients | None,
-                  loss_mask: Tensor) -> None:
+                  loss_mask: Tensor) -> Tensor:
         """Gradients of the loss into the engine. DeepSpeed averages over ranks, so each rank's loss is
         its share of the global sum.
 
         With book-keeping the loss is sum_i k_i log pi(tau_i) (VCPO's weights and advantages are per
         sequence), so its gradient is sum_i k_i G_i of the kept per-sample gradients G_i; the engine's
         backward of <theta, that gradient> hands it to ZeRO's reduction without a pass through the model.
+        Returns how far the token coefficients of a sequence differ (`sequence_coefficients`; 0 without
+        book-keeping), for the caller to check once per step.
         """
         if sample_grads is None or sample_grads.parts is None:
             self.engine.backward(loss * self.world_size)
-            return
-        self._backward_gradients(sample_grads.weighted_sum(self._sequence_coefficients(loss, logprobs, loss_mask)))
+            return torch.zeros((), device=self.device)
+        coefficients, gap = self._sequence_coefficients(loss, logprobs, loss_mask)
+        self._backward_gradients(sample_grads.weighted_sum(coefficients))
+        return gap
 
     def _backward_piece(self, step: _StepValues, batch: TrainBatch, carried: _CarriedGroup, loss: Tensor,
-                        slope: Tensor, logprobs: Tensor, sample_grads: SampleGradients, loss_mask: Tensor) -> None:
+                        slope: Tensor, logprobs: Tensor, sample_grads: SampleGradients, loss_mask: Tensor) -> Tensor:
         """One piece of a group split across micro-batches. Its loss is loss(A) = loss(A0) - b * slope with A0
         the advantages at baseline 0 and b the group's baseline, known after its last piece: the engine
         takes the gradient of loss(A0) now, the score buffer the gradient of `slope`, and the last piece
-        hands the engine -b times the buffer."""
-        grads = sample_grads.weighted_sum(self._sequence_coefficients(loss, logprobs, loss_mask, keep_graph=True))
-        slope_grads = sample_grads.weighted_sum(self._sequence_coefficients(slope, logprobs, loss_mask), fp32=True)
-        carried.add(len(loss_mask), slope_grads, float(slope.detach()))
+        hands the engine -b times the buffer. Returns the larger coefficient gap of the two (see `_backward`)."""
+        coefficients, gap = self._sequence_coefficients(loss, logprobs, loss_mask, keep_graph=True)
+        slope_coefficients, slope_gap = self._sequence_coefficients(slope, logprobs, loss_mask)
+        grads = sample_grads.weighted_sum(coefficients)
+        slope_grads = sample_grads.weighted_sum(slope_coefficients, fp32=True)
+        carried.add(len(loss_mask), slope_grads, slope.detach())
         if carried.complete:
             advantages, baseline = self._advantages(batch.rows(carried.rows), step.logprobs[carried.rows],
                                                     SampleGradients(step.squared_norms[carried.rows]))
             step.advantages[carried.rows], step.baseline[carried.rows] = advantages.float(), baseline.float()
-            step.loss -= float(baseline[0]) * carried.slope_loss
+            step.loss = step.loss - baseline[0].detach() * carried.slope_loss
             step.carried_groups += 1
-            grads = carried.close(grads, float(baseline[0]))
+            grads = carried.close(grads, baseline[0].detach())
         self._backward_gradients(grads)
+        return torch.maximum(gap, slope_gap)
 
     def _sequence_coefficients(self, loss: Tensor, logprobs: Tensor, loss_mask: Tensor,
-                               keep_graph: bool = False) -> Tensor:
-        """[b] k_i of this rank's share of the global loss, sum_i k_i log pi(tau_i) (DeepSpeed averages)."""
+                               keep_graph: bool = False) -> tuple[Tensor, Tensor]:
+        """[b] k_i of this rank's share of the global loss, sum_i k_i log pi(tau_i) (DeepSpeed averages), and
+        how far its token coefficients differ within a sequence."""
         (token_coefficients,) = torch.autograd.grad(loss * self.world_size, logprobs, retain_graph=keep_graph)
-        return per_sequence_coefficients(token_coefficients, loss_mask)
+        return sequence_coefficients(token_coefficients, loss_mask)
 
     def _backward_gradients(self, grads: dict[torch.nn.Parameter, Tensor]) -> None:
         """The engine's backward of <theta, grads>: hands `grads` to ZeRO's reduction without a model pass."""
@@ -806,24 +824,24 @@ class LearnerRank:
         same token-budget micro-batches as the RL step."""
         self.engine.train()
         batch = batch.to(self.device)
-        plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.spec.max_tokens_per_micro_batch,
+        plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.micro_batch_tokens,
                                   keep_groups=False)
         denominator = self._all_reduce_sum(batch.loss_mask.sum()).clamp(min=1)
-        total = 0.0
+        total = torch.zeros((), device=self.device)
         for rows in self._agreed_runs(plan)[0]:
             micro = self._micro_batch(batch, rows)
             logprobs = token_logprobs(self._logits(micro), micro.input_ids, self.spec.temperature)
             loss = -(logprobs * micro.loss_mask).sum() / denominator
             self.engine.backward(loss * self.world_size)
-            total += float(loss.detach())
+            total = total + loss.detach()
         grad_norm = self._step_with_lr_scale(learning_rate / self.spec.learning_rate)
-        metrics = {"sft/loss": self._scalar(total), "sft/grad_norm": self._scalar(grad_norm)}
+        metrics = {"sft/loss": total, "sft/grad_norm": self._scalar(grad_norm)}
         return self._reduce_metrics(metrics)
 
     def _logits(self, batch: TrainBatch, plain: bool = False) -> Tensor:
         """[B, L, V] logits; `plain` runs the bare module, outside the engine's backward bookkeeping."""
         model = self.engine.module if plain else self.engine
-        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        return causal_logits(model, batch)
 
     def publish_specs(self, dtype: str) -> list[TensorSpec]:
         """Name (HF checkpoint), whole shape and wire `dtype` of every published weight, in the order
@@ -981,8 +999,13 @@ class LearnerRank:
 
     def _all_finite(self, *tensors: Tensor) -> bool:
         """Whether every rank's tensors are finite: a collective, so all ranks skip together."""
-        bad = torch.tensor(float(sum(int(not torch.isfinite(t.detach()).all()) for t in tensors)), device=self.device)
-        return self._all_reduce_sum(bad).item() == 0
+        return self._all_reduce_sum(_nonfinite_count(*tensors)).item() == 0
+
+    def _all_reduce_max(self, values: Tensor) -> Tensor:
+        values = values.detach().float().clone()
+        if self.world_size > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return values
 
     def _all_gather(self, values: Tensor) -> Tensor:
         """Concatenate a 1-D tensor of possibly different lengths from every rank."""
@@ -1008,6 +1031,20 @@ class _NonFiniteUpdate(StableAsyncError, ArithmeticError):
         self.micro_batch = micro_batch
 
 
+def causal_logits(model: Any, batch: TrainBatch) -> Tensor:
+    """[B, L, V] logits of right-padded rows, without an attention mask: under the causal mask no real token
+    attends to the padding after it, and positions count from 0 either way, so every real position's logits
+    are the masked forward's. Without a padding mask the attention takes its causal kernel (flash attention
+    on a GPU) and the model builds no mask, which costs a host sync (transformers checks the mask on the host).
+    """
+    return model(input_ids=batch.input_ids).logits
+
+
+def _nonfinite_count(*tensors: Tensor) -> Tensor:
+    """[] fp32 on the tensors' device: how many of them hold a NaN or infinity (no host sync)."""
+    return sum(((~torch.isfinite(t.detach())).any().float() for t in tensors), torch.zeros((), device=tensors[0].device))
+
+
 def _prompt_group_shares(group_ids: Tensor, shares: int) -> list[Tensor]:
     """[b] row indices of `shares` runs of consecutive whole prompt groups, as even as the groups allow."""
     groups = torch.unique(group_ids)
@@ -1025,18 +1062,27 @@ def _rows_of(reference: Tensor | None, rows: Tensor | None, logprobs: Tensor) ->
     return logprobs.detach() if rows is None else reference[rows, :logprobs.shape[1]]
 
 
-def per_sequence_coefficients(token_coefficients: Tensor, loss_mask: Tensor) -> Tensor:
-    """k_i such that d loss / d log pi_it = k_i on every loss token of row i (and 0 elsewhere).
+# How far a sequence's token coefficients may differ, relative to the largest, and still be one coefficient.
+COEFFICIENT_GAP_TOLERANCE = 1e-5
 
-    Book-keeping forms the update from whole-sequence gradients, so a loss whose token coefficients
-    differ within a sequence is refused rather than trained on wrongly.
-    """
+
+def sequence_coefficients(token_coefficients: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """k_i such that d loss / d log pi_it = k_i on every loss token of row i (and 0 elsewhere), and the
+    largest difference of a token's coefficient from its row's k_i relative to the largest |k_i|: a
+    device scalar, so the caller checks it once per step instead of syncing per micro-batch."""
     mask = loss_mask.to(token_coefficients.dtype)
     coefficients = (token_coefficients * mask).sum(1) / mask.sum(1).clamp(min=1)
     gap = (token_coefficients - coefficients.unsqueeze(1) * mask).abs().max()
-    if gap > 1e-5 * coefficients.abs().max():
+    return coefficients, gap / coefficients.abs().max().clamp(min=torch.finfo(coefficients.dtype).tiny)
+
+
+def per_sequence_coefficients(token_coefficients: Tensor, loss_mask: Tensor) -> Tensor:
+    """`sequence_coefficients`, refusing a loss whose token coefficients differ within a sequence: book-keeping
+    forms the update from whole-sequence gradients, so such a loss would be trained on wrongly."""
+    coefficients, gap = sequence_coefficients(token_coefficients, loss_mask)
+    if gap > COEFFICIENT_GAP_TOLERANCE:
         raise RuntimeError(f"book-keeping needs one loss coefficient per sequence; tokens of a sequence differ by "
-                           f"{float(gap):.3g} (use opob_impl: ghost for this loss)")
+                           f"{float(gap):.3g} of the largest (use opob_impl: ghost for this loss)")
     return coefficients
 
 

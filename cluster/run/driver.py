@@ -100,6 +100,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
                                     job.learner.cpus_per_rank, job.learner.gpus_per_rank, name_prefix=names,
                                     placement_timeout_s=job.cluster.placement_timeout_s,
                                     node_resource=job.cluster.learner_resource)
+    _log_micro_batch_budgets(learners)
     start_generator = _generator_starter(job, model_path, names)
     generators = {index: start_generator(index) for index in range(job.generator.num_generators)}
     ray.get([g.ready.remote() for g in generators.values()])
@@ -219,6 +220,14 @@ def _placement(learners: runtime.LearnerGroup, generators: dict[int, Any]) -> di
             "generator_nodes": dict(zip(map(str, generators), nodes[len(learners.ranks):]))}
 
 
+def _log_micro_batch_budgets(learners: runtime.LearnerGroup) -> None:
+    """Each rank's micro-batch budget and why, here where the user reads (an actor's info log goes nowhere)."""
+    whys = ray.get([rank.__ray_call__.remote(lambda learner: learner.micro_batch_budget.why)
+                    for rank in learners.ranks])
+    for index, why in enumerate(whys):
+        log.info("learner rank %d: %s", index, why)
+
+
 def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
     stabilizer = job.algorithm.stabilizer
     return LearnerSpec(
@@ -233,6 +242,7 @@ def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
         dtype=job.model.dtype_on(gpu=job.learner.gpus_per_rank > 0), seed=job.seed,
         backend="nccl" if job.learner.gpus_per_rank else "gloo",
         max_tokens_per_micro_batch=job.learner.max_tokens_per_micro_batch,
+        max_sequence_tokens=job.generator.max_model_len,
         gradient_checkpointing=job.learner.gradient_checkpointing, proximal=job.algorithm.proximal,
         proximal_eps_low=job.algorithm.proximal_eps_low, proximal_eps_high=job.algorithm.proximal_eps_high,
         mini_batches=job.learner.mini_batches, epochs=job.learner.epochs, **_kl_values(job.algorithm.kl),

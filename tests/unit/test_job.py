@@ -297,6 +297,22 @@ def test_a_micro_batch_budget_below_one_sequence_names_the_field():
     assert job.learner.max_tokens_per_micro_batch == 1024
 
 
+def test_the_micro_batch_budget_is_auto_by_default_and_any_max_model_len_passes():
+    """auto fits the rank's memory at start (learner/memory_budget.py), so no max_model_len is too long for it
+    here; the resolved job says auto, and loads back so."""
+    job = validate_job({**MINIMAL, "generator": {"max_model_len": 100000, "max_new_tokens": 64}})
+    assert job.learner.max_tokens_per_micro_batch == "auto"
+    assert "max_tokens_per_micro_batch: auto" in dump_job(job)
+    assert validate_job({**MINIMAL, "learner": {"max_tokens_per_micro_batch": "auto"}}) == validate_job(MINIMAL)
+
+
+@pytest.mark.parametrize("value", ["big", "Auto", 0, -8, 1.5, True, None])
+def test_a_micro_batch_budget_neither_auto_nor_a_token_count_is_one_error_naming_the_field(value):
+    errors = _errors({**MINIMAL, "learner": {"max_tokens_per_micro_batch": value}})
+    assert errors == {"learner.max_tokens_per_micro_batch":
+                      f"{value!r} is neither auto nor a whole number of tokens above 0"}
+
+
 def test_set_overrides_fields_as_yaml_and_the_schema_checks_them(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({"task": {"name": "arithmetic"}, "learner": {"steps": 5}}))

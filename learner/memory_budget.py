@@ -1,0 +1,270 @@
+"""`learner.max_tokens_per_micro_batch: auto`: the padded tokens a micro-batch may hold on this rank's device.
+
+A micro-batch's memory grows linearly with its padded tokens: every decoder layer keeps its activations
+for the backward, and the logits path holds [tokens, vocab] tensors (learner/batch.py: the logits in the
+model's dtype and their gradient; with per-sample gradient norms also `sequence_logprob_grad`'s fp32
+logits gradient, and book-keeping's kept per-sample gradients, learner/grad_norms.py). Beside it a step
+holds a fixed amount: the gradients and ZeRO's buckets, the chunked log-softmax's and the Gram matrices'
+temporaries. The per-token figures come from the model's config, the fixed one from its parameter count;
+both were calibrated against measured peaks on CPU (docs/performance.md) and err on the large side.
+
+Everything above `read_free_bytes` is plain arithmetic, unit tested without a model; the rest reads the
+device and the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from algorithms.errors import StableAsyncError
+from learner.batch import CHUNK_LOGIT_ELEMENTS
+from learner.grad_norms import CHUNK_ELEMENTS
+
+log = logging.getLogger("stableasync.learner")
+
+# The share of the free memory a budget may plan on: a GPU is the rank's own; host memory is shared with
+# the generators (which start after the learner), the driver and Ray's object store.
+USABLE_SHARE_CUDA = 0.85
+USABLE_SHARE_HOST = 0.5
+# fp32 chunks alive at once of the chunked log-softmax (learner/batch.py) and of the ghost norms' Gram
+# matrices (learner/grad_norms.py): a chunk and the temporaries of its arithmetic.
+LIVE_CHUNKS = 3
+# The [rows, 1, T, T] attention mask and the attention's own temporaries: bytes per token per position of its
+# row (measured on CPU's scaled_dot_product_attention: about 10).
+MASK_BYTES_PER_POSITION = 12
+# Gradients and ZeRO's gradient buckets and partitions, in fp32 numbers per trained parameter (measured: ~3).
+GRADIENT_COPIES = 4
+
+
+class MicroBatchBudgetTooSmall(StableAsyncError, MemoryError):
+    """Not even one sequence fits the memory left on the rank's device."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a decoder-only transformer's activations scale with, from its config."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    query_width: int  # attention heads x head dim
+    key_value_width: int  # key-value heads x head dim
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """A Hugging Face config (its text part, for a multimodal one)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        return cls(hidden=text.hidden_size, intermediate=text.intermediate_size, layers=text.num_hidden_layers,
+                   query_width=heads * head_dim, key_value_width=kv_heads * head_dim, vocab=text.vocab_size)
+
+
+def layer_activation_numbers(shape: ModelShape) -> int:
+    """Numbers one decoder layer keeps per token for its backward: two RMSNorms (input, upcast, normalised),
+    q/k/v and their rotated copies, keys and values repeated to every head, the attention output and o_proj,
+    two residuals, and the MLP's gate, up, activation and product."""
+    attention = 2 * (shape.query_width + 2 * shape.key_value_width) + 4 * shape.query_width
+    return 8 * shape.hidden + attention + 4 * shape.intermediate
+
+
+def activation_bytes_per_token(shape: ModelShape, dtype_bytes: int, gradient_checkpointing: bool) -> int:
+    """Activations a token holds through the backward: every layer's, or with checkpointing each layer's
+    input plus one layer recomputed at a time; and the gradients of the layer the backward is in."""
+    per_layer = layer_activation_numbers(shape)
+    if gradient_checkpointing:
+        return dtype_bytes * (shape.layers * shape.hidden + 2 * per_layer)
+    return dtype_bytes * (shape.layers + 1) * per_layer
+
+
+def logits_bytes_per_token(shape: ModelShape, dtype_bytes: int, per_sample_norms: bool) -> int:
+    """The [tokens, vocab] logits and their gradient in the model's dtype; per-sample norms add
+    `sequence_logprob_grad`'s fp32 logits gradient and the norms' own backward from it."""
+    numbers = 2 * dtype_bytes * shape.vocab
+    return numbers + (4 * (shape.vocab + shape.hidden) if per_sample_norms else 0)
+
+
+def kept_gradient_bytes_per_token(shape: ModelShape) -> int:
+    """Book-keeping without a budget: each linear weight's per-sample gradient factors, (out + in) fp32
+    numbers per token (the dense form, when smaller, is kept instead: this is the bound), and the output
+    layer's and the embedding's."""
+    q, kv, h, i = shape.query_width, shape.key_value_width, shape.hidden, shape.intermediate
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 3 * (h + i)
+    return 4 * (shape.layers * per_layer + shape.vocab + 2 * h + 2)
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What one micro-batch of a step costs, as a function of its padded tokens: `bytes_per_token` without
+    bound, `fixed_bytes` regardless of size, and `capped` terms (bytes per token, at most bytes) that stop
+    growing: temporaries made one chunk at a time, and book-keeping's kept gradients within their budget."""
+
+    bytes_per_token: int
+    fixed_bytes: int
+    capped: tuple[tuple[int, float], ...] = ()
+
+    def bytes_for(self, tokens: int) -> float:
+        return (self.fixed_bytes + tokens * self.bytes_per_token
+                + sum(min(cap, tokens * per_token) for per_token, cap in self.capped))
+
+
+def step_memory(shape: ModelShape, dtype_bytes: int, trained_parameters: int, sequence_tokens: int, *,
+                gradient_checkpointing: bool, per_sample_norms: bool, kept_gradient_cap_bytes: float = 0.0,
+                unallocated_optimizer_bytes: int = 0) -> StepMemory:
+    """The step's memory model for rows of up to `sequence_tokens`. `kept_gradient_cap_bytes`: what
+    book-keeping may keep (VCPO's bookkeeping_budget_mb under `auto`, which counts the score buffer too;
+    0 without book-keeping; infinite when book-keeping is forced, and then also the score buffer).
+    `unallocated_optimizer_bytes`: optimizer state the first step will create (torch's AdamW makes its
+    moments lazily, so they are not yet gone from the free memory)."""
+    per_token = (activation_bytes_per_token(shape, dtype_bytes, gradient_checkpointing)
+                 + logits_bytes_per_token(shape, dtype_bytes, per_sample_norms)
+                 + MASK_BYTES_PER_POSITION * sequence_tokens)
+    fixed = 4 * GRADIENT_COPIES * trained_parameters + unallocated_optimizer_bytes
+    capped = [(LIVE_CHUNKS * 4 * shape.vocab, LIVE_CHUNKS * 4 * CHUNK_LOGIT_ELEMENTS)]
+    if per_sample_norms:  # a [rows, T, T] Gram chunk is T numbers per token
+        capped.append((LIVE_CHUNKS * 4 * sequence_tokens, LIVE_CHUNKS * 4 * CHUNK_ELEMENTS))
+        if kept_gradient_cap_bytes > 0:
+            capped.append((kept_gradient_bytes_per_token(shape), kept_gradient_cap_bytes))
+        if math.isinf(kept_gradient_cap_bytes):
+            fixed += 4 * trained_parameters  # the score buffer of a group carried across micro-batches
+    return StepMemory(per_token, fixed, tuple(capped))
+
+
+@dataclass(frozen=True)
+class MicroBatchBudget:
+    """A rank's micro-batch budget and why: the job's number, or what the free memory holds."""
+
+    tokens: int | None  # padded tokens per forward; None: the rank's whole batch at once
+    why: str
+
+
+def choose_budget(memory: StepMemory, free_bytes: int, usable_share: float, sequence_tokens: int,
+                  gradient_checkpointing: bool) -> MicroBatchBudget:
+    """The most padded tokens whose step fits `usable_share` of `free_bytes`; an error naming the knobs when
+    not even one sequence (`sequence_tokens`, generator.max_model_len) fits."""
+    usable = usable_share * free_bytes
+    low, high = 0, max(0, int((usable - memory.fixed_bytes) // memory.bytes_per_token))
+    while low < high:  # bytes_for grows with the tokens
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if memory.bytes_for(middle) <= usable else (low, middle - 1)
+    if low < sequence_tokens:
+        needed = memory.bytes_for(sequence_tokens)
+        advice = "" if gradient_checkpointing else ", set learner.gradient_checkpointing: true"
+        raise MicroBatchBudgetTooSmall(
+            f"learner.max_tokens_per_micro_batch auto: one sequence of {sequence_tokens} tokens "
+            f"(generator.max_model_len) needs about {needed / 2**30:.2f} GiB ({memory.bytes_per_token / 2**20:.2f} "
+            f"MiB per token, {memory.fixed_bytes / 2**30:.2f} GiB per step), but {usable_share:.0%} of the "
+            f"{free_bytes / 2**30:.2f} GiB free on the rank's device is {usable / 2**30:.2f} GiB; lower "
+            f"generator.max_model_len, give the rank more memory{advice}, or set "
+            "learner.max_tokens_per_micro_batch to a number of your own")
+    why = (f"{low} tokens per micro-batch (learner.max_tokens_per_micro_batch auto): {usable_share:.0%} of "
+           f"{free_bytes / 2**30:.2f} GiB free, less {memory.fixed_bytes / 2**30:.2f} GiB fixed per step, at "
+           f"{memory.bytes_per_token / 2**20:.2f} MiB per token")
+    return MicroBatchBudget(low, why)
+
+
+def host_available_bytes(meminfo: str, cgroup_limit: str | None, cgroup_usage: str | None) -> int:
+    """MemAvailable of /proc/meminfo, or less when a cgroup memory limit leaves less (its usage counts the
+    page cache, so this errs low)."""
+    available = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:"))
+    if cgroup_limit is None or cgroup_usage is None or not cgroup_limit.strip().isdigit():
+        return available  # "max" (v2) or no cgroup file
+    limit = int(cgroup_limit)
+    if limit >= 1 << 60:  # v1's "no limit" is a huge number
+        return available
+    return max(0, min(available, limit - int(cgroup_usage)))
+
+
+# ---- reading the device --------------------------------------------------------------------------------
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def read_host_available_bytes() -> int:
+    """Host memory this process may still use (cgroup v2, else v1, else none)."""
+    limit, usage = _read("/sys/fs/cgroup/memory.max"), _read("/sys/fs/cgroup/memory.current")
+    if limit is None:
+        limit, usage = (_read("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                        _read("/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+    return host_available_bytes(Path("/proc/meminfo").read_text(), limit, usage)
+
+
+def read_free_bytes(device: Any, ranks_on_host: int) -> tuple[int, float]:
+    """Free bytes on `device` (a torch.device) for this rank and the share a budget may plan on: a GPU's free
+    memory plus what torch's allocator caches unused; on CPU the host's, split among its ranks."""
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached, USABLE_SHARE_CUDA
+    return read_host_available_bytes() // ranks_on_host, USABLE_SHARE_HOST
+
+
+def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> MicroBatchBudget:
+    """The rank's micro-batch budget: `spec.max_tokens_per_micro_batch` as given, or with "auto" what the
+    memory left after the model and optimizer holds, the least over the ranks so that all plan alike (a
+    collective: every rank resolves at once)."""
+    if spec.max_tokens_per_micro_batch != "auto":
+        return MicroBatchBudget(spec.max_tokens_per_micro_batch, "learner.max_tokens_per_micro_batch")
+    import torch
+    import torch.distributed as dist
+
+    from algorithms import registry
+
+    config = spec.stabilizer_config
+    stabilizer = registry.build(spec.stabilizer_name, **({} if config is None else dataclasses.asdict(config)))
+    per_sample_norms = stabilizer.needs_grad_norms
+    sequence_tokens = spec.max_sequence_tokens or 1
+    trained = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    memory = step_memory(
+        ModelShape.from_config(engine.module.config), 4 if spec.dtype == "float32" else 2, trained, sequence_tokens,
+        gradient_checkpointing=spec.gradient_checkpointing, per_sample_norms=per_sample_norms,
+        kept_gradient_cap_bytes=_kept_gradient_cap_bytes(spec, config) if per_sample_norms else 0.0,
+        unallocated_optimizer_bytes=_unallocated_adam_bytes(engine, trained, spec.zero_stage, world_size))
+    hosts: list[Any] = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(hosts, os.uname().nodename)
+    free_bytes, share = read_free_bytes(device, max(1, hosts.count(hosts[rank])))
+    budget = choose_budget(memory, free_bytes, share, sequence_tokens, spec.gradient_checkpointing)
+    least = torch.tensor(float(budget.tokens), device=device)
+    if world_size > 1:
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    if int(least) < budget.tokens:
+        budget = MicroBatchBudget(int(least), f"{int(least)}, the least over the ranks; this rank's: {budget.why}")
+    log.info("learner rank %d: %s", rank, budget.why)
+    return budget
+
+
+def _unallocated_adam_bytes(engine: Any, trained_parameters: int, zero_stage: int, world_size: int) -> int:
+    """AdamW's two fp32 moments of this rank's share of the parameters (ZeRO-1 and up partition them), less
+    what the optimizer already holds."""
+    import torch
+
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO wraps torch's optimizer
+    held = sum(value.numel() * value.element_size() for state in optimizer.state.values()
+               for value in state.values() if torch.is_tensor(value))
+    share = trained_parameters // (world_size if zero_stage >= 1 else 1)
+    return max(0, 2 * 4 * share - held)
+
+
+def _kept_gradient_cap_bytes(spec: Any, stabilizer_config: Any) -> float:
+    """What book-keeping may keep: VCPO's budget under `auto`, unbounded when forced, none otherwise (ghost,
+    the per-sample loop, ZeRO-3, a KL term or entropy bonus in the loss)."""
+    impl = getattr(stabilizer_config, "opob_impl", "ghost")
+    if impl not in ("auto", "bookkeeping") or spec.zero_stage == 3 or spec.token_terms:
+        return 0.0
+    return 2**20 * stabilizer_config.bookkeeping_budget_mb if impl == "auto" else math.inf
