@@ -118,16 +118,16 @@ class StepMemory:
 
 def step_memory(shape: ModelShape, dtype_bytes: int, trained_parameters: int, sequence_tokens: int, *,
                 gradient_checkpointing: bool, per_sample_norms: bool, kept_gradient_cap_bytes: float = 0.0,
-                unallocated_optimizer_bytes: int = 0) -> StepMemory:
+                later_bytes: int = 0) -> StepMemory:
     """The step's memory model for rows of up to `sequence_tokens`. `kept_gradient_cap_bytes`: what
     book-keeping may keep (VCPO's bookkeeping_budget_mb under `auto`, which counts the score buffer too;
     0 without book-keeping; infinite when book-keeping is forced, and then also the score buffer).
-    `unallocated_optimizer_bytes`: optimizer state the first step will create (torch's AdamW makes its
-    moments lazily, so they are not yet gone from the free memory)."""
+    `later_bytes`: what the rank takes after the budget is chosen, so not yet gone from the free memory:
+    AdamW's moments (torch makes them at the first step) and a KL term's reference copy."""
     per_token = (activation_bytes_per_token(shape, dtype_bytes, gradient_checkpointing)
                  + logits_bytes_per_token(shape, dtype_bytes, per_sample_norms)
                  + MASK_BYTES_PER_POSITION * sequence_tokens)
-    fixed = 4 * GRADIENT_COPIES * trained_parameters + unallocated_optimizer_bytes
+    fixed = 4 * GRADIENT_COPIES * trained_parameters + later_bytes
     capped = [(LIVE_CHUNKS * 4 * shape.vocab, LIVE_CHUNKS * 4 * CHUNK_LOGIT_ELEMENTS)]
     if per_sample_norms:  # a [rows, T, T] Gram chunk is T numbers per token
         capped.append((LIVE_CHUNKS * 4 * sequence_tokens, LIVE_CHUNKS * 4 * CHUNK_ELEMENTS))
@@ -165,8 +165,10 @@ def choose_budget(memory: StepMemory, free_bytes: int, usable_share: float, sequ
             f"{free_bytes / 2**30:.2f} GiB free on the rank's device is {usable / 2**30:.2f} GiB; lower "
             f"generator.max_model_len, give the rank more memory{advice}, or set "
             "learner.max_tokens_per_micro_batch to a number of your own")
+    capped = memory.bytes_for(low) - memory.fixed_bytes - low * memory.bytes_per_token
     why = (f"{low} tokens per micro-batch (learner.max_tokens_per_micro_batch auto): {usable_share:.0%} of "
-           f"{free_bytes / 2**30:.2f} GiB free, less {memory.fixed_bytes / 2**30:.2f} GiB fixed per step, at "
+           f"{free_bytes / 2**30:.2f} GiB free, less {memory.fixed_bytes / 2**30:.2f} GiB per step and "
+           f"{capped / 2**30:.2f} GiB of chunked temporaries and kept gradients, at "
            f"{memory.bytes_per_token / 2**20:.2f} MiB per token")
     return MicroBatchBudget(low, why)
 
@@ -202,15 +204,16 @@ def read_host_available_bytes() -> int:
     return host_available_bytes(Path("/proc/meminfo").read_text(), limit, usage)
 
 
-def read_free_bytes(device: Any, ranks_on_host: int) -> tuple[int, float]:
+def read_free_bytes(device: Any, ranks_on_host: int, device_share: float) -> tuple[int, float]:
     """Free bytes on `device` (a torch.device) for this rank and the share a budget may plan on: a GPU's free
-    memory plus what torch's allocator caches unused; on CPU the host's, split among its ranks."""
+    memory plus what torch's allocator caches unused, within the rank's share of the GPU (generators that
+    share it start later); on CPU the host's, split among its ranks."""
     import torch
 
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return free + cached, USABLE_SHARE_CUDA
+        return min(free + cached, int(device_share * total)), USABLE_SHARE_CUDA
     return read_host_available_bytes() // ranks_on_host, USABLE_SHARE_HOST
 
 
@@ -219,7 +222,9 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
     memory left after the model and optimizer holds, the least over the ranks so that all plan alike (a
     collective: every rank resolves at once)."""
     if spec.max_tokens_per_micro_batch != "auto":
-        return MicroBatchBudget(spec.max_tokens_per_micro_batch, "learner.max_tokens_per_micro_batch")
+        tokens = spec.max_tokens_per_micro_batch
+        return MicroBatchBudget(tokens, "the whole batch in one micro-batch" if tokens is None else
+                                f"{tokens} tokens per micro-batch (learner.max_tokens_per_micro_batch)")
     import torch
     import torch.distributed as dist
 
@@ -229,16 +234,22 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
     stabilizer = registry.build(spec.stabilizer_name, **({} if config is None else dataclasses.asdict(config)))
     per_sample_norms = stabilizer.needs_grad_norms
     sequence_tokens = spec.max_sequence_tokens or 1
-    trained = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    dtype_bytes = 4 if spec.dtype == "float32" else 2
+    # whole counts: a ZeRO-3 partition's own numel is its share
+    numels = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in engine.module.parameters()]
+    trained = sum(numel for numel, grad in numels if grad)
+    later = _unallocated_adam_bytes(engine, trained, spec.zero_stage, world_size)
+    if spec.kl_coef > 0 and spec.lora is None:  # the reference copy (LoRA's is the base with its adapter off)
+        later += dtype_bytes * sum(numel for numel, _ in numels) // (world_size if spec.zero_stage == 3 else 1)
     memory = step_memory(
-        ModelShape.from_config(engine.module.config), 4 if spec.dtype == "float32" else 2, trained, sequence_tokens,
+        ModelShape.from_config(engine.module.config), dtype_bytes, trained, sequence_tokens,
         gradient_checkpointing=spec.gradient_checkpointing, per_sample_norms=per_sample_norms,
         kept_gradient_cap_bytes=_kept_gradient_cap_bytes(spec, config) if per_sample_norms else 0.0,
-        unallocated_optimizer_bytes=_unallocated_adam_bytes(engine, trained, spec.zero_stage, world_size))
+        later_bytes=later)
     hosts: list[Any] = [None] * world_size
     if world_size > 1:
         dist.all_gather_object(hosts, os.uname().nodename)
-    free_bytes, share = read_free_bytes(device, max(1, hosts.count(hosts[rank])))
+    free_bytes, share = read_free_bytes(device, max(1, hosts.count(hosts[rank])), spec.device_share)
     budget = choose_budget(memory, free_bytes, share, sequence_tokens, spec.gradient_checkpointing)
     least = torch.tensor(float(budget.tokens), device=device)
     if world_size > 1:

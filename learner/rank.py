@@ -162,6 +162,7 @@ class LearnerSpec:
     # rank's batch at once
     max_tokens_per_micro_batch: int | str | None = None
     max_sequence_tokens: int | None = None  # generator.max_model_len: the least an "auto" budget must hold
+    device_share: float = 1.0  # learner.gpus_per_rank below 1: the share of a GPU that an "auto" budget plans on
     gradient_checkpointing: bool = False
     proximal: str = "behaviour"  # recompute: the decoupled objective (algorithms/proximal.py)
     proximal_eps_low: float = 0.2

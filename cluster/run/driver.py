@@ -242,7 +242,7 @@ def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
         dtype=job.model.dtype_on(gpu=job.learner.gpus_per_rank > 0), seed=job.seed,
         backend="nccl" if job.learner.gpus_per_rank else "gloo",
         max_tokens_per_micro_batch=job.learner.max_tokens_per_micro_batch,
-        max_sequence_tokens=job.generator.max_model_len,
+        max_sequence_tokens=job.generator.max_model_len, device_share=min(1.0, job.learner.gpus_per_rank or 1.0),
         gradient_checkpointing=job.learner.gradient_checkpointing, proximal=job.algorithm.proximal,
         proximal_eps_low=job.algorithm.proximal_eps_low, proximal_eps_high=job.algorithm.proximal_eps_high,
         mini_batches=job.learner.mini_batches, epochs=job.learner.epochs, **_kl_values(job.algorithm.kl),

@@ -78,7 +78,7 @@ def _calibration_main(rank: int, model_path: str, port: int, out: str, name: str
         memory_budget.ModelShape.from_config(module.config), 4, trained, tokens,
         gradient_checkpointing=checkpointing, per_sample_norms=learner.stabilizer.needs_grad_norms,
         kept_gradient_cap_bytes=learner.bookkeeping_budget_bytes if learner.bookkeeping else 0.0,
-        unallocated_optimizer_bytes=memory_budget._unallocated_adam_bytes(learner.engine, trained, 2, 1))
+        later_bytes=memory_budget._unallocated_adam_bytes(learner.engine, trained, 2, 1))
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     base = peak = _rss_bytes()
     done = threading.Event()

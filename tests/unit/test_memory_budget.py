@@ -145,3 +145,28 @@ MEMINFO = "MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailabl
 ])
 def test_host_memory_is_mem_available_or_less_under_a_cgroup_limit(limit, usage, expected_kib):
     assert host_available_bytes(MEMINFO, limit, usage) == expected_kib * 1024
+
+
+def test_memory_the_rank_takes_later_counts_as_fixed():
+    """AdamW's moments appear at the first step, a KL reference copy after the budget is chosen."""
+    now = step_memory(SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=False)
+    later = step_memory(SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=False,
+                        later_bytes=8 * PARAMETERS)
+    assert later.fixed_bytes - now.fixed_bytes == 8 * PARAMETERS
+    assert later.bytes_per_token == now.bytes_per_token
+
+
+def test_a_gpu_rank_plans_on_its_share_of_the_gpu_and_a_host_rank_on_its_share_of_the_host(monkeypatch):
+    import torch
+
+    from learner import memory_budget
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 * GIB)
+    gpu = SimpleNamespace(type="cuda")
+    assert memory_budget.read_free_bytes(gpu, 1, 1.0) == (72 * GIB, memory_budget.USABLE_SHARE_CUDA)
+    assert memory_budget.read_free_bytes(gpu, 1, 0.5) == (40 * GIB, memory_budget.USABLE_SHARE_CUDA)
+    monkeypatch.setattr(memory_budget, "read_host_available_bytes", lambda: 20 * GIB)
+    assert memory_budget.read_free_bytes(SimpleNamespace(type="cpu"), 4, 1.0) == (5 * GIB,
+                                                                                  memory_budget.USABLE_SHARE_HOST)
