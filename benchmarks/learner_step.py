@@ -1,18 +1,24 @@
 """Learner step time and peak memory of `none`, `tis_seq`, VCPO's per-sample-norm paths and the decoupled objective.
 
     python -m benchmarks.learner_step [--sequences 64] [--tokens 512] [--rounds 3] [--job deploy/jobs/demo.yaml]
-        [--budget 8192] [--configs tis_seq,vcpo-auto]
+        [--model-config smollm2-135m] [--budget 8192] [--configs tis_seq,vcpo-auto] [--dtype bfloat16]
+        [--profile tis_seq,vcpo-auto]
 
-One learner rank (DeepSpeed ZeRO-2 on gloo, the CPU stack) on the job's model, one full train_step
-(forward, per-sample norms where VCPO needs them, loss, backward, optimizer step) on `--sequences`
-sequences of `--tokens` tokens in groups of 8, in micro-batches of `--budget` tokens (the job default).
+One learner rank (DeepSpeed ZeRO-2: nccl and bfloat16 on a CUDA GPU, else gloo and float32 on the CPU) on
+the job's model, or on `--model-config`'s published architecture with random weights (benchmarks/model_configs.py:
+the shapes set the cost, not the weights), one full train_step (forward, per-sample norms where VCPO needs them,
+loss, backward, optimizer step) on `--sequences` sequences of `--tokens` tokens in groups of 8, in
+micro-batches of `--budget` tokens (the job default).
 Each configuration runs in a process of its own, one after the other (a real model's configurations do
-not fit in one process together): a warm-up step, `--rounds` timed steps (ratios to tis_seq use each
-one's fastest step, since noise only adds time; the median beside it), then one step whose peak
-resident-set growth (sampled every millisecond, after malloc_trim) is its memory: activations,
-gradients and the per-sample-norm temporaries, not the model or optimizer state every configuration holds.
-`held MiB` is the process's resident memory once the learner is built and has taken its first step: the
-model, its optimizer state and anything a configuration keeps beside them (the KL's reference copy).
+not fit in one process together), and its row prints as it ends: a warm-up step, `--rounds` timed steps
+(ratios to tis_seq use each one's fastest step, since noise only adds time; the median beside it), then one
+step whose peak memory above what the process held when it began is its memory: activations, gradients and
+the per-sample-norm temporaries, not the model or optimizer state every configuration holds. On a GPU that
+is the CUDA allocator's peak; on the CPU the resident-set growth, sampled every millisecond after malloc_trim.
+`held MiB` is what the process holds once the learner is built and has taken its first step (CUDA memory
+allocated, or the resident set): the model, its optimizer state and anything a configuration keeps beside
+them (the KL's reference copy). `--profile` runs one more step of each named configuration (all, without
+names) under torch.profiler and prints the share of it some GPU kernel was running and its top kernels.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +47,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "vcpo-ghost": ("vcpo", {"opob_impl": "ghost"}, {}),
     "vcpo-bookkeeping": ("vcpo", {"opob_impl": "bookkeeping"}, {}),
     "vcpo-auto": ("vcpo", {"opob_impl": "auto"}, {}),  # the default
+    "m2po": ("m2po", {}, {}),  # a no-grad pass over the batch first when it takes several micro-batches
+    # learner.gradient_checkpointing: activations recomputed layer by layer in the backward
+    "tis_seq-gc": ("tis_seq", {}, {"gradient_checkpointing": True}),
     # algorithm.proximal: recompute, with one update and with learner.mini_batches 2 x learner.epochs 2
     "tis_seq-recompute": ("tis_seq", {}, {"proximal": "recompute"}),
     "tis_seq-recompute-2x2": ("tis_seq", {}, {"proximal": "recompute", "mini_batches": 2, "epochs": 2}),
@@ -53,6 +63,21 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 REFERENCE = "tis_seq"
 GROUP_SIZE = 8
 PROMPT_TOKENS = 16
+PROFILE_TOP_KERNELS = 10
+PROFILE_NAME_CHARS = 100  # kernel names are whole C++ template signatures
+
+
+def on_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if on_cuda() else "cpu"
+
+
+def default_dtype() -> str:
+    """bfloat16 where a GPU runs it at full speed; float32 on the CPU stack, as the CPU jobs train."""
+    return "bfloat16" if on_cuda() else "float32"
 
 
 def _model_path(job_file: str) -> str:
@@ -81,14 +106,29 @@ def _batch(sequences: int, tokens: int, vocab: int):
 
 
 def _learner(model_path: str, name: str, config: dict[str, Any], options: dict[str, Any], port: int,
-             budget: int | None):
+             budget: int | None, dtype: str):
     from algorithms import registry
     from learner.rank import LearnerRank, LearnerSpec
 
     spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=1e-6, stabilizer_name=name,
                        stabilizer_config=registry.build(name, **config).config, loss_aggregation="seq-mean-token-mean",
-                       max_tokens_per_micro_batch=budget, **options)
+                       max_tokens_per_micro_batch=budget, dtype=dtype, backend="nccl" if on_cuda() else "gloo",
+                       **options)
     return LearnerRank(spec, 0, 1, "127.0.0.1", port)
+
+
+def _synchronize() -> None:
+    if on_cuda():
+        torch.cuda.synchronize()
+
+
+def timed_seconds(step: Callable[[], Any]) -> float:
+    """Wall time of `step()` with the GPU's queued work before it finished first and its own work included."""
+    _synchronize()
+    start = time.perf_counter()
+    step()
+    _synchronize()
+    return time.perf_counter() - start
 
 
 def _rss_bytes() -> int:
@@ -96,10 +136,26 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak_growth(step) -> int:
-    """Largest RSS growth while `step()` runs, from a baseline taken after returning freed memory."""
+def held_bytes() -> int:
+    """What the process holds between steps: CUDA memory allocated, or the resident set after returning freed
+    memory to the system."""
+    if on_cuda():
+        _synchronize()
+        return torch.cuda.memory_allocated()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    base = peak = _rss_bytes()
+    return _rss_bytes()
+
+
+def peak_growth(step: Callable[[], Any]) -> int:
+    """Peak memory while `step()` runs above what the process held when it began: the CUDA allocator's peak on
+    a GPU; on the CPU the largest RSS growth, sampled every millisecond from a baseline after malloc_trim."""
+    if on_cuda():
+        base = held_bytes()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        _synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    base = peak = held_bytes()
     done = threading.Event()
 
     def sample() -> None:
@@ -118,22 +174,75 @@ def _peak_growth(step) -> int:
     return max(peak, _rss_bytes()) - base
 
 
+def covered_us(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) spans: the time at least one of them ran (kernels may overlap)."""
+    total = 0.0
+    reach = float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def top_by_time(timed: list[tuple[str, float]], count: int) -> list[tuple[str, float, int]]:
+    """(name, total microseconds, calls) of the `count` names with the most time, most first."""
+    totals: dict[str, list[float]] = {}
+    for name, us in timed:
+        entry = totals.setdefault(name, [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:count]
+    return [(name, us, int(calls)) for name, (us, calls) in ranked]
+
+
+def profile_step(step: Callable[[], Any]) -> dict[str, Any]:
+    """One `step()` under torch.profiler: its wall time, on a GPU the time some kernel was running and the top
+    kernels by device time; on the CPU the top operators by self CPU time (busy_s None)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda() else [])]
+    with profile(activities=activities) as profiler:
+        wall_s = timed_seconds(step)
+    events = profiler.events()
+    if on_cuda():
+        kernels = [event for event in events if event.device_type == DeviceType.CUDA]
+        busy_s: float | None = covered_us([(k.time_range.start, k.time_range.end) for k in kernels]) / 1e6
+        timed = [(kernel.name, kernel.time_range.elapsed_us()) for kernel in kernels]
+    else:
+        busy_s = None
+        timed = [(event.name, event.self_cpu_time_total) for event in events
+                 if event.device_type == DeviceType.CPU and not event.is_async]
+    return {"wall_s": wall_s, "busy_s": busy_s, "top": top_by_time(timed, PROFILE_TOP_KERNELS)}
+
+
+def print_profile(label: str, profile: dict[str, Any]) -> None:
+    wall_s, busy_s = profile["wall_s"], profile["busy_s"]
+    if busy_s is None:
+        print(f"  profile of {label}: {wall_s:.3f} s step under the profiler; top operators by self CPU time:")
+    else:
+        print(f"  profile of {label}: {wall_s:.3f} s step under the profiler, a GPU kernel running "
+              f"{busy_s:.3f} s of it ({busy_s / wall_s:.0%}); top kernels by device time:")
+    for name, us, calls in profile["top"]:
+        print(f"    {us / 1e3:>9.1f} ms {us / 1e6 / wall_s:>6.1%} {calls:>6}x  {name[:PROFILE_NAME_CHARS]}")
+
+
 def _configuration_child(args: argparse.Namespace, label: str) -> None:
-    """One configuration in this process: warm-up, timed steps, then the peak-memory step; one JSON line."""
+    """One configuration in this process: warm-up, timed steps, the peak-memory step, and the profiled step
+    when asked for; one JSON line."""
     name, config, options = CONFIGS[label]
-    learner = _learner(args.model_path, name, config, options, args.port, args.budget)
+    learner = _learner(args.model_path, name, config, options, args.port, args.budget, args.dtype)
     batch = _batch(args.sequences, args.tokens, args.vocab)
     metrics = learner.train_step(batch)  # warm-up: optimizer state and allocator pools exist before measuring
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    held = _rss_bytes()
-    times = []
-    for _ in range(args.rounds):
-        start = time.perf_counter()
-        learner.train_step(batch)
-        times.append(time.perf_counter() - start)
-    peak = _peak_growth(lambda: learner.train_step(batch))
-    print(json.dumps({"times": times, "peak_bytes": peak, "held_bytes": held,
-                      "bookkeeping_share": metrics.get("opob/bookkeeping_share")}))
+    held = held_bytes()
+    times = [timed_seconds(lambda: learner.train_step(batch)) for _ in range(args.rounds)]
+    peak = peak_growth(lambda: learner.train_step(batch))
+    result = {"times": times, "peak_bytes": peak, "held_bytes": held,
+              "bookkeeping_share": metrics.get("opob/bookkeeping_share")}
+    if args.profile:
+        result["profile"] = profile_step(lambda: learner.train_step(batch))
+    print(json.dumps(result))
 
 
 def _free_port() -> int:
@@ -144,15 +253,31 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _labels(text: str, option: str, parser: argparse.ArgumentParser) -> list[str]:
+    labels = [label.strip() for label in text.split(",") if label.strip()]
+    unknown = [label for label in labels if label not in CONFIGS]
+    if unknown:
+        parser.error(f"{option}: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    return labels
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=512, help="prompt plus completion tokens per sequence")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--job", default="deploy/jobs/demo.yaml", help="the job whose model is measured")
+    parser.add_argument("--model-config",
+                        help="measure this model instead of the job's: a published architecture with random "
+                             "weights (smollm2-135m, qwen2.5-1.5b, qwen2.5-7b) or a model folder")
     parser.add_argument("--budget", type=int, default=8192, help="learner.max_tokens_per_micro_batch")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, of {', '.join(CONFIGS)} ({REFERENCE} is always measured)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                        help="the learner's model.dtype (default: bfloat16 on a CUDA GPU, float32 on the CPU)")
+    parser.add_argument("--profile", nargs="?", const="all", metavar="CONFIGS",
+                        help="one more step of these configurations (comma-separated; all measured ones without "
+                             "names) under torch.profiler: GPU busy share and top kernels")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timings)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
@@ -162,47 +287,59 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    args.dtype = args.dtype or default_dtype()
     if args.child:
         _configuration_child(args, args.child)
         return
-    labels = [label.strip() for label in args.configs.split(",") if label.strip()]
-    unknown = [label for label in labels if label not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    labels = _labels(args.configs, "--configs", parser)
     labels = [REFERENCE] + [label for label in labels if label != REFERENCE]
+    profiled = labels if args.profile == "all" else _labels(args.profile or "", "--profile", parser)
 
     from transformers import AutoConfig
 
-    model_path = _model_path(args.job)
+    from benchmarks.model_configs import ARCHITECTURES, model_folder
+
+    if args.model_config:
+        try:
+            model_path = model_folder(args.model_config, args.dtype)
+        except ValueError as error:
+            parser.error(f"--model-config: {error}")
+        model = (f"{args.model_config} (random weights, {model_path})" if args.model_config in ARCHITECTURES
+                 else model_path)
+    else:
+        model = model_path = _model_path(args.job)
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
-    results = {}
+    memory = "CUDA memory allocated" if on_cuda() else "resident set"
+    print(f"model {model}; {args.sequences} sequences x {args.tokens} tokens, micro-batches of {args.budget} tokens")
+    print(f"{device_name()}, {args.dtype}; ZeRO-2, 1 rank, {args.threads} torch thread(s); {args.rounds} timed steps "
+          f"per configuration, each configuration in its own process; memory: {memory}")
+    print(f"{'configuration':<22} {'step s (min)':>12} {'x tis_seq':>10} {'median x':>9} {'peak MiB':>9}"
+          f" {'x tis_seq':>10} {'book-kept':>9} {'held MiB':>9}", flush=True)
+    reference: dict[str, Any] | None = None
     for label in labels:
         child = subprocess.run(
             [sys.executable, "-m", "benchmarks.learner_step", "--child", label, "--model-path", model_path,
              "--vocab", str(vocab), "--port", str(_free_port()), "--sequences", str(args.sequences),
              "--tokens", str(args.tokens), "--threads", str(args.threads), "--rounds", str(args.rounds),
-             "--budget", str(args.budget)],
+             "--budget", str(args.budget), "--dtype", args.dtype, *(["--profile"] if label in profiled else [])],
             capture_output=True, text=True,
         )
         if child.returncode != 0:
             raise SystemExit(f"{label}: its process failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
-        results[label] = json.loads(child.stdout.strip().splitlines()[-1])
-
-    reference = results[REFERENCE]
-    print(f"model {model_path}; {args.sequences} sequences x {args.tokens} tokens, micro-batches of {args.budget} "
-          f"tokens; ZeRO-2, 1 rank, {args.threads} torch thread(s); {args.rounds} timed steps per configuration, "
-          "each configuration in its own process")
-    print(f"{'configuration':<22} {'step s (min)':>12} {'x tis_seq':>10} {'median x':>9} {'peak MiB':>9}"
-          f" {'x tis_seq':>10} {'book-kept':>9} {'held MiB':>9}")
-    for label, result in results.items():
+        result = json.loads(child.stdout.strip().splitlines()[-1])
+        reference = reference or result
         best, median = min(result["times"]), statistics.median(result["times"])
         share = result["bookkeeping_share"]
         print(f"{label:<22} {best:>12.3f} {best / min(reference['times']):>10.2f} "
               f"{median / statistics.median(reference['times']):>9.2f} {result['peak_bytes'] / 2**20:>9.0f} "
               f"{result['peak_bytes'] / reference['peak_bytes']:>10.2f} {'-' if share is None else f'{share:.2f}':>9} "
               f"{result['held_bytes'] / 2**20:>9.0f}")
+        if "profile" in result:
+            print_profile(label, result["profile"])
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -67,15 +67,20 @@ def test_streaming_benchmark_trains_both_generators_and_prints_their_rows(tmp_pa
 
 
 # one configuration of each kind by default (plain, VCPO's norms, the decoupled objective: each child process
-# costs seconds of DeepSpeed start); every configuration with -m slow
+# costs seconds of DeepSpeed start), tis_seq's step profiled; every configuration with -m slow
 @pytest.mark.parametrize("labels", [("tis_seq", "vcpo-auto", "tis_seq-recompute-2x2"),
                                     pytest.param(None, marks=pytest.mark.slow)])
 def test_learner_step_times_its_configurations(tmp_path, labels):
     from benchmarks.learner_step import CONFIGS
 
-    chosen = ["--configs", ",".join(labels)] if labels else []
+    chosen = ["--configs", ",".join(labels), "--profile", "tis_seq"] if labels else []
     out = _command(["benchmarks.learner_step", "--sequences", "16", "--tokens", "32", "--rounds", "1", *chosen],
                    tmp_path)
+    assert re.search(r"^cpu, float32; ZeRO-2, 1 rank", out, re.MULTILINE), out
+    if labels:  # the profile's lines follow tis_seq's row, before the next configuration's
+        profile = re.search(r"^tis_seq\s.*\n  profile of tis_seq: .* top operators by self CPU time:\n"
+                            r"((    .*\n){1,10})vcpo-auto\s", out, re.MULTILINE)
+        assert profile and "aten::" in profile.group(1), out
     for label in labels or CONFIGS:
         found = re.search(rf"^{re.escape(label)}\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s+(\d+)\s+({NUMBER})\s+"
                           rf"(-|{NUMBER})\s+(\d+)$", out, re.MULTILINE)
@@ -116,8 +121,11 @@ def test_soak_runs_the_job_and_audits_its_ledger(tmp_path):
 def test_learner_memory_measures_each_batch_size_in_its_own_process(tmp_path, tiny_qwen2):
     out = _command(["benchmarks.learner_memory", "--model", tiny_qwen2, "--sequences", "8,16", "--tokens", "24",
                     "--budget", "64", "--stabilizers", "tis_seq,m2po"], tmp_path)
+    assert re.search(r"^cpu, float32; ZeRO-2, 1 rank, 2 torch thread\(s\); memory: resident set$", out,
+                     re.MULTILINE), out
     for stabilizer, passes in (("tis_seq", 1), ("m2po", 2)):
-        assert re.search(rf"^{stabilizer}\s+8\s+single\s+{passes}\s+\d+\s+{NUMBER}\s+1\.00$", out, re.MULTILINE), out
+        # a single micro-batch is the whole batch, which any stabilizer decides on in its one pass
+        assert re.search(rf"^{stabilizer}\s+8\s+single\s+1\s+\d+\s+{NUMBER}\s+1\.00$", out, re.MULTILINE), out
         for count, micro_batches in ((8, 4), (16, 8)):  # 64 tokens hold 2 sequences of 24
             assert re.search(rf"^{stabilizer}\s+{count}\s+{micro_batches}\s+{passes}\s+\d+\s+{NUMBER}\s+{NUMBER}\s+"
                              rf"{NUMBER}$", out, re.MULTILINE), out

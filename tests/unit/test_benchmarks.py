@@ -5,7 +5,10 @@ tests/integration/test_benchmarks.py (slow)."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -13,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.fixtures import BENCH_ASYNC as RECORDED
 from tests.fixtures import learner_rows, metric_rows
@@ -96,3 +100,116 @@ def test_core_contention_prints_each_loop_alone_and_with_both_cores_busy():
         assert found, line
         alone, both, slowdown = map(float, found.groups())
         assert alone > 0 and both > 0 and slowdown == pytest.approx(both / alone, rel=0.05)  # of rounded seconds
+
+
+def test_every_learner_step_configuration_builds_its_stabilizer_and_learner_spec():
+    """A misspelt stabilizer option or LearnerSpec field fails here, not minutes into a benchmark's run."""
+    from algorithms import registry
+    from benchmarks.learner_step import CONFIGS
+    from learner.rank import LearnerSpec
+
+    for name, config, options in CONFIGS.values():
+        registry.build(name, **config)
+        LearnerSpec(model_path="unused", **options)
+    assert CONFIGS["m2po"][0] == "m2po" and CONFIGS["tis_seq-gc"][2] == {"gradient_checkpointing": True}
+
+
+def test_the_benchmarks_take_the_gpu_options():
+    from benchmarks import learner_memory, learner_step
+
+    args = learner_step.build_parser().parse_args(
+        ["--model-config", "qwen2.5-1.5b", "--dtype", "bfloat16", "--configs", "m2po,tis_seq-gc", "--profile",
+         "tis_seq,m2po"])
+    assert (args.model_config, args.dtype, args.profile) == ("qwen2.5-1.5b", "bfloat16", "tis_seq,m2po")
+    assert learner_step.build_parser().parse_args(["--profile"]).profile == "all"  # every measured configuration
+    assert learner_step.build_parser().parse_args([]).profile is None
+    args = learner_memory.build_parser().parse_args(["--model-config", "smollm2-135m", "--dtype", "float32"])
+    assert (args.model_config, args.dtype) == ("smollm2-135m", "float32")
+    assert learner_step.default_dtype() == "float32" and learner_step.device_name() == "cpu"  # this machine
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--configs", "tis_seq", "--profile", "vcpo-fast"], "--profile: unknown ['vcpo-fast']"),
+    (["--configs", "tis_seq", "--model-config", "qwen3-8b"], "choose from smollm2-135m, qwen2.5-1.5b, qwen2.5-7b"),
+])
+def test_learner_step_refuses_an_unknown_profile_or_model_config_before_building_anything(capsys, argv, message):
+    from benchmarks import learner_step
+
+    with pytest.raises(SystemExit) as exit_info:
+        learner_step.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_gpu_busy_time_is_the_union_of_kernel_spans_and_the_top_kernels_are_by_total_time():
+    from benchmarks.learner_step import covered_us, top_by_time
+
+    assert covered_us([(20.0, 30.0), (0.0, 10.0), (5.0, 15.0), (6.0, 7.0)]) == 25.0  # overlaps count once
+    assert covered_us([]) == 0.0
+    assert top_by_time([("a", 1.0), ("b", 3.0), ("a", 2.5), ("c", 0.5)], 2) == [("a", 3.5, 2), ("b", 3.0, 1)]
+
+
+def test_a_profiled_step_on_the_cpu_names_its_operators_and_prints_them_compactly(capsys):
+    from benchmarks.learner_step import PROFILE_TOP_KERNELS, print_profile, profile_step
+
+    matrix = torch.randn(256, 256)
+    profile = profile_step(lambda: (matrix @ matrix).sum())
+    assert profile["busy_s"] is None and profile["wall_s"] > 0  # no GPU: no kernel time
+    assert "aten::mm" in [name for name, _, _ in profile["top"]] and len(profile["top"]) <= PROFILE_TOP_KERNELS
+    print_profile("tis_seq", profile)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("  profile of tis_seq: ") and len(lines) == 1 + len(profile["top"])
+    assert all(re.fullmatch(r"\s+\d+\.\d ms\s+\d+\.\d%\s+\d+x  \S.*", line) for line in lines[1:]), lines
+
+
+def test_the_peak_memory_of_a_cpu_step_counts_what_it_allocates():
+    from benchmarks.learner_step import peak_growth, timed_seconds
+
+    kept = []
+    peak = peak_growth(lambda: kept.append(torch.randn(4096, 4096)))  # 64 MiB, still held when the step ends
+    assert peak >= 48 * 2**20
+    assert timed_seconds(lambda: None) >= 0
+
+
+def _bench_commands() -> list[list[str]]:
+    """deploy/gpu-bench.sh's `python3 ...` commands as argument lists (continuation lines joined)."""
+    text = (ROOT / "deploy" / "gpu-bench.sh").read_text().replace("\\\n", "")
+    commands = []
+    for line in text.splitlines():
+        tokens = shlex.split(line, comments=True)
+        if "python3" in tokens:
+            commands.append(tokens[tokens.index("python3") + 1:])
+    return commands
+
+
+def test_the_gpu_scripts_are_valid_bash_and_run_only_what_the_repository_has():
+    """Checked here because the GPU machine that runs them is lent rarely: each benchmark command parses with
+    the benchmark's own parser and names known configurations and models, and the tests it runs exist."""
+    from benchmarks import learner_step
+    from benchmarks.model_configs import ARCHITECTURES
+
+    for script in ("gpu-bench.sh", "gpu-wheels.sh"):
+        checked = subprocess.run(["bash", "-n", str(ROOT / "deploy" / script)], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stderr
+    modules = []
+    for args in _bench_commands():
+        if args[:2] == ["-m", "pytest"]:
+            paths = [path for path in args if path.startswith("tests/")]
+            assert paths and all((ROOT / path).is_dir() for path in paths), args
+        elif args[:1] == ["-m"] and args[1].startswith("benchmarks."):
+            modules.append(args[1])
+            parsed = importlib.import_module(args[1]).build_parser().parse_args(args[2:])
+            assert parsed.model_config in ARCHITECTURES
+            for option in ("configs", "profile"):
+                labels = getattr(parsed, option, None) or ""
+                assert set(labels.split(",")) <= set(learner_step.CONFIGS) | {""}, (option, labels)
+    assert modules == ["benchmarks.learner_step", "benchmarks.learner_step", "benchmarks.learner_memory"]
+    assert "/.whl/" in (ROOT / ".gitignore").read_text().splitlines()  # the wheels never reach a commit
+
+
+def test_the_gpu_wheels_are_the_versions_this_venv_tests():
+    """deploy/gpu-wheels.sh's pins against what is installed here: the GPU run imports what CI ran."""
+    text = (ROOT / "deploy" / "gpu-wheels.sh").read_text()
+    pins = dict(re.findall(r"\b([A-Za-z][\w.-]*)==(\d[\w.]*)", text))
+    assert {"deepspeed", "pydantic", "pydantic-core", "hjson", "PyYAML"} <= set(pins)
+    for name, pinned in pins.items():
+        assert importlib.metadata.version(name) == pinned, name

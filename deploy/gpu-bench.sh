@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# On a lent GPU machine (CUDA torch, transformers, peft and accelerate installed; no network), from the
+# repository root, after deploy/gpu-wheels.sh filled .whl/ on a machine with PyPI: the CUDA tests, then the
+# learner benchmarks on random-weight models of the published shapes (benchmarks/model_configs.py). Each
+# section has its own time limit, so the whole run ends within 8 minutes even if one hangs; each benchmark
+# prints its rows as they are measured, so a section cut short keeps what it measured. Everything goes to
+# ${OUT:-/tmp}/gpu-bench.log; the exit status is non-zero when any section failed or ran out of time.
+# Qwen2.5-1.5B at 64 x 1024 without gradient checkpointing may not fit an H100's 80 GB: an H200 has room.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+log="${OUT:-/tmp}/gpu-bench.log"
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+# the benchmarks' per-configuration processes inherit this environment; STABLEASYNC_NATIVE=0: the fused CPU
+# scans are not compiled here (the stabilizers take their torch path, which CUDA tensors take anyway)
+export PYTHONPATH="/tmp/site:$PWD" DS_ACCELERATOR=cuda STABLEASYNC_NATIVE=0 PYTHONUNBUFFERED=1 \
+  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+failed=0
+section() {  # section LIMIT_S COMMAND...: runs COMMAND, killed with its processes after LIMIT_S seconds
+  local limit_s=$1 started=$SECONDS status=0
+  shift
+  echo "=== $* (limit ${limit_s} s)"
+  timeout -k 10 "$limit_s" "$@" || status=$?
+  echo "=== exit ${status}$([ "$status" = 124 ] && echo ' (time limit)') after $((SECONDS - started)) s"
+  [ "$status" = 0 ] || failed=1
+}
+
+{
+  section 20 python3 -c "import torch as t, transformers as h, deepspeed as d; print(t.cuda.get_device_name(0), \
+'torch', t.__version__, 'transformers', h.__version__, 'deepspeed', d.__version__)"
+  section 60 python3 -m pytest -q -p no:cacheprovider tests/gpu
+  section 170 python3 -m benchmarks.learner_step --model-config smollm2-135m --sequences 64 --tokens 512 \
+    --budget 8192 --configs tis_seq,none,vcpo-auto,vcpo-ghost,vcpo-bookkeeping,m2po --profile tis_seq,vcpo-auto
+  section 150 python3 -m benchmarks.learner_step --model-config qwen2.5-1.5b --sequences 64 --tokens 1024 \
+    --budget 16384 --rounds 2 --configs tis_seq,vcpo-auto,m2po,tis_seq-gc
+  section 45 python3 -m benchmarks.learner_memory --model-config smollm2-135m --sequences 16,256 --tokens 512 \
+    --stabilizers tis_seq
+  exit "$failed"
+} 2>&1 | tee "$log"
