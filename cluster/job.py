@@ -192,8 +192,8 @@ class LearnerSection(Section):
     max_tokens_per_micro_batch: Annotated[int | Literal["auto"], BeforeValidator(_token_budget)] = Field(
         "auto", description="padded tokens (rows x longest row) a rank runs through the model at once; a step "
         "accumulates as many micro-batches as its batch needs, with the same update. auto: what the memory left "
-        "on the rank's device holds, from the model's size (each rank logs its choice); a number: at least "
-        "generator.max_model_len, lower when a step runs out of memory"
+        "on the rank's device holds, from the model's size (the run's log gives each rank's choice and why); a "
+        "number: at least generator.max_model_len, lower when a step runs out of memory"
     )
     gradient_checkpointing: bool = Field(
         False, description="recompute each layer's activations in the backward: less memory, about a third "
