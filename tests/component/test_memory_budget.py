@@ -101,11 +101,12 @@ def _calibration_main(rank: int, model_path: str, port: int, out: str, name: str
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, checkpointing", [("tis_seq", False), ("vcpo", False), ("tis_seq", True)])
 def test_the_estimate_covers_the_measured_peak_of_a_step_and_not_by_much(tiny_qwen2, tmp_path, name, checkpointing):
-    """One micro-batch of 64 rows x 128 tokens: the estimate is at least the step's peak growth and at most
-    twice it (measured 2026-11-27: see docs/performance.md, "Choosing the budget")."""
+    """One micro-batch of 64 rows x 128 tokens: the estimate is at least the step's peak growth and not far
+    above it (measured 2026-11-27: 1.34x for tis_seq, 1.77x for vcpo, 1.25x with checkpointing; the bound
+    leaves room for the noise of sampled resident memory; docs/performance.md, "Choosing the budget")."""
     out = str(tmp_path / "calibration.pt")
     mp.start_processes(_calibration_main, args=(tiny_qwen2, _free_port(), out, name, SEQUENCE_TOKENS, 64,
                                                 checkpointing), nprocs=1, start_method="spawn", join=True)
     result = torch.load(out, weights_only=True)
     assert result["micro_batches"] == [1, 1]
-    assert result["peak"] <= result["estimate"] <= 2 * result["peak"], result
+    assert result["peak"] <= result["estimate"] <= 2.5 * result["peak"], result
