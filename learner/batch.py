@@ -42,9 +42,11 @@ class TrainBatch:
         """Real (unpadded) tokens of each sequence, [B] long."""
         return self.attention_mask.sum(dim=1)
 
-    def trimmed(self) -> TrainBatch:
-        """The same rows without the padding columns that no row of this batch uses."""
-        width = max(2, int(self.sequence_lengths.max())) if self.size else 2
+    def trimmed(self, width: int | None = None) -> TrainBatch:
+        """The same rows without the padding columns that no row of this batch uses: `width` columns when the
+        caller knows its longest row on the host (reading it from the device would wait for the device)."""
+        if width is None:
+            width = max(2, int(self.sequence_lengths.max())) if self.size else 2
         return TrainBatch(self.input_ids[:, :width], self.attention_mask[:, :width], self.loss_mask[:, :width - 1],
                           self.behaviour_logprobs[:, :width - 1], self.rewards, self.group_ids, self.versions)
 
@@ -104,7 +106,7 @@ def collate(samples: Sequence[TrainingSample], pad_token_id: int) -> TrainBatch:
 CHUNK_LOGIT_ELEMENTS = 1 << 24
 
 
-def _position_chunks(positions: int, vocab: int) -> Iterator[slice]:
+def position_chunks(positions: int, vocab: int) -> Iterator[slice]:
     """Slices of positions whose [*, vocab] fp32 copy holds at most CHUNK_LOGIT_ELEMENTS numbers."""
     size = max(1, CHUNK_LOGIT_ELEMENTS // max(1, vocab))
     for start in range(0, positions, size):
@@ -128,7 +130,7 @@ class _TargetLogprobs(torch.autograd.Function):
         logprobs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         normalisers = torch.empty_like(logprobs)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_zeros(0)
-        for rows in _position_chunks(*logits.shape):
+        for rows in position_chunks(*logits.shape):
             chunk = logits[rows].float() / temperature
             normalisers[rows] = torch.logsumexp(chunk, dim=-1)
             logprobs[rows] = chunk.gather(-1, targets[rows, None]).squeeze(-1) - normalisers[rows]
@@ -148,7 +150,7 @@ class _TargetLogprobs(torch.autograd.Function):
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None
         grad_logits = torch.empty_like(logits)
-        for rows in _position_chunks(*logits.shape):
+        for rows in position_chunks(*logits.shape):
             log_p = logits[rows].float() / temperature - normalisers[rows, None]
             chunk = torch.zeros_like(log_p)
             if grad_entropy is not None:
@@ -199,18 +201,20 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
 
 
 def sequence_logprob_grad(logits: Tensor, input_ids: Tensor, loss_mask: Tensor, temperature: float = 1.0) -> Tensor:
-    """d/d logits of sum of masked `token_logprobs`, [B, L, V] fp32: (onehot(next) - softmax(logits / T)) / T.
+    """d/d logits of sum of masked `token_logprobs`, [B, L, V] in the logits' dtype:
+    (onehot(next) - softmax(logits / T)) / T.
 
-    Closed form, so a backward can start below the output layer (see learner/grad_norms.py). Written one
-    chunk of positions at a time into the result, the only fp32 [B, L, V] tensor it makes.
+    Closed form, so a backward can start below the output layer (see learner/grad_norms.py). Each chunk of
+    positions is formed in fp32 and written into the result, which stays in the model's dtype so that the
+    products that consume it run on tensor cores.
     """
     batch, length, vocab = logits.shape
-    grad = torch.empty(batch, length, vocab, dtype=torch.float32, device=logits.device)
+    grad = torch.empty(batch, length, vocab, dtype=logits.dtype, device=logits.device)
     flat_logits, flat_grad = logits.detach().reshape(batch * length, vocab), grad.view(batch * length, vocab)
     targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)  # the last position: a dummy
     scale = torch.cat([loss_mask.float(), torch.zeros_like(loss_mask[:, :1], dtype=torch.float32)], dim=1)
     scale = scale.reshape(-1, 1) / temperature  # 0 off the loss mask and at each row's last position
-    for rows in _position_chunks(*flat_logits.shape):
+    for rows in position_chunks(*flat_logits.shape):
         chunk = torch.softmax(flat_logits[rows].float() / temperature, dim=-1).neg_()
         chunk.scatter_add_(-1, targets[rows, None], torch.ones_like(chunk[:, :1]))
         flat_grad[rows] = chunk.mul_(scale[rows])

@@ -21,6 +21,13 @@ then see only the real loss backward.
 (`sample_gradients`) also keeps every per-sample gradient, so the caller forms the update
 sum_i k_i G_i from them once it knows the coefficients, and no second backward is needed.
 
+Products run on tensor cores: inputs and output gradients stay in the model's dtype (no fp32 copy),
+every Gram and dense product is a GEMM in that dtype (fp32 accumulation inside the kernel; TF32 for
+an fp32 model on CUDA), and only the reductions of their results to per-sample norms run in fp32. A
+bf16 norm is therefore exact to bf16 rounding of those products: each term carries a relative error of
+about 2^-8, and the errors of the many terms of a norm are independent, so the norm agrees with the
+per-sample loop (whose gradients are bf16 too) to about 1%.
+
 Reference (`per_sample_loop`): one backward per trajectory, as the official VCPO code does.
 """
 
@@ -56,12 +63,23 @@ class _Factors:
 
     @property
     def dense_is_smaller(self) -> bool:
-        """Whether the dense per-sample gradient [B, m, n] holds fewer numbers than the Gram route needs."""
+        """Whether the dense per-sample gradient [B, m, n] holds fewer numbers than its factors: what
+        book-keeping keeps of it."""
         steps, cols = self.right.shape[1], self.right.shape[-1]
         if self.indexed:
             return self.rows * cols <= steps * steps
         rows = self.left.shape[-1]
         return rows * cols <= steps * (rows + cols)
+
+    @property
+    def dense_is_cheaper(self) -> bool:
+        """Whether the squared norm costs fewer FLOPs through the dense per-sample gradient (form it, then
+        its squared sum) than through the two Gram matrices (two [T, T] products, then their inner product)."""
+        steps, cols = self.right.shape[1], self.right.shape[-1]
+        if self.indexed:  # dense: a scatter of the T rows and the squared sum; Gram: a compare and one product
+            return steps * cols + 2 * self.rows * cols <= 2 * steps * steps * cols + 3 * steps * steps
+        rows = self.left.shape[-1]
+        return 2 * steps * rows * cols + 2 * rows * cols <= 2 * steps * steps * (rows + cols) + 2 * steps * steps
 
     def dense(self) -> Tensor:
         """The per-sample gradient [B, m, n] itself."""
@@ -89,9 +107,9 @@ def _left_gram(p: _Factors, q: _Factors) -> Tensor:
 
 
 def _inner(p: _Factors, q: _Factors) -> Tensor:
-    """Per-sample <G_p, G_q>, [B], in chunks of samples; materialises G when that is cheaper."""
+    """Per-sample <G_p, G_q>, [B] fp32, in chunks of samples; materialises G when that costs fewer FLOPs."""
     batch, steps = p.right.shape[:2]
-    if p is q and p.dense_is_smaller:
+    if p is q and p.dense_is_cheaper:
         per_sample = (p.rows if p.indexed else p.left.shape[-1]) * p.right.shape[-1]
         return torch.cat([
             _self_dot(_Factors(p.left[i:i + n], p.right[i:i + n], p.rows).dense())
@@ -100,15 +118,15 @@ def _inner(p: _Factors, q: _Factors) -> Tensor:
     per_sample = steps * q.right.shape[1]
     return torch.cat([
         (_left_gram(_Factors(p.left[i:i + n], p.right[i:i + n]), _Factors(q.left[i:i + n], q.right[i:i + n]))
-         * torch.bmm(p.right[i:i + n], q.right[i:i + n].transpose(1, 2))).sum((1, 2))
+         * torch.bmm(p.right[i:i + n], q.right[i:i + n].transpose(1, 2))).sum((1, 2), dtype=torch.float32)
         for i, n in _chunks(batch, per_sample)
     ])
 
 
 def _self_dot(dense: Tensor) -> Tensor:
-    """Per-sample squared norm of [B, ...] without a squared temporary."""
-    flat = dense.flatten(1)
-    return torch.bmm(flat.unsqueeze(1), flat.unsqueeze(2)).reshape(-1)
+    """Per-sample squared norm of [B, ...], [B] fp32: a reduction that accumulates in fp32, without an
+    fp32 copy (a batched [1, n] x [n, 1] product would run as matrix-vector kernels)."""
+    return torch.linalg.vector_norm(dense.flatten(1), dim=1, dtype=torch.float32).square()
 
 
 def _chunks(batch: int, elements_per_sample: int) -> Iterator[tuple[int, int]]:
@@ -140,15 +158,15 @@ Contribution = Union[_Factors, Tensor]
 
 
 def _dense_inner(dense: Tensor, other: Contribution) -> Tensor:
-    """Per-sample <G, H>, [B], for a dense G [B, ...] against a dense or factored H."""
+    """Per-sample <G, H>, [B] fp32, for a dense G [B, ...] against a dense or factored H."""
     if other is dense:
         return _self_dot(dense)
     if isinstance(other, Tensor):
-        return (dense * other).flatten(1).sum(1)
+        return (dense * other).flatten(1).sum(1, dtype=torch.float32)
     if other.indexed:  # G [B, V, d] against sum_t onehot(id_t) (x) right_t: rows of G at the ids
         rows = torch.gather(dense, 1, other.left.unsqueeze(-1).expand(-1, -1, dense.shape[-1]))
-        return (rows * other.right).sum((1, 2))
-    return (torch.bmm(other.left, dense) * other.right).sum((1, 2))  # sum_t a_t^T G b_t
+        return (rows * other.right).sum((1, 2), dtype=torch.float32)
+    return (torch.bmm(other.left, dense) * other.right).sum((1, 2), dtype=torch.float32)  # sum_t a_t^T G b_t
 
 
 def _pair_inner(p: Contribution, q: Contribution) -> Tensor:
@@ -171,10 +189,11 @@ def _squared_norm(parts: list[Contribution]) -> Tensor:
 
 
 def _weighted_sum(part: Contribution, coefficients: Tensor, shape: torch.Size) -> Tensor:
-    """sum_i c_i G_i for one part: the parameter gradient of sum_i c_i log pi(tau_i)."""
+    """sum_i c_i G_i for one part, in the part's dtype: the parameter gradient of sum_i c_i log pi(tau_i),
+    one weight-gradient GEMM for factors."""
     if isinstance(part, Tensor):
-        return torch.tensordot(coefficients, part, dims=1)
-    scaled = part.right * coefficients.view(-1, 1, 1)
+        return torch.tensordot(coefficients.to(part.dtype), part, dims=1)
+    scaled = part.right * coefficients.to(part.right.dtype).view(-1, 1, 1)
     if part.indexed:  # embedding rows: scatter each token's scaled output gradient into its row
         return scaled.new_zeros(shape).index_add_(0, part.left.reshape(-1), scaled.flatten(0, 1))
     return part.left.flatten(0, 1).T @ scaled.flatten(0, 1)
@@ -235,8 +254,8 @@ class GhostGradNorms:
 
     def kept_bytes_per_sample(self, steps: int) -> int:
         """Bytes that book-keeping keeps per sequence of `steps` positions: for each covered parameter the
-        smaller of its dense per-sample gradient and its factors, in fp32 (what `_compact` keeps)."""
-        numbers = 0
+        smaller of its dense per-sample gradient and its factors, in the model's dtype (what `_compact` keeps)."""
+        numbers = fp32_numbers = 0
         for module in self.modules:
             if not _trained_parameters(module):
                 continue
@@ -246,9 +265,15 @@ class GhostGradNorms:
             elif isinstance(module, nn.Embedding):
                 rows, cols = module.weight.shape
                 numbers += rows * cols if rows * cols <= steps * steps else steps * (cols + 2)  # ids are int64
-            else:  # RMSNorm: its per-sample gradient is a vector
-                numbers += module.weight.numel()
-        return 4 * numbers
+            else:  # RMSNorm: its per-sample gradient is an fp32 vector
+                fp32_numbers += module.weight.numel()
+        return self.element_bytes * numbers + 4 * fp32_numbers
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one number of the model's dtype: what its activations, output gradients and kept
+        per-sample gradients are held in."""
+        return self.output_layer.weight.element_size()
 
     @contextmanager
     def recording(self) -> Iterator[None]:
@@ -306,7 +331,8 @@ class GhostGradNorms:
     def _backward(self, logits_grad: Tensor, from_logits: bool, keep: bool) -> SampleGradients:
         records = self._records
         try:
-            return self._run_backward(records, logits_grad, from_logits, keep)
+            with _tensor_core_products(logits_grad.device):
+                return self._run_backward(records, logits_grad, from_logits, keep)
         finally:
             records.clear()
             self._release()
@@ -319,6 +345,7 @@ class GhostGradNorms:
         head = records[heads[0]]
         records[heads[0]] = None
         first_output = records[0].output
+        logits_grad = logits_grad.to(head.input.dtype)  # the model's dtype: products on tensor cores
         if from_logits:
             start, start_grad = head.output, logits_grad.to(head.output.dtype)
         else:
@@ -332,7 +359,7 @@ class GhostGradNorms:
 
         def consume(module: nn.Module, x: Tensor, grad: Tensor) -> None:
             """Add a call's norm now unless its parameter is shared, and keep what the caller needs."""
-            for param, contribution in self._contributions(module, x.detach(), grad.float(), batch):
+            for param, contribution in self._contributions(module, x.detach(), grad, batch):
                 if not param.requires_grad:  # a frozen output layer
                     continue
                 if keep:
@@ -367,7 +394,8 @@ class GhostGradNorms:
 
     @staticmethod
     def _contributions(module: nn.Module, x: Tensor, grad: Tensor, batch: int) -> list[tuple[nn.Parameter, object]]:
-        """Each parameter's per-sample gradient of this call: factors, or a direct [B, n] vector."""
+        """Each parameter's per-sample gradient of this call: factors in the model's dtype, or a direct
+        [B, n] fp32 vector."""
         if isinstance(module, nn.Embedding):
             ids = x.reshape(batch, -1)
             right = grad.reshape(batch, ids.shape[1], -1)
@@ -377,14 +405,31 @@ class GhostGradNorms:
         grad = grad.reshape(batch, -1, grad.shape[-1])
         if isinstance(module, nn.Linear):
             out: list[tuple[nn.Parameter, object]] = [
-                (module.weight, _Factors(grad, x.reshape(batch, -1, x.shape[-1]).float()))
+                (module.weight, _Factors(grad, x.reshape(batch, -1, x.shape[-1]).to(grad.dtype)))
             ]
             if module.bias is not None:
-                out.append((module.bias, grad.sum(1)))
+                out.append((module.bias, grad.sum(1, dtype=torch.float32)))
             return out
-        hidden = x.reshape(batch, -1, x.shape[-1]).float()
-        normalised = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-        return [(module.weight, (grad * normalised.to(x.dtype).float()).sum(1))]
+        # RMSNorm: weight * x / rms(x), the rms from an fp32 reduction (no fp32 copy of the activation)
+        hidden = x.reshape(batch, -1, x.shape[-1])
+        mean_square = torch.linalg.vector_norm(hidden, dim=-1, keepdim=True, dtype=torch.float32).square_()
+        inverse_rms = torch.rsqrt(mean_square.div_(hidden.shape[-1]).add_(module.variance_epsilon))
+        normalised = hidden * inverse_rms.to(hidden.dtype)
+        return [(module.weight, (grad.to(hidden.dtype) * normalised).sum(1, dtype=torch.float32))]
+
+
+@contextmanager
+def _tensor_core_products(device: torch.device) -> Iterator[None]:
+    """fp32 products as TF32 on CUDA while the norms are formed (bf16 products are tensor-core ones already)."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def per_sample_loop_norms(sample_logp: Callable[[int], Tensor], count: int, parameters: list[nn.Parameter]) -> Tensor:

@@ -111,6 +111,54 @@ def test_bookkeeping_forms_any_weighted_sum_of_sample_gradients(model_name, requ
         assert torch.allclose(formed[param], want, rtol=1e-4, atol=1e-6 * want.abs().max()), param.shape
 
 
+# bf16 keeps 8 bits of mantissa: each product and each term of a norm is rounded by up to 2^-8 of itself. The
+# norms' rounding errors are independent across their many terms, so two roundings bound them: 2^-7.
+BF16_NORM_RTOL = 2**-7
+
+
+@pytest.mark.parametrize("model_name", ["tiny_qwen2", "tiny_llama", "tiny_qwen2_tied"])
+def test_bf16_norms_and_book_kept_gradients_agree_with_each_samples_own_bf16_backward(model_name, request):
+    """A bf16 model's norms come from bf16 products (tensor cores on a GPU) and still match the per-sample
+    loop, whose gradients autograd forms in bf16 too, to bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_name), dtype=torch.bfloat16)
+    pad_id = model.config.pad_token_id
+    samples = _samples(pad_id)
+    batch = collate(samples, pad_id)
+    params = [p for p in model.parameters() if p.requires_grad]
+    loop = per_sample_loop_norms(lambda i: _seq_logp(model, collate([samples[i]], pad_id))[0], len(samples), params)
+    _, ghost = _ghost(model, batch)
+    norms = GhostGradNorms(model)
+    with norms.recording():
+        logits = _logits(model, batch)
+    sample_grads = norms.sample_gradients(sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, TEMPERATURE))
+    assert ghost.dtype == torch.float32 and len(set(loop.tolist())) == len(samples)
+    assert torch.allclose(ghost, loop, rtol=BF16_NORM_RTOL, atol=0), (ghost, loop)
+    assert torch.allclose(sample_grads.squared_norms, loop, rtol=BF16_NORM_RTOL, atol=0)
+
+    coefficients = torch.tensor([0.5, -1.0, 2.0, 0.0, -0.25])
+    expected = torch.autograd.grad((coefficients * _seq_logp(model, batch)).sum(), params)
+    formed = sample_grads.weighted_sum(coefficients)
+    for param, want in zip(params, expected):
+        assert formed[param].dtype == torch.bfloat16
+        error = (formed[param].float() - want.float()).norm() / want.float().norm()
+        assert error < 4 * BF16_NORM_RTOL, (param.shape, float(error))  # summed over B*T terms in bf16
+
+
+@pytest.mark.parametrize("steps, dense", [(8, False), (512, True)])
+def test_a_linear_norm_takes_the_route_with_fewer_flops(steps, dense):
+    """Dense costs 2 T m n per sample, the two Gram products 2 T^2 (m + n): a short sequence through a
+    [64, 48] layer forms its Gram matrices, a long one through the same layer its dense gradient."""
+    from learner.grad_norms import _Factors, _inner
+
+    gen = torch.Generator().manual_seed(0)
+    factors = _Factors(torch.randn(2, steps, 64, generator=gen), torch.randn(2, steps, 48, generator=gen))
+    assert factors.dense_is_cheaper == dense
+    explicit = torch.einsum("bti,btj->bij", factors.left, factors.right).square().sum((1, 2))
+    assert torch.allclose(_inner(factors, factors), explicit, rtol=1e-4)
+
+
 def test_ghost_norms_keep_no_gradients_to_form():
     with pytest.raises(RuntimeError, match="norms only"):
         SampleGradients(torch.ones(2)).weighted_sum(torch.ones(2))
@@ -178,7 +226,7 @@ def test_embedding_norms_agree_on_both_routes(rows):
     ids = torch.randint(0, 6, (3, 9), generator=gen)  # repeated ids: their rows add up
     right = torch.randn(3, 9, 5, generator=gen)
     factors = _Factors(ids, right, rows)
-    assert factors.dense_is_smaller == (rows == 6)
+    assert factors.dense_is_smaller == (rows == 6) and factors.dense_is_cheaper == (rows == 6)
     explicit = torch.zeros(3, rows, 5)
     for b in range(3):
         for t in range(9):
