@@ -226,9 +226,15 @@ def fraction(flags: Tensor, mask: Tensor) -> Tensor:
 
 
 def group_index(group_ids: Tensor) -> tuple[Tensor, int]:
-    """Dense group index in [0, G) for arbitrary group ids, and G."""
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    return inverse, int(inverse.max().item()) + 1 if inverse.numel() else 0
+    """Dense group index in [0, G) for arbitrary group ids (in the order of the ids), and B >= G slots for
+    per-group sums: slots past the last group stay empty, and every reader indexes the groups' own. The
+    exact G would need a host sync on a GPU (torch.unique's output size), once per call in the step."""
+    size = group_ids.numel()
+    ordered, order = torch.sort(group_ids, stable=True)
+    starts = torch.ones_like(ordered)
+    starts[1:] = (ordered[1:] != ordered[:-1]).to(ordered.dtype)
+    index = torch.empty_like(ordered).scatter_(0, order, starts.cumsum(0) - 1)
+    return index, size
 
 
 def group_sum(values: Tensor, index: Tensor, n_groups: int) -> Tensor:

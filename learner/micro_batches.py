@@ -14,14 +14,34 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
-class MicroBatchPlan:
-    """The rows of each micro-batch, in the order they run."""
+class MicroBatch:
+    """One micro-batch, with what the learner needs of it known on the host: reading it from the device
+    inside the step's loop would stall the GPU once per micro-batch."""
 
-    rows: list[Tensor]  # each [b] long: indices into the rank's batch, ascending
+    rows: Tensor | None  # [b] long: indices into the rank's batch, ascending; None: an empty micro-batch
+    width: int  # tokens of its longest row: its width without the padding no row of it uses
+    group_rows: Tensor | None = None  # every row of the prompt group it is a piece of, when the plan split that group
+
+
+EMPTY = MicroBatch(None, 2)
+"""A micro-batch with nothing to train on: a rank with fewer micro-batches runs these so that every rank runs
+as many forwards and backwards (ZeRO's collectives)."""
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """The micro-batches, in the order they run."""
+
+    micro_batches: list[MicroBatch]
     groups_whole: bool  # every prompt group sits inside one micro-batch (its baseline needs no other pass)
 
+    @property
+    def rows(self) -> list[Tensor]:
+        """Each micro-batch's rows."""
+        return [micro.rows for micro in self.micro_batches if micro.rows is not None]
+
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.micro_batches)
 
 
 def plan(sequence_lengths: Tensor, group_ids: Tensor, max_tokens: int | None, keep_groups: bool) -> MicroBatchPlan:
@@ -32,19 +52,25 @@ def plan(sequence_lengths: Tensor, group_ids: Tensor, max_tokens: int | None, ke
     its own rows that run one after another (no other group between them), and the plan says so.
     """
     size = int(sequence_lengths.shape[0])
-    if max_tokens is None or size == 0 or size * int(sequence_lengths.max()) <= max_tokens:
-        return MicroBatchPlan([torch.arange(size, device=sequence_lengths.device)], groups_whole=True)
-    lengths = sequence_lengths.tolist()
-    units = _groups(group_ids.tolist()) if keep_groups else [[row] for row in range(size)]
+    device = sequence_lengths.device
+    lengths = sequence_lengths.tolist()  # the plan's one read from the device
+    if max_tokens is None or size == 0 or size * max(lengths, default=0) <= max_tokens:
+        return MicroBatchPlan([MicroBatch(torch.arange(size, device=device), max([2, *lengths]))], groups_whole=True)
+    group_list = group_ids.tolist()
+    units = _groups(group_list) if keep_groups else [[row] for row in range(size)]
     units.sort(key=lambda unit: (-max(lengths[r] for r in unit), unit[0]))
     batches: list[list[int]] = []
+    split_groups: dict[int, list[int]] = {}  # batch index -> every row of the group it is a piece of
     width = 0  # the current micro-batch's longest row: its first unit's, as units come longest first
     groups_whole = keep_groups
     for unit in units:
         unit_width = max(lengths[r] for r in unit)
         if len(unit) * unit_width > max_tokens:  # a group alone over the budget: its pieces, longest rows first
             groups_whole = False
-            batches += _pieces(sorted(unit, key=lambda r: (-lengths[r], r)), lengths, max_tokens)
+            pieces = _pieces(sorted(unit, key=lambda r: (-lengths[r], r)), lengths, max_tokens)
+            if keep_groups and len(pieces) > 1:
+                split_groups.update({len(batches) + k: unit for k in range(len(pieces))})
+            batches += pieces
             width = max_tokens + 1  # nothing joins the last piece
             continue
         if batches and (len(batches[-1]) + len(unit)) * max(width, unit_width) <= max_tokens:
@@ -52,8 +78,15 @@ def plan(sequence_lengths: Tensor, group_ids: Tensor, max_tokens: int | None, ke
             continue
         batches.append(list(unit))
         width = unit_width
-    return MicroBatchPlan([torch.tensor(sorted(rows), dtype=torch.long, device=sequence_lengths.device)
-                           for rows in batches], groups_whole)
+
+    def indices(rows: list[int]) -> Tensor:
+        return torch.tensor(sorted(rows), dtype=torch.long, device=device)
+
+    return MicroBatchPlan([
+        MicroBatch(indices(rows), max([2, *(lengths[r] for r in rows)]),
+                   indices(split_groups[k]) if k in split_groups else None)
+        for k, rows in enumerate(batches)
+    ], groups_whole)
 
 
 def _pieces(rows: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:

@@ -423,21 +423,23 @@ class LearnerRank:
         return self.last_sequence_log_ratios.tolist()
 
     def _agreed_runs(self, plan: micro_batches.MicroBatchPlan, one_pass: bool = True
-                     ) -> tuple[list[Tensor | None], bool]:
-        """The plan's row sets, padded with None (an empty micro-batch) to the most any rank runs, and one
-        pass only where every rank can take it: ZeRO's collectives in each forward and backward need all
-        ranks to run the same passes over as many micro-batches."""
+                     ) -> tuple[list[micro_batches.MicroBatch], bool]:
+        """The plan's micro-batches, padded with empty ones to the most any rank runs, and one pass only where
+        every rank can take it: ZeRO's collectives in each forward and backward need all ranks to run the
+        same passes over as many micro-batches."""
         wanted = torch.tensor([float(len(plan)), float(not one_pass)], device=self.device)
         if self.world_size > 1:
             dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
-        return [*plan.rows, *[None] * (int(wanted[0].item()) - len(plan))], wanted[1].item() == 0
+        most, any_two_passes = wanted.tolist()
+        return [*plan.micro_batches, *[micro_batches.EMPTY] * (int(most) - len(plan))], any_two_passes == 0
 
     @staticmethod
-    def _micro_batch(batch: TrainBatch, rows: Tensor | None) -> TrainBatch:
-        """The rows' sub-batch without unused padding; None gives one row with nothing to train on."""
-        if rows is not None:
-            return batch.rows(rows).trimmed()
-        empty = batch.rows(torch.zeros(1, dtype=torch.long, device=batch.input_ids.device)).trimmed()
+    def _micro_batch(batch: TrainBatch, run: micro_batches.MicroBatch) -> TrainBatch:
+        """The run's sub-batch without unused padding (its width known on the host); an empty run gives one
+        row with nothing to train on."""
+        if run.rows is not None:
+            return batch.rows(run.rows).trimmed(run.width)
+        empty = batch.rows(torch.zeros(1, dtype=torch.long, device=batch.input_ids.device)).trimmed(run.width)
         empty.loss_mask = torch.zeros_like(empty.loss_mask)
         empty.behaviour_logprobs = torch.zeros_like(empty.behaviour_logprobs)
         return empty
@@ -449,26 +451,16 @@ class LearnerRank:
         kept = micro.size * self.ghost_norms.kept_bytes_per_sample(micro.input_ids.shape[1])
         return kept + extra_bytes <= self.bookkeeping_budget_bytes
 
-    @staticmethod
-    def _split_group_rows(batch: TrainBatch, rows: Tensor | None) -> Tensor | None:
-        """All rows of the prompt group whose piece `rows` is, when the plan split that group; else None."""
-        if rows is None:
-            return None
-        group = batch.group_ids[rows]
-        if bool((group != group[0]).any()):
-            return None
-        members = (batch.group_ids == group[0]).nonzero().flatten()
-        return members if len(members) > len(rows) else None
-
     def _carries_every_split_group(self, batch: TrainBatch, plan: micro_batches.MicroBatchPlan) -> bool:
         """Whether each piece of a split group takes book-keeping with the score buffer within the budget."""
         if not self.carries_split_groups:
             return False
-        pieces = [rows for rows in plan.rows if self._split_group_rows(batch, rows) is not None]
-        return all(self._keeps_sample_gradients(self._micro_batch(batch, rows), self.score_buffer_bytes)
-                   for rows in pieces)
+        pieces = [run for run in plan.micro_batches if run.group_rows is not None]
+        return all(self._keeps_sample_gradients(self._micro_batch(batch, run), self.score_buffer_bytes)
+                   for run in pieces)
 
-    def _one_pass(self, batch: TrainBatch, runs: list[Tensor | None], reference: Tensor | None) -> _StepValues:
+    def _one_pass(self, batch: TrainBatch, runs: list[micro_batches.MicroBatch], reference: Tensor | None
+                  ) -> _StepValues:
         """Decide, weigh and backpropagate each micro-batch in one forward. Over several micro-batches the
         loss denominator is the loss mask's (a per-row stabilizer keeps it), known before any forward; in
         one, it comes from the decision on the whole batch."""
@@ -480,9 +472,9 @@ class LearnerRank:
         # counted on the device and checked once after the loop: no host sync per micro-batch
         nonfinite = torch.zeros((), device=self.device)
         coefficient_gap = torch.zeros((), device=self.device)
-        for rows in runs:
-            micro = self._micro_batch(batch, rows)
-            group_rows = self._split_group_rows(batch, rows) if self.stabilizer.needs_grad_norms else None
+        for run in runs:
+            rows, micro = run.rows, self._micro_batch(batch, run)
+            group_rows = run.group_rows if self.stabilizer.needs_grad_norms else None
             if group_rows is not None and carried is None:  # the first piece of a split group
                 carried = _CarriedGroup.start(self.stabilizer, batch, group_rows)
             record = self.ghost_norms is not None and self.spec.zero_stage != 3
@@ -532,7 +524,8 @@ class LearnerRank:
             self._discard_step()
         return step
 
-    def _two_passes(self, batch: TrainBatch, runs: list[Tensor | None], reference: Tensor | None) -> _StepValues:
+    def _two_passes(self, batch: TrainBatch, runs: list[micro_batches.MicroBatch], reference: Tensor | None
+                    ) -> _StepValues:
         """A no-grad pass gives the whole batch's learner log-probs (and per-sample gradient norms), the
         stabilizer decides once on them, and the gradient pass backpropagates each micro-batch's share."""
         step = self._decide_on_whole_batch(batch, runs, reference)
@@ -541,14 +534,14 @@ class LearnerRank:
             self._backpropagate(batch, runs, step.decision, step.advantages, denominator, reference=reference)
         return step
 
-    def _decide_on_whole_batch(self, batch: TrainBatch, runs: list[Tensor | None], reference: Tensor | None
+    def _decide_on_whole_batch(self, batch: TrainBatch, runs: list[micro_batches.MicroBatch], reference: Tensor | None
                                ) -> _StepValues:
         """The first of two passes: the whole batch's learner log-probs (and per-sample gradient norms)
         without grad, the advantages, and the stabilizer's decision on them; no gradient yet. Skipped when
         the decision or the loss is not finite on some rank."""
         step = _StepValues.empty(batch, with_norms=self.stabilizer.needs_grad_norms)
-        for rows in runs:
-            micro = self._micro_batch(batch, rows)
+        for run in runs:
+            rows, micro = run.rows, self._micro_batch(batch, run)
             if self.stabilizer.needs_grad_norms:
                 logits, squared_norms = self._norms_forward(micro)
                 sample_grads = SampleGradients(squared_norms)
@@ -569,7 +562,7 @@ class LearnerRank:
             self.engine.zero_grad()
         return step
 
-    def _backpropagate(self, batch: TrainBatch, runs: list[Tensor | None], decision: TokenWeights,
+    def _backpropagate(self, batch: TrainBatch, runs: list[micro_batches.MicroBatch], decision: TokenWeights,
                        advantages: Tensor, denominator: Tensor, proximal_logprobs: Tensor | None = None,
                        reference: Tensor | None = None) -> float:
         """Each micro-batch's share of the loss of a decision made on the whole `batch`, into the engine's
@@ -580,8 +573,8 @@ class LearnerRank:
         non-finite loss on any rank poisons the gradient so that the engine's step drops it (`_discard_step`).
         """
         clipped_tokens = 0.0
-        for index, rows in enumerate(runs):
-            micro = self._micro_batch(batch, rows)
+        for index, run in enumerate(runs):
+            rows, micro = run.rows, self._micro_batch(batch, run)
             width = micro.loss_mask.shape[1]
             if rows is None:  # nothing to train on: zero weights on an empty mask
                 weights, mask = micro.behaviour_logprobs, micro.loss_mask
@@ -662,15 +655,15 @@ class LearnerRank:
                                            self.spec.constant_tokens)
 
     @torch.no_grad()
-    def _reference_logprobs(self, batch: TrainBatch, runs: list[Tensor | None]) -> Tensor | None:
+    def _reference_logprobs(self, batch: TrainBatch, runs: list[micro_batches.MicroBatch]) -> Tensor | None:
         """[B, L-1] fp32 log-probs of the frozen reference, micro-batched like the policy's; None without a KL
         term. Every rank runs every micro-batch (ZeRO-3 gathers the reference's parameters in each forward)."""
         if self.spec.kl_coef <= 0:
             return None
         out = torch.zeros_like(batch.behaviour_logprobs)
         model = self.reference if self.reference is not None else self.engine.module  # LoRA: its adapter off
-        for rows in runs:
-            micro = self._micro_batch(batch, rows)
+        for run in runs:
+            rows, micro = run.rows, self._micro_batch(batch, run)
             with nullcontext() if self.reference is not None else model.disable_adapter():
                 logits = causal_logits(model, micro)
             if rows is not None:
@@ -829,8 +822,8 @@ class LearnerRank:
                                   keep_groups=False)
         denominator = self._all_reduce_sum(batch.loss_mask.sum()).clamp(min=1)
         total = torch.zeros((), device=self.device)
-        for rows in self._agreed_runs(plan)[0]:
-            micro = self._micro_batch(batch, rows)
+        for run in self._agreed_runs(plan)[0]:
+            micro = self._micro_batch(batch, run)
             logprobs = token_logprobs(self._logits(micro), micro.input_ids, self.spec.temperature)
             loss = -(logprobs * micro.loss_mask).sum() / denominator
             self.engine.backward(loss * self.world_size)
@@ -1043,7 +1036,8 @@ def causal_logits(model: Any, batch: TrainBatch) -> Tensor:
 
 def _nonfinite_count(*tensors: Tensor) -> Tensor:
     """[] fp32 on the tensors' device: how many of them hold a NaN or infinity (no host sync)."""
-    return sum(((~torch.isfinite(t.detach())).any().float() for t in tensors), torch.zeros((), device=tensors[0].device))
+    flags = [(~torch.isfinite(t.detach())).any().float() for t in tensors]
+    return torch.stack(flags).sum()
 
 
 def _prompt_group_shares(group_ids: Tensor, shares: int) -> list[Tensor]:

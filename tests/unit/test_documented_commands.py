@@ -70,6 +70,9 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "stableasync soak": ("tests/integration/test_benchmarks.py::test_soak_runs_the_job_and_audits_its_ledger",),
     "cluster.remote.job_entrypoint": ("tests/unit/test_job_entrypoint.py::test_no_command_is_a_usage_error",),
+    "benchmarks.model_configs": (
+        "tests/unit/test_model_configs.py::test_a_built_folder_loads_as_the_learner_loads_it_and_is_built_once",
+    ),
     "benchmarks.async_speedup": (
         "tests/unit/test_benchmarks.py::test_async_speedup_analyses_recorded_runs_whose_evaluations_have_their_own_rows",
         "tests/integration/test_benchmarks.py::test_async_speedup_trains_each_lag_and_prints_its_tables",
