@@ -33,7 +33,7 @@ def save_checkpoint_model(learner_dir: Path, tag: str, base_model: str, folder: 
     if unexpected or set(missing) - tied:
         raise ValueError(f"checkpoint {learner_dir} does not fit the job's model {base_model}: "
                          f"missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
-    if peft_model is None:
+    if lora is None:  # and so no peft_model
         save_model_folder(model, base_model, folder)
     else:
         save_lora_model_folder(peft_model, lora, base_model, folder)

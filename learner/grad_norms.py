@@ -37,7 +37,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -141,10 +141,12 @@ def _is_rms_norm(module: nn.Module) -> bool:
 
 
 def _covered_parameters(module: nn.Module) -> list[nn.Parameter]:
+    # nn.Linear and nn.Embedding register their weight and bias as Parameters (torch types the attributes as
+    # tensors), and _is_rms_norm checks that the weight is one
     if isinstance(module, nn.Linear):
-        return [p for p in (module.weight, module.bias) if p is not None]
+        return [cast(nn.Parameter, p) for p in (module.weight, module.bias) if p is not None]
     if isinstance(module, nn.Embedding) or _is_rms_norm(module):
-        return [module.weight]
+        return [cast(nn.Parameter, module.weight)]
     return []
 
 
@@ -179,9 +181,10 @@ def _pair_inner(p: Contribution, q: Contribution) -> Tensor:
 
 def _squared_norm(parts: list[Contribution]) -> Tensor:
     """||sum of parts||^2 per sample: each part's own norm plus twice every cross term (tied weights)."""
+    # the sums are of non-empty lists (of dense parts where there is one, of the parts a parameter has): tensors
     dense = [part for part in parts if isinstance(part, Tensor)]
-    parts = ([sum(dense)] if dense else []) + [part for part in parts if not isinstance(part, Tensor)]
-    total = sum(_pair_inner(p, p) for p in parts)
+    parts = ([cast(Tensor, sum(dense))] if dense else []) + [part for part in parts if not isinstance(part, Tensor)]
+    total = cast(Tensor, sum(_pair_inner(p, p) for p in parts))
     for j, p in enumerate(parts):
         for q in parts[j + 1:]:
             total = total + 2 * _pair_inner(p, q)
@@ -228,7 +231,8 @@ class SampleGradients:
         if self.parts is None:
             raise RuntimeError("these sample gradients kept norms only (ghost or per-sample loop), not the gradients")
         coefficients = coefficients.float()
-        return {param: sum(_weighted_sum(part, coefficients, param.shape) for part in parts).to(
+        # every parameter kept has at least one part, so each sum is a tensor
+        return {param: cast(Tensor, sum(_weighted_sum(part, coefficients, param.shape) for part in parts)).to(
                     torch.float32 if fp32 else param.dtype)
                 for param, parts in self.parts.items()}
 
@@ -237,9 +241,11 @@ class GhostGradNorms:
     """Per-sample squared gradient norms of a HF causal LM from one batched backward."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.output_layer = model.get_output_embeddings()
-        if not isinstance(self.output_layer, nn.Linear):
-            raise UncoveredParameters(f"output layer {type(self.output_layer).__name__} is not a linear layer")
+        # a HF model's method, which nn.Module's typing would take for a tensor or submodule attribute
+        output_layer = cast(Any, model).get_output_embeddings()
+        if not isinstance(output_layer, nn.Linear):
+            raise UncoveredParameters(f"output layer {type(output_layer).__name__} is not a linear layer")
+        self.output_layer: nn.Linear = output_layer
         # the output layer is always recorded: the backward starts below it, through its weight, trained or not
         self.modules = [m for m in model.modules() if _trained_parameters(m) or m is self.output_layer]
         self.trained = [p for m in self.modules for p in _trained_parameters(m)]
@@ -265,8 +271,8 @@ class GhostGradNorms:
             elif isinstance(module, nn.Embedding):
                 rows, cols = module.weight.shape
                 numbers += rows * cols if rows * cols <= steps * steps else steps * (cols + 2)  # ids are int64
-            else:  # RMSNorm: its per-sample gradient is an fp32 vector
-                fp32_numbers += module.weight.numel()
+            else:  # RMSNorm (its weight a Parameter, _is_rms_norm checked): its per-sample gradient is an fp32 vector
+                fp32_numbers += cast(nn.Parameter, module.weight).numel()
         return self.element_bytes * numbers + 4 * fp32_numbers
 
     @property
@@ -339,17 +345,22 @@ class GhostGradNorms:
 
     def _run_backward(self, records: list[_Record | None], logits_grad: Tensor, from_logits: bool,
                       keep: bool) -> SampleGradients:
-        heads = [i for i, r in enumerate(records) if r.module is self.output_layer]
+        heads = [i for i, r in enumerate(records) if r is not None and r.module is self.output_layer]
         if len(heads) != 1 or heads[0] == 0:
             raise RuntimeError(f"squared_norms needs one recorded forward inside recording(), saw {len(heads)}")
-        head = records[heads[0]]
+        head, first = records[heads[0]], records[0]
+        # recording() appends only records, and only the backward below consumes them; it keeps the output of
+        # the first call and of the output layer
+        assert head is not None and head.output is not None, "the output layer's record keeps its output"
+        assert first is not None and first.output is not None, "the first call's record keeps its output"
         records[heads[0]] = None
-        first_output = records[0].output
+        first_output = first.output
         logits_grad = logits_grad.to(head.input.dtype)  # the model's dtype: products on tensor cores
+        start: Tensor
         if from_logits:
             start, start_grad = head.output, logits_grad.to(head.output.dtype)
         else:
-            weight = head.module.weight
+            weight = self.output_layer.weight  # head.module is the output layer
             start, start_grad = head.input, (logits_grad.to(weight.dtype) @ weight).to(head.input.dtype)
         batch = logits_grad.shape[0]
         calls = [r.module for r in records if r is not None] + [head.module]
@@ -381,7 +392,7 @@ class GhostGradNorms:
         # layer's hook consumes its gradient at once: one layer's output gradient alive at a time. Without a
         # trained embedding (LoRA) no one output is upstream of every recorded layer, and the backward asks
         # for the trained parameters themselves (adapter-sized, so their summed gradients cost little).
-        upstream = [first_output] if isinstance(records[0].module, nn.Embedding) else self.trained
+        upstream = [first_output] if isinstance(first.module, nn.Embedding) else self.trained
         torch.autograd.grad(start, upstream, grad_outputs=start_grad, retain_graph=not (from_logits or keep),
                             allow_unused=True)
         missed = [type(r.module).__name__ for r in records if r is not None]
@@ -393,29 +404,30 @@ class GhostGradNorms:
         return SampleGradients(total, kept if keep else None)
 
     @staticmethod
-    def _contributions(module: nn.Module, x: Tensor, grad: Tensor, batch: int) -> list[tuple[nn.Parameter, object]]:
+    def _contributions(module: nn.Module, x: Tensor, grad: Tensor,
+                       batch: int) -> list[tuple[nn.Parameter, Contribution]]:
         """Each parameter's per-sample gradient of this call: factors in the model's dtype, or a direct
-        [B, n] fp32 vector."""
+        [B, n] fp32 vector. (The weights and biases are Parameters, as in `_covered_parameters`.)"""
         if isinstance(module, nn.Embedding):
             ids = x.reshape(batch, -1)
             right = grad.reshape(batch, ids.shape[1], -1)
             if module.padding_idx is not None:  # that row gets no gradient
                 right = right * (ids != module.padding_idx).unsqueeze(-1)
-            return [(module.weight, _Factors(ids, right, module.num_embeddings))]
+            return [(cast(nn.Parameter, module.weight), _Factors(ids, right, module.num_embeddings))]
         grad = grad.reshape(batch, -1, grad.shape[-1])
         if isinstance(module, nn.Linear):
-            out: list[tuple[nn.Parameter, object]] = [
-                (module.weight, _Factors(grad, x.reshape(batch, -1, x.shape[-1]).to(grad.dtype)))
+            out: list[tuple[nn.Parameter, Contribution]] = [
+                (cast(nn.Parameter, module.weight), _Factors(grad, x.reshape(batch, -1, x.shape[-1]).to(grad.dtype)))
             ]
             if module.bias is not None:
-                out.append((module.bias, grad.sum(1, dtype=torch.float32)))
+                out.append((cast(nn.Parameter, module.bias), grad.sum(1, dtype=torch.float32)))
             return out
         # RMSNorm: weight * x / rms(x), the rms from an fp32 reduction (no fp32 copy of the activation)
         hidden = x.reshape(batch, -1, x.shape[-1])
         mean_square = torch.linalg.vector_norm(hidden, dim=-1, keepdim=True, dtype=torch.float32).square_()
         inverse_rms = torch.rsqrt(mean_square.div_(hidden.shape[-1]).add_(module.variance_epsilon))
         normalised = hidden * inverse_rms.to(hidden.dtype)
-        return [(module.weight, (grad.to(hidden.dtype) * normalised).sum(1, dtype=torch.float32))]
+        return [(cast(nn.Parameter, module.weight), (grad.to(hidden.dtype) * normalised).sum(1, dtype=torch.float32))]
 
 
 @contextmanager

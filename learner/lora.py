@@ -31,8 +31,9 @@ class LoraSpec:
     def peft_config(self) -> Any:
         from peft import LoraConfig
 
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=list(self.target_modules), task_type="CAUSAL_LM")
+        # peft annotates lora_alpha as an int, but it is the numerator of a float scale (alpha / r): a fraction works
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha,  # type: ignore[arg-type]
+                          lora_dropout=self.dropout, target_modules=list(self.target_modules), task_type="CAUSAL_LM")
 
 
 def with_lora(model: Any, spec: LoraSpec) -> Any:

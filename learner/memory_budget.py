@@ -128,7 +128,7 @@ def step_memory(shape: ModelShape, dtype_bytes: int, trained_parameters: int, se
                  + logits_bytes_per_token(shape, dtype_bytes, per_sample_norms)
                  + MASK_BYTES_PER_POSITION * sequence_tokens)
     fixed = 4 * GRADIENT_COPIES * trained_parameters + later_bytes
-    capped = [(LIVE_CHUNKS * 4 * shape.vocab, LIVE_CHUNKS * 4 * CHUNK_LOGIT_ELEMENTS)]
+    capped: list[tuple[int, float]] = [(LIVE_CHUNKS * 4 * shape.vocab, LIVE_CHUNKS * 4 * CHUNK_LOGIT_ELEMENTS)]
     if per_sample_norms:  # a [rows, T, T] Gram chunk is T numbers per token
         capped.append((LIVE_CHUNKS * 4 * sequence_tokens, LIVE_CHUNKS * 4 * CHUNK_ELEMENTS))
         if kept_gradient_cap_bytes > 0:
@@ -251,10 +251,12 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
         dist.all_gather_object(hosts, os.uname().nodename)
     free_bytes, share = read_free_bytes(device, max(1, hosts.count(hosts[rank])), spec.device_share)
     budget = choose_budget(memory, free_bytes, share, sequence_tokens, spec.gradient_checkpointing)
-    least = torch.tensor(float(budget.tokens), device=device)
+    tokens = budget.tokens
+    assert tokens is not None, "choose_budget always picks a number of tokens"
+    least = torch.tensor(float(tokens), device=device)
     if world_size > 1:
         dist.all_reduce(least, op=dist.ReduceOp.MIN)
-    if int(least) < budget.tokens:
+    if int(least) < tokens:
         budget = MicroBatchBudget(int(least), f"{int(least)}, the least over the ranks; this rank's: {budget.why}")
     log.info("learner rank %d: %s", rank, budget.why)
     return budget

@@ -84,7 +84,8 @@ def build_tiny_model(
         tokenizer.save_pretrained(folder)
         ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
         config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
-        config = config_cls(
+        # Qwen2Config declares no head_dim field but keeps the keyword as an attribute, which Qwen2's attention reads
+        config = config_cls(  # type: ignore[call-arg]
             vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
             num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
             head_dim=head_dim, max_position_embeddings=max_position_embeddings,

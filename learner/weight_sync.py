@@ -160,7 +160,8 @@ class CollectiveWeightSync:
         for bucket in buckets(specs, self.bucket_mb):
             flat = torch.cat([next(stream).detach().to(self.device, getattr(torch, s.dtype)).reshape(-1)
                               for s in bucket])
-            self.group.broadcast(flat, SOURCE_RANK).wait()
+            # torch's stubs leave out Backend.broadcast, which the C++ class binds (tensor, root)
+            self.group.broadcast(flat, SOURCE_RANK).wait()  # type: ignore[attr-defined]
             sent += flat.numel() * flat.element_size()
         return sent
 
@@ -169,5 +170,5 @@ class CollectiveWeightSync:
         for bucket in buckets(specs, self.bucket_mb):
             sizes = [torch.Size(s.shape).numel() for s in bucket]
             flat = torch.empty(sum(sizes), dtype=getattr(torch, bucket[0].dtype), device=self.device)
-            self.group.broadcast(flat, SOURCE_RANK).wait()
+            self.group.broadcast(flat, SOURCE_RANK).wait()  # type: ignore[attr-defined]  # as in send
             yield [(spec.name, part.view(spec.shape)) for spec, part in zip(bucket, torch.split(flat, sizes))]
