@@ -30,6 +30,7 @@ from algorithms.proximal import trust_region_weights
 from algorithms.regularizers import adapted_kl_coef, kl_penalty, sequence_kl
 from learner import memory_budget, micro_batches
 from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs, token_logprobs_and_entropy
+from learner.fused_head import FusedHead, fused_head
 from learner.lora import ADAPTER_FOLDER, LoraSpec, adapter_weights, merged_state_dict, with_lora, write_adapter_folder
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
 from learner.lr_schedule import LRSchedule, lr_factor
@@ -299,6 +300,10 @@ class LearnerRank:
         self.score_buffer_bytes = 4 * sum(p.numel() for p in self.engine.module.parameters() if p.requires_grad)
         # with LoRA the reference is the same model with its adapter switched off: no second copy
         self.reference = (self._reference_model(config, dtype) if spec.kl_coef > 0 and spec.lora is None else None)
+        # no [tokens, vocabulary] logits where the output layer fuses with the log-softmax (whole weights: not ZeRO-3)
+        self.fused_head = self._fused_head(self.engine.module)
+        self.reference_head = (self._fused_head(self.reference) if self.reference is not None
+                               else self.fused_head if spec.kl_coef > 0 else None)
         self.kl_coef = spec.kl_coef  # moves each step with an adaptive coefficient; kept in checkpoints
         self.version = 0
         # the latest train_step's [B] sequence log-ratios, kept on the device until the rollout samples ask
@@ -321,6 +326,15 @@ class LearnerRank:
         engine, *_ = deepspeed.initialize(model=model, config=frozen)
         engine.eval()  # DeepSpeed's eval() returns None
         return engine
+
+    def _fused_head(self, model: Any) -> FusedHead | None:
+        """The model's fused output layer and log-softmax, or None (logged once) where its logits are kept."""
+        if self.spec.zero_stage == 3:  # each rank holds a partition of the output layer's weight
+            return None
+        head, why = fused_head(model)
+        if self.rank == 0:
+            log.info("learner rank 0: %s", why)
+        return head
 
     def _ghost_norms(self, opob_impl: str) -> tuple[GhostGradNorms | None, bool]:
         """The ghost-norm path when the stabilizer needs per-sample norms and every parameter has a rule;
@@ -480,11 +494,14 @@ class LearnerRank:
             record = self.ghost_norms is not None and self.spec.zero_stage != 3
             bookkeeping = group_rows is not None or self._keeps_sample_gradients(micro)
             step.bookkept_micro_batches += bookkeeping
-            with self.ghost_norms.recording() if record else nullcontext():
-                logits = self._logits(micro, plain=bookkeeping)  # no loss backward through the engine follows
-            logprobs, entropy = token_logprobs_and_entropy(logits, micro.input_ids, self.spec.temperature)
-            sample_grads = (self._sample_gradients(micro, logits, bookkeeping) if self.stabilizer.needs_grad_norms
-                            else None)
+            if self.stabilizer.needs_grad_norms:  # the norms start from the logits' gradient
+                with self.ghost_norms.recording() if record else nullcontext():
+                    logits = self._logits(micro, plain=bookkeeping)  # no loss backward through the engine follows
+                logprobs, entropy = token_logprobs_and_entropy(logits, micro.input_ids, self.spec.temperature)
+                sample_grads = self._sample_gradients(micro, logits, bookkeeping)
+            else:
+                logits, sample_grads = None, None
+                logprobs, entropy = self._token_logprobs(micro, with_entropy=True)
             if rows is None:
                 advantages, baseline = torch.zeros(1, device=self.device), None
             elif carried is not None:  # advantages at baseline 0; the baseline's part waits in the score buffer
@@ -545,13 +562,13 @@ class LearnerRank:
             if self.stabilizer.needs_grad_norms:
                 logits, squared_norms = self._norms_forward(micro)
                 sample_grads = SampleGradients(squared_norms)
+                logprobs, entropy = token_logprobs_and_entropy(logits.detach(), micro.input_ids, self.spec.temperature)
+                del logits
             else:
                 with torch.no_grad():
-                    logits, sample_grads = self._logits(micro), None
-            logprobs, entropy = token_logprobs_and_entropy(logits.detach(), micro.input_ids, self.spec.temperature)
+                    (logprobs, entropy), sample_grads = self._token_logprobs(micro, with_entropy=True), None
             if rows is not None:
                 step.record(rows, logprobs, entropy, None, sample_grads, None)
-            del logits
         step.advantages, step.baseline = self._advantages(batch, step.logprobs, step.sample_grads())
         policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
         step.decision = self.stabilizer.token_weights(policy)
@@ -582,11 +599,8 @@ class LearnerRank:
             else:
                 weights, mask = decision.weights[rows, :width], decision.mask[rows, :width]
                 micro_advantages = advantages[rows]
-            logits = self._logits(micro)
-            if self.spec.entropy_coef:
-                logprobs, entropy = token_logprobs_and_entropy(logits, micro.input_ids, self.spec.temperature)
-            else:  # the entropy costs an exp per logit: only where it is trained on
-                logprobs, entropy = token_logprobs(logits, micro.input_ids, self.spec.temperature), None
+            # the entropy costs an exp per logit: only where it is trained on
+            logprobs, entropy = self._token_logprobs(micro, with_entropy=bool(self.spec.entropy_coef))
             if proximal_logprobs is not None and rows is not None:
                 trust, clipped = trust_region_weights(logprobs, proximal_logprobs[rows, :width], micro_advantages,
                                                       micro.loss_mask, self.spec.proximal_eps_low,
@@ -603,7 +617,7 @@ class LearnerRank:
                     self.engine.zero_grad()
                 raise _NonFiniteUpdate(index)
             self.engine.backward(loss * self.world_size)
-            del logits, logprobs, entropy, share, loss
+            del logprobs, entropy, share, loss
         return clipped_tokens
 
     def _decoupled_updates(self, batch: TrainBatch, step: _StepValues, lr_scale: float, reference: Tensor | None
@@ -665,10 +679,12 @@ class LearnerRank:
         for run in runs:
             rows, micro = run.rows, self._micro_batch(batch, run)
             with nullcontext() if self.reference is not None else model.disable_adapter():
-                logits = causal_logits(model, micro)
+                if self.reference_head is not None:
+                    logprobs, _ = self.reference_head.token_logprobs(micro.input_ids, self.spec.temperature, False)
+                else:
+                    logprobs = token_logprobs(causal_logits(model, micro), micro.input_ids, self.spec.temperature)
             if rows is not None:
-                out[rows, :micro.loss_mask.shape[1]] = token_logprobs(logits, micro.input_ids, self.spec.temperature)
-            del logits
+                out[rows, :micro.loss_mask.shape[1]] = logprobs
         return out
 
     def _kl_in_reward(self, batch: TrainBatch, reference: Tensor | None) -> tuple[TrainBatch, dict[str, Tensor]]:
@@ -824,13 +840,25 @@ class LearnerRank:
         total = torch.zeros((), device=self.device)
         for run in self._agreed_runs(plan)[0]:
             micro = self._micro_batch(batch, run)
-            logprobs = token_logprobs(self._logits(micro), micro.input_ids, self.spec.temperature)
+            logprobs, _ = self._token_logprobs(micro, with_entropy=False)
             loss = -(logprobs * micro.loss_mask).sum() / denominator
             self.engine.backward(loss * self.world_size)
             total = total + loss.detach()
         grad_norm = self._step_with_lr_scale(learning_rate / self.spec.learning_rate)
         metrics = {"sft/loss": total, "sft/grad_norm": self._scalar(grad_norm)}
         return self._reduce_metrics(metrics)
+
+    def _token_logprobs(self, micro: TrainBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """The policy's log-probs [b, L-1] fp32 of the micro-batch's next tokens and, `with_entropy`, its entropy
+        at each position: through the fused output layer where the model has one (the bare module, whose
+        parameters' gradients ZeRO reduces as the engine's would), else from the engine's logits."""
+        if self.fused_head is not None:
+            logprobs, entropy = self.fused_head.token_logprobs(micro.input_ids, self.spec.temperature, with_entropy)
+            return logprobs, entropy if with_entropy else None
+        logits = self._logits(micro)
+        if with_entropy:
+            return token_logprobs_and_entropy(logits, micro.input_ids, self.spec.temperature)
+        return token_logprobs(logits, micro.input_ids, self.spec.temperature), None
 
     def _logits(self, batch: TrainBatch, plain: bool = False) -> Tensor:
         """[B, L, V] logits; `plain` runs the bare module, outside the engine's backward bookkeeping."""
