@@ -213,3 +213,15 @@ def test_the_gpu_wheels_are_the_versions_this_venv_tests():
     assert {"deepspeed", "pydantic", "pydantic-core", "hjson", "PyYAML"} <= set(pins)
     for name, pinned in pins.items():
         assert importlib.metadata.version(name) == pinned, name
+
+
+def test_output_layer_compares_the_fused_and_whole_paths(capsys):
+    """The documented command at a small size: both paths measured, the whole path the reference."""
+    from benchmarks import output_layer
+
+    output_layer.main(["--model-config", "smollm2-135m", "--tokens", "64", "--rounds", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("smollm2-135m output layer (49152 x 576), 64 positions")
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
+    assert set(rows) == {"whole", "fused"} and rows["whole"][1] == "1.00"
+    assert float(rows["fused"][0]) > 0 and float(rows["fused"][2]) >= 0

@@ -73,6 +73,7 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     "benchmarks.model_configs": (
         "tests/unit/test_model_configs.py::test_a_built_folder_loads_as_the_learner_loads_it_and_is_built_once",
     ),
+    "benchmarks.output_layer": ("tests/unit/test_benchmarks.py::test_output_layer_compares_the_fused_and_whole_paths",),
     "benchmarks.async_speedup": (
         "tests/unit/test_benchmarks.py::test_async_speedup_analyses_recorded_runs_whose_evaluations_have_their_own_rows",
         "tests/integration/test_benchmarks.py::test_async_speedup_trains_each_lag_and_prints_its_tables",
