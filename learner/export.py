@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from learner.lora import LoraSpec, with_lora
-from learner.rank import check_owned_by_me, save_lora_model_folder, save_model_folder
+from learner.checkpoint import check_owned_by_me, save_lora_model_folder, save_model_folder
 
 
 def save_checkpoint_model(learner_dir: Path, tag: str, base_model: str, folder: str,

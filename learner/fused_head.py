@@ -106,7 +106,7 @@ class FusedHead:
     head: nn.Linear
 
     def token_logprobs(self, input_ids: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
-        """`fused_token_logprobs` of right-padded rows, without a padding mask (see learner.rank.causal_logits)."""
+        """`fused_token_logprobs` of right-padded rows, without a padding mask (see learner.step.causal_logits)."""
         hidden = self.decoder(input_ids=input_ids).last_hidden_state
         return fused_token_logprobs(hidden, self.head.weight, input_ids, temperature, with_entropy)
 

@@ -1,7 +1,10 @@
 """One DeepSpeed ZeRO learner rank: learner log-probs, the stabilized step, weight publishing.
 
 A plain class: `cluster/` runs one per Ray actor. Every rank of a group runs every collective method
-(`train_step`, `sft_step`, `state_dict_for_publish`) with its own share of the prompt groups.
+(`train_step`, `sft_step`, `state_dict_for_publish`) with its own share of the prompt groups. The step's
+record types and pure helpers live in `learner/step.py`, the collectives in `learner/collectives.py`,
+publishing in `learner/publishing.py` and checkpoints and model folders in `learner/checkpoint.py`; this
+file sets the rank up and runs the step's passes.
 """
 
 from __future__ import annotations
@@ -11,129 +14,33 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from algorithms import registry
 from algorithms.advantages import ADVANTAGES, group_mean_advantages
 from algorithms.aggregation import aggregate_token_loss, loss_denominator, policy_loss
 from algorithms.batch import PolicyBatch, TokenWeights
-from algorithms.diagnostics import chi2_seq, ess_ratio, health_metrics
-from algorithms.errors import StableAsyncError
+from algorithms.diagnostics import health_metrics
 from algorithms.proximal import trust_region_weights
 from algorithms.regularizers import adapted_kl_coef, kl_penalty, sequence_kl
-from learner import memory_budget, micro_batches
+from learner import checkpoint, memory_budget, micro_batches
 from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs, token_logprobs_and_entropy
+from learner.collectives import Collectives, nonfinite_count
 from learner.fused_head import FusedHead, fused_head
-from learner.lora import ADAPTER_FOLDER, LoraSpec, adapter_weights, merged_state_dict, with_lora, write_adapter_folder
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
+from learner.lora import LoraSpec, with_lora
 from learner.lr_schedule import LRSchedule, lr_factor
+from learner.publishing import Publisher
+from learner.step import (COEFFICIENT_GAP_TOLERANCE, CarriedGroup, NonFiniteUpdate, StepValues, causal_logits,
+                          config_values, prompt_group_shares, rows_of, sequence_coefficients, sequence_metrics)
 from learner.weight_sync import PackedWeights, TensorSpec
 
 log = logging.getLogger("stableasync.learner")
-
-
-GLOBAL_METRICS = {"stability/ess_ratio", "stability/chi2_seq", "stability/ess_ratio_clipped", "stability/lr_scale",
-                  "stability/skipped_step"}
-
-
-def sequence_metrics(global_log_w: Tensor) -> dict[str, Tensor]:
-    """ESS ratio and sequence chi-square over the whole global batch (every rank's sequences)."""
-    if global_log_w.numel() == 0:
-        return {}
-    return {"stability/ess_ratio": ess_ratio(global_log_w), "stability/chi2_seq": chi2_seq(global_log_w)}
-
-
-@dataclass
-class _StepValues:
-    """Per-row values of one step over the rank's batch, filled in micro-batch by micro-batch."""
-
-    logprobs: Tensor  # [B, L-1] fp32: learner log-probs, detached
-    entropy: Tensor  # [B, L-1] fp32: the learner's next-token entropy
-    advantages: Tensor  # [B] fp32
-    squared_norms: Tensor | None  # [B] fp32: ||grad log pi(tau_i)||^2, when the stabilizer needs them
-    baseline: Tensor | None  # [B] fp32: VCPO's baseline, formed with the norms
-    loss: Tensor  # [] fp32: this rank's share of the global loss, summed on the device (no host sync per micro-batch)
-    decision: TokenWeights | None = None  # two passes: the stabilizer's decision on the whole batch
-    skipped: bool = False  # non-finite values on some rank: no update
-    bookkept_micro_batches: int = 0  # micro-batches whose update came from kept per-sample gradients
-    carried_groups: int = 0  # prompt groups trained across micro-batches with a score buffer
-
-    @classmethod
-    def empty(cls, batch: TrainBatch, with_norms: bool) -> _StepValues:
-        zeros = batch.behaviour_logprobs.new_zeros
-        norms = zeros(batch.size) if with_norms else None
-        return cls(zeros(batch.loss_mask.shape), zeros(batch.loss_mask.shape), zeros(batch.size), norms,
-                   None if norms is None else zeros(batch.size), zeros(()))
-
-    def record(self, rows: Tensor, logprobs: Tensor, entropy: Tensor | None, advantages: Tensor | None,
-               sample_grads: SampleGradients | None, baseline: Tensor | None) -> None:
-        """One micro-batch's values (trimmed to its own width) into its rows."""
-        width = logprobs.shape[1]
-        self.logprobs[rows, :width] = logprobs.detach()
-        if entropy is not None:
-            self.entropy[rows, :width] = entropy
-        if advantages is not None:
-            self.advantages[rows] = advantages.float()
-        if sample_grads is not None and self.squared_norms is not None:
-            self.squared_norms[rows] = sample_grads.squared_norms.float()
-        if baseline is not None and self.baseline is not None:
-            self.baseline[rows] = baseline.float()
-
-    def sample_grads(self) -> SampleGradients | None:
-        return None if self.squared_norms is None else SampleGradients(self.squared_norms)
-
-
-@dataclass
-class _CarriedGroup:
-    """A prompt group whose rows the plan split across consecutive micro-batches (nothing between them).
-
-    A stabilizer's advantages are affine in the group's baseline b, A = A0 - b * slope (VCPO: A0 = R / sigma,
-    slope = 1 / sigma), and the loss is linear in A. So the group's gradient is grad loss(A0) - b * grad
-    loss(slope): the first joins the engine's accumulation piece by piece, the second waits in `score`
-    until the last piece gives the per-sample norms that b needs.
-    """
-
-    rows: Tensor  # [n] long: all the group's rows in the rank's batch
-    at_zero: Tensor  # [B] fp32: the rank's advantages at baseline 0
-    slope: Tensor  # [B] fp32: at_zero minus the advantages at baseline 1
-    score: dict[torch.nn.Parameter, Tensor] | None = None  # fp32, per parameter: sum over seen rows of grad slope
-    slope_loss: Tensor | float = 0.0  # the pieces' loss at advantages `slope`
-    seen: int = 0  # rows of the group passed so far
-
-    @classmethod
-    def start(cls, stabilizer: Any, batch: TrainBatch, rows: Tensor) -> _CarriedGroup:
-        zeros = torch.zeros_like(batch.rewards, dtype=torch.float32)
-        at_zero = stabilizer.advantages_from_baseline(batch.rewards, zeros, batch.group_ids).float()
-        at_one = stabilizer.advantages_from_baseline(batch.rewards, zeros + 1, batch.group_ids).float()
-        return cls(rows, at_zero, at_zero - at_one)
-
-    def add(self, piece_rows: int, score: dict[torch.nn.Parameter, Tensor], slope_loss: Tensor) -> None:
-        """A piece's gradient of the slope loss, into the buffer."""
-        self.seen += piece_rows
-        if self.score is None:
-            self.score = score
-        else:
-            for param, grad in score.items():
-                self.score[param].add_(grad)
-        self.slope_loss += slope_loss
-
-    @property
-    def complete(self) -> bool:
-        """Whether every row of the group has passed (the piece just added was the last)."""
-        return self.seen == len(self.rows)
-
-    def close(self, grads: dict[torch.nn.Parameter, Tensor], baseline: Tensor) -> dict[torch.nn.Parameter, Tensor]:
-        """The last piece's gradient minus b times the score buffer, which is then released."""
-        out = {param: (grad.float() - baseline * self.score[param]).to(grad.dtype) for param, grad in grads.items()}
-        self.score = None
-        return out
 
 
 @dataclass(frozen=True)
@@ -186,57 +93,6 @@ class LearnerSpec:
         return (self.kl_coef > 0 and self.kl_in == "loss") or self.entropy_coef > 0
 
 
-def save_lora_model_folder(peft_model: Any, lora: LoraSpec, base_model: str, folder: str) -> None:
-    """A LoRA policy as the merged model folder, with its adapter alone in `folder/adapter`: what a run saves
-    and what `stableasync export` writes from a checkpoint."""
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
-    save_model_folder(base, base_model, folder, merged_state_dict(peft_model))
-    with storage_errors(f"the adapter in {folder}"):
-        tensors = {name: t.detach().to("cpu", torch.float32) for name, t in adapter_weights(peft_model).items()}
-        write_adapter_folder(tensors, lora, base_model, Path(folder) / ADAPTER_FOLDER)
-
-
-def check_owned_by_me(path: Path) -> None:
-    """Refuse a checkpoint folder that holds anything another user owns or can write: loading it unpickles
-    its files, and a pickle can run code."""
-    for item in [path, *path.rglob("*")]:
-        info = item.lstat()
-        if info.st_uid != os.getuid():
-            raise PermissionError(f"refusing to load checkpoint {path}: {item} belongs to another user "
-                                  f"(uid {info.st_uid})")
-        if info.st_mode & 0o002:
-            raise PermissionError(f"refusing to load checkpoint {path}: {item} is writable by every user")
-
-
-@contextmanager
-def storage_errors(what: str) -> Iterator[None]:
-    """Any failure while writing `what` comes out as an OSError, which the driver treats as storage trouble
-    (an alert for a checkpoint, a reported model error): a full disk surfaces from torch.save as a
-    RuntimeError ("unexpected pos") and from safetensors as a SafetensorError, neither an OSError."""
-    try:
-        yield
-    except OSError:
-        raise
-    except Exception as error:  # noqa: BLE001 - reported with its type and message, never swallowed
-        raise OSError(f"writing {what} failed: {type(error).__name__}: {error}") from error
-
-
-def save_model_folder(model: Any, tokenizer_source: str, folder: str,
-                      state_dict: dict[str, Tensor] | None = None) -> None:
-    """`model` (or its config with `state_dict`) and the tokenizer of `tokenizer_source` as a Hugging Face
-    folder that transformers and vLLM load as it is; any failure to write it is an OSError (`storage_errors`)."""
-    from transformers import AutoTokenizer
-
-    with storage_errors(f"the model folder {folder}"):
-        model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
-        AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
-    if not (Path(folder) / "config.json").is_file() or not any(Path(folder).glob("*.safetensors")):
-        # save_pretrained only logs, and returns, when `folder` is not a directory it can use
-        raise NotADirectoryError(f"{folder}: save_pretrained wrote no config.json and weights there")
-
-
 class LearnerRank:
     """A ZeRO data-parallel rank of the policy."""
 
@@ -282,9 +138,11 @@ class LearnerRank:
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
         )
         self.device = self.engine.device
+        self.collectives = Collectives(world_size, self.device)
+        self.publisher = Publisher(self.engine.module, spec.lora is not None, spec.zero_stage, rank)
         self.micro_batch_budget = memory_budget.resolve(spec, self.engine, self.device, rank, world_size)
         self.micro_batch_tokens = self.micro_batch_budget.tokens  # padded tokens per forward; None: the whole batch
-        self.stabilizer = registry.build(spec.stabilizer_name, **_config_values(spec.stabilizer_config))
+        self.stabilizer = registry.build(spec.stabilizer_name, **config_values(spec.stabilizer_config))
         self.advantage_fn = ADVANTAGES[spec.advantage]
         # a stabilizer without the option (a user's own) gets the ghost path
         opob_impl = getattr(self.stabilizer.config, "opob_impl", "ghost")
@@ -405,7 +263,7 @@ class LearnerRank:
         if step.squared_norms is not None:
             metrics["opob/bookkeeping_share"] = self._scalar(step.bookkept_micro_batches / len(runs))
             metrics["opob/carried_groups"] = self._scalar(step.carried_groups)
-        global_log_w = self._all_gather(policy.seq_log_ratio[policy.token_lengths > 0])
+        global_log_w = self.collectives.gather(policy.seq_log_ratio[policy.token_lengths > 0])
         metrics.update(sequence_metrics(global_log_w))
         metrics.update(self.stabilizer.global_metrics(global_log_w))
         loss = step.loss
@@ -442,9 +300,7 @@ class LearnerRank:
         every rank can take it: ZeRO's collectives in each forward and backward need all ranks to run the
         same passes over as many micro-batches."""
         wanted = torch.tensor([float(len(plan)), float(not one_pass)], device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
-        most, any_two_passes = wanted.tolist()
+        most, any_two_passes = self.collectives.max(wanted).tolist()
         return [*plan.micro_batches, *[micro_batches.EMPTY] * (int(most) - len(plan))], any_two_passes == 0
 
     @staticmethod
@@ -474,15 +330,15 @@ class LearnerRank:
                    for run in pieces)
 
     def _one_pass(self, batch: TrainBatch, runs: list[micro_batches.MicroBatch], reference: Tensor | None
-                  ) -> _StepValues:
+                  ) -> StepValues:
         """Decide, weigh and backpropagate each micro-batch in one forward. Over several micro-batches the
         loss denominator is the loss mask's (a per-row stabilizer keeps it), known before any forward; in
         one, it comes from the decision on the whole batch."""
-        step = _StepValues.empty(batch, with_norms=self.stabilizer.needs_grad_norms)
+        step = StepValues.empty(batch, with_norms=self.stabilizer.needs_grad_norms)
         if not self.stabilizer.needs_grad_norms:  # advantages from the rewards alone, whole groups at once
             step.advantages = self._advantages(batch, step.logprobs, None)[0]
         mask_denominator = None if len(runs) == 1 else self._global_denominator(batch.loss_mask)
-        carried: _CarriedGroup | None = None
+        carried: CarriedGroup | None = None
         # counted on the device and checked once after the loop: no host sync per micro-batch
         nonfinite = torch.zeros((), device=self.device)
         coefficient_gap = torch.zeros((), device=self.device)
@@ -490,7 +346,7 @@ class LearnerRank:
             rows, micro = run.rows, self._micro_batch(batch, run)
             group_rows = run.group_rows if self.stabilizer.needs_grad_norms else None
             if group_rows is not None and carried is None:  # the first piece of a split group
-                carried = _CarriedGroup.start(self.stabilizer, batch, group_rows)
+                carried = CarriedGroup.start(self.stabilizer, batch, group_rows)
             record = self.ghost_norms is not None and self.spec.zero_stage != 3
             bookkeeping = group_rows is not None or self._keeps_sample_gradients(micro)
             step.bookkept_micro_batches += bookkeeping
@@ -513,11 +369,11 @@ class LearnerRank:
             policy = PolicyBatch(logprobs, micro.behaviour_logprobs, advantages, micro.loss_mask)
             decision = self.stabilizer.token_weights(policy)
             denominator = mask_denominator if mask_denominator is not None else self._global_denominator(decision.mask)
-            loss = self._loss(policy, decision, denominator, entropy, _rows_of(reference, rows, logprobs))
+            loss = self._loss(policy, decision, denominator, entropy, rows_of(reference, rows, logprobs))
             slope = None if carried is None else policy_loss(
                 PolicyBatch(logprobs, micro.behaviour_logprobs, carried.slope[rows], micro.loss_mask), decision,
                 self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
-            bad = _nonfinite_count(loss, decision.weights, *([] if slope is None else [slope]))
+            bad = nonfinite_count(loss, decision.weights, *([] if slope is None else [slope]))
             nonfinite = nonfinite + bad
             # a non-finite micro-batch poisons the accumulated gradient, so that the engine's step finds a
             # non-finite norm and discards it all (checked in _discard_step)
@@ -532,7 +388,7 @@ class LearnerRank:
                 gap = self._backward(loss, logprobs, sample_grads, micro.loss_mask)
             coefficient_gap = torch.maximum(coefficient_gap, gap)
             del logits, logprobs, entropy, sample_grads, policy, decision, loss  # before the next forward allocates
-        nonfinite, coefficient_gap = self._all_reduce_max(torch.stack([nonfinite, coefficient_gap])).tolist()
+        nonfinite, coefficient_gap = self.collectives.max(torch.stack([nonfinite, coefficient_gap])).tolist()
         if coefficient_gap > COEFFICIENT_GAP_TOLERANCE:
             raise RuntimeError(f"book-keeping needs one loss coefficient per sequence; tokens of a sequence differ by "
                                f"{coefficient_gap:.3g} of the largest (use opob_impl: ghost for this loss)")
@@ -542,7 +398,7 @@ class LearnerRank:
         return step
 
     def _two_passes(self, batch: TrainBatch, runs: list[micro_batches.MicroBatch], reference: Tensor | None
-                    ) -> _StepValues:
+                    ) -> StepValues:
         """A no-grad pass gives the whole batch's learner log-probs (and per-sample gradient norms), the
         stabilizer decides once on them, and the gradient pass backpropagates each micro-batch's share."""
         step = self._decide_on_whole_batch(batch, runs, reference)
@@ -552,11 +408,11 @@ class LearnerRank:
         return step
 
     def _decide_on_whole_batch(self, batch: TrainBatch, runs: list[micro_batches.MicroBatch], reference: Tensor | None
-                               ) -> _StepValues:
+                               ) -> StepValues:
         """The first of two passes: the whole batch's learner log-probs (and per-sample gradient norms)
         without grad, the advantages, and the stabilizer's decision on them; no gradient yet. Skipped when
         the decision or the loss is not finite on some rank."""
-        step = _StepValues.empty(batch, with_norms=self.stabilizer.needs_grad_norms)
+        step = StepValues.empty(batch, with_norms=self.stabilizer.needs_grad_norms)
         for run in runs:
             rows, micro = run.rows, self._micro_batch(batch, run)
             if self.stabilizer.needs_grad_norms:
@@ -574,7 +430,7 @@ class LearnerRank:
         step.decision = self.stabilizer.token_weights(policy)
         denominator = self._global_denominator(step.decision.mask)
         step.loss = self._loss(policy, step.decision, denominator, step.entropy, reference).detach()
-        if not self._all_finite(step.decision.weights, step.loss):
+        if not self.collectives.all_finite(step.decision.weights, step.loss):
             step.skipped = True
             self.engine.zero_grad()
         return step
@@ -609,24 +465,24 @@ class LearnerRank:
                 clipped_tokens += float(clipped.sum())
             share = PolicyBatch(logprobs, micro.behaviour_logprobs, micro_advantages, micro.loss_mask)
             loss = self._loss(share, TokenWeights(weights, mask, {}), denominator, entropy,
-                              _rows_of(reference, rows, logprobs))
-            if proximal_logprobs is not None and not self._all_finite(loss):
+                              rows_of(reference, rows, logprobs))
+            if proximal_logprobs is not None and not self.collectives.all_finite(loss):
                 if index:  # poisons what the earlier micro-batches accumulated
                     self.engine.backward(loss * math.nan)
                 else:
                     self.engine.zero_grad()
-                raise _NonFiniteUpdate(index)
+                raise NonFiniteUpdate(index)
             self.engine.backward(loss * self.world_size)
             del logprobs, entropy, share, loss
         return clipped_tokens
 
-    def _decoupled_updates(self, batch: TrainBatch, step: _StepValues, lr_scale: float, reference: Tensor | None
+    def _decoupled_updates(self, batch: TrainBatch, step: StepValues, lr_scale: float, reference: Tensor | None
                            ) -> tuple[float, dict[str, Tensor]]:
         """`epochs` passes over the batch in `mini_batches` shares of whole prompt groups, one optimizer update
         per share: the stabilizer's decision at pi_prox (step.logprobs) times the trust region around pi_prox.
         Returns the largest update's gradient norm and the updates' metrics; after a non-finite share no
         further update runs (those before it stay applied)."""
-        shares = _prompt_group_shares(batch.group_ids, self.spec.mini_batches)
+        shares = prompt_group_shares(batch.group_ids, self.spec.mini_batches)
         norms: list[float] = []
         clipped_tokens = 0.0
         try:
@@ -642,7 +498,7 @@ class LearnerRank:
                         share, runs, decision, step.advantages[rows], denominator, step.logprobs[rows],
                         None if reference is None else reference[rows])
                     norms.append(self._apply_update(lr_scale))
-        except _NonFiniteUpdate as error:
+        except NonFiniteUpdate as error:
             if error.micro_batch:  # gradients accumulated before it: the engine's step must drop them
                 self._discard_step()
         planned = self.spec.epochs * len(shares)
@@ -731,7 +587,7 @@ class LearnerRank:
         self._backward_gradients(sample_grads.weighted_sum(coefficients))
         return gap
 
-    def _backward_piece(self, step: _StepValues, batch: TrainBatch, carried: _CarriedGroup, loss: Tensor,
+    def _backward_piece(self, step: StepValues, batch: TrainBatch, carried: CarriedGroup, loss: Tensor,
                         slope: Tensor, logprobs: Tensor, sample_grads: SampleGradients, loss_mask: Tensor) -> Tensor:
         """One piece of a group split across micro-batches. Its loss is loss(A) = loss(A0) - b * slope with A0
         the advantages at baseline 0 and b the group's baseline, known after its last piece: the engine
@@ -777,11 +633,11 @@ class LearnerRank:
             return own, None
         return own, self.stabilizer.baseline(batch.rewards, log_w, grad_sq_norms, batch.group_ids, lengths)
 
-    def _baseline_metrics(self, batch: TrainBatch, step: _StepValues) -> dict[str, Tensor]:
+    def _baseline_metrics(self, batch: TrainBatch, step: StepValues) -> dict[str, Tensor]:
         """How far VCPO's baseline moved from the group mean, and the per-sample gradient norms (all ranks')."""
         if step.squared_norms is None:
             return {}
-        norms = self._all_gather(step.squared_norms).sqrt()
+        norms = self.collectives.gather(step.squared_norms).sqrt()
         if step.baseline is None:
             return {}
         group_mean = batch.rewards - group_mean_advantages(batch.rewards, batch.group_ids)
@@ -836,7 +692,7 @@ class LearnerRank:
         batch = batch.to(self.device)
         plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.micro_batch_tokens,
                                   keep_groups=False)
-        denominator = self._all_reduce_sum(batch.loss_mask.sum()).clamp(min=1)
+        denominator = self.collectives.sum(batch.loss_mask.sum()).clamp(min=1)
         total = torch.zeros((), device=self.device)
         for run in self._agreed_runs(plan)[0]:
             micro = self._micro_batch(batch, run)
@@ -846,7 +702,7 @@ class LearnerRank:
             total = total + loss.detach()
         grad_norm = self._step_with_lr_scale(learning_rate / self.spec.learning_rate)
         metrics = {"sft/loss": total, "sft/grad_norm": self._scalar(grad_norm)}
-        return self._reduce_metrics(metrics)
+        return self.collectives.reduce_metrics(metrics)
 
     def _token_logprobs(self, micro: TrainBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """The policy's log-probs [b, L-1] fp32 of the micro-batch's next tokens and, `with_entropy`, its entropy
@@ -865,89 +721,40 @@ class LearnerRank:
         model = self.engine.module if plain else self.engine
         return causal_logits(model, batch)
 
-    def publish_specs(self, dtype: str) -> list[TensorSpec]:
-        """Name (HF checkpoint), whole shape and wire `dtype` of every published weight, in the order
-        `published_weights` yields them; read locally (ZeRO-3's `ds_shape`), no collective."""
-        return [TensorSpec(name, tuple(getattr(param, "ds_shape", param.shape)), dtype)
-                for name, param in self._published_parameters()]
+    # ---- publishing and checkpoints (learner/publishing.py, learner/checkpoint.py) ------------------
 
-    def _published_parameters(self) -> Iterator[tuple[str, Tensor]]:
-        """What the generators load: every parameter, or with LoRA the adapter's alone (peft's names)."""
-        if self.spec.lora is not None:
-            yield from adapter_weights(self.engine.module).items()
-        else:
-            yield from self.engine.module.named_parameters()
+    def publish_specs(self, dtype: str) -> list[TensorSpec]:
+        """Name, whole shape and wire `dtype` of every published weight; no collective."""
+        return self.publisher.specs(dtype)
 
     def published_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(name, weight) of `publish_specs`, whole, one at a time: valid until the next is asked for (copy it).
-        Under ZeRO-3 every rank must iterate in step, since each parameter's gather is a collective; no
-        rank holds more than one gathered parameter."""
-        for name, param in self._published_parameters():
-            if self.spec.zero_stage != 3:
-                yield name, param.detach()
-                continue
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                yield name, param.detach()
+        """Each published weight, whole, one at a time (a collective under ZeRO-3: every rank iterates)."""
+        return self.publisher.weights()
 
     def follow_publish(self) -> None:
-        """A rank that keeps no weights while rank 0 publishes them: under ZeRO-3, its part in each gather."""
-        if self.spec.zero_stage == 3:
-            for _ in self.published_weights():
-                pass
+        """A rank's part in rank 0's publishing (each parameter's gather under ZeRO-3)."""
+        self.publisher.follow()
 
     def packed_weights_for_publish(self, dtype: str = "float32") -> PackedWeights | None:
-        """The weights cast to `dtype`, copied one tensor at a time into one buffer for the generators (rank 0;
-        None on the other ranks, which under ZeRO-3 take part in each parameter's gather)."""
-        if self.rank != 0:
-            self.follow_publish()
-            return None
-        packed = PackedWeights.allocate(self.publish_specs(dtype))
-        for index, (_, tensor) in enumerate(self.published_weights()):
-            packed.put(index, tensor)
-        return packed
+        """The weights cast to `dtype` in one buffer for the generators (rank 0; None on the others)."""
+        return self.publisher.packed(dtype)
 
     def state_dict_for_publish(self) -> dict[str, Tensor]:
         """`packed_weights_for_publish` as a name -> tensor dict (a copy; empty off rank 0)."""
-        packed = self.packed_weights_for_publish()
-        return packed.tensors() if packed is not None else {}
+        return self.publisher.state_dict()
 
     def save_model(self, folder: str) -> None:
-        """The policy as a Hugging Face model folder (config, safetensors, tokenizer) that transformers and
-        vLLM load as they are; rank 0 writes it. A collective under ZeRO-3, which gathers the parameters."""
-        module = self.engine.module
-        if self.spec.lora is not None:  # the merged model, with the adapter alone beside it
-            if self.rank == 0:
-                save_lora_model_folder(module, self.spec.lora, self.spec.model_path, folder)
-            return
-        if self.spec.zero_stage != 3:
-            if self.rank == 0:
-                save_model_folder(module, self.spec.model_path, folder)
-            return
-        # one parameter gathered at a time; rank 0 copies each to host memory, so no rank holds the model
-        if self.rank != 0:
-            self.follow_publish()
-            return
-        state = {name: tensor.to("cpu", copy=True) for name, tensor in self.published_weights()}
-        save_model_folder(module, self.spec.model_path, folder, state)
-
-    # ---- checkpoints -------------------------------------------------------------------------
+        """The policy as a Hugging Face model folder that rank 0 writes; a collective under ZeRO-3."""
+        checkpoint.save_model(self.publisher, self.spec.lora, self.spec.model_path, folder)
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         """Model, optimizer (each rank its ZeRO shard), policy version and RNG state; a collective."""
         client_state = {"version": self.version, "torch_rng": torch.get_rng_state(), "kl_coef": self.kl_coef}
-        with storage_errors(f"learner rank {self.rank}'s checkpoint to {directory}"):
-            self.engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
+        checkpoint.save_checkpoint(self.engine, directory, tag, self.rank, client_state)
 
     def load_checkpoint(self, directory: str, tag: str) -> int:
         """Restore what `save_checkpoint` wrote; returns the policy version. A collective."""
-        path = Path(directory) / tag
-        check_owned_by_me(path)  # DeepSpeed unpickles its checkpoint files
-        loaded, client_state = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
-                                                            load_lr_scheduler_states=True)
-        if loaded is None:
-            raise FileNotFoundError(f"learner rank {self.rank}: no checkpoint in {path}")
+        client_state = checkpoint.load_checkpoint(self.engine, directory, tag, self.rank)
         self.version = int(client_state["version"])
         self.kl_coef = float(client_state.get("kl_coef", self.spec.kl_coef))
         torch.set_rng_state(client_state["torch_rng"])
@@ -986,24 +793,7 @@ class LearnerRank:
         metrics["rollout/response_len"] = batch.loss_mask.float().sum(1).mean()
         metrics["time/learner_step_s"] = self._scalar(time.perf_counter() - start)
         metrics["perf/learner_tokens_per_s"] = batch.attention_mask.sum() / metrics["time/learner_step_s"]
-        return self._reduce_metrics(metrics, token_weight=batch.loss_mask.sum())
-
-    def _reduce_metrics(self, metrics: dict[str, Tensor], token_weight: Tensor | None = None) -> dict[str, float]:
-        """Average over ranks: `stability/` token statistics weighted by each rank's loss tokens (so
-        they equal the global token mean), everything else plainly (ranks hold equal sample counts).
-        Sequence statistics computed from the gathered global batch are the same on every rank."""
-        names = sorted(metrics)
-        values = torch.stack([metrics[name].detach().float().reshape(()).to(self.device) for name in names])
-        if self.world_size == 1:
-            return dict(zip(names, values.tolist()))
-        weights = torch.ones_like(values)
-        if token_weight is not None:
-            weighted = torch.tensor([n.startswith("stability/") and n not in GLOBAL_METRICS for n in names],
-                                    device=self.device)
-            weights[weighted] = token_weight.float().to(self.device)
-        totals = torch.stack([values * weights, weights])
-        dist.all_reduce(totals)
-        return dict(zip(names, (totals[0] / totals[1]).tolist()))
+        return self.collectives.reduce_metrics(metrics, token_weight=batch.loss_mask.sum())
 
     def _scalar(self, value: float) -> Tensor:
         """A 0-dim fp32 tensor on this rank's device (a host tensor would cost a copy, or meet a device one)."""
@@ -1011,107 +801,4 @@ class LearnerRank:
 
     def _global_denominator(self, mask: Tensor) -> Tensor:
         """The loss denominator of `mask` summed over the ranks, so each rank's loss is its share of the global one."""
-        return self._all_reduce_sum(loss_denominator(mask, self.spec.loss_aggregation, self.spec.constant_tokens))
-
-    def _all_reduce_sum(self, value: Tensor) -> Tensor:
-        value = value.detach().float().clone()
-        if self.world_size > 1:
-            dist.all_reduce(value)
-        return value
-
-    def _all_finite(self, *tensors: Tensor) -> bool:
-        """Whether every rank's tensors are finite: a collective, so all ranks skip together."""
-        return self._all_reduce_sum(_nonfinite_count(*tensors)).item() == 0
-
-    def _all_reduce_max(self, values: Tensor) -> Tensor:
-        values = values.detach().float().clone()
-        if self.world_size > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        return values
-
-    def _all_gather(self, values: Tensor) -> Tensor:
-        """Concatenate a 1-D tensor of possibly different lengths from every rank."""
-        values = values.detach().float().to(self.device)
-        if self.world_size == 1:
-            return values
-        size = torch.tensor([values.numel()], dtype=torch.long, device=self.device)
-        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size)
-        width = int(max(s.item() for s in sizes))
-        padded = values.new_zeros(width)
-        padded[: values.numel()] = values
-        gathered = [values.new_zeros(width) for _ in range(self.world_size)]
-        dist.all_gather(gathered, padded)
-        return torch.cat([g[: int(s.item())] for g, s in zip(gathered, sizes)])
-
-
-class _NonFiniteUpdate(StableAsyncError, ArithmeticError):
-    """A decoupled update's loss was not finite on some rank (every rank raises it at the same micro-batch)."""
-
-    def __init__(self, micro_batch: int) -> None:
-        super().__init__(f"non-finite loss at micro-batch {micro_batch}")
-        self.micro_batch = micro_batch
-
-
-def causal_logits(model: Any, batch: TrainBatch) -> Tensor:
-    """[B, L, V] logits of right-padded rows, without an attention mask: under the causal mask no real token
-    attends to the padding after it, and positions count from 0 either way, so every real position's logits
-    are the masked forward's. Without a padding mask the attention takes its causal kernel (flash attention
-    on a GPU) and the model builds no mask, which costs a host sync (transformers checks the mask on the host).
-    """
-    return model(input_ids=batch.input_ids).logits
-
-
-def _nonfinite_count(*tensors: Tensor) -> Tensor:
-    """[] fp32 on the tensors' device: how many of them hold a NaN or infinity (no host sync)."""
-    flags = [(~torch.isfinite(t.detach())).any().float() for t in tensors]
-    return torch.stack(flags).sum()
-
-
-def _prompt_group_shares(group_ids: Tensor, shares: int) -> list[Tensor]:
-    """[b] row indices of `shares` runs of consecutive whole prompt groups, as even as the groups allow."""
-    groups = torch.unique(group_ids)
-    if len(groups) < shares:
-        raise ValueError(f"{shares} mini-batches need at least as many prompt groups per rank, got {len(groups)} "
-                         "(learner.mini_batches)")
-    return [torch.isin(group_ids, part).nonzero().flatten() for part in groups.tensor_split(shares)]
-
-
-def _rows_of(reference: Tensor | None, rows: Tensor | None, logprobs: Tensor) -> Tensor | None:
-    """The reference log-probs of a micro-batch's rows, trimmed to its width; an empty micro-batch's own
-    log-probs (a KL of 0 on its empty mask)."""
-    if reference is None:
-        return None
-    return logprobs.detach() if rows is None else reference[rows, :logprobs.shape[1]]
-
-
-# How far a sequence's token coefficients may differ, relative to the largest, and still be one coefficient.
-COEFFICIENT_GAP_TOLERANCE = 1e-5
-
-
-def sequence_coefficients(token_coefficients: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """k_i such that d loss / d log pi_it = k_i on every loss token of row i (and 0 elsewhere), and the
-    largest difference of a token's coefficient from its row's k_i relative to the largest |k_i|: a
-    device scalar, so the caller checks it once per step instead of syncing per micro-batch."""
-    mask = loss_mask.to(token_coefficients.dtype)
-    coefficients = (token_coefficients * mask).sum(1) / mask.sum(1).clamp(min=1)
-    gap = (token_coefficients - coefficients.unsqueeze(1) * mask).abs().max()
-    return coefficients, gap / coefficients.abs().max().clamp(min=torch.finfo(coefficients.dtype).tiny)
-
-
-def per_sequence_coefficients(token_coefficients: Tensor, loss_mask: Tensor) -> Tensor:
-    """`sequence_coefficients`, refusing a loss whose token coefficients differ within a sequence: book-keeping
-    forms the update from whole-sequence gradients, so such a loss would be trained on wrongly."""
-    coefficients, gap = sequence_coefficients(token_coefficients, loss_mask)
-    if gap > COEFFICIENT_GAP_TOLERANCE:
-        raise RuntimeError(f"book-keeping needs one loss coefficient per sequence; tokens of a sequence differ by "
-                           f"{float(gap):.3g} of the largest (use opob_impl: ghost for this loss)")
-    return coefficients
-
-
-def _config_values(config: Any) -> dict[str, Any]:
-    if config is None:
-        return {}
-    from dataclasses import asdict
-
-    return asdict(config)
+        return self.collectives.sum(loss_denominator(mask, self.spec.loss_aggregation, self.spec.constant_tokens))

@@ -207,7 +207,7 @@ def test_logprob_grad_is_the_autograd_gradient():
 
 
 def test_bookkeeping_refuses_a_loss_whose_coefficients_differ_within_a_sequence():
-    from learner.rank import per_sequence_coefficients
+    from learner.step import per_sequence_coefficients
 
     mask = torch.tensor([[True, True, False], [True, True, True]])
     per_sequence = torch.tensor([[0.5, 0.5, 0.0], [-2.0, -2.0, -2.0]])

@@ -78,7 +78,7 @@ FULL_DISK = """
 import json, resource, signal, sys
 import torch
 from safetensors.torch import save_file
-from learner.rank import storage_errors
+from learner.checkpoint import storage_errors
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG) instead of killing
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))

@@ -1,0 +1,78 @@
+"""The learner ranks' collectives over one value: sums, maxima, finiteness, gathers and the step's metrics.
+
+Kept apart from `learner/rank.py` so the step reads as what it computes; each method is a collective (every
+rank calls it, in the same order) and costs nothing on a single rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# Metrics computed from the gathered global batch: the same on every rank, so averaged without token weights.
+GLOBAL_METRICS = {"stability/ess_ratio", "stability/chi2_seq", "stability/ess_ratio_clipped", "stability/lr_scale",
+                  "stability/skipped_step"}
+
+
+def nonfinite_count(*tensors: Tensor) -> Tensor:
+    """[] fp32 on the tensors' device: how many of them hold a NaN or infinity (no host sync)."""
+    flags = [(~torch.isfinite(t.detach())).any().float() for t in tensors]
+    return torch.stack(flags).sum()
+
+
+class Collectives:
+    """The rank's group: `world_size` ranks, this one's tensors on `device`."""
+
+    def __init__(self, world_size: int, device: torch.device) -> None:
+        self.world_size, self.device = world_size, device
+
+    def sum(self, value: Tensor) -> Tensor:
+        """A detached fp32 copy of `value` summed over the ranks."""
+        value = value.detach().float().clone()
+        if self.world_size > 1:
+            dist.all_reduce(value)
+        return value
+
+    def max(self, values: Tensor) -> Tensor:
+        """A detached fp32 copy of `values`, elementwise the largest over the ranks."""
+        values = values.detach().float().clone()
+        if self.world_size > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return values
+
+    def all_finite(self, *tensors: Tensor) -> bool:
+        """Whether every rank's tensors are finite: a collective, so all ranks skip together."""
+        return self.sum(nonfinite_count(*tensors)).item() == 0
+
+    def gather(self, values: Tensor) -> Tensor:
+        """Concatenate a 1-D tensor of possibly different lengths from every rank."""
+        values = values.detach().float().to(self.device)
+        if self.world_size == 1:
+            return values
+        size = torch.tensor([values.numel()], dtype=torch.long, device=self.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size)
+        width = int(max(s.item() for s in sizes))
+        padded = values.new_zeros(width)
+        padded[: values.numel()] = values
+        gathered = [values.new_zeros(width) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded)
+        return torch.cat([g[: int(s.item())] for g, s in zip(gathered, sizes)])
+
+    def reduce_metrics(self, metrics: dict[str, Tensor], token_weight: Tensor | None = None) -> dict[str, float]:
+        """Average over ranks: `stability/` token statistics weighted by each rank's loss tokens (so
+        they equal the global token mean), everything else plainly (ranks hold equal sample counts).
+        Sequence statistics computed from the gathered global batch are the same on every rank."""
+        names = sorted(metrics)
+        values = torch.stack([metrics[name].detach().float().reshape(()).to(self.device) for name in names])
+        if self.world_size == 1:
+            return dict(zip(names, values.tolist()))
+        weights = torch.ones_like(values)
+        if token_weight is not None:
+            weighted = torch.tensor([n.startswith("stability/") and n not in GLOBAL_METRICS for n in names],
+                                    device=self.device)
+            weights[weighted] = token_weight.float().to(self.device)
+        totals = torch.stack([values * weights, weights])
+        dist.all_reduce(totals)
+        return dict(zip(names, (totals[0] / totals[1]).tolist()))
