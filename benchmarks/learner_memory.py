@@ -107,20 +107,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(_child(args)))
         return
 
-    from transformers import AutoConfig
+    from benchmarks.model_configs import benchmark_model
 
-    from benchmarks.model_configs import ARCHITECTURES, model_folder
-
-    if args.model_config:
-        try:
-            model_path = model_folder(args.model_config, args.dtype)
-        except ValueError as error:
-            parser.error(f"--model-config: {error}")
-        model = (f"{args.model_config} (random weights, {model_path})" if args.model_config in ARCHITECTURES
-                 else model_path)
-    else:
-        model = model_path = _model_path(args.model)
-    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    model_path, model, vocab = benchmark_model(parser, args.model_config, args.dtype, lambda: _model_path(args.model))
     counts = sorted(int(n) for n in args.sequences.split(","))
     memory = "CUDA memory allocated" if on_cuda() else "resident set"
     print(f"model {model}; {args.tokens} tokens per sequence; budget {args.budget} tokens per micro-batch")

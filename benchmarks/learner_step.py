@@ -298,20 +298,9 @@ def main(argv: list[str] | None = None) -> None:
     labels = [REFERENCE] + [label for label in labels if label != REFERENCE]
     profiled = labels if args.profile == "all" else _labels(args.profile or "", "--profile", parser)
 
-    from transformers import AutoConfig
+    from benchmarks.model_configs import benchmark_model
 
-    from benchmarks.model_configs import ARCHITECTURES, model_folder
-
-    if args.model_config:
-        try:
-            model_path = model_folder(args.model_config, args.dtype)
-        except ValueError as error:
-            parser.error(f"--model-config: {error}")
-        model = (f"{args.model_config} (random weights, {model_path})" if args.model_config in ARCHITECTURES
-                 else model_path)
-    else:
-        model = model_path = _model_path(args.job)
-    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    model_path, model, vocab = benchmark_model(parser, args.model_config, args.dtype, lambda: _model_path(args.job))
     memory = "CUDA memory allocated" if on_cuda() else "resident set"
     print(f"model {model}; {args.sequences} sequences x {args.tokens} tokens, micro-batches of {args.budget} tokens")
     print(f"{device_name()}, {args.dtype}; ZeRO-2, 1 rank, {args.threads} torch thread(s); {args.rounds} timed steps "

@@ -9,6 +9,7 @@ any other, cached per name, dtype and transformers version.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,20 @@ def model_folder(name_or_path: str, dtype: str) -> str:
     model_type, values = ARCHITECTURES[name_or_path]
     params = {"model_type": model_type, "config": values, "dtype": dtype, "transformers": transformers.__version__}
     return str(_atomic_build(default_cache() / "models" / f"random-{name_or_path}-{dtype}", params, build))
+
+
+def benchmark_model(parser: Any, model_config: str | None, dtype: str, fallback: Callable[[], str]
+                    ) -> tuple[str, str, int]:
+    """The model a learner benchmark measures: `--model-config`'s folder (a bad name is the parser's usage
+    error), else `fallback()`'s; with how to name it in the printed header, and its vocabulary size."""
+    from transformers import AutoConfig
+
+    if model_config:
+        try:
+            path = model_folder(model_config, dtype)
+        except ValueError as error:
+            parser.error(f"--model-config: {error}")
+        label = f"{model_config} (random weights, {path})" if model_config in ARCHITECTURES else path
+    else:
+        label = path = fallback()
+    return path, label, AutoConfig.from_pretrained(path).vocab_size

@@ -152,16 +152,25 @@ class _TargetLogprobs(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for rows in position_chunks(*logits.shape):
             log_p = logits[rows].float() / temperature - normalisers[rows, None]
-            chunk = torch.zeros_like(log_p)
-            if grad_entropy is not None:
-                chunk.add_(log_p + entropy[rows, None]).mul_(-grad_entropy[rows, None])
-            if grad_logprobs is not None:
-                chunk.sub_(grad_logprobs[rows, None])
-            chunk.mul_(log_p.exp_()).div_(temperature)
-            if grad_logprobs is not None:  # d/dx of x[target]: + g / T
-                chunk.scatter_add_(-1, targets[rows, None], (grad_logprobs[rows] / temperature).unsqueeze(-1))
-            grad_logits[rows] = chunk
+            grad_logits[rows] = chunk_logits_gradient(log_p, targets[rows], entropy[rows] if entropy.numel() else None,
+                                                      None if grad_logprobs is None else grad_logprobs[rows],
+                                                      None if grad_entropy is None else grad_entropy[rows], temperature)
         return grad_logits, None, None, None
+
+
+def chunk_logits_gradient(log_p: Tensor, targets: Tensor, entropy: Tensor | None, grad_logprobs: Tensor | None,
+                          grad_entropy: Tensor | None, temperature: float) -> Tensor:
+    """d/d logits of sum_t g_t log p_t[target_t] + e_t H_t for one chunk of positions, from its log-softmax
+    `log_p` [n, V] (consumed): d logp[target]/dx = onehot - p and dH/dx = -p (log p + H), with x = logits / T."""
+    chunk = torch.zeros_like(log_p)
+    if grad_entropy is not None and entropy is not None:
+        chunk.add_(log_p + entropy[:, None]).mul_(-grad_entropy[:, None])
+    if grad_logprobs is not None:
+        chunk.sub_(grad_logprobs[:, None])
+    chunk.mul_(log_p.exp_()).div_(temperature)
+    if grad_logprobs is not None:  # d/dx of x[target]: + g / T
+        chunk.scatter_add_(-1, targets[:, None], (grad_logprobs / temperature).unsqueeze(-1))
+    return chunk
 
 
 def _chunked(logits: Tensor, input_ids: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from learner.batch import position_chunks, token_logprobs
+from learner.batch import chunk_logits_gradient, position_chunks, token_logprobs
 
 
 class _FusedTargetLogprobs(torch.autograd.Function):
@@ -44,8 +44,7 @@ class _FusedTargetLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logprobs: Tensor | None, grad_entropy: Tensor | None  # type: ignore[override]
                  ) -> tuple[Tensor | None, Tensor | None, None, None, None]:
-        """Per chunk: d logp[target]/dx = onehot - p and dH/dx = -p (log p + H) with x = logits / T, then
-        dh = dlogits W and dW += dlogits^T h."""
+        """Per chunk: the logits' gradient (`chunk_logits_gradient`), then dh = dlogits W and dW += dlogits^T h."""
         hidden, weight, targets, normalisers, entropy = ctx.saved_tensors
         temperature = ctx.temperature
         if grad_logprobs is None and grad_entropy is None:
@@ -58,15 +57,10 @@ class _FusedTargetLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for rows in position_chunks(hidden.shape[0], weight.shape[0]):
             log_p = (hidden[rows] @ weight.T).to(normalisers.dtype).div_(temperature).sub_(normalisers[rows, None])
-            chunk = torch.zeros_like(log_p)
-            if grad_entropy is not None:
-                chunk.add_(log_p + entropy[rows, None]).mul_(-grad_entropy[rows, None])
-            if grad_logprobs is not None:
-                chunk.sub_(grad_logprobs[rows, None])
-            chunk.mul_(log_p.exp_()).div_(temperature)
-            if grad_logprobs is not None:  # d/dx of x[target]: + g / T
-                chunk.scatter_add_(-1, targets[rows, None], (grad_logprobs[rows] / temperature).unsqueeze(-1))
-            grad_logits = chunk.to(hidden.dtype)
+            grad_logits = chunk_logits_gradient(
+                log_p, targets[rows], entropy[rows] if entropy.numel() else None,
+                None if grad_logprobs is None else grad_logprobs[rows],
+                None if grad_entropy is None else grad_entropy[rows], temperature).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:

@@ -238,7 +238,7 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
     # whole counts: a ZeRO-3 partition's own numel is its share
     numels = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in engine.module.parameters()]
     trained = sum(numel for numel, grad in numels if grad)
-    later = _unallocated_adam_bytes(engine, trained, spec.zero_stage, world_size)
+    later = unallocated_adam_bytes(engine, trained, spec.zero_stage, world_size)
     if spec.kl_coef > 0 and spec.lora is None:  # the reference copy (LoRA's is the base with its adapter off)
         later += dtype_bytes * sum(numel for numel, _ in numels) // (world_size if spec.zero_stage == 3 else 1)
     memory = step_memory(
@@ -262,7 +262,7 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
     return budget
 
 
-def _unallocated_adam_bytes(engine: Any, trained_parameters: int, zero_stage: int, world_size: int) -> int:
+def unallocated_adam_bytes(engine: Any, trained_parameters: int, zero_stage: int, world_size: int) -> int:
     """AdamW's two fp32 moments of this rank's share of the parameters (ZeRO-1 and up partition them), less
     what the optimizer already holds."""
     import torch

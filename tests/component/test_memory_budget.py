@@ -3,10 +3,7 @@ with, and the memory model it comes from covers the measured peak of a step with
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import threading
-import time
 
 import pytest
 import torch
@@ -51,19 +48,12 @@ def test_an_auto_budget_resolves_to_tokens_that_the_rank_logs_and_trains_with(ti
     assert result["metrics"]["perf/micro_batches"] == 1  # the tiny model's 16 rows fit a budget of this machine
 
 
-def _rss_bytes() -> int:
-    import os
-
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _calibration_main(rank: int, model_path: str, port: int, out: str, name: str, tokens: int, sequences: int,
                       checkpointing: bool) -> None:
     """Two steps from a fresh rank, the peak resident-set growth over both from right after the rank is
     built (the first step creates the optimizer's moments), beside the estimate for its micro-batch."""
     from algorithms import registry
-    from benchmarks.learner_step import _batch
+    from benchmarks.learner_step import _batch, peak_growth
     from learner import memory_budget
     from learner.rank import LearnerRank, LearnerSpec
 
@@ -78,23 +68,10 @@ def _calibration_main(rank: int, model_path: str, port: int, out: str, name: str
         memory_budget.ModelShape.from_config(module.config), 4, trained, tokens,
         gradient_checkpointing=checkpointing, per_sample_norms=learner.stabilizer.needs_grad_norms,
         kept_gradient_cap_bytes=learner.bookkeeping_budget_bytes if learner.bookkeeping else 0.0,
-        later_bytes=memory_budget._unallocated_adam_bytes(learner.engine, trained, 2, 1))
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    base = peak = _rss_bytes()
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, _rss_bytes())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    metrics = [learner.train_step(batch) for _ in range(2)]
-    done.set()
-    sampler.join()
-    torch.save({"peak": max(peak, _rss_bytes()) - base, "estimate": memory.bytes_for(sequences * tokens),
+        later_bytes=memory_budget.unallocated_adam_bytes(learner.engine, trained, 2, 1))
+    metrics: list[dict[str, float]] = []
+    peak = peak_growth(lambda: metrics.extend(learner.train_step(batch) for _ in range(2)))
+    torch.save({"peak": peak, "estimate": memory.bytes_for(sequences * tokens),
                 "micro_batches": [m["perf/micro_batches"] for m in metrics]}, out)
 
 
