@@ -36,7 +36,7 @@ from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParamet
 from learner.lora import LoraSpec, with_lora
 from learner.lr_schedule import LRSchedule, lr_factor
 from learner.publishing import Publisher
-from learner.step import (COEFFICIENT_GAP_TOLERANCE, CarriedGroup, NonFiniteUpdate, StepValues, causal_logits,
+from learner.step import (CarriedGroup, NonFiniteUpdate, StepValues, causal_logits, check_one_coefficient_per_sequence,
                           config_values, prompt_group_shares, rows_of, sequence_coefficients, sequence_metrics)
 from learner.weight_sync import PackedWeights, TensorSpec
 
@@ -389,9 +389,7 @@ class LearnerRank:
             coefficient_gap = torch.maximum(coefficient_gap, gap)
             del logits, logprobs, entropy, sample_grads, policy, decision, loss  # before the next forward allocates
         nonfinite, coefficient_gap = self.collectives.max(torch.stack([nonfinite, coefficient_gap])).tolist()
-        if coefficient_gap > COEFFICIENT_GAP_TOLERANCE:
-            raise RuntimeError(f"book-keeping needs one loss coefficient per sequence; tokens of a sequence differ by "
-                               f"{coefficient_gap:.3g} of the largest (use opob_impl: ghost for this loss)")
+        check_one_coefficient_per_sequence(coefficient_gap)
         if nonfinite:
             step.skipped = True
             self._discard_step()

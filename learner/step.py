@@ -161,14 +161,12 @@ def sequence_coefficients(token_coefficients: Tensor, loss_mask: Tensor) -> tupl
     return coefficients, gap / coefficients.abs().max().clamp(min=torch.finfo(coefficients.dtype).tiny)
 
 
-def per_sequence_coefficients(token_coefficients: Tensor, loss_mask: Tensor) -> Tensor:
-    """`sequence_coefficients`, refusing a loss whose token coefficients differ within a sequence: book-keeping
-    forms the update from whole-sequence gradients, so such a loss would be trained on wrongly."""
-    coefficients, gap = sequence_coefficients(token_coefficients, loss_mask)
+def check_one_coefficient_per_sequence(gap: float) -> None:
+    """Refuse a loss whose token coefficients differ within a sequence (`sequence_coefficients`' gap):
+    book-keeping forms the update from whole-sequence gradients, so such a loss would be trained on wrongly."""
     if gap > COEFFICIENT_GAP_TOLERANCE:
         raise RuntimeError(f"book-keeping needs one loss coefficient per sequence; tokens of a sequence differ by "
-                           f"{float(gap):.3g} of the largest (use opob_impl: ghost for this loss)")
-    return coefficients
+                           f"{gap:.3g} of the largest (use opob_impl: ghost for this loss)")
 
 
 def config_values(config: Any) -> dict[str, Any]:

@@ -207,15 +207,17 @@ def test_logprob_grad_is_the_autograd_gradient():
 
 
 def test_bookkeeping_refuses_a_loss_whose_coefficients_differ_within_a_sequence():
-    from learner.step import per_sequence_coefficients
+    from learner.step import check_one_coefficient_per_sequence, sequence_coefficients
 
     mask = torch.tensor([[True, True, False], [True, True, True]])
     per_sequence = torch.tensor([[0.5, 0.5, 0.0], [-2.0, -2.0, -2.0]])
-    assert per_sequence_coefficients(per_sequence, mask).tolist() == [0.5, -2.0]
+    coefficients, gap = sequence_coefficients(per_sequence, mask)
+    assert coefficients.tolist() == [0.5, -2.0]
+    check_one_coefficient_per_sequence(float(gap))
     per_token = per_sequence.clone()
     per_token[1, 2] = -1.0  # a token-level weight (token TIS, PPO clip): not a weighted sum of sequences
     with pytest.raises(RuntimeError, match="one loss coefficient per sequence"):
-        per_sequence_coefficients(per_token, mask)
+        check_one_coefficient_per_sequence(float(sequence_coefficients(per_token, mask)[1]))
 
 
 @pytest.mark.parametrize("rows", [6, 4000])  # a small table takes the dense route, a large one the Gram route
