@@ -194,10 +194,20 @@ class VCPOConfig(CheckedConfig):
         "reference)",
         "auto",
     )
-    bookkeeping_budget_mb: float = config_field(
-        "opob_impl auto: the most memory (MiB) a micro-batch's kept per-sample gradients may take for book-keeping",
-        1024.0, gt=0,
+    bookkeeping_budget_mb: float | Literal["auto"] = config_field(
+        "opob_impl auto: the most memory (MiB) a micro-batch's kept per-sample gradients may take for "
+        "book-keeping; auto: half of what the rank's device has for a step once the model and optimizer are "
+        "placed, and no more than a micro-batch of learner.max_tokens_per_micro_batch leaves (the run's log "
+        "gives the figure)",
+        "auto",
     )
+
+    def problems(self) -> list[str]:
+        found = super().problems()
+        budget = self.bookkeeping_budget_mb
+        if budget != "auto" and not (isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0):
+            found.append(f"bookkeeping_budget_mb must be auto or a number of MiB > 0, got {budget!r}")
+        return found
 
 
 STABILIZER_CONFIGS: dict[str, type] = {

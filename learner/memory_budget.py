@@ -40,6 +40,9 @@ LIVE_CHUNKS = 3
 MASK_BYTES_PER_POSITION = 12
 # Gradients and ZeRO's gradient buckets and partitions, in fp32 numbers per trained parameter (measured: ~3).
 GRADIENT_COPIES = 4
+# VCPO's bookkeeping_budget_mb auto: the share of what a step may use beyond its fixed bytes that book-keeping's
+# kept per-sample gradients may take (the rest is the micro-batch's activations and logits).
+KEPT_GRADIENT_SHARE = 0.5
 
 
 class MicroBatchBudgetTooSmall(StableAsyncError, MemoryError):
@@ -144,6 +147,8 @@ class MicroBatchBudget:
 
     tokens: int | None  # padded tokens per forward; None: the rank's whole batch at once
     why: str
+    # what VCPO's book-keeping may keep for one micro-batch under opob_impl auto (0: never; inf: no bound)
+    kept_gradient_bytes: float = 0.0
 
 
 def choose_budget(memory: StepMemory, free_bytes: int, usable_share: float, sequence_tokens: int,
@@ -171,6 +176,15 @@ def choose_budget(memory: StepMemory, free_bytes: int, usable_share: float, sequ
            f"{capped / 2**30:.2f} GiB of chunked temporaries and kept gradients, at "
            f"{memory.bytes_per_token / 2**20:.2f} MiB per token")
     return MicroBatchBudget(low, why)
+
+
+def kept_gradient_cap(memory: StepMemory, usable_bytes: float, tokens: int | None) -> float:
+    """bookkeeping_budget_mb auto: `KEPT_GRADIENT_SHARE` of what a step may use beyond its fixed bytes
+    (`memory` without kept gradients), and with a token budget no more than its micro-batch leaves."""
+    cap = KEPT_GRADIENT_SHARE * (usable_bytes - memory.fixed_bytes)
+    if tokens is not None:
+        cap = min(cap, usable_bytes - memory.bytes_for(tokens))
+    return max(0.0, cap)
 
 
 def host_available_bytes(meminfo: str, cgroup_limit: str | None, cgroup_usage: str | None) -> int:
@@ -218,21 +232,22 @@ def read_free_bytes(device: Any, ranks_on_host: int, device_share: float) -> tup
 
 
 def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> MicroBatchBudget:
-    """The rank's micro-batch budget: `spec.max_tokens_per_micro_batch` as given, or with "auto" what the
-    memory left after the model and optimizer holds, the least over the ranks so that all plan alike (a
-    collective: every rank resolves at once)."""
-    if spec.max_tokens_per_micro_batch != "auto":
-        tokens = spec.max_tokens_per_micro_batch
-        return MicroBatchBudget(tokens, "the whole batch in one micro-batch" if tokens is None else
-                                f"{tokens} tokens per micro-batch (learner.max_tokens_per_micro_batch)")
-    import torch
-    import torch.distributed as dist
-
+    """The rank's micro-batch budget and what book-keeping may keep of it: the job's numbers as given, or
+    with "auto" what the memory left after the model and optimizer holds, the least over the ranks so that
+    all plan alike (a collective: every rank resolves at once)."""
     from algorithms import registry
 
     config = spec.stabilizer_config
     stabilizer = registry.build(spec.stabilizer_name, **({} if config is None else dataclasses.asdict(config)))
     per_sample_norms = stabilizer.needs_grad_norms
+    kept = _kept_gradient_cap_bytes(spec, stabilizer.config) if per_sample_norms else 0.0
+    tokens = spec.max_tokens_per_micro_batch
+    if tokens != "auto" and kept is not None:  # nothing to read from the device
+        return MicroBatchBudget(tokens, "the whole batch in one micro-batch" if tokens is None else
+                                f"{tokens} tokens per micro-batch (learner.max_tokens_per_micro_batch)", kept)
+    import torch
+    import torch.distributed as dist
+
     sequence_tokens = spec.max_sequence_tokens or 1
     dtype_bytes = 4 if spec.dtype == "float32" else 2
     # whole counts: a ZeRO-3 partition's own numel is its share
@@ -241,23 +256,41 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
     later = unallocated_adam_bytes(engine, trained, spec.zero_stage, world_size)
     if spec.kl_coef > 0 and spec.lora is None:  # the reference copy (LoRA's is the base with its adapter off)
         later += dtype_bytes * sum(numel for numel, _ in numels) // (world_size if spec.zero_stage == 3 else 1)
-    memory = step_memory(
-        ModelShape.from_config(engine.module.config), dtype_bytes, trained, sequence_tokens,
-        gradient_checkpointing=spec.gradient_checkpointing, per_sample_norms=per_sample_norms,
-        kept_gradient_cap_bytes=_kept_gradient_cap_bytes(spec, config) if per_sample_norms else 0.0,
-        later_bytes=later)
+
+    def memory_with(kept_bytes: float) -> StepMemory:
+        return step_memory(
+            ModelShape.from_config(engine.module.config), dtype_bytes, trained, sequence_tokens,
+            gradient_checkpointing=spec.gradient_checkpointing, per_sample_norms=per_sample_norms,
+            kept_gradient_cap_bytes=kept_bytes, later_bytes=later)
+
     hosts: list[Any] = [None] * world_size
     if world_size > 1:
         dist.all_gather_object(hosts, os.uname().nodename)
     free_bytes, share = read_free_bytes(device, max(1, hosts.count(hosts[rank])), spec.device_share)
-    budget = choose_budget(memory, free_bytes, share, sequence_tokens, spec.gradient_checkpointing)
-    tokens = budget.tokens
-    assert tokens is not None, "choose_budget always picks a number of tokens"
-    least = torch.tensor(float(tokens), device=device)
-    if world_size > 1:
-        dist.all_reduce(least, op=dist.ReduceOp.MIN)
-    if int(least) < tokens:
-        budget = MicroBatchBudget(int(least), f"{int(least)}, the least over the ranks; this rank's: {budget.why}")
+
+    def least(value: float) -> float:
+        """The least of `value` over the ranks."""
+        if world_size == 1:
+            return value
+        tensor = torch.tensor(value, dtype=torch.float64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return float(tensor)
+
+    kept_why = ""
+    if kept is None:  # bookkeeping_budget_mb auto
+        kept = least(kept_gradient_cap(memory_with(0.0), share * free_bytes, None if tokens == "auto" else tokens))
+        kept_why = f"; book-keeping may keep {kept / 2**30:.2f} GiB per micro-batch (bookkeeping_budget_mb auto)"
+    if tokens != "auto":
+        budget = MicroBatchBudget(tokens, "the whole batch in one micro-batch" if tokens is None else
+                                  f"{tokens} tokens per micro-batch (learner.max_tokens_per_micro_batch)", kept)
+    else:
+        budget = choose_budget(memory_with(kept), free_bytes, share, sequence_tokens, spec.gradient_checkpointing)
+        assert budget.tokens is not None, "choose_budget always picks a number of tokens"
+        fewest = int(least(float(budget.tokens)))
+        why = (budget.why if fewest == budget.tokens
+               else f"{fewest}, the least over the ranks; this rank's: {budget.why}")
+        budget = MicroBatchBudget(fewest, why, kept)
+    budget = dataclasses.replace(budget, why=budget.why + kept_why)
     log.info("learner rank %d: %s", rank, budget.why)
     return budget
 
@@ -274,10 +307,14 @@ def unallocated_adam_bytes(engine: Any, trained_parameters: int, zero_stage: int
     return max(0, 2 * 4 * share - held)
 
 
-def _kept_gradient_cap_bytes(spec: Any, stabilizer_config: Any) -> float:
-    """What book-keeping may keep: VCPO's budget under `auto`, unbounded when forced, none otherwise (ghost,
-    the per-sample loop, ZeRO-3, a KL term or entropy bonus in the loss)."""
+def _kept_gradient_cap_bytes(spec: Any, stabilizer_config: Any) -> float | None:
+    """What book-keeping may keep: VCPO's budget under `auto` (None: bookkeeping_budget_mb auto, read from the
+    device), unbounded when forced, none otherwise (ghost, the per-sample loop, ZeRO-3, a KL term or entropy
+    bonus in the loss)."""
     impl = getattr(stabilizer_config, "opob_impl", "ghost")
     if impl not in ("auto", "bookkeeping") or spec.zero_stage == 3 or spec.token_terms:
         return 0.0
-    return 2**20 * stabilizer_config.bookkeeping_budget_mb if impl == "auto" else math.inf
+    if impl == "bookkeeping":
+        return math.inf
+    budget_mb = stabilizer_config.bookkeeping_budget_mb
+    return None if budget_mb == "auto" else 2**20 * budget_mb

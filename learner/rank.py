@@ -149,8 +149,7 @@ class LearnerRank:
         self.ghost_norms, self.grad_norm_fallback = self._ghost_norms(opob_impl)
         self.bookkeeping = self._uses_bookkeeping(opob_impl)
         # auto: book-keeping only for a micro-batch whose kept gradients fit the budget; bookkeeping: always
-        self.bookkeeping_budget_bytes = (2**20 * self.stabilizer.config.bookkeeping_budget_mb
-                                         if opob_impl == "auto" else math.inf)
+        self.bookkeeping_budget_bytes = self.micro_batch_budget.kept_gradient_bytes if opob_impl == "auto" else math.inf
         # book-keeping carries a group split across micro-batches in one pass, with a score buffer of one
         # fp32 gradient (the VCPO paper's two buffers; the other is the engine's own accumulation)
         self.carries_split_groups = self.bookkeeping and self.stabilizer.advantages_from_baseline(

@@ -92,6 +92,18 @@ def test_vcpo_gradient_norm_path_is_a_closed_choice():
     assert "ghost" in errors["algorithm.stabilizer.opob_impl"]
 
 
+def test_vcpo_book_keeping_budget_is_auto_or_mib_above_0():
+    def stabilizer(**values):
+        return {**MINIMAL, "algorithm": {"stabilizer": {"name": "vcpo", **values}}}
+
+    assert validate_job(stabilizer()).algorithm.stabilizer.bookkeeping_budget_mb == "auto"
+    assert validate_job(stabilizer(bookkeeping_budget_mb=512)).algorithm.stabilizer.bookkeeping_budget_mb == 512
+    for bad in (0, -1.5):
+        message = _errors(stabilizer(bookkeeping_budget_mb=bad))["algorithm.stabilizer"]
+        assert f"bookkeeping_budget_mb must be auto or a number of MiB > 0, got {bad}" in message
+    assert "bookkeeping_budget_mb" in str(_errors(stabilizer(bookkeeping_budget_mb="lots")))
+
+
 def test_cross_field_checks():
     errors = _errors({
         **MINIMAL,

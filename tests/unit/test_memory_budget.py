@@ -15,6 +15,7 @@ from learner.memory_budget import (
     StepMemory,
     choose_budget,
     host_available_bytes,
+    kept_gradient_cap,
     step_memory,
 )
 
@@ -108,6 +109,25 @@ def test_smollm2_on_this_machine_gets_a_budget_that_holds_several_sequences():
     budget = choose_budget(memory, free_bytes=20 * GIB, usable_share=0.5, sequence_tokens=512,
                            gradient_checkpointing=False)
     assert 2 * 512 <= budget.tokens < 8192, budget.why
+
+
+def test_an_auto_book_keeping_budget_takes_half_the_room_and_no_more_than_a_fixed_micro_batch_leaves():
+    """bookkeeping_budget_mb auto on the issue's job (20 GiB free, VCPO, fp32 SmolLM2): half of what a step
+    may use beyond its fixed bytes, and the token budget chosen with it still holds several sequences."""
+    without_kept = step_memory(SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=True,
+                               later_bytes=8 * PARAMETERS)
+    usable = 0.5 * 20 * GIB
+    cap = kept_gradient_cap(without_kept, usable, None)
+    assert cap == 0.5 * (usable - without_kept.fixed_bytes)
+    with_kept = step_memory(SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=True,
+                            kept_gradient_cap_bytes=cap, later_bytes=8 * PARAMETERS)
+    budget = choose_budget(with_kept, free_bytes=20 * GIB, usable_share=0.5, sequence_tokens=512,
+                           gradient_checkpointing=False)
+    assert 2 * 512 <= budget.tokens, budget.why
+    # a fixed micro-batch of 2048 tokens leaves usable - its bytes, less than half the room here
+    fixed_tokens = kept_gradient_cap(without_kept, usable, 2048)
+    assert fixed_tokens == usable - without_kept.bytes_for(2048) < cap
+    assert kept_gradient_cap(without_kept, usable, 100_000) == 0.0  # a micro-batch that fills the memory: none
 
 
 def test_not_even_one_sequence_is_an_error_naming_both_knobs_and_the_numbers():
