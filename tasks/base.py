@@ -18,7 +18,9 @@ from algorithms.errors import StableAsyncError
 
 ANSWER_FORMAT = "Reply with the final answer inside <answer></answer> tags."
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_BOXED = re.compile(r"\\boxed\s*\{")
+# \boxed{..} or \fbox{..}, and \boxed 5 (a box of one token, as math-verify and lighteval read it)
+_BOXED = re.compile(r"\\(?:boxed|fbox)(?:\s*(\{)|\s+(?=[^\s{]))")
+_BARE_TOKEN = re.compile(r"[^\s$]+")
 _BRACE_DEPTH = {"{": 1, "}": -1}
 
 
@@ -49,14 +51,21 @@ def last_answer(completion: str) -> str | None:
 
 
 def last_boxed(completion: str) -> str | None:
-    """The content of the last \\boxed{...} whose braces close (nested ones included), or None: math models
-    (and MATH-500 or AIME style prompts) give their final answer so."""
-    for match in reversed(list(_BOXED.finditer(completion))):
-        depth = 1
-        for index in range(match.end(), len(completion)):
-            depth += _BRACE_DEPTH.get(completion[index], 0)
-            if depth == 0:
-                return completion[match.end():index].strip()
+    """The content of the last box (\\boxed{...} with nested braces, \\fbox{...}, or \\boxed 5), or None when
+    there is none or the last one never closes: math models (and MATH-500 or AIME style prompts) give their
+    final answer so, and a box cut off by the length limit is no answer, not a cue to read an earlier one."""
+    boxes = list(_BOXED.finditer(completion))
+    if not boxes:
+        return None
+    last = boxes[-1]
+    if last.group(1) is None:  # \boxed 5: the token after it, without a sentence's closing punctuation
+        token = _BARE_TOKEN.match(completion, last.end())
+        return token.group(0).rstrip(".,;") if token else None
+    depth = 1
+    for index in range(last.end(), len(completion)):
+        depth += _BRACE_DEPTH.get(completion[index], 0)
+        if depth == 0:
+            return completion[last.end():index].strip()
     return None
 
 

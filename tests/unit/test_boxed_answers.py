@@ -1,5 +1,5 @@
 """Answers in \\boxed{} for the math-verified verifiers (gsm8k, dataset reward 'math'): read from the last box whose
-braces close when a completion has no <answer></answer>; the tag keeps precedence, and the other verifiers
+braces close (a last box cut off is no answer) when a completion has no <answer></answer>; the tag keeps precedence, and the other verifiers
 (exact, arithmetic, countdown) still want the tag."""
 
 from __future__ import annotations
@@ -20,13 +20,17 @@ FIXTURE = __import__("pathlib").Path(__file__).resolve().parents[2] / "tasks" / 
     ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # nested braces
     ("\\boxed{\\left\\{ 1, \\sqrt{\\frac{a}{b}} \\right\\}}", "\\left\\{ 1, \\sqrt{\\frac{a}{b}} \\right\\}"),
     ("\\boxed {7}", "7"),
-    ("\\boxed{3} but then \\boxed{\\frac{1}{", "3"),  # the last box never closes (cut off): the last one that does
+    ("\\boxed{3} but then \\boxed{\\frac{7}{", None),  # the last box never closes (cut off): no answer
+    ("so \\boxed 5.", "5"),  # a box of one token
+    ("\\boxed{4} or rather $\\boxed 5$", "5"),
+    ("\\fbox{12}", "12"),
+    ("\\boxed{1} then \\fbox{\\frac{2}{3}}", "\\frac{2}{3}"),
     ("\\boxed{}", ""),
     ("no box {here}", None),
     ("\\boxed{\\frac{1}{2}", None),
     ("boxed{5}", None),
 ])
-def test_last_boxed_takes_the_last_closed_box(completion, content):
+def test_last_boxed_reads_the_last_box_and_none_when_it_never_closes(completion, content):
     assert last_boxed(completion) == content
 
 
