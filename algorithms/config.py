@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import ClassVar, Literal, TypeVar
 
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"]
-KLEstimator = Literal["k1", "k2", "k3", "low_var"]  # algorithms/regularizers.py KL_TERMS
+KLEstimator = Literal["k1", "k2", "k3", "low_var", "k3+", "low_var+"]  # algorithms/regularizers.py KL_TERMS
 
 # Log-ratios are clamped to this bound before exp, as verl's rollout correction does; exp(20) ~ 4.9e8
 # stays finite in fp32 while any weight beyond it is already capped or masked by every stabilizer.

@@ -223,8 +223,11 @@ class KLSection(Section):
 
     coef: float = Field(0.001, gt=0, description="weight of the KL term (the starting value with `target`)")
     estimator: KLEstimator = Field(
-        "low_var", description="per-token estimator of KL(policy || reference) from l = log pi - log ref: k1 = l, "
-        "k2 = l^2 / 2, k3 = exp(-l) - 1 + l, low_var = k3 bounded to [-10, 10] (verl's low_var_kl)"
+        "low_var+", description="per-token estimator of KL(policy || reference) from l = log pi - log ref: k1 = l, "
+        "k2 = l^2 / 2, k3 = exp(-l) - 1 + l, low_var = k3 bounded to [-10, 10] (verl's low_var_kl); k3+ and "
+        "low_var+ have k3's and low_var's value with k2's gradient. In the loss only k2, k3+ and low_var+ follow "
+        "the gradient of KL(policy || reference): k3 and low_var follow KL(reference || policy)'s, and k1 "
+        "(refused there) has none"
     )
     in_: Literal["loss", "reward"] = Field(
         "loss", alias="in", description="loss: coef x the aggregated token KL is added to the loss (GRPO's way); "
@@ -626,6 +629,21 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                        ("generator.streaming", generator.streaming, "streaming generators do not load LoRA adapters "
                         "yet; use streaming: false")]
         errors += [JobError(field, why) for field, refused, why in lora_limits if refused]
+    kl = job.algorithm.kl
+    stabilizer_normalises = getattr(job.algorithm.stabilizer, "norm_by_std", None)  # VCPO forms its own advantages
+    std_normalised = (job.algorithm.advantage == "grpo" if stabilizer_normalises is None else stabilizer_normalises)
+    if kl is not None and kl.in_ == "reward" and std_normalised:
+        knob = ("algorithm.advantage (grpo)" if stabilizer_normalises is None
+                else "algorithm.stabilizer.norm_by_std")
+        errors.append(JobError("algorithm.kl.in", f"reward subtracts the KL before {knob} divides each group by "
+                               "its reward std, so in a group whose rewards are equal the advantages come from KL "
+                               "differences alone at unit scale; with `in: reward` take an advantage without the "
+                               "std (dr_grpo, rloo or reinforce; norm_by_std: false for vcpo), or put the KL in "
+                               "the loss (`in: loss`)"))
+    if kl is not None and kl.in_ == "loss" and kl.estimator == "k1":
+        errors.append(JobError("algorithm.kl.estimator", "k1 as a loss term has an expected gradient of 0 (its "
+                               "value is log pi - log ref, whose expectation's gradient under the policy's own "
+                               "samples vanishes); use low_var+ or k2 in the loss, or k1 with `in: reward`"))
     token_terms = (job.algorithm.kl is not None and job.algorithm.kl.in_ == "loss") or job.algorithm.entropy_coef > 0
     if token_terms and getattr(job.algorithm.stabilizer, "opob_impl", None) == "bookkeeping":
         errors.append(JobError("algorithm.stabilizer.opob_impl", "bookkeeping forms each sequence's whole gradient "

@@ -361,12 +361,26 @@ def test_the_cli_prints_an_explained_failure_without_a_traceback(monkeypatch, ca
 
 def test_kl_and_entropy_settings_validate_and_bad_ones_name_their_field():
     job = validate_job({**MINIMAL, "algorithm": {"kl": {"coef": 0.01, "in": "reward", "target": 0.1},
-                                                 "entropy_coef": 0.001}})
-    assert (job.algorithm.kl.in_, job.algorithm.kl.estimator, job.algorithm.kl.target) == ("reward", "low_var", 0.1)
+                                                 "advantage": "rloo", "entropy_coef": 0.001}})
+    assert (job.algorithm.kl.in_, job.algorithm.kl.estimator, job.algorithm.kl.target) == ("reward", "low_var+", 0.1)
     assert validate_job(yaml.safe_load(dump_job(job))) == job  # `in` round-trips under its own name
     errors = _errors({**MINIMAL, "algorithm": {"kl": {"estimator": "k9"}, "entropy_coef": -1}})
-    assert "'k1', 'k2', 'k3' or 'low_var'" in errors["algorithm.kl.estimator"]
+    assert "'k1', 'k2', 'k3', 'low_var', 'k3+' or 'low_var+'" in errors["algorithm.kl.estimator"]
     assert "algorithm.entropy_coef" in errors
+    k1_in_loss = _errors({**MINIMAL, "algorithm": {"kl": {"estimator": "k1"}}})  # no gradient in expectation
+    assert "expected gradient of 0" in k1_in_loss["algorithm.kl.estimator"]
+    assert validate_job({**MINIMAL, "algorithm": {"kl": {"estimator": "k1", "in": "reward"}, "advantage": "dr_grpo"}})
+
+
+def test_kl_in_the_reward_is_refused_before_a_std_normalisation_naming_both_fields():
+    """GRPO's std would rescale a group of equal rewards' KL differences to unit advantages."""
+    grpo = _errors({**MINIMAL, "algorithm": {"kl": {"in": "reward"}}})["algorithm.kl.in"]
+    assert "algorithm.advantage (grpo)" in grpo and "dr_grpo, rloo or reinforce" in grpo
+    vcpo = _errors({**MINIMAL, "algorithm": {"kl": {"in": "reward"}, "stabilizer": {"name": "vcpo"}}})
+    assert "algorithm.stabilizer.norm_by_std" in vcpo["algorithm.kl.in"]
+    for fine in ({"advantage": "reinforce"}, {"stabilizer": {"name": "vcpo", "norm_by_std": False}},
+                 {"advantage": "grpo", "kl": {"in": "loss"}}):
+        assert validate_job({**MINIMAL, "algorithm": {"kl": {"in": "reward"}, **fine}})
     errors = _errors({**MINIMAL, "algorithm": {"entropy_coef": 0.01,
                                                "stabilizer": {"name": "vcpo", "opob_impl": "bookkeeping"}}})
     assert "cannot carry a KL term in the loss or an entropy bonus" in errors["algorithm.stabilizer.opob_impl"]
