@@ -500,6 +500,10 @@ class EvalSection(Section):
     samples_per_problem: int = Field(1, gt=0, description="answers per problem (needs temperature > 0 when above "
                                      "1); eval/solved is then the mean over all answers (avg@k), and "
                                      "eval/pass_at_k the share of problems with a correct answer among them")
+    pass_at: list[int] = Field(
+        default_factory=list, description="k's of eval/pass_at_K, each estimated without bias from the "
+        "samples_per_problem answers of every set (1 - C(n - c, k) / C(n, k) per problem, n answers of which c are "
+        "correct; each k at most n), beside eval/pass_at_k (k = n) and eval/maj_at_k")
     task_path: str | None = Field(None, description="data file of the evaluation set for a task that reads one "
                                   "(gsm8k: the test split); default: the task's own data, drawn in another order")
     sets: dict[str, EvalSetSection] = Field(
@@ -691,6 +695,10 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                                    "object_store: a collective weight group cannot take new members"))
     errors += _scoring_errors(job, available_cpus if available_cpus is not None else job.cluster.num_cpus,
                               available_gpus)
+    if any(k < 1 or k > job.eval.samples_per_problem for k in job.eval.pass_at):
+        errors.append(JobError("eval.pass_at", f"each k must be from 1 to eval.samples_per_problem "
+                               f"({job.eval.samples_per_problem}): pass@k is estimated from at least k answers, "
+                               f"got {job.eval.pass_at}"))
     if job.eval.samples_per_problem > 1 and job.eval.temperature == 0:
         errors.append(JobError("eval.samples_per_problem", f"{job.eval.samples_per_problem} greedy answers "
                                "(eval.temperature 0) would all be the same; set eval.temperature > 0, or 1 answer"))
@@ -775,6 +783,9 @@ def _eval_set_errors(job: Job) -> list[JobError]:
                        for key in ("prompt_field", "answer_field")
                        if getattr(spec, key) is not None and key not in _config_fields(task)]
         samples = spec.samples_per_problem or job.eval.samples_per_problem
+        if any(k > samples for k in job.eval.pass_at):
+            errors.append(JobError("eval.pass_at", f"{max(job.eval.pass_at)} is more than the {samples} answers per "
+                                   f"problem of {where}: pass@k is estimated from at least k answers"))
         temperature = job.eval.temperature if spec.temperature is None else spec.temperature
         if samples > 1 and temperature == 0:
             field = "samples_per_problem" if spec.samples_per_problem is not None else "temperature"
@@ -955,6 +966,7 @@ class EvaluationSet:
     samples_per_problem: int  # k of pass@k
     task_name: str  # the task whose verifier scores the answers, built in the reward workers from task_config
     task_config: Any
+    pass_at: tuple[int, ...] = ()  # k's of the unbiased pass@k estimates (eval.pass_at)
 
     @property
     def label(self) -> str:
@@ -977,7 +989,7 @@ def evaluation_sets(job: Job, task: Task, always: bool = False,
     sets = []
     if labels is None or DEFAULT_EVAL_SET in labels:
         sets.append(EvaluationSet(None, evaluation_set(job, task, always=True), job.eval.temperature,
-                                  job.eval.samples_per_problem, job.task.name, config))
+                                  job.eval.samples_per_problem, job.task.name, config, tuple(job.eval.pass_at)))
     return sets + [_named_evaluation_set(job, name, config) for name in job.eval.sets
                    if labels is None or name in labels]
 
@@ -1004,7 +1016,8 @@ def _named_evaluation_set(job: Job, name: str, job_task_config: Any) -> Evaluati
     problems = list(itertools.islice(task.problems("eval", job.seed), spec.num_problems))
     temperature = job.eval.temperature if spec.temperature is None else spec.temperature
     return EvaluationSet(name, [(problem, task.messages(problem)) for problem in problems], temperature,
-                         spec.samples_per_problem or job.eval.samples_per_problem, task_name, config)
+                         spec.samples_per_problem or job.eval.samples_per_problem, task_name, config,
+                         tuple(job.eval.pass_at))
 
 
 def dump_job(job: Job) -> str:

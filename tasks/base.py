@@ -69,6 +69,12 @@ def last_boxed(completion: str) -> str | None:
     return None
 
 
+def final_answer(completion: str) -> str | None:
+    """A completion's final answer as a reader takes it: the last <answer></answer>, else the last box."""
+    answer = last_answer(completion)
+    return answer if answer is not None else last_boxed(completion)
+
+
 def graded_answer(completion: str, is_correct: Callable[[str], bool], boxed: bool = False) -> float:
     """The reward scale of the built-in verifiers, from the last <answer></answer> (with `boxed`, for the
     math-verified ones, from the last \\boxed{} when there is no such tag): 1.0 when `is_correct` says so,

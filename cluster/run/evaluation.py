@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import statistics
 import time
 import weakref
@@ -30,6 +31,7 @@ from actors.generator import GeneratedGroup, GenerationRequest
 from algorithms.errors import StableAsyncError
 from cluster.job import EvaluationSet, Job, ScoringSection
 from cluster.telemetry.metrics import MetricSink
+from tasks.base import final_answer
 from tasks.environment import score_responses
 from tasks.scoring import ScorePool, ScoreResult
 
@@ -126,7 +128,8 @@ class Evaluator:
                             f"had the weights of step {groups[0].version_start}")
             return
         evaluation_set = self.sets[evaluation.set_name]
-        metrics = answer_metrics(groups, score_answers(self.scorers[evaluation.set_name], evaluation_set, groups))
+        metrics = answer_metrics(groups, score_answers(self.scorers[evaluation.set_name], evaluation_set, groups),
+                                 evaluation_set.pass_at)
         log.info("evaluation at step %d%s: %s", evaluation.step, where, summary_line(metrics))
         metrics.update({"eval/policy_version": groups[0].version_start,
                         "eval/seconds": time.perf_counter() - evaluation.sent})
@@ -187,24 +190,55 @@ def score_answers(scorer: ScorePool, evaluation_set: EvaluationSet,
     return score_responses(scorer, problems, [answer for group in groups for answer in group.completions])
 
 
-def answer_metrics(groups: Sequence[GeneratedGroup], scores: Sequence[ScoreResult]) -> dict[str, float]:
-    """One set's eval/* metrics from its answers (group i: the k answers to problem i) and their scores. An
-    answer is correct when it has the full reward. eval/solved is avg@k, the mean over all answers (each
-    counts alike); eval/pass_at_k the share of problems with at least one correct answer among their k."""
+PASS_AT_KEY = "eval/pass_at_K"  # with K each k of eval.pass_at
+
+
+def answer_metrics(groups: Sequence[GeneratedGroup], scores: Sequence[ScoreResult],
+                   pass_at: Sequence[int] = ()) -> dict[str, float]:
+    """One set's eval/* metrics from its answers (group i: the n answers to problem i) and their scores. An
+    answer is correct when it has the full reward. eval/solved is avg@n, the mean over all answers (each
+    counts alike); eval/pass_at_k the share of problems with at least one correct answer among their n;
+    eval/pass_at_K for each K of `pass_at` the unbiased estimate of pass@K from the n answers; eval/maj_at_k
+    the share of problems whose most frequent final answer is correct."""
     rewards = [score.reward for score in scores]
     correct = [reward >= 1.0 for reward in rewards]
     bounds = list(itertools.accumulate((len(group.completions) for group in groups), initial=0))
-    solved = sum(any(correct[start:end]) for start, end in zip(bounds, bounds[1:]))  # problems
-    return {
+    per_problem = [(correct[start:end], group.completions) for group, start, end in zip(groups, bounds, bounds[1:])]
+    metrics = {
         "eval/reward_mean": statistics.fmean(rewards),
         "eval/solved": statistics.fmean(correct),
-        "eval/pass_at_k": solved / len(groups),
+        "eval/pass_at_k": statistics.fmean(any(marks) for marks, _ in per_problem),
+        "eval/maj_at_k": statistics.fmean(majority_correct(marks, [answer["text"] for answer in answers])
+                                          for marks, answers in per_problem),
         "eval/response_len": statistics.fmean(len(answer["completion_ids"]) for group in groups
                                               for answer in group.completions),
         "eval/score_errors": sum(score.error is not None for score in scores),
         "eval/problems": len(groups),
         "eval/answers": len(rewards),
     }
+    for k in pass_at:
+        metrics[PASS_AT_KEY.replace("_K", f"_{k}")] = statistics.fmean(unbiased_pass_at(len(marks), sum(marks), k)
+                                                         for marks, _ in per_problem)
+    return metrics
+
+
+def unbiased_pass_at(answers: int, correct: int, k: int) -> float:
+    """The chance that k of a problem's `answers` drawn without replacement hold a correct one, `correct` of
+    them being so: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021), pass@k without the bias of using exactly k."""
+    return 1.0 - math.comb(answers - correct, k) / math.comb(answers, k)
+
+
+def majority_correct(correct: Sequence[bool], texts: Sequence[str]) -> bool:
+    """Whether a problem's most frequent final answer (the last <answer></answer>, else the last box; ties to
+    the answer given first) is a correct one; answers without a final answer do not vote."""
+    votes: dict[str, list[bool]] = {}
+    for mark, text in zip(correct, texts, strict=True):
+        answer = final_answer(text)
+        if answer is not None:
+            votes.setdefault(" ".join(answer.split()), []).append(mark)
+    if not votes:
+        return False
+    return any(max(votes.values(), key=len))
 
 
 def summary_line(metrics: dict[str, float]) -> str:
@@ -283,7 +317,8 @@ def evaluate_saved_model(job: Job, model_path: Path, sets: Sequence[EvaluationSe
                 started = time.perf_counter()
                 groups = generator.generate(requests[evaluation_set.name], evaluation_set.samples_per_problem,
                                             evaluation_set.temperature)
-                metrics = answer_metrics(groups, score_answers(scorers[evaluation_set.name], evaluation_set, groups))
+                metrics = answer_metrics(groups, score_answers(scorers[evaluation_set.name], evaluation_set, groups),
+                                         evaluation_set.pass_at)
                 log.info("set %s: %s", evaluation_set.label, summary_line(metrics))
                 results[evaluation_set.label] = {
                     "logged_as": evaluation_set.key("eval/*"), "task": evaluation_set.task_name,
@@ -300,6 +335,7 @@ def evaluate_saved_model(job: Job, model_path: Path, sets: Sequence[EvaluationSe
 
 
 RESULT_COLUMNS = (("solved (avg@k)", "solved", "{:.3f}"), ("pass@k", "pass_at_k", "{:.3f}"),
+                  ("maj@k", "maj_at_k", "{:.3f}"),
                   ("k", "samples_per_problem", "{}"), ("problems", "problems", "{}"), ("answers", "answers", "{}"))
 
 

@@ -130,6 +130,10 @@ KNOWN_METRICS: dict[str, str] = {
     "answers per problem, the mean over all of them (avg@k)",
     "eval/pass_at_k": "share of evaluation problems with at least one correct answer among their "
     "eval.samples_per_problem answers (pass@k; the same as eval/solved for one answer)",
+    "eval/maj_at_k": "share of evaluation problems whose most frequent final answer among their "
+    "eval.samples_per_problem answers is correct (maj@k; ties to the answer given first)",
+    "eval/pass_at_K": "for each K of eval.pass_at: pass@K estimated without bias from the eval.samples_per_problem "
+    "answers of each problem (1 - C(n - c, K) / C(n, K), c of n correct)",
     "eval/response_len": "mean length of the evaluation answers (tokens)",
     "eval/score_errors": "evaluation answers whose verifier failed (scored 0)",
     "eval/policy_version": "policy version the evaluation answers were generated with",

@@ -110,7 +110,7 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     # the named set: a row of its own at each of those steps, every key under eval/held/
     held = {m["train/step"]: m for m in metrics if "eval/held/solved" in m}
     assert sorted(held) == [0, 2, 4] and all(set(m) - {"train/step", "time/wall_s"} == {
-        f"eval/held/{key}" for key in ("reward_mean", "solved", "pass_at_k", "response_len", "score_errors",
+        f"eval/held/{key}" for key in ("reward_mean", "solved", "pass_at_k", "maj_at_k", "response_len", "score_errors",
                                        "problems", "answers", "policy_version", "seconds")} for m in held.values())
     assert all(m["eval/held/policy_version"] == step and m["eval/held/problems"] == 3 for step, m in held.items())
     assert all(0.0 <= m["eval/held/solved"] <= m["eval/held/pass_at_k"] <= 1.0 for m in held.values())

@@ -315,6 +315,39 @@ def test_answer_metrics_are_avg_at_k_and_pass_at_k():
     assert summary_line(metrics) == "2 of 3 problems solved, 44.4% of 9 answers correct, mean reward 0.478"
 
 
+def test_pass_at_k_is_estimated_without_bias_from_more_answers_and_maj_at_k_votes_on_final_answers():
+    """Two problems, n = 4 answers each. Problem 0: 1 correct of 4, so pass@1 = 1/4 and pass@2 = 1 - C(3,2)/C(4,2)
+    = 1/2, and its majority answer (7, said twice) is wrong. Problem 1: 2 correct, pass@2 = 1 - 1/6; the two
+    correct answers (5, one boxed) outvote the wrong 6 and the answer-less one. The empirical pass@k of exactly
+    k answers would have given 1.0 for pass@4 alone; the estimate for k = n equals it."""
+    from actors.generator import GeneratedGroup
+    from cluster.run.evaluation import answer_metrics, unbiased_pass_at
+    from tasks.scoring import ScoreResult
+
+    texts = [["<answer>7</answer>", "<answer>7</answer>", "<answer>3</answer>", "<answer>8</answer>"],
+             ["<answer>5</answer>", "so \\boxed{5}", "<answer>6</answer>", "no answer"]]
+    rewards = [[0.1, 0.1, 1.0, 0.1], [1.0, 1.0, 0.1, 0.0]]
+    groups = [GeneratedGroup(-1 - i, f"p{i}", [1], [{"completion_ids": [7], "text": text} for text in row])
+              for i, row in enumerate(texts)]
+    scores = [ScoreResult(r) for row in rewards for r in row]
+    metrics = answer_metrics(groups, scores, pass_at=(1, 2, 4))
+    assert metrics["eval/pass_at_1"] == pytest.approx((1 / 4 + 2 / 4) / 2) == metrics["eval/solved"]
+    assert metrics["eval/pass_at_2"] == pytest.approx((1 / 2 + (1 - 1 / 6)) / 2)
+    assert metrics["eval/pass_at_4"] == metrics["eval/pass_at_k"] == 1.0
+    assert metrics["eval/maj_at_k"] == 0.5
+    assert unbiased_pass_at(10, 0, 3) == 0.0 and unbiased_pass_at(10, 8, 3) == 1.0  # fewer wrong than k: certain
+
+
+def test_pass_at_needs_at_least_k_answers_in_every_set():
+    task = {"name": "arithmetic"}
+    errors = _errors({"task": task, "eval": {"every_steps": 5, "samples_per_problem": 4, "temperature": 1.0,
+                                             "pass_at": [1, 8]}})
+    assert "eval.pass_at" in errors and "from 1 to eval.samples_per_problem (4)" in errors["eval.pass_at"]
+    job = validate_job({"task": task, "eval": {"every_steps": 5, "samples_per_problem": 4, "temperature": 1.0,
+                                               "pass_at": [1, 2]}})
+    assert job.eval.pass_at == [1, 2]
+
+
 def test_each_named_set_is_scored_by_its_own_format_and_logged_under_its_own_keys(tmp_path, caplog):
     """An arithmetic job with a gsm8k set: one row per set at the step, the unnamed set's under eval/* as before and
     the gsm8k set's under eval/gsm8k_test/*, scored by a gsm8k verifier (a \\boxed{} answer counts there, not in
@@ -358,7 +391,8 @@ def test_each_named_set_is_scored_by_its_own_format_and_logged_under_its_own_key
     assert first["eval/solved"] == first["eval/pass_at_k"] == 0.0 and first["eval/problems"] == 2  # no boxed here
     assert not any(key.startswith("eval/gsm8k_test/") for key in first)
     assert {key for key in second if key.startswith("eval/")} == {
-        f"eval/gsm8k_test/{name}" for name in ("reward_mean", "solved", "pass_at_k", "response_len", "score_errors",
+        f"eval/gsm8k_test/{name}" for name in ("reward_mean", "solved", "pass_at_k", "maj_at_k", "response_len",
+                                               "score_errors",
                                                "problems", "answers", "policy_version", "seconds")}
     assert second["eval/gsm8k_test/solved"] == 3 / 6 and second["eval/gsm8k_test/pass_at_k"] == 2 / 3
     assert second["eval/gsm8k_test/reward_mean"] == pytest.approx((1 + 0 + 1 + 1 + 0.1 + 0) / 6)

@@ -85,7 +85,8 @@ WORKSPACE = ROOT / "deploy" / "wandb" / "workspace.yaml"
 SOURCE_FOLDERS = ("algorithms", "learner", "actors", "cluster", "tasks")
 PANEL_FIELDS = {"kind", "title", "y", "log_y", "range_y"}  # what cluster/telemetry/workspace.py reads
 FOLDER_PREFIXES = {"runs"}  # "runs/sweep" and the like are default folders, not metric keys
-METRIC_LITERAL = re.compile(r"""["']([a-z][a-z0-9_]+/[a-z][a-z0-9_]*)["']""")  # "group/name"; not "n/a"
+# "group/name", not "n/a"; a capital marks a template (eval/pass_at_K)
+METRIC_LITERAL = re.compile(r"""["']([a-z][a-z0-9_]+/[a-z][A-Za-z0-9_]*)["']""")
 
 
 def _metric_keys_in_source() -> dict[str, str]:
