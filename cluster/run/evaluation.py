@@ -120,12 +120,15 @@ class Evaluator:
         self.record(evaluation, groups)
 
     def record(self, evaluation: RunningEvaluation, groups: list[GeneratedGroup]) -> None:
-        """Score one set's answers and log them as their own row. Answers from other weights than the step's (a
-        generator restarted before it loaded them) are not its evaluation: skipped, with an alert."""
+        """Score one set's answers and log them as their own row. Answers with any token from other weights than
+        the step's (a generator restarted before it loaded them, or a streaming one that loaded the next step's
+        mid-answer) are not its evaluation: skipped, with an alert."""
         where = _of_set(evaluation.set_name)
-        if groups[0].version_start != evaluation.step:
-            self.sink.alert("evaluation skipped", f"step {evaluation.step}{where}: generator {evaluation.index} still "
-                            f"had the weights of step {groups[0].version_start}")
+        versions = sorted({version for group in groups for version in (group.version_start, group.version_end)})
+        if versions != [evaluation.step]:  # a streaming generator can load the next weights mid-answer
+            self.sink.alert("evaluation skipped", f"step {evaluation.step}{where}: generator {evaluation.index} "
+                            f"answered with the weights of step{'s' if len(versions) > 1 else ''} "
+                            f"{', '.join(map(str, versions))}")
             return
         evaluation_set = self.sets[evaluation.set_name]
         metrics = answer_metrics(groups, score_answers(self.scorers[evaluation.set_name], evaluation_set, groups),

@@ -95,7 +95,26 @@ def test_an_evaluation_is_scored_into_its_own_row_and_answers_from_other_weights
     assert row["eval/solved"] == row["eval/pass_at_k"] == 0.5 and row["eval/reward_mean"] == (1.0 + 1.0 + 0.1 + 0.0) / 4
     assert row["eval/response_len"] == 2.5 and row["eval/score_errors"] == 0 and row["eval/seconds"] > 0
     assert "evaluation at step 5: 2 of 4 problems solved, 50.0% of 4 answers correct, mean reward 0.525" in caplog.text
-    assert "ALERT evaluation skipped: step 6: generator 1 still had the weights of step 3" in caplog.text
+    assert "ALERT evaluation skipped: step 6: generator 1 answered with the weights of step 3" in caplog.text
+
+
+def test_an_evaluation_with_any_token_from_the_next_weights_is_skipped(tmp_path, caplog):
+    """A streaming generator that loaded step 6's weights while answering step 5's evaluation: the first group
+    is all step 5, a later one ends at 6. Not step 5's evaluation: an alert naming both, and no row."""
+    from cluster.run.evaluation import RunningEvaluation
+
+    problems = _set({"task": {"name": "arithmetic"}, "eval": {"every_steps": 5, "num_problems": 3}})
+    evaluator, scorer, sink = _evaluator(tmp_path, problems)
+    groups = _answers([p for p, _ in problems], [["<answer>1</answer>"]] * 3, 5)
+    groups[2].version_end = 6
+    try:
+        with caplog.at_level("INFO", logger="stableasync"):
+            evaluator.record(RunningEvaluation(index=0, step=5, sent=0.0), groups)
+    finally:
+        scorer.close()
+        sink.close()
+    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip()
+    assert "ALERT evaluation skipped: step 5: generator 0 answered with the weights of steps 5, 6" in caplog.text
 
 
 def test_several_answers_per_problem_give_the_mean_over_answers_and_pass_at_k(tmp_path):
@@ -398,7 +417,7 @@ def test_each_named_set_is_scored_by_its_own_format_and_logged_under_its_own_key
     assert second["eval/gsm8k_test/reward_mean"] == pytest.approx((1 + 0 + 1 + 1 + 0.1 + 0) / 6)
     assert second["eval/gsm8k_test/answers"] == 6 and second["eval/gsm8k_test/policy_version"] == 5
     assert "evaluation at step 5 (set gsm8k_test): 2 of 3 problems solved, 50.0% of 6 answers correct" in caplog.text
-    assert "step 6 (set gsm8k_test): generator 0 still had the weights of step 4" in caplog.text
+    assert "step 6 (set gsm8k_test): generator 0 answered with the weights of step 4" in caplog.text
     assert not evaluator.close.alive  # its own gsm8k pool is closed
 
 
