@@ -131,11 +131,17 @@ class RewardModelScorer:
                         for s in scores]
         return results
 
+    def encode(self, texts: list[str]) -> Any:
+        """The batch's tensors. A chat template already writes the special tokens (a Llama template's BOS):
+        tokenizing its text adds none, or the model would read two BOS (OpenRLHF and TRL do the same)."""
+        templated = bool(getattr(self.tokenizer, "chat_template", None))
+        return self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=self.max_length,
+                              add_special_tokens=not templated).to(self.device)
+
     def _logits(self, texts: list[str]) -> list[float]:
         import torch
 
-        encoded = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
-                                 max_length=self.max_length).to(self.device)
+        encoded = self.encode(texts)
         with torch.no_grad():
             logits = self.model(**encoded).logits
         return [float(x) for x in logits[:, 0].float().tolist()]

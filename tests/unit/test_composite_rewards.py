@@ -67,6 +67,31 @@ def test_the_reward_model_scores_a_batch_as_it_scores_each_text_alone(tiny_rewar
     assert len({round(r.reward, 4) for r in batched}) > 1, "different texts, different scores"
 
 
+def test_a_chat_templated_text_is_read_with_one_bos_as_the_template_wrote_it(tiny_reward_model, tmp_path):
+    """A Llama-style reward model: its template writes the BOS and its tokenizer adds one to whatever it encodes.
+    The scorer's input starts with exactly one (two would shift every position the head was trained on)."""
+    import shutil
+
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "llama-style"
+    shutil.copytree(tiny_reward_model, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    bos = tokenizer.eos_token  # a token the model's embedding has, standing in for <s>
+    tokenizer.bos_token = bos
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.eos_token_id)])
+    tokenizer.save_pretrained(folder)
+    scorer = RewardModelScorer(str(folder), max_length=64)
+    assert scorer.tokenizer("x")["input_ids"][0] == tokenizer.eos_token_id  # the tokenizer does add one
+    text = scorer.text(_messages(PROBLEM), COMPLETIONS[0])
+    ids = scorer.encode([text])["input_ids"][0].tolist()
+    assert ids[0] == tokenizer.eos_token_id and ids[1] != tokenizer.eos_token_id
+    assert math.isfinite(scorer.score([(_messages(PROBLEM), COMPLETIONS[0])])[0].reward)
+
+
 def test_a_composite_reward_is_the_weighted_sum_of_its_components(tiny_reward_model):
     scorer = RewardModelScorer(tiny_reward_model, max_length=64, batch_size=2)
     model_scores = [r.reward for r in scorer.score([(_messages(PROBLEM), c) for c in COMPLETIONS])]
