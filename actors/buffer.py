@@ -5,15 +5,17 @@ Lag of a group at train time = learner version - the version its responses were 
 first: generators finish out of order, so a step that is the last chance of a group still being sampled
 waits for it; `drop` lets generators run ahead and drops groups that went stale, recording why. With
 `drop_uniform_groups` (DAPO's dynamic sampling) a group whose responses all scored the same is dropped on
-arrival, and the generators sample another in its place. Either way the ledger accounts for every prompt
-group: issued, scored, trained (at which step) or dropped (with a reason).
+arrival, and the generators sample another in its place. An episode that failed for its tools' sake (one
+raised, hung, ran out of memory, printed too much) is left out of training unless `train_failed_episodes`:
+its reward says nothing of the policy's answer. Either way the ledger accounts for every prompt group:
+issued, scored, trained (at which step) or dropped (with a reason).
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -113,9 +115,10 @@ class Ledger:
         self._move(group_id, "issued", ("issued",), issued_version=version, generator_index=generator_index,
                    reason=reason, reissues=reissues, event="reissued")
 
-    def scored(self, group_id: int, score_errors: int = 0, sample_errors: list[str] | None = None) -> None:
+    def scored(self, group_id: int, score_errors: int = 0, sample_errors: list[str] | None = None,
+               reason: str | None = None) -> None:
         self._move(group_id, "scored", ("issued",), score_errors=score_errors,
-                   sample_errors=list(dict.fromkeys(sample_errors)) if sample_errors else None)
+                   sample_errors=list(dict.fromkeys(sample_errors)) if sample_errors else None, reason=reason)
 
     def trained(self, group_id: int, step: int, lag: int, sampled_versions: list[int] | None = None) -> None:
         self._move(group_id, "trained", ("scored",), trained_step=step, lag=lag, sampled_versions=sampled_versions)
@@ -195,12 +198,13 @@ class RolloutBuffer:
     """
 
     def __init__(self, max_lag: int, prompts_per_step: int, stale_policy: Literal["wait", "drop"], ledger: Ledger,
-                 drop_uniform_groups: bool = False) -> None:
+                 drop_uniform_groups: bool = False, train_failed_episodes: bool = False) -> None:
         if max_lag < 0:
             raise ValueError(f"max_lag must be >= 0, got {max_lag}")
         self.max_lag, self.prompts_per_step, self.stale_policy = max_lag, prompts_per_step, stale_policy
         self.ledger = ledger
         self.drop_uniform_groups = drop_uniform_groups
+        self.train_failed_episodes = train_failed_episodes
         self.ready: deque[ScoredGroup] = deque()
         self.in_flight_versions: dict[int, int] = {}  # group id -> the version it is being sampled with
         self.uniform_in_a_row = 0  # arrivals with uniform rewards since the last group kept
@@ -227,8 +231,20 @@ class RolloutBuffer:
         """A generated and scored group arrives; with `drop_uniform_groups`, one with uniform rewards ends here.
         Returns whether the group was kept to train on."""
         self.in_flight_versions.pop(group.group_id, None)
-        self.ledger.scored(group.group_id, score_errors,
-                           [error for c in group.completions if (error := c.get("score_error"))])
+        errors = [error for c in group.completions if (error := c.get("score_error"))]
+        failed = [c for c in group.completions if c.get("episode_error")]
+        if failed and not self.train_failed_episodes:
+            kept = [c for c in group.completions if not c.get("episode_error")]
+            why = (f"{len(failed)} of {len(group.completions)} episodes failed for their tools' sake, not the "
+                   "policy's (environment.train_failed_episodes: true trains them at reward 0)")
+            if len(kept) < min(2, len(group.completions)):  # a group-relative advantage needs two responses
+                self.ledger.scored(group.group_id, score_errors, errors)
+                self.ledger.dropped(group.group_id, f"{why}; too few responses left to train")
+                return False
+            self.ledger.scored(group.group_id, score_errors, errors, reason=f"{why}: left out of training")
+            group = replace(group, completions=kept)
+        else:
+            self.ledger.scored(group.group_id, score_errors, errors)
         if self.drop_uniform_groups and group.uniform_rewards:
             self.uniform_in_a_row += 1
             self.ledger.dropped(group.group_id, f"uniform rewards: all {len(group.completions)} responses scored "

@@ -459,6 +459,10 @@ class EnvironmentSection(Section):
                                        "fails the episode")
     tool_workers: int = Field(1, gt=0, description="tool subprocesses per generator, running a round's calls in "
                               "parallel")
+    train_failed_episodes: bool = Field(
+        False, description="train an episode that failed for its tools' sake (a tool raised, hung, ran out of "
+        "memory or printed too much) as a wrong answer at reward 0; false: it is left out of training, the "
+        "reason in the ledger (its group is dropped when fewer than two responses are left)")
 
 
 # The tasks that read a data file (their config has a `path`): the formats an evaluation set's file may have.

@@ -13,6 +13,7 @@ and elastic membership by the pool (`cluster/run/generators.py`); learner faults
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -46,7 +47,7 @@ from learner.batch import TrainBatch, collate
 from tasks.base import Problem, Task
 from tasks.environment import EpisodeStats, score_responses
 from tasks.config import TASK_CONFIGS
-from tasks.scoring import ScorePool
+from tasks.scoring import ScorePool, ScoreResult
 
 
 @dataclass
@@ -137,7 +138,7 @@ class AsyncLoop:
                           else runtime.CollectivePublisher(learners, self.generators, sync, dtype,
                                                            job.generator.tensor_parallel_size))
         buffer = RolloutBuffer(job.async_.max_lag, job.learner.prompts_per_step, job.async_.stale_policy, ledger,
-                               job.algorithm.drop_uniform_groups)
+                               job.algorithm.drop_uniform_groups, job.environment.train_failed_episodes)
         self.schedule: Schedule[GenerationRequest, ray.ObjectRef] = Schedule(
             buffer, job.generator.prompts_per_request, self._new_request, self._send,
             calls_per_generator=job.generator.requests_in_flight if job.generator.streaming else 1)
@@ -282,8 +283,7 @@ class AsyncLoop:
             return
         self.totals.add(groups)
         requests = {request.group_id: request for request in call.requests}
-        for group in groups:
-            self._score_and_buffer(group, requests[group.group_id])
+        self._score_and_buffer(groups, [requests[group.group_id] for group in groups])
 
     def _handle_step(self) -> None:
         with learners_may_crash(f"during step {self.version + 1}", self.run_dir):
@@ -415,14 +415,23 @@ class AsyncLoop:
 
     # ---- pieces -----------------------------------------------------------------------------------
 
-    def _score_and_buffer(self, group: GeneratedGroup, request: GenerationRequest) -> None:
-        """Score a generated group into the buffer; a stopping run keeps its request to issue again on resume."""
-        problem = self.problem_of[group.group_id]
-        results = None if self.stop.requested else score_responses(self.scorer, [problem] * len(group.completions),
-                                                                   group.completions)
+    def _score_and_buffer(self, groups: list[GeneratedGroup], requests: list[GenerationRequest]) -> None:
+        """Score a call's generated groups into the buffer, in one call of the scorer (a reward model scores
+        them in batches, instead of the driver waiting on it group by group); a stopping run keeps their
+        requests to issue again on resume."""
+        problems = [self.problem_of[group.group_id] for group in groups]
+        results = None if self.stop.requested else score_responses(
+            self.scorer, [problem for problem, group in zip(problems, groups) for _ in group.completions],
+            [completion for group in groups for completion in group.completions])
         if results is None or self.stop.requested:  # a stop during scoring may have reached the verifiers too
-            self.schedule.orphans.append((request, "generated while the run was stopping"))
+            self.schedule.orphans += [(request, "generated while the run was stopping") for request in requests]
             return
+        bounds = list(itertools.accumulate((len(group.completions) for group in groups), initial=0))
+        for group, problem, start, end in zip(groups, problems, bounds, bounds[1:]):
+            self._buffer(group, problem, results[start:end])
+
+    def _buffer(self, group: GeneratedGroup, problem: Problem, results: list[ScoreResult]) -> None:
+        """One scored group into the buffer, with its rewards' and episodes' statistics."""
         del self.problem_of[group.group_id]
         algorithm = self.job.algorithm
         penalties = [overlong_penalty(len(c["completion_ids"]), self.job.generator.max_new_tokens,

@@ -1070,8 +1070,8 @@ def _tool_job(tmp_path: Path, name: str) -> dict:
 
 def test_tool_episodes_train_with_failing_tools_failing_only_their_episode(local_ray, tmp_path):
     """The warmed-up tiny model calls the calculator in most episodes; a call that raises, prints 10 MB or hangs
-    fails that episode alone (not scored, its reason in the ledger) and the run trains every group once within
-    the lag bound. The samples show each episode's transcript, the tools' messages in it."""
+    fails that episode alone (not scored nor trained, its reason in the ledger) and the run trains or drops every
+    group once within the lag bound. The samples show each episode's transcript, the tools' messages in it."""
     from cluster.run.driver import train
 
     train(validate_job(_tool_job(tmp_path, "tools")))
@@ -1086,6 +1086,10 @@ def test_tool_episodes_train_with_failing_tools_failing_only_their_episode(local
     reasons = [reason for r in rows if r["event"] == "scored" for reason in r["sample_errors"] or []]
     assert reasons and all(reason.startswith("episode failed: tool calculator") for reason in reasons)
     assert any(m["rollout/failed_episode_share"] > 0 for m in steps)
+    # the failed episodes were left out of training, each group's ledger saying so (or dropping the group)
+    left_out = [r for r in rows if r["event"] in ("scored", "dropped")
+                and "episodes failed for their tools' sake" in (r.get("reason") or "")]
+    assert left_out
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert any("<tool_call>" in s["completion"] and "\n[tool] " in s["completion"] for s in samples)
     evaluations = [m for m in metrics if is_evaluation_row(m)]

@@ -116,6 +116,41 @@ def test_uniform_reward_groups_are_kept_unless_asked():
     assert [g.group_id for g in buffer.take(0)] == [0]
 
 
+def _with_failed_episodes(group, failed):
+    """The group with responses `failed` ended by a tool that hung: scored 0 with the episode's reason."""
+    for index in failed:
+        group.completions[index].update(reward=0.0, episode_error="tool calculator timed out after 5 s",
+                                        score_error="episode failed: tool calculator timed out after 5 s")
+    return group
+
+
+def test_episodes_that_failed_for_their_tools_sake_are_left_out_of_training_with_the_reason():
+    """Group 0: one of three episodes hung, so the two others train and the ledger says why one is missing.
+    Group 1: two of three failed, one is left, too few for a group advantage: dropped, with the reason."""
+    ledger = Ledger()
+    buffer = RolloutBuffer(max_lag=0, prompts_per_step=1, stale_policy="wait", ledger=ledger)
+    _issue(buffer, 0, 0)
+    _issue(buffer, 1, 0)
+    assert buffer.add(_with_failed_episodes(_group(0, 0, [1.0, 0.1, 1.0]), [1]), score_errors=1) is True
+    assert buffer.add(_with_failed_episodes(_group(1, 0, [1.0, 0.1, 0.1]), [1, 2]), score_errors=2) is False
+    (trained,) = buffer.take(0)
+    assert trained.rewards == [1.0, 1.0] and not any(c.get("episode_error") for c in trained.completions)
+    assert ledger.entries[0].status == "scored" and ledger.entries[0].reason.startswith(
+        "1 of 3 episodes failed for their tools' sake, not the policy's")
+    assert ledger.entries[0].sample_errors == ["episode failed: tool calculator timed out after 5 s"]
+    assert ledger.entries[1].status == "dropped" and "too few responses left to train" in ledger.entries[1].reason
+    assert "environment.train_failed_episodes: true" in ledger.entries[1].reason
+
+
+def test_failed_episodes_train_at_reward_0_when_asked():
+    ledger = Ledger()
+    buffer = RolloutBuffer(max_lag=0, prompts_per_step=1, stale_policy="wait", ledger=ledger,
+                           train_failed_episodes=True)
+    _issue(buffer, 0, 0)
+    assert buffer.add(_with_failed_episodes(_group(0, 0, [1.0, 0.1, 1.0]), [1]), score_errors=1) is True
+    assert buffer.take(0)[0].rewards == [1.0, 0.0, 1.0] and ledger.entries[0].reason is None
+
+
 def test_ledger_refuses_double_training_and_unknown_groups(tmp_path):
     ledger = Ledger(tmp_path / "ledger.jsonl")
     ledger.issued(7, "p7", 0, 0)
@@ -205,3 +240,42 @@ def test_version_mix_counts_each_token_at_the_lag_of_the_version_that_sampled_it
     mix = version_mix(groups, learner_version=5)
     assert mix["async/token_lag"] == [2 + 2, 3, 4]  # lag 0: 2 + 2 tokens of version 5; lag 1: 3; lag 2: 4
     assert mix["async/mixed_version_share"] == 1 / 3
+
+
+def test_a_calls_groups_are_scored_in_one_call_of_the_scorer():
+    """A reward model scores in batches: the driver hands it a generate call's groups together, not one group per
+    wait (a wait of up to a minute each). Two groups of two responses: one score_many call of four."""
+    from types import SimpleNamespace
+
+    from actors.generator import GeneratedGroup, GenerationRequest
+    from cluster.job import validate_job
+    from cluster.run.loop import AsyncLoop, ScoredSinceStep
+    from cluster.run.stopping import StopRequest
+    from tasks.base import Problem
+    from tasks.scoring import ScoreResult
+
+    class CountingScorer:
+        def __init__(self):
+            self.calls = []
+
+        def score_many(self, problems, completions):
+            self.calls.append(len(completions))
+            return [ScoreResult(1.0 if text.endswith("2") else 0.0) for text in completions]
+
+    ledger = Ledger()
+    buffer = RolloutBuffer(max_lag=0, prompts_per_step=2, stale_policy="wait", ledger=ledger)
+    loop = object.__new__(AsyncLoop)  # the scoring step alone: no Ray, no actors
+    loop.job = validate_job({"task": {"name": "arithmetic"}})
+    loop.scorer, loop.stop, loop.scored = CountingScorer(), StopRequest(), ScoredSinceStep()
+    loop.schedule = SimpleNamespace(buffer=buffer, orphans=[])
+    loop.problem_of = {gid: Problem(f"p{gid}", "1 + 1", "2") for gid in (0, 1)}
+    groups = []
+    for gid in (0, 1):
+        _issue(buffer, gid, 0)
+        groups.append(GeneratedGroup(gid, f"p{gid}", [5], [
+            {"completion_ids": [1], "behaviour_logprobs": [-0.1], "text": text, "finish_reason": "stop"}
+            for text in ("<answer>2</answer> 2", "<answer>3</answer> 3")]))
+    loop._score_and_buffer(groups, [GenerationRequest(gid, f"p{gid}", [], 0) for gid in (0, 1)])
+    assert loop.scorer.calls == [4]
+    assert [g.rewards for g in buffer.take(0)] == [[1.0, 0.0], [1.0, 0.0]]
+    assert loop.problem_of == {} and [e.status for e in ledger.entries.values()] == ["scored", "scored"]
