@@ -190,7 +190,8 @@ class LearnerSection(Section):
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon; larger values damp steps of near-zero gradients")
     grad_clip: float = Field(1.0, gt=0)
     max_tokens_per_micro_batch: Annotated[int | Literal["auto"], BeforeValidator(_token_budget)] = Field(
-        "auto", description="padded tokens (rows x longest row) a rank runs through the model at once; a step "
+        "auto", description="tokens a rank runs through the model at once (real tokens in a packed micro-batch, "
+        "rows x longest row in a padded one); a step "
         "accumulates as many micro-batches as its batch needs, with the same update. auto: what the memory left "
         "on the rank's device holds, from the model's size (the run's log gives each rank's choice and why); a "
         "number: at least generator.max_model_len, lower when a step runs out of memory"
@@ -198,6 +199,11 @@ class LearnerSection(Section):
     gradient_checkpointing: bool = Field(
         False, description="recompute each layer's activations in the backward: less memory, about a third "
         "more compute per step"
+    )
+    packed_micro_batches: bool = Field(
+        True, description="run each micro-batch's rows as one sequence without padding (position ids restarting "
+        "per row, attention within each row: flash-attn's varlen kernel, else SDPA per row), so its budget counts "
+        "real tokens; VCPO's per-sample gradient norms keep padded rows. false: right-padded rows"
     )
     max_restarts: int = Field(
         2, ge=0, description="times the job resumes by itself from its latest checkpoint after a learner rank dies"

@@ -1,16 +1,54 @@
 """Token-budget micro-batches: which rows of a rank's batch go through the model together.
 
-A micro-batch costs its rows times its longest row in padded tokens; `plan` keeps that within the
+A padded micro-batch costs its rows times its longest row in padded tokens; `plan` keeps that within the
 budget, longest rows first so that rows of similar length share a micro-batch and padding stays small.
-Pure torch, no model: the learner asks it once per step.
+A packed micro-batch (`packed=True`) runs its rows as one sequence without padding (learner/packing.py)
+and costs its real tokens, so the same budget holds more rows. Pure torch (numpy for the packing's indices),
+no model: the learner asks it once per step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where a packed micro-batch's tokens come from and where their log-probs go, built with the plan so that
+    the step's loop reads nothing from the device. Its rows, in their order in the micro-batch, are laid end to
+    end as one sequence of N tokens, each row's positions counting from 0."""
+
+    lengths: tuple[int, ...]  # each row's real tokens, in the micro-batch's row order (host)
+    tokens: Tensor  # [N] long: each packed token's flat index into the micro-batch's [b, width] input_ids
+    position_ids: Tensor  # [1, N] long: its position within its own row
+    scored: Tensor  # [M] long: the packed positions whose next token is in their row (all but each row's last)
+    targets_at: Tensor  # [M] long: where their log-probs go in the micro-batch's [b, width - 1], flattened
+    cu_seqlens: Tensor  # [b + 1] int32: where each row starts in the packed sequence, and N (varlen attention)
+
+    @property
+    def max_length(self) -> int:
+        return max(self.lengths)
+
+    @classmethod
+    def of(cls, lengths: list[int], width: int, device: torch.device) -> Packing:
+        """Formed on the host (numpy: no tensor read the step's host-read count would see) and copied to
+        `device` at once, before the step's loop."""
+        sizes = np.asarray(lengths, dtype=np.int64)
+        ends = np.cumsum(sizes)
+        row = np.repeat(np.arange(len(sizes)), sizes)  # [N] each packed token's row
+        position = np.arange(int(ends[-1])) - (ends - sizes)[row]
+        scored = np.flatnonzero(position < sizes[row] - 1)
+        indices = np.concatenate([row * width + position, position, scored,
+                                  row[scored] * (width - 1) + position[scored]])
+        tokens, position_ids, scored_at, targets_at = torch.from_numpy(indices).to(device).split(
+            [len(row), len(row), len(scored), len(scored)])
+        cu_seqlens = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)).to(device)
+        return cls(tuple(lengths), tokens, position_ids[None], scored_at, targets_at, cu_seqlens)
 
 
 @dataclass(frozen=True)
@@ -21,6 +59,7 @@ class MicroBatch:
     rows: Tensor | None  # [b] long: indices into the rank's batch, ascending; None: an empty micro-batch
     width: int  # tokens of its longest row: its width without the padding no row of it uses
     group_rows: Tensor | None = None  # every row of the prompt group it is a piece of, when the plan split that group
+    packing: Packing | None = None  # its rows packed without padding; None: right-padded rows [b, width]
 
 
 EMPTY = MicroBatch(None, 2)
@@ -44,8 +83,10 @@ class MicroBatchPlan:
         return len(self.micro_batches)
 
 
-def plan(sequence_lengths: Tensor, group_ids: Tensor, max_tokens: int | None, keep_groups: bool) -> MicroBatchPlan:
-    """Micro-batches of at most `max_tokens` padded tokens (None: one micro-batch of every row).
+def plan(sequence_lengths: Tensor, group_ids: Tensor, max_tokens: int | None, keep_groups: bool,
+         packed: bool = False) -> MicroBatchPlan:
+    """Micro-batches of at most `max_tokens` padded tokens (None: one micro-batch of every row); `packed`: of at
+    most `max_tokens` real tokens, each micro-batch's rows packed into one sequence (its `packing`).
 
     With `keep_groups`, whole prompt groups are packed, so that anything computed per group (VCPO's
     baseline) sees the group at once; a group longer than the budget on its own is split into pieces of
@@ -54,46 +95,72 @@ def plan(sequence_lengths: Tensor, group_ids: Tensor, max_tokens: int | None, ke
     size = int(sequence_lengths.shape[0])
     device = sequence_lengths.device
     lengths = sequence_lengths.tolist()  # the plan's one read from the device
-    if max_tokens is None or size == 0 or size * max(lengths, default=0) <= max_tokens:
-        return MicroBatchPlan([MicroBatch(torch.arange(size, device=device), max([2, *lengths]))], groups_whole=True)
-    group_list = group_ids.tolist()
-    units = _groups(group_list) if keep_groups else [[row] for row in range(size)]
-    units.sort(key=lambda unit: (-max(lengths[r] for r in unit), unit[0]))
-    batches: list[list[int]] = []
-    split_groups: dict[int, list[int]] = {}  # batch index -> every row of the group it is a piece of
-    width = 0  # the current micro-batch's longest row: its first unit's, as units come longest first
-    groups_whole = keep_groups
-    for unit in units:
-        unit_width = max(lengths[r] for r in unit)
-        if len(unit) * unit_width > max_tokens:  # a group alone over the budget: its pieces, longest rows first
-            groups_whole = False
-            pieces = _pieces(sorted(unit, key=lambda r: (-lengths[r], r)), lengths, max_tokens)
-            if keep_groups and len(pieces) > 1:
-                split_groups.update({len(batches) + k: unit for k in range(len(pieces))})
-            batches += pieces
-            width = max_tokens + 1  # nothing joins the last piece
-            continue
-        if batches and (len(batches[-1]) + len(unit)) * max(width, unit_width) <= max_tokens:
-            batches[-1].extend(unit)
-            continue
-        batches.append(list(unit))
-        width = unit_width
+    cost = _packed_cost if packed else _padded_cost
+    if max_tokens is None or size == 0 or cost(range(size), lengths) <= max_tokens:
+        batches = [list(range(size))]
+        groups_whole = True
+        split_groups: dict[int, list[int]] = {}
+    else:
+        batches, split_groups, groups_whole = _fill(lengths, group_ids.tolist(), max_tokens, keep_groups, cost, packed)
 
     def indices(rows: list[int]) -> Tensor:
         return torch.tensor(sorted(rows), dtype=torch.long, device=device)
 
-    return MicroBatchPlan([
-        MicroBatch(indices(rows), max([2, *(lengths[r] for r in rows)]),
-                   indices(split_groups[k]) if k in split_groups else None)
-        for k, rows in enumerate(batches)
-    ], groups_whole)
+    def micro_batch(k: int, rows: list[int]) -> MicroBatch:
+        width = max([2, *(lengths[r] for r in rows)])
+        packing = Packing.of([lengths[r] for r in sorted(rows)], width, device) if packed and rows else None
+        return MicroBatch(indices(rows), width, indices(split_groups[k]) if k in split_groups else None, packing)
+
+    return MicroBatchPlan([micro_batch(k, rows) for k, rows in enumerate(batches)], groups_whole)
 
 
-def _pieces(rows: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+def _padded_cost(rows: Iterable[int], lengths: list[int]) -> int:
+    """Rows times the longest row: the tokens of a right-padded micro-batch."""
+    rows = list(rows)
+    return len(rows) * max((lengths[r] for r in rows), default=0)
+
+
+def _packed_cost(rows: Iterable[int], lengths: list[int]) -> int:
+    """The rows' real tokens: what a packed micro-batch runs."""
+    return sum(lengths[r] for r in rows)
+
+
+def _fill(lengths: list[int], group_list: list[int], max_tokens: int, keep_groups: bool,
+          cost: Callable[[Iterable[int], list[int]], int], packed: bool
+          ) -> tuple[list[list[int]], dict[int, list[int]], bool]:
+    """The micro-batches' rows, longest units (rows or whole groups) first; a padded unit joins the latest
+    micro-batch (rows of similar length together), a packed one the first with room for it (any lengths pack
+    alike). Also each split group's micro-batches and whether every group stayed whole."""
+    units = _groups(group_list) if keep_groups else [[row] for row in range(len(lengths))]
+    units.sort(key=lambda unit: (-max(lengths[r] for r in unit), unit[0]))
+    batches: list[list[int]] = []
+    split_groups: dict[int, list[int]] = {}  # batch index -> every row of the group it is a piece of
+    closed = 0  # batches before this index take no more units (the pieces of a split group)
+    groups_whole = keep_groups
+    for unit in units:
+        if cost(unit, lengths) > max_tokens:  # a group alone over the budget: its pieces, longest rows first
+            groups_whole = False
+            pieces = _pieces(sorted(unit, key=lambda r: (-lengths[r], r)), lengths, max_tokens, cost)
+            if keep_groups and len(pieces) > 1:
+                split_groups.update({len(batches) + k: unit for k in range(len(pieces))})
+            batches += pieces
+            closed = len(batches)  # nothing joins the last piece
+            continue
+        candidates = range(closed, len(batches)) if packed else range(max(closed, len(batches) - 1), len(batches))
+        fits = next((k for k in candidates if cost([*batches[k], *unit], lengths) <= max_tokens), None)
+        if fits is None:
+            batches.append(list(unit))
+        else:
+            batches[fits].extend(unit)
+    return batches, split_groups, groups_whole
+
+
+def _pieces(rows: list[int], lengths: list[int], max_tokens: int,
+            cost: Callable[[Iterable[int], list[int]], int]) -> list[list[int]]:
     """Consecutive runs of `rows` (longest first) that each fit the budget."""
     pieces: list[list[int]] = []
     for row in rows:
-        if pieces and (len(pieces[-1]) + 1) * lengths[pieces[-1][0]] <= max_tokens:
+        if pieces and cost([*pieces[-1], row], lengths) <= max_tokens:
             pieces[-1].append(row)
         else:
             pieces.append([row])

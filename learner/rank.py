@@ -35,6 +35,7 @@ from learner.fused_head import FusedHead, fused_head
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
 from learner.lora import LoraSpec, with_lora
 from learner.lr_schedule import LRSchedule, lr_factor
+from learner.packing import packed_token_logprobs, packing_support
 from learner.publishing import Publisher
 from learner.step import (CarriedGroup, NonFiniteUpdate, StepValues, causal_logits, check_one_coefficient_per_sequence,
                           config_values, prompt_group_shares, rows_of, sequence_coefficients, sequence_metrics)
@@ -84,6 +85,9 @@ class LearnerSpec:
     kl_horizon: int = 10000  # adaptive coefficient: sequences over which it moves by at most 20%
     entropy_coef: float = 0.0  # entropy bonus: minus coef times the aggregated token entropy in the loss
     lora: LoraSpec | None = None  # train a LoRA adapter only (learner/lora.py); None: every weight
+    # each micro-batch's rows as one sequence without padding (learner/packing.py), its budget counting real tokens;
+    # VCPO's per-sample norms keep padded rows
+    packed_micro_batches: bool = True
 
     @property
     def token_terms(self) -> bool:
@@ -235,7 +239,7 @@ class LearnerRank:
         batch = batch.to(self.device)
         needs_norms = self.stabilizer.needs_grad_norms
         plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.micro_batch_tokens,
-                                  keep_groups=needs_norms)
+                                  keep_groups=needs_norms, packed=self._packs(needs_norms))
         one_pass = self.stabilizer.decides_per_row and (plan.groups_whole or not needs_norms
                                                         or self._carries_every_split_group(batch, plan))
         runs, one_pass = self._agreed_runs(plan, one_pass)
@@ -313,6 +317,27 @@ class LearnerRank:
         empty.behaviour_logprobs = torch.zeros_like(empty.behaviour_logprobs)
         return empty
 
+    def _packs(self, needs_norms: bool = False) -> bool:
+        """Whether a pass's micro-batches run packed (learner.packed_micro_batches; learner/packing.py): not where
+        VCPO's per-sample norms need padded rows, nor for a model whose attention has no varlen path here (the
+        policy's and the reference's checked once, the answer logged)."""
+        if not self.spec.packed_micro_batches:
+            return False
+        if not hasattr(self, "_packing"):  # the first step: each model's attention gets its packed wrapper
+            models = [self.engine.module, *([] if self.reference is None else [getattr(self.reference, "module",
+                                                                                        self.reference)])]
+            checks = [packing_support(model) for model in models]
+            self._packing = all(supported for supported, _ in checks)
+            if self.rank == 0:
+                log.info("learner rank 0: %s%s", "; ".join(why for ok, why in checks if not ok) or checks[0][1],
+                         "" if self._packing else ": padded micro-batches")
+        if needs_norms and self._packing and not getattr(self, "_said_norms_pad", False):
+            self._said_norms_pad = True
+            if self.rank == 0:
+                log.info("learner rank 0: per-sample gradient norms need padded rows: this stabilizer's steps run "
+                         "padded micro-batches")
+        return self._packing and not needs_norms
+
     def _keeps_sample_gradients(self, micro: TrainBatch, extra_bytes: int = 0) -> bool:
         """Whether this micro-batch's update is formed by book-keeping (its kept gradients fit the budget)."""
         if not self.bookkeeping:
@@ -356,7 +381,7 @@ class LearnerRank:
                 sample_grads = self._sample_gradients(micro, logits, bookkeeping)
             else:
                 logits, sample_grads = None, None
-                logprobs, entropy = self._token_logprobs(micro, with_entropy=True)
+                logprobs, entropy = self._token_logprobs(micro, with_entropy=True, packing=run.packing)
             if rows is None:
                 advantages, baseline = torch.zeros(1, device=self.device), None
             elif carried is not None:  # advantages at baseline 0; the baseline's part waits in the score buffer
@@ -419,7 +444,7 @@ class LearnerRank:
                 del logits
             else:
                 with torch.no_grad():
-                    (logprobs, entropy), sample_grads = self._token_logprobs(micro, with_entropy=True), None
+                    (logprobs, entropy), sample_grads = self._token_logprobs(micro, True, run.packing), None
             if rows is not None:
                 step.record(rows, logprobs, entropy, None, sample_grads, None)
         step.advantages, step.baseline = self._advantages(batch, step.logprobs, step.sample_grads())
@@ -453,7 +478,7 @@ class LearnerRank:
                 weights, mask = decision.weights[rows, :width], decision.mask[rows, :width]
                 micro_advantages = advantages[rows]
             # the entropy costs an exp per logit: only where it is trained on
-            logprobs, entropy = self._token_logprobs(micro, with_entropy=bool(self.spec.entropy_coef))
+            logprobs, entropy = self._token_logprobs(micro, bool(self.spec.entropy_coef), run.packing)
             if proximal_logprobs is not None and rows is not None:
                 trust, clipped = trust_region_weights(logprobs, proximal_logprobs[rows, :width], micro_advantages,
                                                       micro.loss_mask, self.spec.proximal_eps_low,
@@ -489,7 +514,7 @@ class LearnerRank:
                     decision = TokenWeights(step.decision.weights[rows], step.decision.mask[rows], {})
                     denominator = self._global_denominator(decision.mask)
                     plan = micro_batches.plan(share.sequence_lengths, share.group_ids,
-                                              self.micro_batch_tokens, keep_groups=False)
+                                              self.micro_batch_tokens, keep_groups=False, packed=self._packs())
                     runs = self._agreed_runs(plan)[0]
                     clipped_tokens += self._backpropagate(
                         share, runs, decision, step.advantages[rows], denominator, step.logprobs[rows],
@@ -532,7 +557,10 @@ class LearnerRank:
         for run in runs:
             rows, micro = run.rows, self._micro_batch(batch, run)
             with nullcontext() if self.reference is not None else model.disable_adapter():
-                if self.reference_head is not None:
+                if run.packing is not None:
+                    logprobs, _ = packed_token_logprobs(model, self.reference_head, micro, run.packing,
+                                                        self.spec.temperature, False)
+                elif self.reference_head is not None:
                     logprobs, _ = self.reference_head.token_logprobs(micro.input_ids, self.spec.temperature, False)
                 else:
                     logprobs = token_logprobs(causal_logits(model, micro), micro.input_ids, self.spec.temperature)
@@ -688,12 +716,12 @@ class LearnerRank:
         self.engine.train()
         batch = batch.to(self.device)
         plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.micro_batch_tokens,
-                                  keep_groups=False)
+                                  keep_groups=False, packed=self._packs())
         denominator = self.collectives.sum(batch.loss_mask.sum()).clamp(min=1)
         total = torch.zeros((), device=self.device)
         for run in self._agreed_runs(plan)[0]:
             micro = self._micro_batch(batch, run)
-            logprobs, _ = self._token_logprobs(micro, with_entropy=False)
+            logprobs, _ = self._token_logprobs(micro, with_entropy=False, packing=run.packing)
             loss = -(logprobs * micro.loss_mask).sum() / denominator
             self.engine.backward(loss * self.world_size)
             total = total + loss.detach()
@@ -701,10 +729,15 @@ class LearnerRank:
         metrics = {"sft/loss": total, "sft/grad_norm": self._scalar(grad_norm)}
         return self.collectives.reduce_metrics(metrics)
 
-    def _token_logprobs(self, micro: TrainBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    def _token_logprobs(self, micro: TrainBatch, with_entropy: bool, packing: micro_batches.Packing | None = None
+                        ) -> tuple[Tensor, Tensor | None]:
         """The policy's log-probs [b, L-1] fp32 of the micro-batch's next tokens and, `with_entropy`, its entropy
         at each position: through the fused output layer where the model has one (the bare module, whose
-        parameters' gradients ZeRO reduces as the engine's would), else from the engine's logits."""
+        parameters' gradients ZeRO reduces as the engine's would), else from the engine's logits; with the
+        run's `packing`, from one forward of its rows without padding."""
+        if packing is not None:
+            return packed_token_logprobs(self.engine, self.fused_head, micro, packing, self.spec.temperature,
+                                         with_entropy)
         if self.fused_head is not None:
             logprobs, entropy = self.fused_head.token_logprobs(micro.input_ids, self.spec.temperature, with_entropy)
             return logprobs, entropy if with_entropy else None

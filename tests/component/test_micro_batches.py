@@ -37,7 +37,9 @@ def _budget_for(split: int, share: list[dict], keep_groups: bool) -> int | None:
         return None
     batch = collate(share, 0)
     for budget in range(int(batch.sequence_lengths.max()), batch.size * batch.input_ids.shape[1] + 1):
-        if len(micro_batches.plan(batch.sequence_lengths, batch.group_ids, budget, keep_groups)) == split:
+        # the learner packs the rows of a stabilizer without per-sample norms (keep_groups): real tokens count
+        if len(micro_batches.plan(batch.sequence_lengths, batch.group_ids, budget, keep_groups,
+                                  packed=not keep_groups)) == split:
             return budget
     raise AssertionError(f"no budget splits the share {split} ways")
 

@@ -15,6 +15,10 @@ def _plan(lengths, groups, budget, keep_groups=False):
     return micro_batches.plan(torch.tensor(lengths), torch.tensor(groups), budget, keep_groups)
 
 
+def _plan_packed(lengths, groups, budget, keep_groups=False):
+    return micro_batches.plan(torch.tensor(lengths), torch.tensor(groups), budget, keep_groups, packed=True)
+
+
 def test_every_row_runs_once_within_the_budget():
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(3, 60, (37,), generator=gen)
@@ -53,6 +57,54 @@ def test_no_budget_or_a_batch_that_fits_is_one_micro_batch():
     assert len(_plan([5, 9, 7], [0, 0, 1], None)) == 1
     assert len(_plan([5, 9, 7], [0, 0, 1], 27)) == 1
     assert len(_plan([5, 9, 7], [0, 0, 1], 26)) == 2
+
+
+def test_a_packed_plan_counts_real_tokens_and_fits_more_rows_under_the_same_budget():
+    gen = torch.Generator().manual_seed(0)
+    # log-normal lengths with a wide spread: a padded micro-batch pays for its longest row in every row
+    lengths = (torch.exp(torch.randn(64, generator=gen) * 0.7) * 60).clamp(8, 400).long()
+    groups = torch.arange(64) // 8
+    budget = 3200  # 8 of the longest rows
+    padded = micro_batches.plan(lengths, groups, budget, keep_groups=False)
+    packed = micro_batches.plan(lengths, groups, budget, keep_groups=False, packed=True)
+    assert torch.equal(torch.cat(packed.rows).sort().values, torch.arange(64))
+    for micro in packed.micro_batches:
+        assert int(lengths[micro.rows].sum()) <= budget
+        assert micro.packing is not None and micro.packing.lengths == tuple(lengths[micro.rows].tolist())
+    assert all(micro.packing is None for micro in padded.micro_batches)
+    assert 64 / len(packed) >= 1.4 * 64 / len(padded)  # rows per micro-batch: 32 against 21
+    padded_tokens = sum(len(micro.rows) * micro.width for micro in padded.micro_batches)
+    assert padded_tokens >= 1.2 * int(lengths.sum())
+    # fewer micro-batches than the real tokens need at this budget would be impossible; first fit stays close
+    assert len(packed) <= int(lengths.sum()) // budget + 2
+
+
+def test_a_packed_plan_keeps_groups_whole_and_splits_a_group_over_the_budget_by_its_real_tokens():
+    plan = _plan_packed([10, 50, 11, 49, 12, 48], [0, 0, 1, 1, 2, 2], budget=120, keep_groups=True)
+    assert plan.groups_whole and sorted(part.tolist() for part in plan.rows) == [[0, 1, 2, 3], [4, 5]]
+    split = _plan_packed([10, 50, 11, 49], [0, 0, 0, 0], budget=100, keep_groups=True)
+    assert not split.groups_whole and [part.tolist() for part in split.rows] == [[1, 3], [0, 2]]
+    assert all(micro.group_rows.tolist() == [0, 1, 2, 3] for micro in split.micro_batches)
+
+
+def test_packing_lays_the_rows_end_to_end_and_puts_each_scored_position_in_its_padded_place():
+    samples = [dict(prompt_ids=[1, 2], completion_ids=list(range(10, 10 + k)), behaviour_logprobs=[-1.0] * k,
+                    reward=0.0, group_id=0, version=0) for k in (1, 5, 3)]
+    batch = learner_batch.collate(samples, 0)
+    (micro,) = micro_batches.plan(batch.sequence_lengths, batch.group_ids, None, False, packed=True).micro_batches
+    packing = micro.packing
+    assert packing.lengths == (3, 7, 5) and micro.width == 7
+    packed_ids = batch.input_ids.reshape(-1)[packing.tokens]
+    assert torch.equal(packed_ids, torch.cat([batch.input_ids[row, :n] for row, n in enumerate((3, 7, 5))]))
+    assert packing.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]]
+    assert packing.cu_seqlens.tolist() == [0, 3, 10, 15] and packing.max_length == 7
+    # each scored position's next token is its row's next token: the padded [b, width - 1] target at targets_at
+    padded_targets = batch.input_ids[:, 1:].reshape(-1)
+    assert torch.equal(packed_ids[packing.scored + 1], padded_targets[packing.targets_at])
+    assert len(packing.scored) == 15 - 3  # every position but each row's last
+    covered = torch.zeros(3 * 6, dtype=torch.bool)
+    covered[packing.targets_at] = True
+    assert torch.equal(covered.view(3, 6)[batch.loss_mask], torch.ones(int(batch.loss_mask.sum()), dtype=torch.bool))
 
 
 def test_trimming_drops_only_the_padding_no_row_uses():

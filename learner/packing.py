@@ -1,0 +1,129 @@
+"""Padding-free forwards: a micro-batch's rows run as one sequence, without the padding a right-padded batch
+carries, and each row's log-probs come back in the micro-batch's [b, width - 1] layout.
+
+The rows are laid end to end (`learner.micro_batches.Packing`, formed with the plan), position ids restart at
+0 in each row, and attention stays within a row:
+
+- `flash_attention_2`/`_3`: transformers' varlen kernels, given the rows' `cu_seq_lens` and longest row.
+- `sdpa` (the default, on the CPU and on a GPU without flash-attn): `packed_sdpa`, registered as an attention
+  function of its own, runs SDPA's causal kernel on each row's span of the packed sequence: every row
+  attends to itself alone, and no [N, N] mask is built or computed (a document mask would cost attention
+  over the whole micro-batch).
+
+The model's mask is passed ready-made (None for each layer type), so transformers neither builds one nor
+reads the position ids on the host to find the rows (`find_packed_sequence_indices` does), and the step's
+micro-batch loop still reads nothing from the device. A model that does not route its attention through
+transformers' attention functions, or uses sliding-window layers, keeps padded rows (`packing_support`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from learner.batch import TrainBatch, token_logprobs, token_logprobs_and_entropy
+from learner.fused_head import FusedHead, fused_token_logprobs
+from learner.micro_batches import Packing
+
+PACKED = "stableasync_packed_"  # + the model's own attention implementation: its packed wrapper's name
+VARLEN = ("sdpa", "flash_attention_2", "flash_attention_3")
+FLASH = ("flash_attention_2", "flash_attention_3")
+
+
+def packed_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, lengths: tuple[int, ...],
+                dropout: float, scaling: float | None) -> Tensor:
+    """SDPA's causal kernel on each row's own span of the packed [1, heads, N, head_dim] query, key and value:
+    [1, N, heads, head_dim], as transformers' attention functions return."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    outputs, start = [], 0
+    for length in lengths:
+        span = slice(start, start + length)
+        outputs.append(sdpa_attention_forward(module, query[:, :, span], key[:, :, span], value[:, :, span], None,
+                                              dropout=dropout, scaling=scaling, is_causal=True)[0])
+        start += length
+    return torch.cat(outputs, dim=1)
+
+
+def _packed_attention(implementation: str) -> Callable[..., tuple[Tensor, Any]]:
+    """The model's own attention function `implementation`, and for a packed forward (`packed_lengths` given)
+    the same attention within each row: flash's varlen kernel on the rows' `cu_seq_lens`, or `packed_sdpa`."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                  dropout: float = 0.0, scaling: float | None = None, packed_lengths: tuple[int, ...] | None = None,
+                  **kwargs: Any) -> tuple[Tensor, Any]:
+        own = ALL_ATTENTION_FUNCTIONS[implementation]
+        if packed_lengths is None:  # a padded forward: the model's attention as it was
+            return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        if implementation in FLASH:  # the cu_seq_lens and longest row in kwargs: transformers' varlen path
+            return own(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
+        return packed_sdpa(module, query, key, value, packed_lengths, dropout, scaling), None
+
+    return attention
+
+
+def packing_support(model: Any) -> tuple[bool, str]:
+    """Whether the model's packed forwards give its padded log-probs, and why not. A supported model's attention
+    is switched to `_packed_attention` of its own (registered with transformers), which runs padded forwards
+    exactly as before (the same function and masks)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the adapted model
+    config = getattr(base, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    can_set = getattr(type(base), "_can_set_attn_implementation", None)
+    if config is None or can_set is None or not can_set():
+        return False, f"{type(base).__name__} does not call its attention through transformers' AttentionInterface"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"]):
+        return False, f"{type(base).__name__} has sliding-window layers (layer_types)"
+    if isinstance(implementation, str) and implementation.startswith(PACKED):
+        return True, f"packed micro-batches (attention: {implementation[len(PACKED):]} within each row)"
+    if implementation not in VARLEN:
+        return False, f"attention {implementation!r} has no varlen path here (sdpa and flash_attention_2/3 have)"
+    AttentionInterface.register(PACKED + implementation, _packed_attention(implementation))
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED + implementation, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
+    config._attn_implementation = PACKED + implementation
+    return True, f"packed micro-batches (attention: {implementation} within each row)"
+
+
+def _attention_kwargs(packing: Packing) -> dict[str, Any]:
+    """The model's keyword arguments for a packed forward: position ids, the rows for the attention function,
+    and a placeholder 4D mask, which transformers passes on as it is instead of building one (and reading the
+    position ids on the host to find the rows, as `find_packed_sequence_indices` does)."""
+    device = packing.position_ids.device
+    return {"position_ids": packing.position_ids, "use_cache": False, "packed_lengths": packing.lengths,
+            "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
+            "cu_seq_lens_q": packing.cu_seqlens, "cu_seq_lens_k": packing.cu_seqlens,
+            "max_length_q": packing.max_length, "max_length_k": packing.max_length}
+
+
+def packed_token_logprobs(model: Any, head: FusedHead | None, micro: TrainBatch, packing: Packing,
+                          temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """The micro-batch's next-token log-probs [b, width - 1] fp32 (and, `with_entropy`, the entropy at each
+    position) from one packed forward: through the fused output layer `head` when given, else from `model`'s
+    logits (an engine or module). Padding positions hold 0, the rows' real positions their padded forward's values."""
+    ids = micro.input_ids.reshape(-1)[packing.tokens][None]  # [1, N]
+    kwargs = _attention_kwargs(packing)
+    if head is not None:
+        hidden = head.decoder(input_ids=ids, **kwargs).last_hidden_state
+        logprobs, entropy = fused_token_logprobs(hidden, head.head.weight, ids, temperature, with_entropy)
+    else:
+        logits = model(input_ids=ids, **kwargs).logits
+        if with_entropy:
+            logprobs, entropy = token_logprobs_and_entropy(logits, ids, temperature)
+        else:
+            logprobs, entropy = token_logprobs(logits, ids, temperature), logits.new_zeros(0)
+    shape = micro.loss_mask.shape
+    logprobs = _unpacked(logprobs[0, packing.scored], packing, shape)
+    return logprobs, _unpacked(entropy[0, packing.scored], packing, shape) if with_entropy else None
+
+
+def _unpacked(values: Tensor, packing: Packing, shape: torch.Size) -> Tensor:
+    """[M] values of the scored packed positions into a zero [b, width - 1] (differentiable)."""
+    flat = values.new_zeros(shape.numel())
+    return flat.index_put((packing.targets_at,), values).view(shape)
