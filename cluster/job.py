@@ -95,7 +95,9 @@ class LoraSection(Section):
 
     rank: int = Field(16, gt=0, le=512, description="r: the adapter's rank")
     alpha: float = Field(32.0, gt=0, description="lora_alpha: the adapter's output is scaled by alpha / rank")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+    dropout: float = Field(0.0, ge=0, le=0, description="dropout on the adapter's input: 0 only, since the learner "
+                           "runs every policy forward without dropout (a step's log-probs and ratios must come from "
+                           "one function, as in TRL and AReaL)")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         min_length=1, description="names of the linear layers that get an adapter (the last part of the module "

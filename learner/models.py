@@ -191,3 +191,19 @@ def check_chat_template(model_path: str) -> None:
                              f"or one of {', '.join(['tiny', *KNOWN_MODELS])}") from error
     if not getattr(tokenizer, "chat_template", None):
         raise ModelPathError(f"model.path: the tokenizer at {model_path} has no chat template, which the tasks need")
+
+
+def without_dropout(model: object) -> int:
+    """Set every dropout of `model` to 0 (nn.Dropout modules, LoRA's among them, and the attention's
+    `attention_dropout` that transformers applies in training mode), so that a step's log-probs, ratios and
+    passes all see one function (TRL and AReaL do the same); the model stays in training mode, which gradient
+    checkpointing needs. Returns how many were above 0."""
+    from torch import nn
+
+    changed = 0
+    for module in model.modules():  # type: ignore[attr-defined]
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            module.p, changed = 0.0, changed + 1
+        if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
+            module.attention_dropout, changed = 0.0, changed + 1
+    return changed

@@ -35,6 +35,7 @@ from learner.fused_head import FusedHead, fused_head
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
 from learner.lora import LoraSpec, with_lora
 from learner.lr_schedule import LRSchedule, lr_factor
+from learner.models import without_dropout
 from learner.packing import packed_token_logprobs, packing_support
 from learner.publishing import Publisher
 from learner.step import (CarriedGroup, NonFiniteUpdate, StepValues, causal_logits, check_one_coefficient_per_sequence,
@@ -136,6 +137,8 @@ class LearnerRank:
         model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype)
         if spec.lora is not None:  # the base weights stay frozen: no gradients and no optimizer state for them
             model = with_lora(model, spec.lora)
+        if without_dropout(model) and rank == 0:  # one function for a step's log-probs, ratios and passes
+            log.info("learner rank 0: dropout set to 0 in the policy's forwards")
         if spec.gradient_checkpointing:  # activations recomputed in the backward, layer by layer
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
