@@ -398,7 +398,8 @@ class RewardSection(Section):
         "Hugging Face sequence-classification model with one output, scored in a Ray actor"
     )
     weight: float = Field(1.0, allow_inf_nan=False, description="its factor in the sum (negative: a penalty)")
-    path: str | None = Field(None, description="reward_model: a local model folder (config, weights, tokenizer)")
+    path: str | None = Field(None, description="reward_model: a local model folder (config, weights, tokenizer) or a "
+                             "Hugging Face hub id (downloaded once to the cache)")
     batch_size: int | None = Field(None, gt=0, description="reward_model: texts per forward pass (default 8)")
     timeout_s: float | None = Field(None, gt=0, description="reward_model: seconds one group's scoring may take; "
                                     "past it the group's samples fail and the actor is replaced (default 60)")

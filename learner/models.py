@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
@@ -177,6 +178,27 @@ def resolve_model(name_or_path: str) -> str:
     if name_or_path.startswith(("/", "./", "../", "~")) or path.exists():
         raise ModelPathError(f"model.path: no model folder at {path}")
     return name_or_path
+
+
+# owner/name, as the Hugging Face hub spells a model's id
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_model_folder(repo_id: str, field: str) -> str:
+    """The local folder of a hub model: downloaded once into the Hugging Face cache, as transformers and vLLM
+    do, and taken from there without the network (HF_HUB_OFFLINE=1) after that. A ModelPathError naming
+    `field`, the id and what to change when it neither downloads nor sits in the cache."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return str(snapshot_download(repo_id))
+    except Exception as error:  # noqa: BLE001 - offline, unknown, gated: the id and the setting are what to fix
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise ModelPathError(
+            f"{field}: {repo_id!r} is no local folder, and as a Hugging Face hub id it does not load here "
+            f"({type(error).__name__}: {first[:200]}); with no network (HF_HUB_OFFLINE=1, as here without "
+            "internet) it must be in the cache already (HF_HOME; `huggingface-cli download "
+            f"{repo_id}` where there is a network), else give {field} a local model folder") from error
 
 
 def check_chat_template(model_path: str) -> None:

@@ -152,11 +152,15 @@ def reward_model_problem(path: str) -> str | None:
     tokenizer), or None: from its config and tokenizer files, without the weights."""
     from transformers import AutoConfig, AutoTokenizer
 
-    if not Path(path).is_dir():  # and not a hub id: nothing is downloaded on the driver
-        return f"{path!r}: no such folder (a reward model is a local Hugging Face model folder)"
-    try:
+    if not Path(path).is_dir() and (path.startswith(("/", ".", "~")) or Path(path).exists() or path.count("/") != 1):
+        return f"{path!r}: no such folder (a reward model is a local Hugging Face model folder or a hub id)"
+    try:  # a hub id: its config and tokenizer come to the cache here, the actor loads the weights by the id
         config = AutoConfig.from_pretrained(path)
     except Exception as error:  # noqa: BLE001 - whatever transformers raises, the path is what to fix
+        if not Path(path).is_dir():
+            return (f"{path!r} is no local folder and does not load as a Hugging Face hub id: {error}"[:400]
+                    + "; with no network (HF_HUB_OFFLINE=1) it must be in the cache already (HF_HOME), else give a "
+                    "local model folder")
         return f"{path!r} does not load as a model: {error}"[:500]
     architectures = getattr(config, "architectures", None) or []
     if not any(name.endswith("ForSequenceClassification") for name in architectures):

@@ -284,10 +284,17 @@ class SavedModelError(StableAsyncError, ValueError):
 
 
 def saved_model_folder(model_or_run: Path) -> Path:
-    """The Hugging Face model folder `stableasync evaluate` loads: MODEL_OR_RUN itself, or a run directory's
-    `model/` (the policy a finished run saved)."""
+    """The Hugging Face model folder `stableasync evaluate` loads: MODEL_OR_RUN itself, a run directory's
+    `model/` (the policy a finished run saved), or a hub id's folder in the Hugging Face cache."""
+    from learner.models import HUB_ID, ModelPathError, hub_model_folder
+
     if (model_or_run / "config.json").is_file():
         return model_or_run
+    if not model_or_run.exists() and HUB_ID.match(str(model_or_run)):
+        try:
+            return Path(hub_model_folder(str(model_or_run), "MODEL_OR_RUN"))
+        except ModelPathError as error:
+            raise SavedModelError(str(error)) from error
     if (model_or_run / "job.yaml").is_file():  # a run directory
         model = model_or_run / "model"
         if (model / "config.json").is_file():
