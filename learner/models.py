@@ -209,8 +209,9 @@ def check_chat_template(model_path: str) -> None:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as error:  # a hub id with no network, a folder without tokenizer files
         raise ModelPathError(f"model.path: no tokenizer loads from {model_path!r} ({type(error).__name__}: "
-                             f"{str(error).splitlines()[0] if str(error) else ''}); give a local model folder, "
-                             f"or one of {', '.join(['tiny', *KNOWN_MODELS])}") from error
+                             f"{str(error).splitlines()[0] if str(error) else ''}); a hub id must be in the Hugging "
+                             "Face cache already when there is no network (HF_HUB_OFFLINE=1); else give a local model "
+                             f"folder, or one of {', '.join(['tiny', *KNOWN_MODELS])}") from error
     if not getattr(tokenizer, "chat_template", None):
         raise ModelPathError(f"model.path: the tokenizer at {model_path} has no chat template, which the tasks need")
 

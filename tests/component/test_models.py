@@ -73,7 +73,8 @@ def test_a_tokenizer_that_does_not_load_is_named(tmp_path):
     path = build_tiny_model(tmp_path / "m", CORPUS)
     (path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ModelPathError, match=rf"model.path: no tokenizer loads from '{path}' \(JSONDecodeError: "
-                                             r".*\); give a local model folder, or one of tiny, smollm2-135m"):
+                                             r".*\); a hub id must be in .*; else give a local model folder, or "
+                                             r"one of tiny, smollm2-135m"):
         check_chat_template(str(path))
 
 

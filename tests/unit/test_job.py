@@ -297,6 +297,8 @@ def test_a_hub_id_that_cannot_be_fetched_stops_train_with_its_reason_before_anyt
     assert done.stderr.startswith("stableasync train: model.path: no tokenizer loads from 'some-org/not-a-model' "
                                   "(OSError: "), done.stderr[-2000:]
     assert done.stderr.rstrip().endswith("give a local model folder, or one of tiny, smollm2-135m"), done.stderr
+    assert "a hub id must be in the Hugging Face cache already when there is no network (HF_HUB_OFFLINE=1)" in (
+        done.stderr)
     assert not runs.exists(), "no run directory for a job that never started"
 
 
