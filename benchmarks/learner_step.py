@@ -2,7 +2,7 @@
 
     python -m benchmarks.learner_step [--sequences 64] [--tokens 512] [--rounds 3] [--job deploy/jobs/demo.yaml]
         [--model-config smollm2-135m] [--budget 8192] [--configs tis_seq,vcpo-auto] [--dtype bfloat16]
-        [--profile tis_seq,vcpo-auto]
+        [--profile tis_seq,vcpo-auto] [--lengths lognormal:256:1024]
 
 One learner rank (DeepSpeed ZeRO-2: nccl and bfloat16 on a CUDA GPU, else gloo and float32 on the CPU) on
 the job's model, or on `--model-config`'s published architecture with random weights (benchmarks/model_configs.py:
@@ -19,6 +19,11 @@ is the CUDA allocator's peak; on the CPU the resident-set growth, sampled every 
 allocated, or the resident set): the model, its optimizer state and anything a configuration keeps beside
 them (the KL's reference copy). `--profile` runs one more step of each named configuration (all, without
 names) under torch.profiler and prints the share of it some GPU kernel was running and its top kernels.
+
+`--lengths lognormal:MEAN:MAX` draws each response's length instead (fixed seed): log-normal with mean MEAN and
+a 4x spread (the 90th percentile 4 times the 10th), clipped to [32, MAX] tokens. A configuration named
+`-padded` runs its stabilizer with learner.packed_micro_batches off (right-padded rows, a budget of rows x
+longest row); the table then gives each one's real tokens per second and, for each pair, packed over padded.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -48,6 +54,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "vcpo-bookkeeping": ("vcpo", {"opob_impl": "bookkeeping"}, {}),
     "vcpo-auto": ("vcpo", {"opob_impl": "auto"}, {}),  # the default
     "m2po": ("m2po", {}, {}),  # a no-grad pass over the batch first when it takes several micro-batches
+    # learner.packed_micro_batches false: right-padded rows, the budget counting rows x longest row
+    "tis_seq-padded": ("tis_seq", {}, {"packed_micro_batches": False}),
+    "m2po-padded": ("m2po", {}, {"packed_micro_batches": False}),
     # learner.gradient_checkpointing: activations recomputed layer by layer in the backward
     "tis_seq-gc": ("tis_seq", {}, {"gradient_checkpointing": True}),
     # algorithm.proximal: recompute, with one update and with learner.mini_batches 2 x learner.epochs 2
@@ -65,6 +74,9 @@ GROUP_SIZE = 8
 PROMPT_TOKENS = 16
 PROFILE_TOP_KERNELS = 10
 PROFILE_NAME_CHARS = 100  # kernel names are whole C++ template signatures
+SHORTEST_RESPONSE = 32
+SPREAD = 4.0  # --lengths: the 90th percentile over the 10th
+P90_Z = 1.2815515655446004  # the standard normal's 90th percentile
 
 
 def on_cuda() -> bool:
@@ -89,13 +101,28 @@ def _model_path(job_file: str) -> str:
     return prepare_model(job, build_task(job.task.name, job.task))
 
 
-def _batch(sequences: int, tokens: int, vocab: int):
+def response_lengths(spec: str | None, sequences: int, tokens: int) -> list[int]:
+    """Each response's tokens: `tokens` less the prompt for all, or `lognormal:MEAN:MAX` drawn with a fixed seed
+    (mean MEAN, the 90th percentile SPREAD times the 10th, clipped to [SHORTEST_RESPONSE, MAX])."""
+    if spec is None:
+        return [tokens - PROMPT_TOKENS] * sequences
+    kind, mean, most = spec.split(":")
+    if kind != "lognormal":
+        raise ValueError(f"--lengths: {kind!r} is not a known distribution (lognormal:MEAN:MAX)")
+    sigma = math.log(SPREAD) / (2 * P90_Z)
+    mu = math.log(float(mean)) - sigma**2 / 2
+    gen = torch.Generator().manual_seed(0)
+    drawn = torch.exp(mu + sigma * torch.randn(sequences, generator=gen, dtype=torch.float64))
+    return drawn.round().clamp(SHORTEST_RESPONSE, int(most)).long().tolist()
+
+
+def _batch(sequences: int, tokens: int, vocab: int, lengths: str | None = None):
     from learner.batch import collate
 
     gen = torch.Generator().manual_seed(0)
     samples = []
-    for i in range(sequences):
-        completion = torch.randint(3, vocab, (tokens - PROMPT_TOKENS,), generator=gen).tolist()
+    for i, length in enumerate(response_lengths(lengths, sequences, tokens)):
+        completion = torch.randint(3, vocab, (length,), generator=gen).tolist()
         samples.append(dict(
             prompt_ids=torch.randint(3, vocab, (PROMPT_TOKENS,), generator=gen).tolist(),
             completion_ids=completion,
@@ -233,13 +260,14 @@ def _configuration_child(args: argparse.Namespace, label: str) -> None:
     when asked for; one JSON line."""
     name, config, options = CONFIGS[label]
     learner = _learner(args.model_path, name, config, options, args.port, args.budget, args.dtype)
-    batch = _batch(args.sequences, args.tokens, args.vocab)
+    batch = _batch(args.sequences, args.tokens, args.vocab, args.lengths)
     metrics = learner.train_step(batch)  # warm-up: optimizer state and allocator pools exist before measuring
     held = held_bytes()
     times = [timed_seconds(lambda: learner.train_step(batch)) for _ in range(args.rounds)]
     peak = peak_growth(lambda: learner.train_step(batch))
     result = {"times": times, "peak_bytes": peak, "held_bytes": held,
-              "bookkeeping_share": metrics.get("opob/bookkeeping_share")}
+              "bookkeeping_share": metrics.get("opob/bookkeeping_share"), "tokens": int(batch.attention_mask.sum()),
+              "micro_batches": metrics["perf/micro_batches"]}
     if args.profile:
         result["profile"] = profile_step(lambda: learner.train_step(batch))
     print(json.dumps(result))
@@ -279,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one more step of these configurations (comma-separated; all measured ones without "
                              "names) under torch.profiler: GPU busy share and top kernels")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timings)")
+    parser.add_argument("--lengths", metavar="lognormal:MEAN:MAX",
+                        help="response lengths drawn log-normal (mean MEAN, 90th percentile 4x the 10th, clipped to "
+                             "[32, MAX]) instead of --tokens for every sequence")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
@@ -302,33 +333,53 @@ def main(argv: list[str] | None = None) -> None:
 
     model_path, model, vocab = benchmark_model(parser, args.model_config, args.dtype, lambda: _model_path(args.job))
     memory = "CUDA memory allocated" if on_cuda() else "resident set"
-    print(f"model {model}; {args.sequences} sequences x {args.tokens} tokens, micro-batches of {args.budget} tokens")
+    if args.lengths:
+        try:
+            drawn = response_lengths(args.lengths, args.sequences, args.tokens)
+        except ValueError as error:
+            parser.error(str(error))
+        real = sum(drawn) + PROMPT_TOKENS * len(drawn)
+        print(f"model {model}; {args.sequences} sequences of {PROMPT_TOKENS} prompt tokens and responses of "
+              f"{min(drawn)}-{max(drawn)} tokens ({args.lengths}, mean {sum(drawn) / len(drawn):.0f}): {real} real "
+              f"tokens, {len(drawn) * (max(drawn) + PROMPT_TOKENS)} padded to the longest; micro-batches of "
+              f"{args.budget} tokens")
+    else:
+        print(f"model {model}; {args.sequences} sequences x {args.tokens} tokens, micro-batches of {args.budget} "
+              "tokens")
     print(f"{device_name()}, {args.dtype}; ZeRO-2, 1 rank, {args.threads} torch thread(s); {args.rounds} timed steps "
           f"per configuration, each configuration in its own process; memory: {memory}")
     print(f"{'configuration':<22} {'step s (min)':>12} {'x tis_seq':>10} {'median x':>9} {'peak MiB':>9}"
-          f" {'x tis_seq':>10} {'book-kept':>9} {'held MiB':>9}", flush=True)
+          f" {'x tis_seq':>10} {'book-kept':>9} {'held MiB':>9} {'micro':>5} {'tokens/s':>9}", flush=True)
     reference: dict[str, Any] | None = None
+    results: dict[str, dict[str, Any]] = {}
     for label in labels:
         child = subprocess.run(
             [sys.executable, "-m", "benchmarks.learner_step", "--child", label, "--model-path", model_path,
              "--vocab", str(vocab), "--port", str(_free_port()), "--sequences", str(args.sequences),
              "--tokens", str(args.tokens), "--threads", str(args.threads), "--rounds", str(args.rounds),
-             "--budget", str(args.budget), "--dtype", args.dtype, *(["--profile"] if label in profiled else [])],
+             "--budget", str(args.budget), "--dtype", args.dtype, *(["--profile"] if label in profiled else []),
+             *(["--lengths", args.lengths] if args.lengths else [])],
             capture_output=True, text=True,
         )
         if child.returncode != 0:
             raise SystemExit(f"{label}: its process failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
-        result = json.loads(child.stdout.strip().splitlines()[-1])
+        result = results[label] = json.loads(child.stdout.strip().splitlines()[-1])
         reference = reference or result
         best, median = min(result["times"]), statistics.median(result["times"])
         share = result["bookkeeping_share"]
         print(f"{label:<22} {best:>12.3f} {best / min(reference['times']):>10.2f} "
               f"{median / statistics.median(reference['times']):>9.2f} {result['peak_bytes'] / 2**20:>9.0f} "
               f"{result['peak_bytes'] / reference['peak_bytes']:>10.2f} {'-' if share is None else f'{share:.2f}':>9} "
-              f"{result['held_bytes'] / 2**20:>9.0f}")
+              f"{result['held_bytes'] / 2**20:>9.0f} {result['micro_batches']:>5.0f} "
+              f"{result['tokens'] / best:>9.1f}")
         if "profile" in result:
             print_profile(label, result["profile"])
         sys.stdout.flush()
+    for label, result in results.items():
+        padded = results.get(f"{label}-padded")
+        if padded is not None:
+            print(f"{label}: packed tokens/s x padded: {min(padded['times']) / min(result['times']):.2f} (fastest "
+                  f"steps), {statistics.median(padded['times']) / statistics.median(result['times']):.2f} (medians)")
 
 
 if __name__ == "__main__":

@@ -83,10 +83,23 @@ def test_learner_step_times_its_configurations(tmp_path, labels):
         assert profile and "aten::" in profile.group(1), out
     for label in labels or CONFIGS:
         found = re.search(rf"^{re.escape(label)}\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s+(\d+)\s+({NUMBER})\s+"
-                          rf"(-|{NUMBER})\s+(\d+)$", out, re.MULTILINE)
+                          rf"(-|{NUMBER})\s+(\d+)\s+(\d+)\s+({NUMBER})$", out, re.MULTILINE)
         assert found, out
         assert float(found.group(1)) > 0 and (label != "tis_seq" or found.group(2) == found.group(3) == "1.00")
         assert (found.group(6) == "-") == (not label.startswith("vcpo")), out  # book-kept share: VCPO only
+
+
+def test_learner_step_compares_packed_and_padded_micro_batches_on_drawn_lengths(tmp_path):
+    out = _command(["benchmarks.learner_step", "--sequences", "8", "--lengths", "lognormal:48:128", "--budget", "256",
+                    "--rounds", "1", "--configs", "tis_seq-padded"], tmp_path)
+    assert re.search(r"^model .*; 8 sequences of 16 prompt tokens and responses of \d+-\d+ tokens "
+                     r"\(lognormal:48:128, mean \d+\): \d+ real tokens", out, re.MULTILINE), out
+    rows = {label: re.search(rf"^{label}\s+.*\s(\d+)\s+({NUMBER})$", out, re.MULTILINE) for label in
+            ("tis_seq", "tis_seq-padded")}
+    assert all(rows.values()), out
+    assert int(rows["tis_seq"].group(1)) <= int(rows["tis_seq-padded"].group(1)), out  # packed: no more micro-batches
+    assert re.search(rf"^tis_seq: packed tokens/s x padded: {NUMBER} \(fastest steps\), {NUMBER} \(medians\)$", out,
+                     re.MULTILINE), out
 
 
 def test_generation_compares_vllm_with_transformers(tmp_path):
