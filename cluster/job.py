@@ -247,6 +247,10 @@ class KLSection(Section):
         "stability/kl_ref_mean (per token) at this value, by at most 20% of the gap per `horizon` sequences"
     )
     horizon: int = Field(10000, gt=0, description="adaptive coefficient: sequences over which it may move by 20%")
+    reference: Literal["rl_start", "model"] = Field(
+        "rl_start", description="the policy the KL measures against: rl_start, the policy RL starts from (after "
+        "model.sft_warmup, which is written to RUN_DIR/reference and loaded from there; verl's and OpenRLHF's "
+        "reference), or model, model.path as it loads (before any warm-up)")
 
 
 class AlgorithmSection(Section):
@@ -647,6 +651,10 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                         "yet; use streaming: false")]
         errors += [JobError(field, why) for field, refused, why in lora_limits if refused]
     kl = job.algorithm.kl
+    if kl is not None and kl.reference == "rl_start" and job.model.lora is not None and job.model.sft_warmup.steps:
+        errors.append(JobError("algorithm.kl.reference", "rl_start after an SFT warm-up is not there with LoRA: the "
+                               "reference is the base model with the adapter switched off, the policy before the "
+                               "warm-up; set algorithm.kl.reference: model to measure against it"))
     stabilizer_normalises = getattr(job.algorithm.stabilizer, "norm_by_std", None)  # VCPO forms its own advantages
     std_normalised = (job.algorithm.advantage == "grpo" if stabilizer_normalises is None else stabilizer_normalises)
     if kl is not None and kl.in_ == "reward" and std_normalised:

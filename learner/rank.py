@@ -86,6 +86,7 @@ class LearnerSpec:
     kl_horizon: int = 10000  # adaptive coefficient: sequences over which it moves by at most 20%
     entropy_coef: float = 0.0  # entropy bonus: minus coef times the aggregated token entropy in the loss
     lora: LoraSpec | None = None  # train a LoRA adapter only (learner/lora.py); None: every weight
+    reference_path: str | None = None  # the KL reference's model folder; None: model_path
     # each micro-batch's rows as one sequence without padding (learner/packing.py), its budget counting real tokens;
     # VCPO's per-sample norms keep padded rows
     packed_micro_batches: bool = True
@@ -163,7 +164,9 @@ class LearnerRank:
             torch.zeros(1), torch.zeros(1), torch.zeros(1, dtype=torch.long)) is not None
         self.score_buffer_bytes = 4 * sum(p.numel() for p in self.engine.module.parameters() if p.requires_grad)
         # with LoRA the reference is the same model with its adapter switched off: no second copy
-        self.reference = (self._reference_model(config, dtype) if spec.kl_coef > 0 and spec.lora is None else None)
+        self.reference_config, self.dtype = config, dtype
+        self.reference = (self._reference_model(spec.reference_path or spec.model_path)
+                          if spec.kl_coef > 0 and spec.lora is None else None)
         # no [tokens, vocabulary] logits where the output layer fuses with the log-softmax (whole weights: not ZeRO-3)
         self.fused_head = self._fused_head(self.engine.module)
         self.reference_head = (self._fused_head(self.reference) if self.reference is not None
@@ -173,14 +176,15 @@ class LearnerRank:
         # the latest train_step's [B] sequence log-ratios, kept on the device until the rollout samples ask
         self.last_sequence_log_ratios = torch.zeros(0)
 
-    def _reference_model(self, config: dict[str, Any], dtype: torch.dtype) -> Any:
+    def _reference_model(self, path: str) -> Any:
         """The frozen initial policy the KL term measures against, loaded a second time. Under ZeRO-3 it is a
         DeepSpeed engine without an optimizer, so each rank keeps only its partition (as OpenRLHF's reference
         does); otherwise a plain copy on the rank's device, which costs one more set of weights and no
         optimizer state."""
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.spec.model_path, dtype=dtype).requires_grad_(False)
+        config, dtype = self.reference_config, self.dtype
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).requires_grad_(False)
         if self.spec.zero_stage != 3:
             return model.to(self.device).eval()
         import deepspeed
@@ -190,6 +194,18 @@ class LearnerRank:
         engine, *_ = deepspeed.initialize(model=model, config=frozen)
         engine.eval()  # DeepSpeed's eval() returns None
         return engine
+
+    def load_reference(self, folder: str) -> None:
+        """The KL reference from `folder` (the policy as RL starts, which the driver wrote after the warm-up),
+        in place of the one loaded at start-up; a collective under ZeRO-3."""
+        if self.reference is None:
+            return
+        self.reference = self._reference_model(folder)
+        self.reference_head = self._fused_head(self.reference)
+        if getattr(self, "_packing", False):  # packing was set up with the old reference: the new one's attention too
+            self._packing, why = packing_support(getattr(self.reference, "module", self.reference))
+            if not self._packing and self.rank == 0:
+                log.info("learner rank 0: %s: padded micro-batches", why)
 
     def _fused_head(self, model: Any) -> FusedHead | None:
         """The model's fused output layer and log-softmax, or None (logged once) where its logits are kept."""

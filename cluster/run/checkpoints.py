@@ -23,6 +23,7 @@ log = logging.getLogger("stableasync")
 
 CHECKPOINTS = "checkpoints"
 MODEL = "model"
+REFERENCE = "reference"  # the KL reference as RL starts (algorithm.kl.reference rl_start after a warm-up)
 LEARNER = "learner"
 TAG = "state"
 

@@ -21,8 +21,8 @@ from algorithms.config import STABILIZER_CONFIGS
 from cluster.job import (Job, JobError, JobValidationError, KLSection, dump_job, environment_spec, evaluation_sets,
                          job_task, section_config)
 from cluster.run import runtime
-from cluster.run.checkpoints import (CHECKPOINTS, MODEL, ModelSaveFailed, readable_checkpoints, restore_learners,
-                                     write_model)
+from cluster.run.checkpoints import (CHECKPOINTS, MODEL, REFERENCE, ModelSaveFailed, readable_checkpoints,
+                                     restore_learners, write_model)
 from cluster.run.faults import LEARNER_GROUP_FAILURES, CannotResume, LearnerCrashed, learners_may_crash
 from cluster.run.loop import AsyncLoop
 from cluster.run.model_prep import check_tools, prepare_model, sft_samples
@@ -96,7 +96,8 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     _check_resources(job)
     _check_shared_paths(run_dir, model_path)
     names = run_dir.name + (f"-restart{attempt}" if attempt else "")
-    learners = runtime.LearnerGroup(_learner_spec(job, model_path), job.learner.num_ranks,
+    reference = run_dir / REFERENCE  # written after the warm-up; a resumed run's learners load it again
+    learners = runtime.LearnerGroup(_learner_spec(job, model_path, reference), job.learner.num_ranks,
                                     job.learner.cpus_per_rank, job.learner.gpus_per_rank, name_prefix=names,
                                     placement_timeout_s=job.cluster.placement_timeout_s,
                                     node_resource=job.cluster.learner_resource)
@@ -123,6 +124,8 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
                           job.logging.progress_bar, job.learner.steps, alerts=job.logging.alerts)
         if state is None and job.model.sft_warmup.steps:
             _sft_warmup(job, task, model_path, learners, sink)
+            if _reference_at_rl_start(job):  # written whole (renamed when complete), then every rank loads it
+                learners.load_reference(str(write_model(reference, learners.save_model)))
         loop = AsyncLoop(job, task, evaluation, learners, generators, ledger, sink, run_dir, start_generator,
                          placement["generator_nodes"], stop or StopRequest())
         if state is not None:
@@ -228,7 +231,13 @@ def _log_micro_batch_budgets(learners: runtime.LearnerGroup) -> None:
         log.info("learner rank %d: %s", index, why)
 
 
-def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
+def _reference_at_rl_start(job: Job) -> bool:
+    """Whether the KL reference is the policy after the SFT warm-up (algorithm.kl.reference rl_start)."""
+    kl = job.algorithm.kl
+    return kl is not None and kl.reference == "rl_start" and job.model.sft_warmup.steps > 0 and job.model.lora is None
+
+
+def _learner_spec(job: Job, model_path: str, reference: Path | None = None) -> LearnerSpec:
     stabilizer = job.algorithm.stabilizer
     return LearnerSpec(
         model_path=model_path, zero_stage=job.learner.zero_stage, learning_rate=job.learner.learning_rate,
@@ -248,6 +257,8 @@ def _learner_spec(job: Job, model_path: str) -> LearnerSpec:
         proximal_eps_low=job.algorithm.proximal_eps_low, proximal_eps_high=job.algorithm.proximal_eps_high,
         mini_batches=job.learner.mini_batches, epochs=job.learner.epochs, **_kl_values(job.algorithm.kl),
         entropy_coef=job.algorithm.entropy_coef, lora=lora_spec(job),
+        reference_path=(str(reference) if reference is not None and _reference_at_rl_start(job)
+                        and (reference / "config.json").is_file() else None),
     )
 
 

@@ -310,6 +310,10 @@ class LearnerGroup:
         refs = [rank.sft_step.remote(shard, learning_rate) for rank, shard in zip(self.ranks, shards)]
         return self.results(refs, "sft_step")[0]
 
+    def load_reference(self, folder: str) -> None:
+        """Every rank's KL reference from `folder` (a collective under ZeRO-3)."""
+        self.results([rank.load_reference.remote(folder) for rank in self.ranks], "load_reference")
+
     def sequence_log_ratios(self) -> list[float]:
         """Rank 0's learner/behaviour sequence log-ratios of its latest step (its shard's rows, in order)."""
         return ray.get(self.ranks[0].sequence_log_ratios.remote())

@@ -147,3 +147,34 @@ def test_the_entropy_bonus_gradient_is_the_formulas(tiny_qwen2, tmp_path):
                 p.sub_(sign * step * g)
     slope = (values[0] - values[1]) / (2 * step)
     assert slope == pytest.approx(float(norm) ** 2, rel=2e-2)
+
+
+def _reference_main(rank: int, model_path: str, port: int, folder: str, out: str) -> None:
+    """A KL job's warm-up, then the reference taken from the warmed-up policy (as the driver does with
+    algorithm.kl.reference rl_start): the first RL step's KL, against the start-up reference and the new one."""
+    from algorithms import registry
+    from learner.batch import collate
+    from learner.rank import LearnerRank, LearnerSpec
+
+    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
+                       stabilizer_name="tis_token", stabilizer_config=registry.build("tis_token").config,
+                       kl_coef=1e-6, kl_estimator="low_var+")
+    learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
+    batch = collate(_batch_samples(), 0)
+    for _ in range(3):
+        learner.sft_step(batch, 1e-2)
+    before = learner.train_step(batch)["stability/kl_ref_mean"]  # against model_path: the warm-up moved away
+    learner.save_model(folder)
+    learner.load_reference(folder)
+    after = learner.train_step(batch)["stability/kl_ref_mean"]  # against the policy as it is now
+    torch.save({"before": before, "after": after}, out)
+    _leave_group()
+
+
+def test_the_reference_can_be_the_policy_after_the_warm_up(tiny_qwen2, tmp_path):
+    out = tmp_path / "reference.pt"
+    mp.start_processes(_reference_main, args=(tiny_qwen2, _free_port(), str(tmp_path / "reference"), str(out)),
+                       nprocs=1, start_method="spawn", join=True)
+    result = torch.load(out, weights_only=True)
+    assert result["before"] > 1e-4  # the warm-up's own distance from the loaded model
+    assert result["after"] == 0.0, result  # the step starts from the reference itself

@@ -642,6 +642,18 @@ def _assert_the_last_checkpoint_exports_the_saved_model(run_dir: Path, capsys) -
     assert (run_dir / "model-step-000004" / "tokenizer.json").exists()
 
 
+@pytest.mark.slow  # 50 s; tests/component/test_regularizers.py checks the ranks' reload in the default suite
+def test_the_kl_reference_is_the_policy_after_the_warm_up(local_ray, tmp_path):
+    """algorithm.kl.reference rl_start (the default): the driver writes the warmed-up policy to RUN_DIR/reference
+    and the ranks measure the KL against it, so the first RL step's KL is 0, not the warm-up's distance."""
+    result = _run(tmp_path, max_lag=0, steps=2, logging={"run_name": "reference"}, learner={"num_ranks": 1},
+                  algorithm={"kl": {"coef": 0.01}})
+    assert (result.run_dir / "reference" / "config.json").is_file()
+    metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    kl = [m["stability/kl_ref_mean"] for m in metrics if "stability/kl_ref_mean" in m]
+    assert len(kl) == 2 and kl[0] == 0.0 < kl[1]
+
+
 def test_a_lora_job_with_kl_and_entropy_trains_the_adapter_and_exports_it(local_ray, tmp_path, capsys):
     """model.lora: the learners train an adapter, the generator samples with each version's adapter, the
     saved model and the checkpoint's export are the same merged model, each with the adapter beside it, and
@@ -656,7 +668,7 @@ def test_a_lora_job_with_kl_and_entropy_trains_the_adapter_and_exports_it(local_
     job = _job(tmp_path, max_lag=0, steps=2, logging={"run_name": "lora"}, checkpoint={"every_steps": 1},
                learner={"num_ranks": 1},
                model={"lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}},
-               algorithm={"kl": {"coef": 0.01}, "entropy_coef": 0.001})
+               algorithm={"kl": {"coef": 0.01, "reference": "model"}, "entropy_coef": 0.001})
     from cluster.run.driver import train
 
     result = train(validate_job(job))

@@ -374,6 +374,14 @@ def test_kl_and_entropy_settings_validate_and_bad_ones_name_their_field():
     assert validate_job({**MINIMAL, "algorithm": {"kl": {"estimator": "k1", "in": "reward"}, "advantage": "dr_grpo"}})
 
 
+def test_the_kl_reference_is_the_policy_rl_starts_from_unless_lora_cannot_give_it():
+    job = validate_job({**MINIMAL, "algorithm": {"kl": {}}})
+    assert job.algorithm.kl.reference == "rl_start"
+    lora_warm = {**MINIMAL, "model": {"lora": {"rank": 8}, "sft_warmup": {"steps": 5}}, "algorithm": {"kl": {}}}
+    assert "set algorithm.kl.reference: model" in _errors(lora_warm)["algorithm.kl.reference"]
+    assert validate_job({**lora_warm, "algorithm": {"kl": {"reference": "model"}}})
+
+
 def test_kl_in_the_reward_is_refused_before_a_std_normalisation_naming_both_fields():
     """GRPO's std would rescale a group of equal rewards' KL differences to unit advantages."""
     grpo = _errors({**MINIMAL, "algorithm": {"kl": {"in": "reward"}}})["algorithm.kl.in"]
