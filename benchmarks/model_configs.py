@@ -65,7 +65,7 @@ def model_folder(name_or_path: str, dtype: str) -> str:
         transformers_config(name_or_path)  # raises, naming the known configs
     import transformers
 
-    from learner.models import _atomic_build, default_cache
+    from learner.models import atomic_build, default_cache
 
     def build(folder: Path) -> None:
         from transformers import AutoModelForCausalLM
@@ -79,7 +79,7 @@ def model_folder(name_or_path: str, dtype: str) -> str:
 
     model_type, values = ARCHITECTURES[name_or_path]
     params = {"model_type": model_type, "config": values, "dtype": dtype, "transformers": transformers.__version__}
-    return str(_atomic_build(default_cache() / "models" / f"random-{name_or_path}-{dtype}", params, build))
+    return str(atomic_build(default_cache() / "models" / f"random-{name_or_path}-{dtype}", params, build))
 
 
 def benchmark_model(parser: Any, model_config: str | None, dtype: str, fallback: Callable[[], str]

@@ -56,11 +56,11 @@ def _measure(job, model_path: str, rounds: int) -> dict[str, float]:
     from transformers import AutoConfig
 
     from cluster.run import runtime
-    from cluster.run.driver import _generator_spec, _learner_spec
+    from cluster.run.specs import generator_spec, learner_spec
 
-    learners = runtime.LearnerGroup(_learner_spec(job, model_path), 1, 1.0, 0.0)
-    generator_spec = _generator_spec(job, model_path)
-    generator = runtime.start_generator(generator_spec, 0, 1.0)
+    learners = runtime.LearnerGroup(learner_spec(job, model_path), 1, 1.0, 0.0)
+    spec = generator_spec(job, model_path)
+    generator = runtime.start_generator(spec, 0, 1.0)
     ray.get(generator.ready.remote())
 
     @ray.remote(num_cpus=0)
@@ -73,13 +73,13 @@ def _measure(job, model_path: str, rounds: int) -> dict[str, float]:
         def get(self, refs: list[ray.ObjectRef]) -> int:
             return int(ray.get(refs[0]).nbytes)
 
-    size = ray.get(learners.publish(generator_spec.dtype)).nbytes
+    size = ray.get(learners.publish(spec.dtype)).nbytes
     batch = _batch(job, vocab=AutoConfig.from_pretrained(model_path).vocab_size)
     writer, reader = Writer.remote(), Reader.remote()
     sync_s, reload_s, raw_s, step_s = [], [], [], []
     for version in range(1, rounds + 1):
         start = time.perf_counter()
-        reload_s.append(ray.get(generator.update_weights.remote(learners.publish(generator_spec.dtype), version)))
+        reload_s.append(ray.get(generator.update_weights.remote(learners.publish(spec.dtype), version)))
         sync_s.append(time.perf_counter() - start)
         start = time.perf_counter()
         ray.get(reader.get.remote(ray.get(writer.put.remote(size))))

@@ -243,7 +243,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from cluster.run.checkpoints import LEARNER, TAG, ModelSaveFailed, readable_checkpoints, write_model
-    from cluster.run.driver import lora_spec
+    from cluster.run.specs import lora_spec
     from cluster.job import job_task
     from cluster.run.model_prep import prepare_model
     from learner.export import save_checkpoint_model

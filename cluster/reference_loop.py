@@ -24,7 +24,7 @@ from statistics import mean
 
 from actors.buffer import ScoredGroup
 from actors.generator import GeneratedGroup, GenerationRequest, Generator
-from cluster.run.driver import _generator_spec, _learner_spec
+from cluster.run.specs import generator_spec, learner_spec
 from cluster.job import Job, job_task, load_job
 from cluster.run.model_prep import prepare_model, sft_samples
 from learner.batch import collate
@@ -49,9 +49,9 @@ def run(job: Job, steps: int) -> list[float]:
     """Train `steps` RL steps after the job's supervised warm-up; the mean reward of each step's samples."""
     task = job_task(job)
     model_path = prepare_model(job, task)  # the tiny model is built offline; SmolLM2 comes from its wheel
-    learner = LearnerRank(_learner_spec(job, model_path), rank=0, world_size=1, master_addr="127.0.0.1",
+    learner = LearnerRank(learner_spec(job, model_path), rank=0, world_size=1, master_addr="127.0.0.1",
                           master_port=_free_port())
-    generator = Generator(_generator_spec(job, model_path))
+    generator = Generator(generator_spec(job, model_path))
 
     # A short supervised warm-up teaches the answer format, so that some rewards are above 0.
     demonstrations = task.problems("sft", job.seed + 1)

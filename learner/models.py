@@ -33,7 +33,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _atomic_build(out_dir: Path, params: dict, build: Callable[[Path], None]) -> Path:
+def atomic_build(out_dir: Path, params: dict, build: Callable[[Path], None]) -> Path:
     """Run `build` into a temporary sibling folder and move it into place, unless already built."""
     marker = out_dir / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == params:
@@ -100,7 +100,7 @@ def build_tiny_model(
         model.generation_config.bos_token_id = ids["<|im_start|>"]
         model.save_pretrained(folder)
 
-    return _atomic_build(Path(out_dir), params, build)
+    return atomic_build(Path(out_dir), params, build)
 
 
 def _train_tokenizer(lines: list[str], vocab_size: int):  # -> PreTrainedTokenizerFast
@@ -156,7 +156,7 @@ def prepare_smollm2(cache_dir: Path | None = None) -> Path:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
-    return _atomic_build(out_dir, {"source": SMOLLM2_GGUF, "format": "fp32-safetensors"}, build)
+    return atomic_build(out_dir, {"source": SMOLLM2_GGUF, "format": "fp32-safetensors"}, build)
 
 
 KNOWN_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m": prepare_smollm2}

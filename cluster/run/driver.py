@@ -16,10 +16,8 @@ from typing import Any
 import ray
 
 from actors.buffer import Ledger, keep_first_lines
-from actors.generator import GeneratorSpec
-from algorithms.config import STABILIZER_CONFIGS
-from cluster.job import (Job, JobError, JobValidationError, KLSection, dump_job, environment_spec, evaluation_sets,
-                         job_task, section_config)
+from cluster.job import (Job, JobError, JobValidationError, dump_job, environment_spec, evaluation_sets,
+                         job_task)
 from cluster.run import runtime
 from cluster.run.checkpoints import (CHECKPOINTS, MODEL, REFERENCE, ModelSaveFailed, readable_checkpoints,
                                      restore_learners, write_model)
@@ -27,11 +25,11 @@ from cluster.run.faults import LEARNER_GROUP_FAILURES, CannotResume, LearnerCras
 from cluster.run.loop import AsyncLoop
 from cluster.run.model_prep import check_tools, prepare_model, sft_samples
 from cluster.run.rewards import check_reward_models
+from cluster.run.specs import generator_spec, learner_spec, reference_at_rl_start
 from cluster.run.stopping import StopRequest
 from cluster.telemetry.metrics import SAMPLES_FILE, MetricSink
 from learner.batch import collate
-from learner.lora import LoraSpec, missing_target_modules
-from learner.rank import LearnerSpec
+from learner.lora import missing_target_modules
 from tasks.base import Task
 
 log = logging.getLogger("stableasync")
@@ -97,7 +95,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     _check_shared_paths(run_dir, model_path)
     names = run_dir.name + (f"-restart{attempt}" if attempt else "")
     reference = run_dir / REFERENCE  # written after the warm-up; a resumed run's learners load it again
-    learners = runtime.LearnerGroup(_learner_spec(job, model_path, reference), job.learner.num_ranks,
+    learners = runtime.LearnerGroup(learner_spec(job, model_path, reference), job.learner.num_ranks,
                                     job.learner.cpus_per_rank, job.learner.gpus_per_rank, name_prefix=names,
                                     placement_timeout_s=job.cluster.placement_timeout_s,
                                     node_resource=job.cluster.learner_resource)
@@ -124,7 +122,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
                           job.logging.progress_bar, job.learner.steps, alerts=job.logging.alerts)
         if state is None and job.model.sft_warmup.steps:
             _sft_warmup(job, task, model_path, learners, sink)
-            if _reference_at_rl_start(job):  # written whole (renamed when complete), then every rank loads it
+            if reference_at_rl_start(job):  # written whole (renamed when complete), then every rank loads it
                 learners.load_reference(str(write_model(reference, learners.save_model)))
         loop = AsyncLoop(job, task, evaluation, learners, generators, ledger, sink, run_dir, start_generator,
                          placement["generator_nodes"], stop or StopRequest())
@@ -200,15 +198,9 @@ def _check_lora_targets(job: Job, model_path: str) -> None:
                                                      f"of the model {model_path}")])
 
 
-def lora_spec(job: Job) -> LoraSpec | None:
-    """The learner's and generators' LoraSpec of the job's model.lora (None: full fine-tuning)."""
-    lora = job.model.lora
-    return None if lora is None else LoraSpec(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
-
-
 def _generator_starter(job: Job, model_path: str, name_prefix: str) -> Callable[[int], Any]:
     """Starts generator `index` of this job (its engine loads in the background)."""
-    spec, g = _generator_spec(job, model_path), job.generator
+    spec, g = generator_spec(job, model_path), job.generator
     # Elastic members are not restarted in place: a dead one leaves, and a new one joins on a free unit.
     max_restarts = 0 if g.max_generators is not None else g.max_restarts
     return functools.partial(runtime.start_generator, spec, cpus=g.cpus_per_generator, max_restarts=max_restarts,
@@ -229,62 +221,6 @@ def _log_micro_batch_budgets(learners: runtime.LearnerGroup) -> None:
                     for rank in learners.ranks])
     for index, why in enumerate(whys):
         log.info("learner rank %d: %s", index, why)
-
-
-def _reference_at_rl_start(job: Job) -> bool:
-    """Whether the KL reference is the policy after the SFT warm-up (algorithm.kl.reference rl_start)."""
-    kl = job.algorithm.kl
-    return kl is not None and kl.reference == "rl_start" and job.model.sft_warmup.steps > 0 and job.model.lora is None
-
-
-def _learner_spec(job: Job, model_path: str, reference: Path | None = None) -> LearnerSpec:
-    stabilizer = job.algorithm.stabilizer
-    return LearnerSpec(
-        model_path=model_path, zero_stage=job.learner.zero_stage, learning_rate=job.learner.learning_rate,
-        total_steps=job.learner.steps, lr_warmup_steps=job.learner.lr_warmup_steps,
-        lr_schedule=job.learner.lr_schedule, lr_min_ratio=job.learner.lr_min_ratio,
-        weight_decay=job.learner.weight_decay, adam_eps=job.learner.adam_eps,
-        grad_clip=job.learner.grad_clip,
-        temperature=job.generator.temperature, stabilizer_name=stabilizer.name,
-        stabilizer_config=section_config(stabilizer, STABILIZER_CONFIGS), advantage=job.algorithm.advantage,
-        loss_aggregation=job.algorithm.loss_aggregation, constant_tokens=job.algorithm.constant_tokens,
-        dtype=job.model.dtype_on(gpu=job.learner.gpus_per_rank > 0), seed=job.seed,
-        backend="nccl" if job.learner.gpus_per_rank else "gloo",
-        max_tokens_per_micro_batch=job.learner.max_tokens_per_micro_batch,
-        max_sequence_tokens=job.generator.max_model_len, device_share=min(1.0, job.learner.gpus_per_rank or 1.0),
-        gradient_checkpointing=job.learner.gradient_checkpointing,
-        packed_micro_batches=job.learner.packed_micro_batches, proximal=job.algorithm.proximal,
-        proximal_eps_low=job.algorithm.proximal_eps_low, proximal_eps_high=job.algorithm.proximal_eps_high,
-        mini_batches=job.learner.mini_batches, epochs=job.learner.epochs, **_kl_values(job.algorithm.kl),
-        entropy_coef=job.algorithm.entropy_coef, lora=lora_spec(job),
-        reference_path=(str(reference) if reference is not None and _reference_at_rl_start(job)
-                        and (reference / "config.json").is_file() else None),
-    )
-
-
-def _kl_values(kl: KLSection | None) -> dict[str, Any]:
-    """The LearnerSpec fields of the job's KL term (none: coefficient 0, no reference model)."""
-    if kl is None:
-        return {}
-    return {"kl_coef": kl.coef, "kl_estimator": kl.estimator, "kl_in": kl.in_, "kl_target": kl.target,
-            "kl_horizon": kl.horizon}
-
-
-# async.weight_sync -> the vLLM weight-transfer engine that loads the weights in each generator
-WEIGHT_TRANSFER_ENGINES = {"object_store": "stableasync_packed", "gloo": "stableasync_gloo", "nccl": "nccl"}
-
-
-def _generator_spec(job: Job, model_path: str) -> GeneratorSpec:
-    g = job.generator
-    return GeneratorSpec(
-        model_path=model_path, samples_per_prompt=g.samples_per_prompt, max_new_tokens=g.max_new_tokens,
-        temperature=g.temperature, top_p=g.top_p, max_model_len=g.max_model_len, kv_cache_mb=g.kv_cache_mb,
-        dtype=job.model.dtype_on(gpu=g.gpus_per_generator > 0), seed=job.seed, gpus=g.gpus_per_generator,
-        tensor_parallel_size=g.tensor_parallel_size, gpu_memory_utilization=g.gpu_memory_utilization,
-        cuda_graphs=g.cuda_graphs, prefix_caching=g.prefix_caching, max_num_seqs=g.max_num_seqs,
-        weight_transfer=WEIGHT_TRANSFER_ENGINES[job.async_.weight_sync], streaming=g.streaming, lora=lora_spec(job),
-        environment=environment_spec(job),
-    )
 
 
 def shared_path_errors(run_dir: Path, model_path: str, missing: dict[str, list[str]]) -> list[JobError]:

@@ -312,10 +312,10 @@ def evaluate_saved_model(job: Job, model_path: Path, sets: Sequence[EvaluationSe
     prints and writes them."""
     from actors.generator import Generator
     from cluster.job import section_config
-    from cluster.run.driver import _generator_spec
+    from cluster.run.specs import generator_spec
     from tasks.config import TASK_CONFIGS
 
-    spec = dataclasses.replace(_generator_spec(job, str(model_path)), lora=None, streaming=False)  # a merged model
+    spec = dataclasses.replace(generator_spec(job, str(model_path)), lora=None, streaming=False)  # a merged model
     generator = Generator(spec)
     verifiers = verifier_pool(job.scoring, job.task.name, section_config(job.task, TASK_CONFIGS))
     try:

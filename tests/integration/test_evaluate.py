@@ -45,6 +45,7 @@ def test_evaluate_answers_every_set_and_writes_each_ones_results(tmp_path, tiny_
         assert 0.0 <= result["solved"] <= result["pass_at_k"] <= 1.0 and result["score_errors"] == 0
         assert 0 < result["response_len"] <= 8 and 0.0 <= result["reward_mean"] <= 1.0
     header, *rows = [line for line in printed.splitlines() if line.startswith(("set ", "default ", "sums "))]
-    assert header.split() == ["set", "solved", "(avg@k)", "pass@k", "k", "problems", "answers"]
-    assert [row.split()[0] for row in rows] == ["default", "sums"] and rows[1].split()[3:] == ["2", "3", "6"]
+    assert header.split() == ["set", "solved", "(avg@k)", "pass@k", "maj@k", "k", "problems", "answers"]
+    assert [row.split()[0] for row in rows] == ["default", "sums"] and rows[1].split()[4:] == ["2", "3", "6"]
+    assert 0.0 <= named["maj_at_k"] <= named["pass_at_k"]  # a majority answer that is right is one right answer
     assert f"results: {out}" in printed

@@ -19,14 +19,14 @@ GPU_JOB = {"task": {"name": "arithmetic"},
            "learner": {"gpus_per_rank": 1}}
 
 
-def _generator_spec(data: dict) -> GeneratorSpec:
-    from cluster.run.driver import _generator_spec
+def generator_spec(data: dict) -> GeneratorSpec:
+    from cluster.run.specs import generator_spec
 
-    return _generator_spec(validate_job(data), "/models/policy")
+    return generator_spec(validate_job(data), "/models/policy")
 
 
 def test_a_cpu_generator_gets_the_cpu_work_arounds():
-    spec = _generator_spec({"task": {"name": "arithmetic"}})
+    spec = generator_spec({"task": {"name": "arithmetic"}})
     args = engine_args(spec, index=3)
     assert CPU_ONLY <= set(args) and args["kv_cache_memory_bytes"] == 64 << 20
     assert args["distributed_executor_backend"] == "uni" and args["enforce_eager"] is True
@@ -35,7 +35,7 @@ def test_a_cpu_generator_gets_the_cpu_work_arounds():
 
 
 def test_a_gpu_generator_gets_the_jobs_gpu_settings_and_no_cpu_work_around():
-    spec = _generator_spec(GPU_JOB)
+    spec = generator_spec(GPU_JOB)
     args = engine_args(spec)
     assert not CPU_ONLY & set(args)
     assert args["tensor_parallel_size"] == 2 and args["distributed_executor_backend"] == "ray"
@@ -52,7 +52,7 @@ def test_a_gpu_generator_gets_the_jobs_gpu_settings_and_no_cpu_work_around():
 def test_vllm_accepts_the_engine_arguments(job):
     from vllm.engine.arg_utils import EngineArgs
 
-    args = engine_args(_generator_spec(job))
+    args = engine_args(generator_spec(job))
     engine = EngineArgs(**args)
     transfer = args.pop("weight_transfer_config")
     assert {name: getattr(engine, name) for name in args} == args
@@ -60,7 +60,7 @@ def test_vllm_accepts_the_engine_arguments(job):
 
 
 def test_every_engine_setting_of_the_job_reaches_the_generator():
-    spec = _generator_spec(GPU_JOB)
+    spec = generator_spec(GPU_JOB)
     section = validate_job(GPU_JOB).generator
     for name in ("tensor_parallel_size", "gpu_memory_utilization", "cuda_graphs", "prefix_caching", "max_num_seqs",
                  "kv_cache_mb", "max_model_len", "temperature", "top_p"):
@@ -71,7 +71,7 @@ def test_every_engine_setting_of_the_job_reaches_the_generator():
 def test_a_tensor_parallel_generator_is_placed_on_its_own_gpus_on_one_node():
     from cluster.run.runtime import generator_bundles
 
-    spec = _generator_spec(GPU_JOB)
+    spec = generator_spec(GPU_JOB)
     assert generator_bundles(dataclasses.replace(spec, tensor_parallel_size=1, gpus=1.0), 4.0) == []
     bundles = generator_bundles(dataclasses.replace(spec, tensor_parallel_size=4, gpus=4.0), 4.0, "generator")
     assert bundles == [{"CPU": 4.0, "GPU": 1.0, "generator": 1.0}] + [{"GPU": 1.0}] * 3
