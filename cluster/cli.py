@@ -30,7 +30,7 @@ def _validate(args: argparse.Namespace) -> int:
     job = _load(args.job, args.set)
     if job is None:
         return 2
-    from cluster.job import evaluation_sets, job_task
+    from cluster.job import check_sandbox, evaluation_sets, job_task
     from learner.models import KNOWN_MODELS, ModelPathError, resolve_model
     from tasks.base import TaskError
 
@@ -44,6 +44,7 @@ def _validate(args: argparse.Namespace) -> int:
                 resolve_model(job.model.path)
             check_reward_models(job)
             check_tools(job)
+            check_sandbox(job, args.job)
     except (TaskError, ModelPathError) as error:
         print(f"{args.job}: {error}", file=sys.stderr)
         return 2

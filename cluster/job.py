@@ -26,6 +26,7 @@ from tasks.config import TASK_CONFIGS
 if TYPE_CHECKING:
     from tasks.base import Problem, Task
     from tasks.environment import EnvironmentSpec
+    from tasks.sandbox import SandboxLimits
 
 
 class Section(BaseModel):
@@ -478,6 +479,28 @@ class EnvironmentSection(Section):
         "reason in the ledger (its group is dropped when fewer than two responses are left)")
 
 
+class SandboxSection(Section):
+    """Where untrusted code runs (`tasks/sandbox.py`, docs/security.md): the task's verifier, a user's reward
+    function and the tools the policy calls, each call in a process group of its own that a timeout or the end
+    of the call kills, with an environment of its own, limits and a private working directory."""
+
+    isolation: Literal["none", "namespaces", "auto"] = Field(
+        "auto", description="namespaces: network, mount and PID namespaces (unshare): no network, the filesystem "
+        "read-only but a private temp dir; refused by `validate` on a machine where they cannot start. none: "
+        "process limits alone. auto: namespaces where they start, else none (the worker logs which)")
+    env: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]] = Field(
+        default_factory=list, description="environment variables passed to the sandbox by name; it gets no "
+        "other but PATH and LANG (HOME and TMPDIR are its private directory)")
+    cpu_s: float = Field(60.0, gt=0, description="CPU seconds one call may use; past it the call fails")
+    max_processes: int = Field(64, gt=0, description="processes and threads a sandbox may add (a fork bomb stops "
+                               "there)")
+    max_file_mb: int = Field(256, gt=0, description="size of a file a call may write, in MiB")
+    max_open_files: int = Field(256, gt=0, description="file descriptors a sandbox may hold open")
+    max_output_chars: int = Field(65536, gt=0, description="bytes a verifier or reward function may write to its "
+                                  "stdout and stderr per call; more fails the sample (tools: "
+                                  "environment.max_tool_output_chars)")
+
+
 # The tasks that read a data file (their config has a `path`): the formats an evaluation set's file may have.
 FILE_TASKS = tuple(name for name, config in TASK_CONFIGS.items()
                    if "path" in {field.name for field in dataclasses.fields(config)})
@@ -545,6 +568,7 @@ class Job(Section):
     checkpoint: CheckpointSection = CheckpointSection()
     eval: EvalSection = EvalSection()
     environment: EnvironmentSection = EnvironmentSection()
+    sandbox: SandboxSection = SandboxSection()
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -954,7 +978,26 @@ def environment_spec(job: Job) -> EnvironmentSpec | None:
     if not e.tools:
         return None
     return EnvironmentSpec(tuple(e.tools), e.max_turns, e.tool_call_format, e.tool_timeout_s, e.tool_memory_limit_mb,
-                           e.max_tool_output_chars, e.tool_workers)
+                           e.max_tool_output_chars, e.tool_workers, sandbox_limits(job))
+
+
+def sandbox_limits(job: Job) -> SandboxLimits:
+    """The job's `sandbox` section as the worker pools take it."""
+    from tasks.sandbox import SandboxLimits  # standard library only
+
+    s = job.sandbox
+    return SandboxLimits(s.isolation, tuple(s.env), s.cpu_s, s.max_processes, s.max_file_mb, s.max_open_files,
+                         s.max_output_chars)
+
+
+def check_sandbox(job: Job, source: str = "job") -> None:
+    """JobValidationError naming `sandbox.isolation` when it asks for namespaces this machine cannot start (the
+    job's file alone cannot say: `validate` and `train` ask here, before anything starts)."""
+    from tasks.sandbox import namespaces_unavailable
+
+    if job.sandbox.isolation == "namespaces" and (why := namespaces_unavailable()) is not None:
+        raise JobValidationError(source, [JobError("sandbox.isolation", f"namespaces cannot start on this machine: "
+                                                   f"{why}; use auto or none (docs/security.md)")])
 
 
 def evaluation_set(job: Job, task: Task, always: bool = False) -> list[tuple[Problem, list[dict[str, str]]]]:

@@ -23,6 +23,7 @@ from typing import Any
 
 from actors.records import Completion
 from tasks.base import Problem, TaskError
+from tasks.sandbox import SandboxLimits
 from tasks.tools import ParsedTurn, ToolCall, ToolResult, parse_tool_calls, tool_schemas, tools_prompt, load_tools
 
 
@@ -36,7 +37,8 @@ class EnvironmentSpec:
     tool_timeout_s: float = 5.0
     tool_memory_limit_mb: int | None = 1024
     max_tool_output_chars: int = 4096
-    tool_workers: int = 1
+    tool_workers: int = 1  # calls of different episodes (or of one turn) that run at once
+    sandbox: SandboxLimits = SandboxLimits()  # the job's `sandbox` section: isolation, environment, limits
 
 
 @dataclass(frozen=True)
@@ -297,7 +299,8 @@ def episode_runner(spec: EnvironmentSpec, tokenizer: Any, max_new_tokens: int, m
     from tasks.tools import ToolPool
 
     pool = ToolPool(spec.tools, workers=spec.tool_workers, timeout_s=spec.tool_timeout_s,
-                    memory_limit_mb=spec.tool_memory_limit_mb, max_output_chars=spec.max_tool_output_chars)
+                    memory_limit_mb=spec.tool_memory_limit_mb, max_output_chars=spec.max_tool_output_chars,
+                    limits=spec.sandbox)
     chat = ToolChat(tokenizer, environment_tools(spec))
     return EpisodeRunner(spec, chat, pool.run_many, EpisodeBudget(max_new_tokens, max_model_len))
 

@@ -1,36 +1,85 @@
-"""Sandboxed worker subprocesses: untrusted code (verifiers, tools) run with a per-item timeout and a memory limit.
+"""Sandboxed worker subprocesses: untrusted code (verifiers, reward functions, tools) runs isolated from the caller.
 
 A worker builds its handler once (imports included, before any clock starts), then answers the items it is
-sent one by one. An item whose worker hangs past the timeout or dies gets a failed result from the pool's
-caller and the worker is killed and replaced; the caller itself never runs the untrusted code. Only a worker
-that cannot start (its handler cannot be built, or is not built within the startup timeout) raises: every
-item would fail alike. Subprocesses, not threads: a hung thread cannot be killed, and signal-based timeouts
-(math-verify's) work only in a process's main thread. `tasks.scoring.ScorePool` and `tasks.tools.ToolPool`
-are its two users.
+sent one by one, each in a process of its own forked from the worker (`_run_item`):
+
+- process groups: the worker starts in a session of its own and each item in a process group of its own; when
+  the item returns, its group is killed (a child it left behind dies with it), and when it hangs past the
+  timeout the pool stops and kills the worker's whole process tree (`_kill_tree`) and starts another;
+- environment: an allowlist (`PATH`, `LANG`, `HOME` and `TMPDIR` in the worker's private directory, and the
+  variables `SandboxLimits.env` names), never the caller's;
+- limits (`SandboxLimits`): address space over the start-up footprint, CPU seconds per item, processes, file
+  size, open files, no core dumps; a root caller's worker drops to an unprivileged user of its own once its
+  handler is built, so that the process limit holds (root ignores it);
+- output: an item's file descriptors 1 and 2 are a pipe the worker reads, never the caller's log; an item that
+  writes more than its limit is killed and fails;
+- a private working directory, emptied after each item and removed with the worker;
+- `isolation: namespaces` (`auto` where the machine allows it): the worker runs under `unshare` in network,
+  mount and PID namespaces of its own (a user namespace too for a caller who is not root): no network but a
+  loopback that is down, the whole filesystem read-only but the private directory, and the whole namespace
+  killed with the worker.
+
+An item whose process hangs or dies gets a failed result from the pool's caller; the caller itself never runs
+the untrusted code. Only a worker that cannot start (its handler cannot be built, its namespaces cannot be
+made, or it is not built within the startup timeout) raises: every item would fail alike. Subprocesses, not
+threads: a hung thread cannot be killed, and signal-based timeouts (math-verify's) work only in a process's
+main thread. `tasks.scoring.ScorePool` and `tasks.tools.ToolPool` are its two users; docs/security.md is the
+threat model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import json
+import logging
 import math
-import multiprocessing
+import os
+import pickle
+import resource
+import secrets
+import select
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
-from typing import Any, Generic, Self, TypeVar
+from multiprocessing.connection import Connection, Pipe, wait
+from typing import Any, Generic, Literal, Self, TypeVar
 
 from algorithms.errors import StableAsyncError
 
 Handler = Callable[[Any], Any]  # one item in, its picklable result out; never raises for one item
 Result = TypeVar("Result")
+Isolation = Literal["none", "namespaces", "auto"]
+ISOLATIONS: tuple[str, ...] = ("none", "namespaces", "auto")
+
+log = logging.getLogger(__name__)
 
 # A worker's first message once its handler is built: the per-item timeout starts only then, so a worker
 # that is still importing (math-verify takes seconds on a busy machine) fails nothing.
 _STARTED = "started"
+_OUTPUT_ERROR_CHARS = 2000  # of a worker's own stderr, quoted when it cannot start
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What untrusted code may use, per item (a verifier's score, a reward function's, a tool call).
+    None leaves that limit off (the job schema gives each a default and refuses 0 and below)."""
+
+    isolation: Isolation = "none"  # none | namespaces | auto (namespaces where they start, else none)
+    env: tuple[str, ...] = ()  # the caller's environment variables passed on by name
+    cpu_s: float | None = 60.0  # CPU seconds one item may use
+    max_processes: int | None = 64  # processes and threads the worker's user may add (a fork bomb stops here)
+    max_file_mb: int | None = 256  # size of any file one item writes
+    max_open_files: int | None = 256
+    max_output_chars: int | None = 65536  # bytes one item may write to its stdout and stderr
 
 
 @dataclass(frozen=True)
@@ -38,8 +87,32 @@ class _StartFailed:
     reason: str
 
 
+@dataclass(frozen=True)
+class _ItemFailed:
+    """An item whose process died, used up its CPU time or wrote too much: the pool's `failed(index, reason)`."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Setup:
+    build: Callable[..., Handler]
+    args: tuple[Any, ...]
+    memory_limit_mb: int | None
+    limits: SandboxLimits
+    namespaces: bool
+    workdir: str
+    build_dir: str  # the caller's working directory: a user's relative 'FILE.py:NAME' is found from there
+    output_reason: str  # the pool's words for an item that wrote too much ({limit}) or died
+    died_reason: str
+
+
 class WorkerStartError(StableAsyncError, RuntimeError):
     """A sandboxed worker could not start: every item would fail alike, so the pool's call stops here."""
+
+
+class SandboxUnavailable(StableAsyncError, RuntimeError):
+    """`isolation: namespaces` was asked for on a machine where the namespaces cannot be made."""
 
 
 @contextlib.contextmanager
@@ -62,6 +135,187 @@ def children_ignore_sigint() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+# ---------------------------------------------------------------- namespaces: the command and the probe
+
+
+def _initial_user_namespace() -> bool:
+    """Whether this process is in the machine's own user namespace (its uid map is the identity)."""
+    try:
+        with open("/proc/self/uid_map") as uid_map:
+            return uid_map.read().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return False
+
+
+def _really_root() -> bool:
+    return os.getuid() == 0 and _initial_user_namespace()
+
+
+def namespace_command() -> list[str]:
+    """The `unshare` prefix a namespaced worker runs under: network, mount and PID namespaces (the whole
+    namespace dies with its first process, which `--kill-child` ties to unshare's life), and a user namespace
+    for a caller who is not root (root makes the others without it, then drops to a user of its own)."""
+    user = [] if _really_root() else ["--user", "--map-root-user"]
+    return ["unshare", *user, "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
+            "--propagation", "private"]
+
+
+_PROBE = """
+import os, socket, sys
+sys.path[:0] = [sys.argv[1]]
+from tasks.sandbox import _read_only_view
+_read_only_view(sys.argv[2])
+try:
+    open("/probe-write", "w")
+    print("the filesystem stayed writable"); sys.exit(1)
+except OSError:
+    pass
+open(os.path.join(sys.argv[2], "ok"), "w").write("1")
+try:
+    socket.create_connection(("127.0.0.1", 9), timeout=1)
+except OSError as error:
+    if "refused" in str(error).lower():
+        print("the network stayed reachable"); sys.exit(1)
+print("ok")
+"""
+
+
+@functools.cache
+def namespaces_unavailable() -> str | None:
+    """None when a namespaced worker starts on this machine (tried once per process), else why not."""
+    if sys.platform != "linux":
+        return f"namespaces are Linux's ({sys.platform} here)"
+    if shutil.which("unshare") is None:
+        return "the unshare command (util-linux) is not installed"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory(prefix="stableasync-probe-") as workdir:
+        try:
+            done = subprocess.run([*namespace_command(), sys.executable, "-I", "-c", _PROBE, root, workdir],
+                                  capture_output=True, text=True, timeout=30, cwd=workdir,
+                                  env={"PATH": os.environ.get("PATH", os.defpath)})
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return f"unshare did not run: {type(error).__name__}: {error}"
+    if done.returncode != 0 or done.stdout.strip() != "ok":
+        said = " ".join((done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or [""])[-1:])
+        return f"unshare {' '.join(namespace_command()[1:])} failed (exit {done.returncode}): {said[:300]}"
+    return None
+
+
+def resolve_isolation(isolation: str, setting: str = "sandbox.isolation") -> bool:
+    """Whether workers run in namespaces: `namespaces` raises `SandboxUnavailable` (naming `setting`) where they
+    cannot start; `auto` takes them where they can, and logs which it got."""
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"{setting}: unknown isolation {isolation!r}; one of {', '.join(ISOLATIONS)}")
+    if isolation == "none":
+        return False
+    why = namespaces_unavailable()
+    if isolation == "namespaces" and why is not None:
+        raise SandboxUnavailable(f"{setting}: namespaces cannot start on this machine: {why} (docs/security.md; "
+                                 "use auto or none)")
+    if isolation == "auto":
+        _log_auto(why)
+    return why is None
+
+
+@functools.cache
+def _log_auto(why: str | None) -> None:
+    if why is None:
+        log.info("sandbox.isolation auto: untrusted code runs in namespaces (no network, read-only filesystem)")
+    else:
+        log.warning("sandbox.isolation auto: no namespaces here (%s); untrusted code runs with process limits "
+                    "alone, and can reach the network and every file the worker's user can", why)
+
+
+# ---------------------------------------------------------------- inside the worker
+
+
+_libc = None
+
+
+def _syscall_libc() -> Any:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
+
+
+_SYS_MOUNT_SETATTR = 442  # the same number on every architecture (syscalls from 424 on are unified)
+_AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
+_MS_BIND, _MS_REC = 4096, 16384
+
+
+def _read_only_view(workdir: str) -> None:
+    """In a fresh mount namespace: every mount read-only (recursively, `mount_setattr`), `workdir` alone writable."""
+    libc = _syscall_libc()
+    _check(libc.mount(workdir.encode(), workdir.encode(), None, _MS_BIND | _MS_REC, None), f"bind {workdir}")
+    read_only = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0)
+    _check(libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, b"/", _AT_RECURSIVE, ctypes.byref(read_only),
+                        ctypes.sizeof(read_only)), "mount_setattr / read-only")
+    writable = _MountAttr(0, _MOUNT_ATTR_RDONLY, 0, 0)
+    _check(libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, workdir.encode(), 0, ctypes.byref(writable),
+                        ctypes.sizeof(writable)), f"mount_setattr {workdir} writable")
+
+
+_PR_SET_CHILD_SUBREAPER, _PR_CAPBSET_DROP, _PR_SET_KEEPCAPS, _PR_SET_NO_NEW_PRIVS = 36, 24, 8, 38
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_CAP_DAC_READ_SEARCH = 2
+_SANDBOX_UID_BASE = 2_000_000_000  # far above the ranges that users, containers and subordinate ids take
+
+
+def _keep_capabilities(kept: int) -> None:
+    """This process's capabilities become `kept` (a bit mask of the low 32) alone, and none can come back."""
+    libc = _syscall_libc()
+    for capability in range(64):
+        if not kept >> capability & 1:
+            libc.prctl(_PR_CAPBSET_DROP, capability, 0, 0, 0)
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)(kept, kept, 0, 0, 0, 0)  # effective, permitted, inheritable (low, then high)
+    _check(libc.capset(ctypes.byref(header), ctypes.byref(data)), "capset")
+
+
+def _drop_privileges(workdir: str) -> str:
+    """The worker gives up what the untrusted code must not have; returns what it did (for tests and logs).
+
+    Root in the machine's own user namespace becomes a user of its own (a uid drawn above 2e9; nobody where
+    that cannot be taken): the process limit then holds (root is exempt from it), and it can write only its
+    own directory. It keeps the right to read and search every file (CAP_DAC_READ_SEARCH, no other), since a
+    Python installed under root's home (pyenv) must still import. Root inside a user namespace of ours drops
+    every capability, so that the code cannot undo the read-only mounts. No process gains privileges through
+    exec (setuid programs) afterwards."""
+    libc = _syscall_libc()
+    done = "kept its user"
+    if _really_root():
+        libc.prctl(_PR_SET_KEEPCAPS, 1, 0, 0, 0)
+        for uid in (_SANDBOX_UID_BASE + secrets.randbelow(100_000_000), 65534):
+            try:
+                os.chown(workdir, uid, uid)
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            except OSError:
+                continue
+            _keep_capabilities(1 << _CAP_DAC_READ_SEARCH)
+            done = f"runs as uid {uid}"
+            break
+    elif os.getuid() == 0:  # root of a user namespace we made
+        _keep_capabilities(0)
+        done = "dropped every capability"
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    return done
+
+
 def _address_space_bytes() -> int:
     """This process's address space now (VmSize), or 0 where /proc cannot say."""
     try:
@@ -71,22 +325,175 @@ def _address_space_bytes() -> int:
         return 0
 
 
-def _limit_address_space(headroom_bytes: int) -> None:
-    """Cap the address space at what the worker holds now plus `headroom_bytes`. On top of the start-up
-    footprint, not absolute: a spawned worker re-imports the parent's main module, and a CUDA torch
-    there alone maps gigabytes the verifier never touches."""
-    import resource
+def _user_tasks(uid: int) -> int:
+    """Processes and threads of `uid` that /proc shows: RLIMIT_NPROC counts them all."""
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status") as status:
+                    fields = dict(line.split(":", 1) for line in status if ":" in line)
+                if int(fields["Uid"].split()[0]) == uid:
+                    count += int(fields.get("Threads", "1"))
+            except (OSError, KeyError, ValueError):
+                continue
+    return count
 
-    limit = _address_space_bytes() + headroom_bytes
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+def _set_limits(memory_limit_mb: int | None, limits: SandboxLimits) -> None:
+    """The worker's limits, which every item inherits (CPU time is set per item: it counts from zero there).
+    The address space caps what the worker holds now plus `memory_limit_mb`: on top of the start-up
+    footprint, not absolute, since a CUDA torch imported for a verifier alone maps gigabytes it never touches.
+    The process limit counts the user's processes now plus `max_processes`."""
+    def cap(kind: int, value: int) -> None:
+        hard = resource.getrlimit(kind)[1]
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(kind, (value, value))
+
+    cap(resource.RLIMIT_CORE, 0)
+    if limits.max_file_mb is not None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, kills nothing
+        cap(resource.RLIMIT_FSIZE, limits.max_file_mb << 20)
+    if limits.max_open_files is not None:
+        cap(resource.RLIMIT_NOFILE, limits.max_open_files)
+    if limits.max_processes is not None:
+        cap(resource.RLIMIT_NPROC, _user_tasks(os.getuid()) + limits.max_processes)
+    if memory_limit_mb is not None:
+        cap(resource.RLIMIT_AS, _address_space_bytes() + (memory_limit_mb << 20))
 
 
-def _worker_main(conn: Connection, build: Callable[..., Handler], args: tuple[Any, ...],
-                 memory_limit_mb: int | None) -> None:
+def _empty(directory: str) -> None:
+    for entry in os.listdir(directory):
+        path = os.path.join(directory, entry)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+        except OSError:
+            pass
+
+
+def _died_reason(status: int, limits: SandboxLimits, died: str) -> str:
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU:
+        return f"used more than {limits.cpu_s:g} CPU seconds (sandbox cpu_s)"
+    return died
+
+
+def _reap_group(pgid: int) -> None:
+    """Kill what is left of process group `pgid` and reap it: its members reparent to the worker (a subreaper),
+    and each zombie would count against the process limit of the items to come."""
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            break
+        try:
+            reaped = os.waitpid(-pgid, os.WNOHANG)[0]  # one member at a time, until none is left
+        except ChildProcessError:  # members left whose parent is not the worker yet: they are on their way
+            reaped = 0
+        if not reaped:
+            time.sleep(0.001)
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:  # orphans that left the group, reparented here
+            pass
+
+
+def _complete(chunks: list[bytes]) -> bool:
+    """Whether the chunks hold a whole framed result (its length in 8 bytes, then the pickle)."""
+    data = b"".join(chunks[:1]) if len(chunks) == 1 else b"".join(chunks)
+    return len(data) >= 8 and len(data) >= 8 + int.from_bytes(data[:8], "little")
+
+
+def _run_item(handle: Handler, item: Any, setup: _Setup) -> Any:
+    """One item in a process forked from the worker, in a process group of its own that is killed when it
+    returns; its stdout and stderr are a pipe read here and cut at `max_output_chars`."""
+    limits = setup.limits
+    out_read, out_write = os.pipe()
+    result_read, result_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the item's process
+        try:
+            os.setpgid(0, 0)
+            os.close(out_read)
+            os.close(result_read)
+            os.dup2(out_write, 1)
+            os.dup2(out_write, 2)
+            os.close(out_write)
+            if limits.cpu_s is not None:
+                seconds = max(1, math.ceil(limits.cpu_s))
+                resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
+            data = pickle.dumps(handle(item))
+            view = memoryview(len(data).to_bytes(8, "little") + data)  # framed: its children hold the pipe too
+            while view:
+                view = view[os.write(result_write, view):]
+        finally:
+            os._exit(0)
+    os.close(out_write)
+    os.close(result_write)
+    cap = limits.max_output_chars
+    chunks: list[bytes] = []
+    written = 0
+    open_fds = {out_read, result_read}
     try:
-        handle = build(*args)
-        if memory_limit_mb is not None:
-            _limit_address_space(memory_limit_mb << 20)
+        while result_read in open_fds and not _complete(chunks):  # its stdout (a child's too) may outlive it
+            ready, _, _ = select.select(sorted(open_fds), [], [])
+            if out_read in ready:
+                chunk = os.read(out_read, 1 << 16)
+                written += len(chunk)
+                if not chunk:  # it closed its stdout and stderr: the result alone is read from here on
+                    open_fds.discard(out_read)
+                    os.close(out_read)
+                elif cap is not None and written > cap:
+                    break
+            if result_read in ready:
+                chunk = os.read(result_read, 1 << 16)
+                if chunk:
+                    chunks.append(chunk)
+                else:
+                    open_fds.discard(result_read)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        _reap_group(pid)
+        if out_read in open_fds:
+            os.set_blocking(out_read, False)
+            with contextlib.suppress(BlockingIOError):
+                while cap is None or written <= cap:
+                    chunk = os.read(out_read, 1 << 16)
+                    if not chunk:
+                        break
+                    written += len(chunk)
+        for fd in open_fds:
+            os.close(fd)
+        _empty(setup.workdir)
+    if cap is not None and written > cap:
+        return _ItemFailed(setup.output_reason.format(limit=cap))
+    if not _complete(chunks):
+        return _ItemFailed(_died_reason(status, limits, setup.died_reason))
+    try:
+        return pickle.loads(b"".join(chunks)[8:])
+    except Exception:  # noqa: BLE001 - a result cut short: the item's process died writing it
+        return _ItemFailed(_died_reason(status, limits, setup.died_reason))
+
+
+def _worker_entry(fd: int) -> None:
+    """A worker's main: set up, build the handler, then answer items until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = Connection(fd)
+    setup: _Setup = conn.recv()
+    try:
+        if setup.namespaces:
+            _read_only_view(setup.workdir)
+        with contextlib.suppress(OSError):
+            os.chdir(setup.build_dir)
+        handle = setup.build(*setup.args)
+        os.chdir(setup.workdir)
+        _syscall_libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans come here, to be killed
+        _drop_privileges(setup.workdir)
+        _set_limits(setup.memory_limit_mb, setup.limits)
     except BaseException as error:  # noqa: BLE001 - reported to the pool, which names it
         conn.send(_StartFailed(f"{type(error).__name__}: {error}"[:300]))
         return
@@ -99,18 +506,103 @@ def _worker_main(conn: Connection, build: Callable[..., Handler], args: tuple[An
         if message is None:
             return
         for item in message:
-            conn.send(handle(item))
+            conn.send(_run_item(handle, item, setup))
+
+
+_BOOT = ("import json, sys; sys.path[:] = json.loads(sys.argv[2]); from tasks.sandbox import _worker_entry; "
+         "_worker_entry(int(sys.argv[1]))")
+
+
+# ---------------------------------------------------------------- the caller's side
+
+
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> its children's pids, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    return children
+
+
+def _descendants(pid: int) -> set[int]:
+    tree = _children()
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill `pid` and every process under it, whatever group or session it moved to: stop them all first (a
+    stopped process forks no more), until no new one appears, then kill them."""
+    stopped: set[int] = set()
+    for _ in range(50):
+        tree = _descendants(pid) - stopped
+        if not tree:
+            break
+        for child in tree:
+            _signal(child, signal.SIGSTOP)
+        stopped |= tree
+    for child in stopped:
+        _signal(child, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    _signal(pid, signal.SIGKILL)
+
+
+def sandbox_env(names: Sequence[str], home: str) -> dict[str, str]:
+    """A worker's environment: PATH and LANG, HOME and TMPDIR in its private directory, and the variables named."""
+    env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": os.environ.get("LANG", "C.UTF-8"), "HOME": home,
+           "TMPDIR": home}
+    env.update({name: os.environ[name] for name in names if name in os.environ})
+    return env
 
 
 class _Worker:
-    def __init__(self, context: Any, args: tuple[Any, ...], startup_timeout_s: float) -> None:
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=_worker_main, args=(child, *args), daemon=True)
-        with children_ignore_sigint():
-            self.process.start()
-        child.close()
+    def __init__(self, setup: _Setup, startup_timeout_s: float) -> None:
+        self.conn, child = Pipe()
+        self.workdir = setup.workdir
+        self.log = tempfile.TemporaryFile()  # its own stderr (unshare's complaints, say): quoted if it fails to start
+        prefix = namespace_command() if setup.namespaces else []
+        paths = [path or os.getcwd() for path in sys.path]
+        try:
+            with children_ignore_sigint():
+                self.process = subprocess.Popen(
+                    [*prefix, sys.executable, "-I", "-c", _BOOT, str(child.fileno()), json.dumps(paths)],
+                    stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, pass_fds=(child.fileno(),),
+                    cwd=setup.workdir, env=sandbox_env(setup.limits.env, setup.workdir), start_new_session=True)
+        finally:
+            child.close()
+        self.conn.send(setup)
         self.started = False
         self.start_deadline = time.monotonic() + startup_timeout_s
+
+    @property
+    def worker_pid(self) -> int:
+        """The pid of the worker's Python process (under unshare, unshare's child's child)."""
+        tree = _descendants(self.process.pid)
+        pythons = [pid for pid in sorted(tree) if _exe(pid) == os.path.realpath(sys.executable)]
+        return pythons[0] if pythons else self.process.pid
+
+    def output(self) -> str:
+        self.log.seek(0)
+        said = self.log.read(1 << 16).decode(errors="replace").strip()
+        return said[-_OUTPUT_ERROR_CHARS:]
 
     def take_started(self, message: Any, describe: str, error: type[Exception]) -> None:
         """Read the worker's first message: it has started, or raise why it could not."""
@@ -121,56 +613,89 @@ class _Worker:
         self.started = True
 
     def stop(self) -> None:
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):
             self.conn.send(None)
-        except (BrokenPipeError, OSError):
-            pass
-        self.process.join(timeout=1)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        self.conn.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=1)
+        self.kill()
 
     def kill(self) -> None:
-        self.process.kill()
-        self.process.join()
+        _kill_tree(self.process.pid)
+        self.process.wait()
         self.conn.close()
+        self.log.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _exe(pid: int) -> str | None:
+    try:
+        return os.path.realpath(f"/proc/{pid}/exe")
+    except OSError:
+        return None
 
 
 class WorkerPool(Generic[Result]):
-    """`workers` spawned subprocesses, each running `build(*args)`'s handler on one item at a time under
-    `timeout_s` apiece.
+    """`workers` sandboxed subprocesses, each running `build(*args)`'s handler on one item at a time under
+    `timeout_s` apiece, within `limits` (`SandboxLimits`).
 
     A worker's clock starts once it has built its handler: starting (imports included) may take up to
     `startup_timeout_s`, and a worker that cannot start raises `start_error` with `describe` (who the
     worker is) and the reason. `memory_limit_mb` is the address space a worker may add to what it holds
-    once started. `build` must be a module-level function (spawn pickles it by name).
+    once started. `build` must be a module-level function (it is pickled by name). Callers in several
+    threads run at once, each on the workers that are free (at least one).
     """
 
     start_error: type[Exception] = WorkerStartError
     timeout_reason = "timeout after {timeout_s:g} s"
     died_reason = "worker died (killed or out of memory)"
+    output_reason = "wrote more than {limit} bytes to stdout/stderr (sandbox max_output_chars)"
 
     def __init__(self, build: Callable[..., Handler], args: tuple[Any, ...], workers: int, timeout_s: float,
-                 memory_limit_mb: int | None, startup_timeout_s: float, describe: str, startup_setting: str) -> None:
+                 memory_limit_mb: int | None, startup_timeout_s: float, describe: str, startup_setting: str,
+                 limits: SandboxLimits | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
+        self.limits = limits or SandboxLimits()
         self._describe, self._startup_setting = describe, startup_setting
-        self._context = multiprocessing.get_context("spawn")
-        self._args = (build, args, memory_limit_mb)
+        try:
+            namespaces = resolve_isolation(self.limits.isolation)
+        except SandboxUnavailable as error:
+            raise self.start_error(f"{describe}: {error}") from None
+        self.isolation = "namespaces" if namespaces else "none"
+        self._setup = functools.partial(_Setup, build, tuple(args), memory_limit_mb, self.limits, namespaces,
+                                        build_dir=os.getcwd(), output_reason=self.output_reason,
+                                        died_reason=self.died_reason)
         self._workers = [self._start_worker() for _ in range(workers)]
+        self._free = threading.Condition()
+        self._idle = list(range(workers))
 
     def run_items(self, items: Sequence[Any], failed: Callable[[int, str], Result]) -> list[Result]:
-        """Each item's result in order; `failed(index, reason)` is the result of an item whose worker hung
-        or died (that worker is replaced).
+        """Each item's result in order; `failed(index, reason)` is the result of an item whose process hung,
+        died or wrote too much (a hung one's worker is replaced).
 
-        Each worker gets a batch in one message and answers item by item: one message per batch, not per
-        item, keeps the caller's share of a CPU small. The timeout still holds per item: the item at the
-        head of a worker's batch must answer within `timeout_s` of the previous answer, and when it does not
-        (or the worker dies) only that item fails and the rest of the batch goes back to the queue.
+        The call takes the workers that are free (waiting for one when none is): another thread's call runs on
+        the others meanwhile. Each worker gets a batch in one message and answers item by item: one message per
+        batch, not per item, keeps the caller's share of a CPU small. The timeout still holds per item: the
+        item at the head of a worker's batch must answer within `timeout_s` of the previous answer, and when it
+        does not (or the worker dies) only that item fails and the rest of the batch goes back to the queue.
         """
+        if not items:
+            return []
+        with self._free:
+            while not self._idle:
+                self._free.wait()
+            taken = min(len(items), len(self._idle))
+            mine, self._idle = self._idle[:taken], self._idle[taken:]
+        try:
+            return self._run_on(mine, items, failed)
+        finally:
+            with self._free:
+                self._idle += mine
+                self._free.notify_all()
+
+    def _run_on(self, slots: list[int], items: Sequence[Any], failed: Callable[[int, str], Result]) -> list[Result]:
         results: list[Result | None] = [None] * len(items)
         todo = deque(range(len(items)))
         in_flight: dict[int, deque[int]] = {}  # worker slot -> its items, head being run now
@@ -189,7 +714,7 @@ class WorkerPool(Generic[Result]):
             return head_deadline[slot] if worker.started else worker.start_deadline
 
         while todo or in_flight:
-            idle = [slot for slot in range(len(self._workers)) if slot not in in_flight]
+            idle = [slot for slot in slots if slot not in in_flight]
             for position, slot in enumerate(idle):
                 if not todo:
                     break
@@ -199,7 +724,7 @@ class WorkerPool(Generic[Result]):
                     in_flight[slot] = batch
                     head_deadline[slot] = time.monotonic() + self.timeout_s
                 else:
-                    fail_head(slot, batch, "worker died")
+                    fail_head(slot, batch, self.died_reason)
             if not in_flight:
                 continue
             remaining = max(0.0, min(deadline(slot) for slot in in_flight) - time.monotonic())
@@ -211,12 +736,19 @@ class WorkerPool(Generic[Result]):
                     try:
                         while worker.conn.poll() and batch:
                             message = worker.conn.recv()
-                            if worker.started:
-                                results[batch.popleft()] = message
-                            else:
+                            if not worker.started:
                                 worker.take_started(message, self._describe, self.start_error)
+                            elif isinstance(message, _ItemFailed):
+                                index = batch.popleft()
+                                results[index] = failed(index, message.reason)
+                            else:
+                                results[batch.popleft()] = message
                             head_deadline[slot] = time.monotonic() + self.timeout_s
                     except (EOFError, OSError):
+                        if not worker.started:
+                            said = worker.output()
+                            raise self.start_error(f"{self._describe} failed to start: it exited "
+                                                   f"{worker.process.poll()}" + (f": {said}" if said else ""))
                         fail_head(slot, batch, self.died_reason)
                 elif time.monotonic() >= deadline(slot):
                     if not worker.started:
@@ -235,12 +767,13 @@ class WorkerPool(Generic[Result]):
             return False
 
     def _replace(self, slot: int) -> None:
-        """Kill the worker in `slot` (hung or dead) and start another in its place."""
+        """Kill the worker in `slot` (hung or dead) and its whole process tree, and start another in its place."""
         self._workers[slot].kill()
         self._workers[slot] = self._start_worker()
 
     def _start_worker(self) -> _Worker:
-        return _Worker(self._context, self._args, self.startup_timeout_s)
+        workdir = tempfile.mkdtemp(prefix="stableasync-sandbox-")
+        return _Worker(self._setup(workdir=workdir), self.startup_timeout_s)
 
     def close(self) -> None:
         for worker in self._workers:

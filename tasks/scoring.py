@@ -1,9 +1,10 @@
-"""Reward workers: verifiers run in subprocesses with a timeout and an optional memory limit.
+"""Reward workers: verifiers (a task's, a user's reward function) run sandboxed, with a timeout and limits.
 
-A verifier that raises, hangs, exhausts memory, dies or returns a non-finite value marks that sample
-failed (reward 0.0 and the reason) and never stops the caller. Only a worker that cannot start (its
-task cannot be built, or is not built within the startup timeout) raises: every sample would fail
-alike. The subprocess machinery (spawn, handshake, per-item deadline, replacement) is `tasks.sandbox`'s.
+A verifier that raises, hangs, exhausts memory or CPU time, dies, floods its output or returns a non-finite
+value marks that sample failed (reward 0.0 and the reason) and never stops the caller. Only a worker that
+cannot start (its task cannot be built, or is not built within the startup timeout) raises: every sample
+would fail alike. The subprocess machinery (isolation, limits, handshake, per-item deadline, replacement) is
+`tasks.sandbox`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.base import Problem, Task, build_task
-from tasks.sandbox import Handler, WorkerPool, WorkerStartError
+from tasks.sandbox import Handler, SandboxLimits, WorkerPool, WorkerStartError
 from tasks.sandbox import children_ignore_sigint  # noqa: F401 - re-exported: callers start processes with it
 
 
@@ -64,19 +65,20 @@ class ScorePool(WorkerPool[ScoreResult]):
 
     A worker's clock starts once it has built its task: starting (imports included) may take up to
     `startup_timeout_s`, and a worker that cannot start raises `RewardWorkerError` naming the task.
-    `memory_limit_mb` is the address space a worker may add to what it holds once started.
+    `memory_limit_mb` is the address space a worker may add to what it holds once started; `limits` are the
+    rest of the sandbox's (`tasks.sandbox.SandboxLimits`: isolation, environment, CPU, processes, files, output).
     """
 
     start_error = RewardWorkerError
 
     def __init__(self, task_name: str, task_config: Any, max_workers: int = 1, timeout_s: float = 5.0,
                  memory_limit_mb: int | None = None, extra_modules: tuple[str, ...] = (),
-                 startup_timeout_s: float = 120.0) -> None:
+                 startup_timeout_s: float = 120.0, limits: SandboxLimits | None = None) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         super().__init__(_build_scorer, (task_name, task_config, tuple(extra_modules)), max_workers, timeout_s,
                          memory_limit_mb, startup_timeout_s, describe=f"reward worker for task {task_name!r}",
-                         startup_setting="ScorePool startup_timeout_s")
+                         startup_setting="ScorePool startup_timeout_s", limits=limits)
         self.failures = 0
 
     def score_many(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[ScoreResult]:

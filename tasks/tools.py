@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import inspect
 import io
 import json
@@ -31,7 +32,7 @@ from typing import Any, Literal
 from algorithms.errors import StableAsyncError
 from tasks.base import Problem, TaskError, user_function
 from tasks.countdown import _reaches_target, evaluate
-from tasks.sandbox import Handler, WorkerPool, WorkerStartError
+from tasks.sandbox import Handler, SandboxLimits, WorkerPool, WorkerStartError
 
 PROBLEM_PARAMETER = "problem"  # a tool parameter of this name receives the episode's Problem, not a model argument
 
@@ -457,23 +458,25 @@ class ToolPool(WorkerPool[ToolResult]):
     start_error = ToolWorkerError
     timeout_reason = "timed out after {timeout_s:g} s"
     died_reason = "killed its worker (it died or ran out of memory)"
+    output_reason = "wrote more than {limit} bytes to stdout/stderr (max_output_chars)"
 
     def __init__(self, tool_names: Sequence[str], workers: int = 1, timeout_s: float = 5.0,
                  memory_limit_mb: int | None = 1024, max_output_chars: int = 4096, startup_timeout_s: float = 120.0,
-                 field: str = "environment.tools") -> None:
+                 field: str = "environment.tools", limits: SandboxLimits | None = None) -> None:
         for index, entry in enumerate(tool_names):  # a misspelt entry fails here, before any worker starts
             check_tool_entry(entry, f"{field}.{index}")
+        limits = dataclasses.replace(limits or SandboxLimits(), max_output_chars=max_output_chars)
         super().__init__(_build_tool_runner, (tuple(tool_names), field, max_output_chars), workers, timeout_s,
                          memory_limit_mb, startup_timeout_s, describe=f"tool worker for {field}",
-                         startup_setting="ToolPool startup_timeout_s")
+                         startup_setting="ToolPool startup_timeout_s", limits=limits)
         self.calls_run = self.failures = self.call_errors = 0
-        self.one_caller = threading.Lock()  # a streaming generator's episodes call from threads of their own
+        self._counting = threading.Lock()  # a streaming generator's episodes call from threads of their own
 
     def run_many(self, calls: Sequence[tuple[ToolCall, Problem]]) -> list[ToolResult]:
-        """Each call's result, in order, the calls spread over the workers; one caller at a time."""
-        with self.one_caller:
-            results = self.run_items(calls, lambda index, reason: _said(f"tool {calls[index][0].name} {reason}",
-                                                                        True))
+        """Each call's result, in order, the calls spread over the workers that are free: the episodes of a
+        streaming generator call from threads of their own, and run at once up to `workers` calls in all."""
+        results = self.run_items(calls, lambda index, reason: _said(f"tool {calls[index][0].name} {reason}", True))
+        with self._counting:
             self.calls_run += len(results)
             self.failures += sum(r.fatal for r in results)
             self.call_errors += sum(r.error is not None and not r.fatal for r in results)

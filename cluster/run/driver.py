@@ -25,6 +25,7 @@ from cluster.run.faults import LEARNER_GROUP_FAILURES, CannotResume, LearnerCras
 from cluster.run.loop import AsyncLoop
 from cluster.run.model_prep import check_tools, prepare_model, sft_samples
 from cluster.run.rewards import check_reward_models
+from cluster.job import check_sandbox
 from cluster.run.specs import generator_spec, learner_spec, reference_at_rl_start
 from cluster.run.stopping import StopRequest
 from cluster.telemetry.metrics import SAMPLES_FILE, MetricSink
@@ -87,6 +88,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     _check_lora_targets(job, model_path)
     check_reward_models(job)  # a reward model path that does not load, by its field
     check_tools(job)  # a tool file that does not load, by its entry
+    check_sandbox(job)  # sandbox.isolation: namespaces that this machine cannot start
     run_dir = resume_dir if resume_dir is not None else create_run_dir(job)
     runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace)
     if stop is not None:

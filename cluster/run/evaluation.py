@@ -29,7 +29,7 @@ from ray.exceptions import RayActorError
 
 from actors.generator import GeneratedGroup, GenerationRequest
 from algorithms.errors import StableAsyncError
-from cluster.job import EvaluationSet, Job, ScoringSection
+from cluster.job import EvaluationSet, Job, sandbox_limits
 from cluster.telemetry.metrics import MetricSink
 from tasks.base import final_answer
 from tasks.environment import score_responses
@@ -156,10 +156,12 @@ def evaluation_requests(sets: Sequence[EvaluationSet], seed: int) -> dict[str | 
     return requests
 
 
-def verifier_pool(scoring: ScoringSection, task_name: str, task_config: Any) -> ScorePool:
-    """Verifier subprocesses of a task, as the job's `scoring` section sets them."""
+def verifier_pool(job: Job, task_name: str, task_config: Any) -> ScorePool:
+    """Verifier subprocesses of a task, as the job's `scoring` and `sandbox` sections set them."""
+    scoring = job.scoring
     return ScorePool(task_name, task_config, max_workers=scoring.workers, timeout_s=scoring.timeout_s,
-                     memory_limit_mb=scoring.memory_limit_mb, startup_timeout_s=scoring.startup_timeout_s)
+                     memory_limit_mb=scoring.memory_limit_mb, startup_timeout_s=scoring.startup_timeout_s,
+                     limits=sandbox_limits(job))
 
 
 def set_scorers(sets: Sequence[EvaluationSet], job: Job,
@@ -170,7 +172,7 @@ def set_scorers(sets: Sequence[EvaluationSet], job: Job,
     try:
         for evaluation_set in sets:
             if evaluation_set.task_name != job.task.name and evaluation_set.task_name not in own:
-                own[evaluation_set.task_name] = verifier_pool(job.scoring, evaluation_set.task_name,
+                own[evaluation_set.task_name] = verifier_pool(job, evaluation_set.task_name,
                                                               evaluation_set.task_config)
     except BaseException:  # a worker that cannot start: the ones started are closed
         close_pools(list(own.values()))
@@ -317,7 +319,7 @@ def evaluate_saved_model(job: Job, model_path: Path, sets: Sequence[EvaluationSe
 
     spec = dataclasses.replace(generator_spec(job, str(model_path)), lora=None, streaming=False)  # a merged model
     generator = Generator(spec)
-    verifiers = verifier_pool(job.scoring, job.task.name, section_config(job.task, TASK_CONFIGS))
+    verifiers = verifier_pool(job, job.task.name, section_config(job.task, TASK_CONFIGS))
     try:
         scorers, owned = set_scorers(sets, job, verifiers)
         requests = evaluation_requests(sets, job.seed)

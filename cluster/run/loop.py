@@ -117,7 +117,7 @@ def version_mix(groups: list[ScoredGroup], learner_version: int) -> dict[str, fl
 
 def reward_workers(job: Job) -> ScorePool:
     """The verifier subprocesses of the job's task, as its `scoring` section sets them."""
-    return verifier_pool(job.scoring, job.task.name, section_config(job.task, TASK_CONFIGS))
+    return verifier_pool(job, job.task.name, section_config(job.task, TASK_CONFIGS))
 
 
 class AsyncLoop:

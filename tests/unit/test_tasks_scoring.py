@@ -102,7 +102,7 @@ def test_the_job_scoring_section_sets_the_reward_workers():
                         "scoring": {"workers": 2, "timeout_s": 2.5, "memory_limit_mb": 768}})
     with reward_workers(job) as pool:
         results = pool.score_many([PROBLEM] * 3, ["<answer>2</answer>", "<answer>3</answer>", "no answer"])
-        pids = [worker.process.pid for worker in pool._workers]
+        pids = [worker.worker_pid for worker in pool._workers]  # its Python process, under unshare with namespaces
         # the limit is the worker's start-up footprint plus 768 MB
         footprints = [int(_address_space_limit(pid)) - (768 << 20) for pid in pids]
         peaks = [_address_space_peak(pid) for pid in pids]
@@ -113,7 +113,7 @@ def test_the_job_scoring_section_sets_the_reward_workers():
     unlimited = validate_job({"task": {"name": "arithmetic"}, "scoring": {"memory_limit_mb": None}})
     with reward_workers(unlimited) as pool:
         pool.score_many([PROBLEM], ["<answer>2</answer>"])
-        assert _address_space_limit(pool._workers[0].process.pid) == "unlimited"
+        assert _address_space_limit(pool._workers[0].worker_pid) == "unlimited"
 
 
 def test_a_ctrl_c_at_the_terminal_leaves_the_workers_scoring():
