@@ -1,6 +1,6 @@
-"""Answers in \\boxed{} for the math-verified verifiers (gsm8k, dataset reward 'math'): read from the last box whose
-braces close (a last box cut off is no answer) when a completion has no <answer></answer>; the tag keeps precedence, and the other verifiers
-(exact, arithmetic, countdown) still want the tag."""
+"""Answers in \\boxed{} for the math-verified verifiers (gsm8k, dataset reward 'math'): read from the last box
+(a last box cut off is no answer) when a completion has no <answer></answer>; the tag keeps precedence, and
+the other verifiers (exact, arithmetic, countdown) still want the tag."""
 
 from __future__ import annotations
 
