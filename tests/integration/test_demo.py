@@ -17,11 +17,13 @@ pytest.importorskip("ray")
 pytest.importorskip("vllm")
 ROOT = Path(__file__).resolve().parents[2]
 
-# The README's floor for the demo, below the band its seeds 0-2 reached in docs/results.md (39-60 of 64 at the
-# last evaluation, last-10 mean reward 0.65-0.81), since runs are not bit-reproducible. The collapses it guards
-# against ended at 0 of 64 and 0.00 (the policy blown up to uniform), or 18 of 64 and 0.35.
-MIN_SOLVED_AT_LAST_EVAL = 32  # of 64
-MIN_LAST_10_REWARD = 0.55
+# The README's floor for the demo: issue 44's bar, below the band its seeds 0-2 reached in docs/results.md (59-61 of
+# 64 at the last evaluation, last-10 mean reward 0.87-0.89), since runs are not bit-reproducible. RL must also have
+# done the work: the sampled reward rose from 0.38-0.42 over the first 10 steps. The collapses it guards against
+# ended at 0 of 64 and 0.00 (the policy blown up to uniform), or 39 of 64 and 0.65.
+MIN_SOLVED_AT_LAST_EVAL = 50  # of 64
+MIN_LAST_10_REWARD = 0.75
+MIN_REWARD_GAIN = 0.25  # last 10 steps over the first 10
 
 
 @pytest.mark.timeout(900)
@@ -36,9 +38,9 @@ def test_the_demo_job_as_shipped_reaches_the_readmes_floor(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 300 and len(summary["rewards"]) == 300
     evaluations = [row for row in read_jsonl_rows(run_dir / "metrics.jsonl") if is_evaluation_row(row)]
-    assert [row["train/step"] for row in evaluations] == [50, 100, 150, 200, 250, 300]
+    assert [row["train/step"] for row in evaluations] == [0, 50, 100, 150, 200, 250, 300]
     solved = [round(row["eval/solved"] * row["eval/problems"]) for row in evaluations]
-    last_10 = sum(summary["rewards"][-10:]) / 10
-    outcome = f"solved {solved} of 64 at steps 50..300, last-10 mean reward {last_10:.3f}"
+    first_10, last_10 = sum(summary["rewards"][:10]) / 10, sum(summary["rewards"][-10:]) / 10
+    outcome = f"solved {solved} of 64 at steps 0..300, mean reward {first_10:.3f} -> {last_10:.3f}"
     assert solved[-1] >= MIN_SOLVED_AT_LAST_EVAL, outcome
-    assert last_10 >= MIN_LAST_10_REWARD, outcome
+    assert last_10 >= MIN_LAST_10_REWARD and last_10 >= first_10 + MIN_REWARD_GAIN, outcome
