@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.learner_step import _batch, _free_port, default_dtype, device_name, on_cuda, peak_growth, timed_seconds
+from benchmarks.learner_step import (default_dtype, device_name, free_port, on_cuda, peak_growth, synthetic_batch,
+                                     timed_seconds)
 
 GROUP_SIZE = 8
 
@@ -49,9 +50,9 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
                        stabilizer_name=args.stabilizer, stabilizer_config=registry.build(args.stabilizer).config,
                        max_tokens_per_micro_batch=args.budget or None, dtype=args.dtype,
                        backend="nccl" if on_cuda() else "gloo")
-    learner = LearnerRank(spec, 0, 1, "127.0.0.1", _free_port())
-    learner.train_step(_batch(GROUP_SIZE, args.tokens, args.vocab))  # optimizer state exists before measuring
-    batch = _batch(args.count, args.tokens, args.vocab)
+    learner = LearnerRank(spec, 0, 1, "127.0.0.1", free_port())
+    learner.train_step(synthetic_batch(GROUP_SIZE, args.tokens, args.vocab))  # optimizer state exists before measuring
+    batch = synthetic_batch(args.count, args.tokens, args.vocab)
     outcome: dict[str, Any] = {}
 
     def step() -> None:

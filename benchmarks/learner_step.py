@@ -116,7 +116,7 @@ def response_lengths(spec: str | None, sequences: int, tokens: int) -> list[int]
     return drawn.round().clamp(SHORTEST_RESPONSE, int(most)).long().tolist()
 
 
-def _batch(sequences: int, tokens: int, vocab: int, lengths: str | None = None):
+def synthetic_batch(sequences: int, tokens: int, vocab: int, lengths: str | None = None):
     from learner.batch import collate
 
     gen = torch.Generator().manual_seed(0)
@@ -260,7 +260,7 @@ def _configuration_child(args: argparse.Namespace, label: str) -> None:
     when asked for; one JSON line."""
     name, config, options = CONFIGS[label]
     learner = _learner(args.model_path, name, config, options, args.port, args.budget, args.dtype)
-    batch = _batch(args.sequences, args.tokens, args.vocab, args.lengths)
+    batch = synthetic_batch(args.sequences, args.tokens, args.vocab, args.lengths)
     metrics = learner.train_step(batch)  # warm-up: optimizer state and allocator pools exist before measuring
     held = held_bytes()
     times = [timed_seconds(lambda: learner.train_step(batch)) for _ in range(args.rounds)]
@@ -273,7 +273,7 @@ def _configuration_child(args: argparse.Namespace, label: str) -> None:
     print(json.dumps(result))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as sock:
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     for label in labels:
         child = subprocess.run(
             [sys.executable, "-m", "benchmarks.learner_step", "--child", label, "--model-path", model_path,
-             "--vocab", str(vocab), "--port", str(_free_port()), "--sequences", str(args.sequences),
+             "--vocab", str(vocab), "--port", str(free_port()), "--sequences", str(args.sequences),
              "--tokens", str(args.tokens), "--threads", str(args.threads), "--rounds", str(args.rounds),
              "--budget", str(args.budget), "--dtype", args.dtype, *(["--profile"] if label in profiled else []),
              *(["--lengths", args.lengths] if args.lengths else [])],

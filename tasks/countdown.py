@@ -47,7 +47,7 @@ def _search(items: list[tuple[Fraction, str]], target: Fraction) -> str | None:
     return None
 
 
-def _reaches_target(answer: str, problem: Problem) -> bool:
+def reaches_target(answer: str, problem: Problem) -> bool:
     """Every given number used once, and the expression's value is the target."""
     if sorted(int(n) for n in re.findall(r"\d+", answer)) != sorted(problem.metadata["numbers"]):
         return False
@@ -113,7 +113,7 @@ class Countdown(Task):
                           {"numbers": numbers, "target": target, "solution": solution})
 
     def score(self, problem: Problem, completion: str) -> float:
-        return graded_answer(completion, lambda answer: _reaches_target(answer, problem))
+        return graded_answer(completion, lambda answer: reaches_target(answer, problem))
 
     def demonstration(self, problem: Problem) -> str:
         return f"<answer>{problem.metadata['solution']}</answer>"

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from algorithms.errors import StableAsyncError
 from tasks.base import Problem, TaskError, user_function
-from tasks.countdown import _reaches_target, evaluate
+from tasks.countdown import reaches_target, evaluate
 from tasks.sandbox import Handler, SandboxLimits, WorkerPool, WorkerStartError
 
 PROBLEM_PARAMETER = "problem"  # a tool parameter of this name receives the episode's Problem, not a model argument
@@ -205,7 +205,7 @@ def countdown_check(expression: str, problem: Problem) -> str:
         value = evaluate(expression)
     except (ValueError, RecursionError) as error:
         raise ToolError(str(error)) from None
-    if _reaches_target(expression, problem):  # the verifier's own verdict
+    if reaches_target(expression, problem):  # the verifier's own verdict
         return f"correct: {expression} = {target}"
     used = Counter(int(n) for n in re.findall(r"\d+", expression))
     given = Counter(problem.metadata["numbers"])

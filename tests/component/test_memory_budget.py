@@ -53,7 +53,7 @@ def _calibration_main(rank: int, model_path: str, port: int, out: str, name: str
     """Two steps from a fresh rank, the peak resident-set growth over both from right after the rank is
     built (the first step creates the optimizer's moments), beside the estimate for its micro-batch."""
     from algorithms import registry
-    from benchmarks.learner_step import _batch, peak_growth
+    from benchmarks.learner_step import peak_growth, synthetic_batch
     from learner import memory_budget
     from learner.rank import LearnerRank, LearnerSpec
 
@@ -62,7 +62,7 @@ def _calibration_main(rank: int, model_path: str, port: int, out: str, name: str
                        max_sequence_tokens=tokens, gradient_checkpointing=checkpointing)
     learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
     module = learner.engine.module
-    batch = _batch(sequences, tokens, module.config.vocab_size)
+    batch = synthetic_batch(sequences, tokens, module.config.vocab_size)
     trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
     memory = memory_budget.step_memory(
         memory_budget.ModelShape.from_config(module.config), 4, trained, tokens,

@@ -78,3 +78,31 @@ print(stray)
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+PROJECT_PACKAGES = ("algorithms", "actors", "benchmarks", "cluster", "learner", "tasks")
+
+
+def _private_imports(source: str, module: str) -> list[str]:
+    """`from X import _name` lines of `source` where X is another module than `module`."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module != module:
+            found += [f"{node.lineno}: from {node.module} import {alias.name}" for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A leading underscore says "this module's own": a name another module needs is made public instead."""
+    assert _private_imports("from tasks.countdown import _secret, evaluate\nfrom x import __version__\n",
+                            "tasks.tools") == ["1: from tasks.countdown import _secret"]  # the check can fail
+    offenders = {}
+    for package in PROJECT_PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            if found := _private_imports(path.read_text(), module):
+                offenders[str(path.relative_to(ROOT))] = found
+    assert not offenders, offenders
