@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from actors.records import ScoredCompletion, TrainingSample
+from learner.records import TrainingSample
+from tasks.records import ScoredCompletion
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from actors.records import Completion, version_spans
+from tasks.records import Completion, version_spans
 
 if TYPE_CHECKING:
     from learner.lora import LoraSpec

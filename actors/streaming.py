@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from actors.generator import (GeneratedGroup, GenerationRequest, GeneratorSpec, ReportsTimings, chat_prompt_ids,
                               completion_record, engine_args, quiet_per_reload_logs, weight_group_info)
-from actors.records import newest_version, oldest_version
+from tasks.records import newest_version, oldest_version
 from algorithms.errors import StableAsyncError
 
 if TYPE_CHECKING:

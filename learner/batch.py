@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actors.records import TrainingSample
+from learner.records import TrainingSample
 
 
 @dataclass

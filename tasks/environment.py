@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.records import Completion
+from tasks.records import Completion
 from tasks.base import Problem, TaskError
 from tasks.sandbox import SandboxLimits
 from tasks.tools import ParsedTurn, ToolCall, ToolResult, parse_tool_calls, tool_schemas, tools_prompt, load_tools

@@ -28,7 +28,7 @@ import torch
 
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
 from actors.generator import GeneratedGroup, GenerationRequest
-from actors.records import ScoredCompletion
+from tasks.records import ScoredCompletion
 from algorithms.diagnostics import lag_stats
 from algorithms.rewards import overlong_penalty
 from cluster.job import AlgorithmSection, EvaluationSet, Job, ScoringSection, section_config

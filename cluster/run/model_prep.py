@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.generator import chat_prompt_ids
-from actors.records import TrainingSample
+from learner.records import TrainingSample
 from cluster.job import Job, environment_spec
 from learner.models import build_tiny_model, check_chat_template, resolve_model
 from tasks.base import Problem, Task

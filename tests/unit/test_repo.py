@@ -106,3 +106,34 @@ def test_no_module_imports_another_modules_private_name():
             if found := _private_imports(path.read_text(), module):
                 offenders[str(path.relative_to(ROOT))] = found
     assert not offenders, offenders
+
+
+# What each lower layer may not import: its records are its own, and its consumers import them, not the reverse.
+FORBIDDEN_IMPORTS = {"algorithms": {"tasks", "learner", "actors", "cluster"},
+                     "tasks": {"learner", "actors", "cluster"},
+                     "learner": {"tasks", "actors", "cluster"}}
+
+
+def _imported_packages(source: str) -> set[str]:
+    """The top-level packages `source` imports, anywhere in it (inside functions too)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+    return found
+
+
+def test_no_layer_imports_upwards():
+    """tasks/ and learner/ own the records they consume (tasks/records.py, learner/records.py); neither imports
+    the layers that drive it."""
+    assert _imported_packages("def f():\n    from actors.records import Completion\n") == {"actors"}
+    offenders = {}
+    for package, forbidden in FORBIDDEN_IMPORTS.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if bad := _imported_packages(path.read_text()) & forbidden:
+                offenders[str(path.relative_to(ROOT))] = sorted(bad)
+    assert not offenders, offenders

@@ -1,4 +1,7 @@
-"""The records a response passes through on its way from a generator to the learner.
+"""The records of a response as the tasks' layer sees it: sampled by a generator (`Completion`, a turn or a
+tool episode of `tasks/environment.py`), then scored (`ScoredCompletion`, as the rollout buffer keeps it), with
+the helpers that tag its tokens with policy versions. The learner's own input, `TrainingSample`, lives in
+`learner/records.py`.
 
 They are typed dicts: at run time plain dicts, so Ray ships them, checkpoints write them as JSON and
 older checkpoints read back unchanged; to a reader and to mypy, records with named, typed fields.
@@ -36,18 +39,6 @@ class ScoredCompletion(Completion):
 
     reward: float  # the verifier's reward plus any overlong penalty: what the learner trains on
     score_error: str | None  # why the verifier failed on it (then the reward is the task's failure reward)
-
-
-class TrainingSample(TypedDict):
-    """One response as the learner's collate takes it (`learner/batch.py` pads these into a TrainBatch)."""
-
-    prompt_ids: list[int]  # [P] the chat prompt's token ids
-    completion_ids: list[int]  # [T]
-    behaviour_logprobs: list[float]  # [T]; zeros for supervised samples (their ratio is unused)
-    policy_mask: NotRequired[list[int]]  # [T] 0 on tool-result tokens, which are not trained on (absent: all 1)
-    reward: float
-    group_id: int  # the prompt group: advantages are computed within it
-    version: int  # the policy version that sampled it
 
 
 def version_spans(labelled: list[Any] | None, tokens: int, fallback_version: int) -> list[list[int]]:
