@@ -6,7 +6,6 @@ weights it was sampled with (start and end: weights only change between calls he
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import tempfile
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from actors.vllm_logs import quiet_per_reload_logs
 from tasks.records import Completion, version_spans
 
 if TYPE_CHECKING:
@@ -228,34 +228,6 @@ class ReportsTimings:
             group.weight_loads, group.weight_load_s = self.unreported_loads, self.unreported_load_s
         self.unreported_loads, self.unreported_load_s = 0, 0.0
         return groups
-
-
-# vLLM logs from these on every in-place reload, i.e. once per step: at INFO the reload, its timing (our
-# perf/weight_load_s carries it) and the prefix-cache reset, and at WARNING that RotaryEmbedding "failed
-# to load weights" (its cos/sin cache is a buffer, not a weight; vLLM puts it back). Their other
-# warnings and errors still pass.
-_PER_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace", "vllm.v1.core.block_pool",
-                       "vllm.model_executor.model_loader.reload.layerwise",
-                       "vllm.v1.core.sched.scheduler")  # a streaming engine's pause and resume around each load
-
-
-def _is_not_per_reload_noise(record: logging.LogRecord) -> bool:
-    if record.levelno < logging.WARNING:
-        return False
-    return not (record.levelno == logging.WARNING and record.getMessage() == "RotaryEmbedding: Failed to load weights")
-
-
-def quieted_loggers() -> list[str]:
-    """The per-reload loggers that drop their noise in this process."""
-    return [name for name in _PER_RELOAD_LOGGERS if _is_not_per_reload_noise in logging.getLogger(name).filters]
-
-
-def quiet_per_reload_logs() -> None:
-    """Keep vLLM's per-reload lines off the console (and off Ray's log forwarding to the driver)."""
-    for name in _PER_RELOAD_LOGGERS:
-        logger = logging.getLogger(name)
-        if _is_not_per_reload_noise not in logger.filters:
-            logger.addFilter(_is_not_per_reload_noise)
 
 
 class Generator(ReportsTimings):

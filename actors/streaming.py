@@ -21,9 +21,10 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from actors.generator import (GeneratedGroup, GenerationRequest, GeneratorSpec, ReportsTimings, chat_prompt_ids,
-                              completion_record, engine_args, quiet_per_reload_logs, weight_group_info)
-from tasks.records import newest_version, oldest_version
+                              completion_record, engine_args, weight_group_info)
+from actors.vllm_logs import quiet_per_reload_logs
 from algorithms.errors import StableAsyncError
+from tasks.records import newest_version, oldest_version
 
 if TYPE_CHECKING:
     from learner.weight_sync import PackedWeights

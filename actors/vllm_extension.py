@@ -29,7 +29,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from actors.generator import quiet_per_reload_logs, quieted_loggers
+from actors.vllm_logs import quiet_per_reload_logs, quieted_loggers
 
 PACKED_BACKEND = "stableasync_packed"
 GLOO_BACKEND = "stableasync_gloo"

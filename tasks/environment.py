@@ -21,10 +21,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.records import Completion
 from tasks.base import Problem, TaskError
+from tasks.records import Completion
 from tasks.sandbox import SandboxLimits
-from tasks.tools import ParsedTurn, ToolCall, ToolResult, parse_tool_calls, tool_schemas, tools_prompt, load_tools
+from tasks.tools import ParsedTurn, ToolCall, ToolResult, load_tools, parse_tool_calls, tool_schemas, tools_prompt
 
 
 @dataclass(frozen=True)

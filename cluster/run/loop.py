@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
 import torch
+from ray.exceptions import RayActorError
 
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
 from actors.generator import GeneratedGroup, GenerationRequest
-from tasks.records import ScoredCompletion
 from algorithms.diagnostics import lag_stats
 from algorithms.rewards import overlong_penalty
 from cluster.job import AlgorithmSection, EvaluationSet, Job, ScoringSection, section_config
@@ -45,8 +44,9 @@ from cluster.telemetry.metrics import MetricSink
 from cluster.telemetry.samples import rollout_samples
 from learner.batch import TrainBatch, collate
 from tasks.base import Problem, Task
-from tasks.environment import EpisodeStats, score_responses
 from tasks.config import TASK_CONFIGS
+from tasks.environment import EpisodeStats, score_responses
+from tasks.records import ScoredCompletion
 from tasks.scoring import ScorePool, ScoreResult
 
 

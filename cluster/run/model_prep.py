@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from actors.generator import chat_prompt_ids
-from learner.records import TrainingSample
 from cluster.job import Job, environment_spec
 from learner.models import build_tiny_model, check_chat_template, resolve_model
+from learner.records import TrainingSample
 from tasks.base import Problem, Task
 from tasks.environment import EnvironmentSpec, ToolChat, environment_tools, schema_names
 from tasks.tools import tools_prompt

@@ -106,11 +106,11 @@ def test_the_engine_core_process_keeps_vllms_per_load_lines_quiet(streaming):
     its own, so the filters must be installed there, not only in the actor's."""
     import os
 
-    from actors.generator import _PER_RELOAD_LOGGERS
+    from actors.vllm_logs import PER_RELOAD_LOGGERS
 
     generator, loop = streaming
     [(pid, quieted)] = loop.run_until_complete(generator.engine.collective_rpc("quieted_loggers"))
-    assert pid != os.getpid() and quieted == list(_PER_RELOAD_LOGGERS)
+    assert pid != os.getpid() and quieted == list(PER_RELOAD_LOGGERS)
 
 
 def test_groups_are_sampled_concurrently_and_each_returns_when_its_own_responses_are_done(streaming, tiny_qwen2):
