@@ -1,7 +1,7 @@
-"""The learner ranks' collectives over one value: sums, maxima, finiteness, gathers and the step's metrics.
+"""The learner ranks' collectives: sums, maxima, finiteness, gathers, the step's metrics and the agreed runs.
 
-Kept apart from `learner/rank.py` so the step reads as what it computes; each method is a collective (every
-rank calls it, in the same order) and costs nothing on a single rank.
+Kept apart from the passes (`learner/passes.py`) so the step reads as what it computes; each method is a
+collective (every rank calls it, in the same order) and costs nothing on a single rank.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from learner.micro_batches import EMPTY, MicroBatch, MicroBatchPlan
 
 # Metrics computed from the gathered global batch: the same on every rank, so averaged without token weights.
 GLOBAL_METRICS = {"stability/ess_ratio", "stability/chi2_seq", "stability/ess_ratio_clipped", "stability/lr_scale",
@@ -44,6 +46,14 @@ class Collectives:
     def all_finite(self, *tensors: Tensor) -> bool:
         """Whether every rank's tensors are finite: a collective, so all ranks skip together."""
         return self.sum(nonfinite_count(*tensors)).item() == 0
+
+    def agreed_runs(self, plan: MicroBatchPlan, one_pass: bool = True) -> tuple[list[MicroBatch], bool]:
+        """The plan's micro-batches, padded with empty ones to the most any rank runs, and one pass only where
+        every rank can take it: ZeRO's collectives in each forward and backward need all ranks to run the
+        same passes over as many micro-batches."""
+        wanted = torch.tensor([float(len(plan)), float(not one_pass)], device=self.device)
+        most, any_two_passes = self.max(wanted).tolist()
+        return [*plan.micro_batches, *[EMPTY] * (int(most) - len(plan))], any_two_passes == 0
 
     def gather(self, values: Tensor) -> Tensor:
         """Concatenate a 1-D tensor of possibly different lengths from every rank."""

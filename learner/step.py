@@ -1,22 +1,27 @@
 """What one learner step is made of, apart from the rank that runs it: the per-row values a step fills in
 (`StepValues`), a prompt group carried across micro-batches (`CarriedGroup`), and the pure helpers the
-passes share (the whole-batch sequence metrics, book-keeping's per-sequence coefficients, the forward
-without a padding mask). `learner/rank.py` runs the passes; nothing here is a collective.
+passes share (a run's sub-batch, the advantages, the whole-batch sequence metrics, book-keeping's per-sequence
+coefficients, the forward without a padding mask). `learner/passes.py` runs the passes; nothing here is a
+collective.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from algorithms.batch import TokenWeights
 from algorithms.diagnostics import chi2_seq, ess_ratio
 from algorithms.errors import StableAsyncError
-from algorithms.batch import TokenWeights
+from algorithms.stabilizer import Stabilizer
 from learner.batch import TrainBatch
 from learner.grad_norms import SampleGradients
+from learner.micro_batches import MicroBatch
+
 
 def sequence_metrics(global_log_w: Tensor) -> dict[str, Tensor]:
     """ESS ratio and sequence chi-square over the whole global batch (every rank's sequences)."""
@@ -24,6 +29,36 @@ def sequence_metrics(global_log_w: Tensor) -> dict[str, Tensor]:
         return {}
     return {"stability/ess_ratio": ess_ratio(global_log_w), "stability/chi2_seq": chi2_seq(global_log_w)}
 
+
+def sub_batch(batch: TrainBatch, run: MicroBatch) -> TrainBatch:
+    """The run's sub-batch without unused padding (its width known on the host); an empty run gives one row with
+    nothing to train on, so that a rank with fewer micro-batches still joins every forward's collectives."""
+    if run.rows is not None:
+        return batch.rows(run.rows).trimmed(run.width)
+    empty = batch.rows(torch.zeros(1, dtype=torch.long, device=batch.input_ids.device)).trimmed(run.width)
+    empty.loss_mask = torch.zeros_like(empty.loss_mask)
+    empty.behaviour_logprobs = torch.zeros_like(empty.behaviour_logprobs)
+    return empty
+
+
+def step_advantages(stabilizer: Stabilizer, estimator: Callable[[Tensor, Tensor], Tensor], batch: TrainBatch,
+                    logprobs: Tensor, sample_grads: SampleGradients | None) -> tuple[Tensor, Tensor | None]:
+    """The stabilizer's own advantages (VCPO's baseline), else the job's `estimator`; with the baseline when one
+    was formed. Only a baseline reads the log-probs, and it needs the per-sample norms."""
+    log_w = ((logprobs.detach() - batch.behaviour_logprobs) * batch.loss_mask).sum(dim=1)
+    lengths = batch.loss_mask.sum(dim=1).float()
+    grad_sq_norms = None if sample_grads is None else sample_grads.squared_norms
+    own = stabilizer.advantages(batch.rewards, log_w, grad_sq_norms, batch.group_ids, lengths)
+    if own is None:
+        return estimator(batch.rewards, batch.group_ids), None
+    if grad_sq_norms is None:
+        return own, None
+    return own, stabilizer.baseline(batch.rewards, log_w, grad_sq_norms, batch.group_ids, lengths)
+
+
+def device_scalar(value: float, device: torch.device) -> Tensor:
+    """A 0-dim fp32 tensor on the rank's `device` (a host tensor would cost a copy, or meet a device one)."""
+    return torch.tensor(float(value), device=device)
 
 
 @dataclass
@@ -54,7 +89,7 @@ class StepValues:
         width = logprobs.shape[1]
         self.logprobs[rows, :width] = logprobs.detach()
         if entropy is not None:
-            self.entropy[rows, :width] = entropy
+            self.entropy[rows, :width] = entropy.detach()
         if advantages is not None:
             self.advantages[rows] = advantages.float()
         if sample_grads is not None and self.squared_norms is not None:
@@ -84,11 +119,12 @@ class CarriedGroup:
     seen: int = 0  # rows of the group passed so far
 
     @classmethod
-    def start(cls, stabilizer: Any, batch: TrainBatch, rows: Tensor) -> CarriedGroup:
+    def start(cls, stabilizer: Stabilizer, batch: TrainBatch, rows: Tensor) -> CarriedGroup:
         zeros = torch.zeros_like(batch.rewards, dtype=torch.float32)
-        at_zero = stabilizer.advantages_from_baseline(batch.rewards, zeros, batch.group_ids).float()
-        at_one = stabilizer.advantages_from_baseline(batch.rewards, zeros + 1, batch.group_ids).float()
-        return cls(rows, at_zero, at_zero - at_one)
+        at_zero = stabilizer.advantages_from_baseline(batch.rewards, zeros, batch.group_ids)
+        at_one = stabilizer.advantages_from_baseline(batch.rewards, zeros + 1, batch.group_ids)
+        assert at_zero is not None and at_one is not None, "a carried group's advantages are affine in its baseline"
+        return cls(rows, at_zero.float(), at_zero.float() - at_one.float())
 
     def add(self, piece_rows: int, score: dict[torch.nn.Parameter, Tensor], slope_loss: Tensor) -> None:
         """A piece's gradient of the slope loss, into the buffer."""
@@ -112,6 +148,7 @@ class CarriedGroup:
         out = {param: (grad.float() - baseline * score[param]).to(grad.dtype) for param, grad in grads.items()}
         self.score = None
         return out
+
 
 class NonFiniteUpdate(StableAsyncError, ArithmeticError):
     """A decoupled update's loss was not finite on some rank (every rank raises it at the same micro-batch)."""

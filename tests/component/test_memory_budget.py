@@ -67,7 +67,8 @@ def _calibration_main(rank: int, model_path: str, port: int, out: str, name: str
     memory = memory_budget.step_memory(
         memory_budget.ModelShape.from_config(module.config), 4, trained, tokens,
         gradient_checkpointing=checkpointing, per_sample_norms=learner.stabilizer.needs_grad_norms,
-        kept_gradient_cap_bytes=learner.bookkeeping_budget_bytes if learner.bookkeeping else 0.0,
+        kept_gradient_cap_bytes=learner.norms.bookkeeping_budget_bytes if learner.norms and learner.norms.bookkeeping
+        else 0.0,
         later_bytes=memory_budget.unallocated_adam_bytes(learner.engine, trained, 2, 1))
     metrics: list[dict[str, float]] = []
     peak = peak_growth(lambda: metrics.extend(learner.train_step(batch) for _ in range(2)))

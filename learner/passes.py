@@ -1,0 +1,430 @@
+"""One rank's RL step and supervised warm-up step, as passes over token-budget micro-batches.
+
+A stabilizer that decides per row does so per micro-batch, one forward each (`one_pass`); any other first gets
+the whole batch's learner log-probs from a no-grad pass (`two_passes`; docs/stabilizers.md, "Passes over the
+batch"). Either way the gradient is the single-pass step's, accumulated one micro-batch at a time. With
+`proximal: recompute` the first pass is always a no-grad one, and its log-probs are the proximal policy of the
+step's updates (`decoupled_updates`). The forwards come from `learner/policy.py`, the per-sample norms' paths
+from `learner/vcpo_step.py`, the records and pure helpers from `learner/step.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from algorithms.advantages import ADVANTAGES
+from algorithms.aggregation import aggregate_token_loss, loss_denominator, policy_loss
+from algorithms.batch import PolicyBatch, TokenWeights
+from algorithms.diagnostics import health_metrics
+from algorithms.proximal import trust_region_weights
+from algorithms.regularizers import adapted_kl_coef, kl_penalty, sequence_kl
+from algorithms.stabilizer import Stabilizer
+from learner import micro_batches
+from learner.batch import TrainBatch, token_logprobs_and_entropy
+from learner.collectives import Collectives, nonfinite_count
+from learner.grad_norms import SampleGradients
+from learner.lr_schedule import lr_factor
+from learner.micro_batches import MicroBatch
+from learner.packing import packing_support
+from learner.policy import PolicyForwards, Reference
+from learner.spec import LearnerSpec
+from learner.step import (CarriedGroup, NonFiniteUpdate, StepValues, check_one_coefficient_per_sequence,
+                          device_scalar, prompt_group_shares, rows_of, sequence_metrics, step_advantages, sub_batch)
+from learner.vcpo_step import PerSampleNorms
+
+log = logging.getLogger("stableasync.learner")
+
+
+class LearnerStep:
+    """The steps of one rank's engine and what they carry from one step to the next: the policy `version`, the
+    KL coefficient (an adaptive one moves each step) and the latest batch's sequence log-ratios.
+
+    `packs` says whether micro-batches run packed (learner.packed_micro_batches, where the policy's and the
+    reference's attention have a packed path); VCPO's per-sample norms (`norms`) keep padded rows.
+    """
+
+    def __init__(self, spec: LearnerSpec, engine: Any, optimizer: Any, collectives: Collectives,
+                 stabilizer: Stabilizer, forwards: PolicyForwards, reference: Reference | None,
+                 norms: PerSampleNorms | None, micro_batch_tokens: int | None, packs: bool, rank: int) -> None:
+        self.spec, self.engine, self.optimizer, self.collectives = spec, engine, optimizer, collectives
+        self.stabilizer, self.forwards, self.reference, self.norms = stabilizer, forwards, reference, norms
+        self.micro_batch_tokens, self.packs, self.rank = micro_batch_tokens, packs, rank
+        self.world_size, self.device = collectives.world_size, collectives.device
+        self.advantage_estimator = ADVANTAGES[spec.advantage]
+        self.version = 0
+        self.kl_coef = spec.kl_coef
+        # the latest train_step's [B] sequence log-ratios, kept on the device until the rollout samples ask
+        self.last_sequence_log_ratios = torch.zeros(0)
+        if packs and norms is not None and rank == 0:
+            log.info("learner rank 0: per-sample gradient norms need padded rows: this stabilizer's steps run "
+                     "padded micro-batches")
+
+    def use_reference(self, reference: Reference) -> None:
+        """A new KL reference; where micro-batches run packed, its attention gets its packed path too."""
+        self.reference = reference
+        if self.packs:
+            self.packs, why = packing_support(reference.module)
+            if not self.packs and self.rank == 0:
+                log.info("learner rank 0: %s: padded micro-batches", why)
+
+    # ---- the RL step -------------------------------------------------------------------------
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step (or with `proximal: recompute`, its updates) on this rank's groups; metrics averaged
+        over ranks. The step publishes one policy version."""
+        start = time.perf_counter()
+        self.engine.train()
+        batch = batch.to(self.device)
+        needs_norms = self.norms is not None
+        plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.micro_batch_tokens,
+                                  keep_groups=needs_norms, packed=self.packs and not needs_norms)
+        one_pass = self.stabilizer.decides_per_row and (
+            plan.groups_whole or self.norms is None or self.norms.carries_every_split_group(batch, plan))
+        runs, one_pass = self.collectives.agreed_runs(plan, one_pass)
+        reference = None if self.reference is None else self.reference.logprobs(batch, runs)
+        task_rewards = batch.rewards
+        batch, reward_metrics = self._kl_in_reward(batch, reference)
+        decoupled = self.spec.proximal == "recompute"
+        if decoupled:
+            step = self.decide_on_whole_batch(batch, runs, reference)
+        elif one_pass or len(runs) == 1:  # one micro-batch is the whole batch: any stabilizer decides on it at once
+            step = self.one_pass(batch, runs, reference)
+        else:
+            step = self.two_passes(batch, runs, reference)
+        policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
+        decision = step.decision or self.stabilizer.token_weights(policy)  # one pass: for the metrics only
+        metrics = {**health_metrics(policy), **decision.metrics,
+                   **(self.norms.baseline_metrics(batch, step) if self.norms is not None else {}),
+                   **reward_metrics, **self._kl_metrics(batch, step.logprobs, reference),
+                   "rollout/reward_mean": task_rewards.mean()}
+        self.last_sequence_log_ratios = policy.seq_log_ratio
+        metrics["stability/entropy"] = (step.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
+        metrics["perf/micro_batches"] = self._scalar(len(plan))
+        metrics["perf/learner_passes"] = self._scalar(
+            1.0 + self.spec.epochs if decoupled else 1.0 if step.decision is None else 2.0)
+        if step.squared_norms is not None:
+            metrics["opob/bookkeeping_share"] = self._scalar(step.bookkept_micro_batches / len(runs))
+            metrics["opob/carried_groups"] = self._scalar(step.carried_groups)
+        global_log_w = self.collectives.gather(policy.seq_log_ratio[policy.token_lengths > 0])
+        metrics.update(sequence_metrics(global_log_w))
+        metrics.update(self.stabilizer.global_metrics(global_log_w))
+        loss = step.loss
+        if step.skipped:
+            metrics["optim/lr"] = self._scalar(0.0)
+            return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan, batch=batch)
+        lr_scale = self.stabilizer.lr_scale(global_log_w)
+        schedule = lr_factor(self.version, self.spec.total_steps, self.spec.lr_warmup_steps, self.spec.lr_schedule,
+                             self.spec.lr_min_ratio)
+        metrics["optim/lr"] = self._scalar(self.spec.learning_rate * schedule * lr_scale)
+        if decoupled:
+            grad_norm, update_metrics = self.decoupled_updates(batch, step, lr_scale * schedule, reference)
+            metrics.update(update_metrics)
+            if update_metrics["optim/updates"] == 0:  # the first update was already non-finite
+                return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan,
+                                    batch=batch)
+            self.version += 1
+        else:
+            grad_norm = self._step_with_lr_scale(lr_scale * schedule)
+        reduced = self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm,
+                               batch=batch)
+        if reference is not None and self.spec.kl_target is not None:  # the same reduced KL on every rank
+            self.kl_coef = adapted_kl_coef(self.kl_coef, reduced["stability/kl_ref_mean"], self.spec.kl_target,
+                                           self.spec.kl_horizon, batch.size * self.world_size)
+        return reduced
+
+    def one_pass(self, batch: TrainBatch, runs: list[MicroBatch], reference: Tensor | None) -> StepValues:
+        """Decide, weigh and backpropagate each micro-batch in one forward. Over several micro-batches the
+        loss denominator is the loss mask's (a per-row stabilizer keeps it), known before any forward; in
+        one, it comes from the decision on the whole batch."""
+        norms = self.norms
+        step = StepValues.empty(batch, with_norms=norms is not None)
+        if norms is None:  # advantages from the rewards alone, whole groups at once
+            step.advantages = self._advantages(batch, step.logprobs, None)[0]
+        mask_denominator = None if len(runs) == 1 else self._global_denominator(batch.loss_mask)
+        carried: CarriedGroup | None = None
+        # counted on the device and checked once after the loop: no host sync per micro-batch
+        nonfinite = torch.zeros((), device=self.device)
+        coefficient_gap = torch.zeros((), device=self.device)
+        for run in runs:
+            rows, micro = run.rows, sub_batch(batch, run)
+            group_rows = run.group_rows if norms is not None else None
+            if group_rows is not None and carried is None:  # the first piece of a split group
+                carried = CarriedGroup.start(self.stabilizer, batch, group_rows)
+            bookkeeping = group_rows is not None or (norms is not None and norms.keeps_sample_gradients(micro))
+            step.bookkept_micro_batches += bookkeeping
+            sample_grads: SampleGradients | None = None
+            entropy: Tensor | None
+            if norms is not None:  # the norms start from the logits' gradient
+                logprobs, entropy, sample_grads = norms.forward(micro, bookkeeping)
+            else:
+                logprobs, entropy = self.forwards.token_logprobs(micro, with_entropy=True, packing=run.packing)
+            if rows is None:
+                advantages, baseline = torch.zeros(1, device=self.device), None
+            elif carried is not None:  # advantages at baseline 0; the baseline's part waits in the score buffer
+                advantages, baseline = carried.at_zero[rows], None
+            elif norms is not None:
+                advantages, baseline = self._advantages(micro, logprobs, sample_grads)
+            else:
+                advantages, baseline = step.advantages[rows], None
+            policy = PolicyBatch(logprobs, micro.behaviour_logprobs, advantages, micro.loss_mask)
+            decision = self.stabilizer.token_weights(policy)
+            denominator = mask_denominator if mask_denominator is not None else self._global_denominator(decision.mask)
+            loss = self.loss(policy, decision, denominator, entropy, rows_of(reference, rows, logprobs))
+            slope = None if carried is None else policy_loss(
+                PolicyBatch(logprobs, micro.behaviour_logprobs, carried.slope[rows], micro.loss_mask), decision,
+                self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
+            bad = nonfinite_count(loss, decision.weights, *([] if slope is None else [slope]))
+            nonfinite = nonfinite + bad
+            # a non-finite micro-batch poisons the accumulated gradient, so that the engine's step finds a
+            # non-finite norm and discards it all (checked in _discard_step)
+            loss = loss * torch.where(bad > 0, math.nan, 1.0)
+            if rows is not None:
+                step.record(rows, logprobs, entropy, advantages, sample_grads, baseline)
+            step.loss = step.loss + loss.detach()
+            if norms is None or sample_grads is None:
+                self.engine.backward(loss * self.world_size)
+            elif carried is not None and slope is not None:
+                gap = norms.backward_piece(step, batch, carried, loss, slope, logprobs, sample_grads, micro.loss_mask)
+                coefficient_gap = torch.maximum(coefficient_gap, gap)
+                carried = None if carried.complete else carried
+            else:
+                coefficient_gap = torch.maximum(coefficient_gap,
+                                                norms.backward(loss, logprobs, sample_grads, micro.loss_mask))
+            del logprobs, entropy, sample_grads, policy, decision, loss  # before the next forward allocates
+        nonfinite_found, largest_gap = self.collectives.max(torch.stack([nonfinite, coefficient_gap])).tolist()
+        check_one_coefficient_per_sequence(largest_gap)
+        if nonfinite_found:
+            step.skipped = True
+            self._discard_step()
+        return step
+
+    def two_passes(self, batch: TrainBatch, runs: list[MicroBatch], reference: Tensor | None) -> StepValues:
+        """A no-grad pass gives the whole batch's learner log-probs (and per-sample gradient norms), the
+        stabilizer decides once on them, and the gradient pass backpropagates each micro-batch's share."""
+        step = self.decide_on_whole_batch(batch, runs, reference)
+        if not step.skipped and step.decision is not None:
+            denominator = self._global_denominator(step.decision.mask)
+            self.backpropagate(batch, runs, step.decision, step.advantages, denominator, reference=reference)
+        return step
+
+    def decide_on_whole_batch(self, batch: TrainBatch, runs: list[MicroBatch], reference: Tensor | None
+                              ) -> StepValues:
+        """The first of two passes: the whole batch's learner log-probs (and per-sample gradient norms)
+        without grad, the advantages, and the stabilizer's decision on them; no gradient yet. Skipped when
+        the decision or the loss is not finite on some rank."""
+        step = StepValues.empty(batch, with_norms=self.norms is not None)
+        for run in runs:
+            rows, micro = run.rows, sub_batch(batch, run)
+            sample_grads: SampleGradients | None = None
+            entropy: Tensor | None
+            if self.norms is not None:
+                logits, squared_norms = self.norms.norms_forward(micro)
+                sample_grads = SampleGradients(squared_norms)
+                logprobs, entropy = token_logprobs_and_entropy(logits.detach(), micro.input_ids,
+                                                               self.spec.temperature)
+                del logits
+            else:
+                with torch.no_grad():
+                    logprobs, entropy = self.forwards.token_logprobs(micro, True, run.packing)
+            if rows is not None:
+                step.record(rows, logprobs, entropy, None, sample_grads, None)
+        step.advantages, step.baseline = self._advantages(batch, step.logprobs, step.sample_grads())
+        policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
+        step.decision = self.stabilizer.token_weights(policy)
+        denominator = self._global_denominator(step.decision.mask)
+        step.loss = self.loss(policy, step.decision, denominator, step.entropy, reference).detach()
+        if not self.collectives.all_finite(step.decision.weights, step.loss):
+            step.skipped = True
+            self.engine.zero_grad()
+        return step
+
+    def backpropagate(self, batch: TrainBatch, runs: list[MicroBatch], decision: TokenWeights, advantages: Tensor,
+                      denominator: Tensor, proximal_logprobs: Tensor | None = None,
+                      reference: Tensor | None = None) -> float:
+        """Each micro-batch's share of the loss of a decision made on the whole `batch`, into the engine's
+        accumulated gradient; returns the loss tokens the trust region clipped.
+
+        With the proximal policy's log-probs [B, L-1] (the decoupled objective) each token's weight also
+        carries the trust region around them, and since the policy may have moved since the decision, a
+        non-finite loss on any rank poisons the gradient so that the engine's step drops it (`_discard_step`).
+        """
+        clipped_tokens = 0.0
+        for index, run in enumerate(runs):
+            rows, micro = run.rows, sub_batch(batch, run)
+            width = micro.loss_mask.shape[1]
+            if rows is None:  # nothing to train on: zero weights on an empty mask
+                weights, mask = micro.behaviour_logprobs, micro.loss_mask
+                micro_advantages = torch.zeros(1, device=self.device)
+            else:
+                weights, mask = decision.weights[rows, :width], decision.mask[rows, :width]
+                micro_advantages = advantages[rows]
+            # the entropy costs an exp per logit: only where it is trained on
+            logprobs, entropy = self.forwards.token_logprobs(micro, bool(self.spec.entropy_coef), run.packing)
+            if proximal_logprobs is not None and rows is not None:
+                trust, clipped = trust_region_weights(logprobs, proximal_logprobs[rows, :width], micro_advantages,
+                                                      micro.loss_mask, self.spec.proximal_eps_low,
+                                                      self.spec.proximal_eps_high)
+                weights = weights * trust
+                clipped_tokens += float(clipped.sum())
+            share = PolicyBatch(logprobs, micro.behaviour_logprobs, micro_advantages, micro.loss_mask)
+            loss = self.loss(share, TokenWeights(weights, mask, {}), denominator, entropy,
+                             rows_of(reference, rows, logprobs))
+            if proximal_logprobs is not None and not self.collectives.all_finite(loss):
+                if index:  # poisons what the earlier micro-batches accumulated
+                    self.engine.backward(loss * math.nan)
+                else:
+                    self.engine.zero_grad()
+                raise NonFiniteUpdate(index)
+            self.engine.backward(loss * self.world_size)
+            del logprobs, entropy, share, loss
+        return clipped_tokens
+
+    def decoupled_updates(self, batch: TrainBatch, step: StepValues, lr_scale: float, reference: Tensor | None
+                          ) -> tuple[float, dict[str, Tensor]]:
+        """`epochs` passes over the batch in `mini_batches` shares of whole prompt groups, one optimizer update
+        per share: the stabilizer's decision at pi_prox (step.logprobs) times the trust region around pi_prox.
+        Returns the largest update's gradient norm and the updates' metrics; after a non-finite share no
+        further update runs (those before it stay applied)."""
+        assert step.decision is not None, "the decoupled updates follow the decision on the whole batch"
+        shares = prompt_group_shares(batch.group_ids, self.spec.mini_batches)
+        norms: list[float] = []
+        clipped_tokens = 0.0
+        try:
+            for _ in range(self.spec.epochs):
+                for rows in shares:
+                    share = batch.rows(rows)
+                    decision = TokenWeights(step.decision.weights[rows], step.decision.mask[rows], {})
+                    denominator = self._global_denominator(decision.mask)
+                    plan = micro_batches.plan(share.sequence_lengths, share.group_ids,
+                                              self.micro_batch_tokens, keep_groups=False, packed=self.packs)
+                    runs = self.collectives.agreed_runs(plan)[0]
+                    clipped_tokens += self.backpropagate(
+                        share, runs, decision, step.advantages[rows], denominator, step.logprobs[rows],
+                        None if reference is None else reference[rows])
+                    norms.append(self._apply_update(lr_scale))
+        except NonFiniteUpdate as error:
+            if error.micro_batch:  # gradients accumulated before it: the engine's step must drop them
+                self._discard_step()
+        planned = self.spec.epochs * len(shares)
+        tokens = float(batch.loss_mask.sum()) * len(norms)
+        metrics = {"optim/updates": self._scalar(len(norms)),
+                   "stability/skipped_updates": self._scalar(planned - len(norms)),
+                   "stability/proximal_clip_frac": self._scalar(clipped_tokens / tokens if tokens else 0.0)}
+        return (max(norms) if norms else math.nan), metrics
+
+    def loss(self, policy: PolicyBatch, decision: TokenWeights, denominator: Tensor, entropy: Tensor | None,
+             reference: Tensor | None) -> Tensor:
+        """The policy-gradient loss, plus the KL term to the reference and minus the entropy bonus when the job
+        has them: all three aggregated over the decision's mask with one denominator. Every pass calls it."""
+        loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
+        mask = policy.mask_float if decision.mask is policy.mask else decision.mask
+        terms: list[Tensor] = []
+        if reference is not None and self.spec.kl_in == "loss":
+            terms.append(self.kl_coef * kl_penalty(policy.logprobs, reference, self.spec.kl_estimator, mask))
+        if self.spec.entropy_coef:
+            assert entropy is not None, "an entropy bonus is formed from the entropy"
+            terms.append(-self.spec.entropy_coef * entropy)
+        if not terms:
+            return loss
+        return loss + aggregate_token_loss(sum(terms[1:], terms[0]), mask, self.spec.loss_aggregation, denominator,
+                                           self.spec.constant_tokens)
+
+    def _advantages(self, batch: TrainBatch, logprobs: Tensor, sample_grads: SampleGradients | None
+                    ) -> tuple[Tensor, Tensor | None]:
+        return step_advantages(self.stabilizer, self.advantage_estimator, batch, logprobs, sample_grads)
+
+    def _kl_in_reward(self, batch: TrainBatch, reference: Tensor | None) -> tuple[TrainBatch, dict[str, Tensor]]:
+        """With `kl in: reward`, the batch whose rewards lose coef x the sampled response's summed KL to the
+        reference, from the behaviour log-probs the sampler recorded (known before the step, as verl's
+        in-reward penalty uses the rollout's); otherwise the batch as it is."""
+        if reference is None or self.spec.kl_in != "reward":
+            return batch, {}
+        penalty = self.kl_coef * sequence_kl(batch.behaviour_logprobs, reference, batch.loss_mask,
+                                             self.spec.kl_estimator)
+        shaped = replace(batch, rewards=batch.rewards - penalty)
+        return shaped, {"rollout/kl_ref_penalty_mean": penalty.mean()}
+
+    def _kl_metrics(self, batch: TrainBatch, logprobs: Tensor, reference: Tensor | None) -> dict[str, Tensor]:
+        """The KL per loss token of the learner at the step's start to the reference, and the coefficient."""
+        if reference is None:
+            return {}
+        tokens = kl_penalty(logprobs, reference, self.spec.kl_estimator, batch.loss_mask)
+        return {"stability/kl_ref_mean": tokens.sum() / batch.loss_mask.sum().clamp(min=1),
+                "stability/kl_ref_coef": self._scalar(self.kl_coef)}
+
+    # ---- the supervised warm-up --------------------------------------------------------------
+
+    def sft(self, batch: TrainBatch, learning_rate: float) -> dict[str, float]:
+        """Supervised warm-up on demonstrations: token-mean cross-entropy of the completion tokens, in the
+        same token-budget micro-batches as the RL step."""
+        self.engine.train()
+        batch = batch.to(self.device)
+        plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.micro_batch_tokens,
+                                  keep_groups=False, packed=self.packs)
+        denominator = self.collectives.sum(batch.loss_mask.sum()).clamp(min=1)
+        total = torch.zeros((), device=self.device)
+        for run in self.collectives.agreed_runs(plan)[0]:
+            micro = sub_batch(batch, run)
+            logprobs, _ = self.forwards.token_logprobs(micro, with_entropy=False, packing=run.packing)
+            loss = -(logprobs * micro.loss_mask).sum() / denominator
+            self.engine.backward(loss * self.world_size)
+            total = total + loss.detach()
+        grad_norm = self._step_with_lr_scale(learning_rate / self.spec.learning_rate)
+        metrics = {"sft/loss": total, "sft/grad_norm": self._scalar(grad_norm)}
+        return self.collectives.reduce_metrics(metrics)
+
+    # ---- updates and what every step ends with -------------------------------------------------
+
+    def _step_with_lr_scale(self, lr_scale: float) -> float:
+        """The step's one update at lr * lr_scale: a new policy version."""
+        norm = self._apply_update(lr_scale)
+        self.version += 1
+        return norm
+
+    def _apply_update(self, lr_scale: float) -> float:
+        """optimizer.step at lr * lr_scale for this update only, then the base LR is restored; the gradient norm."""
+        groups = self.optimizer.param_groups
+        base = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = group["lr"] * lr_scale
+        try:
+            self.engine.step()
+        finally:
+            for group, lr in zip(groups, base):
+                group["lr"] = lr
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else math.nan
+
+    def _discard_step(self) -> None:
+        """The engine's step on a poisoned gradient: ZeRO finds the non-finite norm and drops the gradient
+        without an update. Anything else would train on it, so it is refused loudly."""
+        self.engine.step()
+        if self.engine.was_step_applied():
+            raise RuntimeError(f"learner rank {self.rank}: DeepSpeed applied a step with a non-finite gradient")
+
+    def _finish(self, metrics: dict[str, Tensor], start: float, *, skipped: bool, loss: Tensor, lr_scale: float,
+                grad_norm: float, batch: TrainBatch) -> dict[str, float]:
+        metrics = dict(metrics)
+        metrics["optim/loss"] = loss.detach() * self.world_size  # a share of the global loss; ranks average
+        metrics["optim/grad_norm"] = self._scalar(grad_norm)
+        metrics["stability/lr_scale"] = self._scalar(lr_scale)
+        metrics["stability/skipped_step"] = self._scalar(skipped)
+        metrics.setdefault("rollout/reward_mean", batch.rewards.mean())  # the task's, before any KL shaping
+        metrics["rollout/response_len"] = batch.loss_mask.float().sum(1).mean()
+        metrics["time/learner_step_s"] = self._scalar(time.perf_counter() - start)
+        metrics["perf/learner_tokens_per_s"] = batch.attention_mask.sum() / metrics["time/learner_step_s"]
+        return self.collectives.reduce_metrics(metrics, token_weight=batch.loss_mask.sum())
+
+    def _scalar(self, value: float) -> Tensor:
+        return device_scalar(value, self.device)
+
+    def _global_denominator(self, mask: Tensor) -> Tensor:
+        """The loss denominator of `mask` summed over the ranks, so each rank's loss is its share of the global one."""
+        return self.collectives.sum(loss_denominator(mask, self.spec.loss_aggregation, self.spec.constant_tokens))

@@ -1,0 +1,213 @@
+"""The parts of a learner step that need per-sample gradient norms ||grad log pi(tau_i)||^2 (VCPO's baseline).
+
+Apart from the passes (`learner/passes.py`), which ask this class for a micro-batch's forward with its norms and
+for its backward: which path forms the norms (ghost norms from the layers' inputs and output gradients, or one
+backward per sample where a parameter has no ghost rule), and whether a micro-batch's update is formed by
+book-keeping from its kept per-sample gradients (ZeRO-1/2, within a budget) instead of the engine's backward.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from algorithms.advantages import ADVANTAGES, group_mean_advantages
+from algorithms.stabilizer import Stabilizer
+from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs, token_logprobs_and_entropy
+from learner.collectives import Collectives
+from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
+from learner.micro_batches import MicroBatchPlan
+from learner.policy import PolicyForwards
+from learner.spec import LearnerSpec
+from learner.step import (CarriedGroup, StepValues, device_scalar, sequence_coefficients, step_advantages,
+                          sub_batch)
+
+log = logging.getLogger("stableasync.learner")
+
+
+class PerSampleNorms:
+    """How a rank's steps get per-sample gradient norms, decided once from the stabilizer's `opob_impl` (a
+    stabilizer without the option, a user's own, gets the ghost path) and the engine's model."""
+
+    def __init__(self, spec: LearnerSpec, engine: Any, stabilizer: Stabilizer, forwards: PolicyForwards,
+                 collectives: Collectives, kept_gradient_bytes: float, rank: int) -> None:
+        self.spec, self.engine, self.stabilizer, self.forwards, self.collectives = (spec, engine, stabilizer,
+                                                                                    forwards, collectives)
+        self.rank, self.world_size, self.device = rank, collectives.world_size, collectives.device
+        self.advantage_estimator = ADVANTAGES[spec.advantage]
+        opob_impl = getattr(stabilizer.config, "opob_impl", "ghost")
+        self.ghost, self.fallback_to_loop = self._ghost_norms(opob_impl)
+        self.bookkeeping = self._uses_bookkeeping(opob_impl)
+        # auto: book-keeping only for a micro-batch whose kept gradients fit the budget; bookkeeping: always
+        self.bookkeeping_budget_bytes = kept_gradient_bytes if opob_impl == "auto" else math.inf
+        # book-keeping carries a group split across micro-batches in one pass, with a score buffer of one
+        # fp32 gradient (the VCPO paper's two buffers; the other is the engine's own accumulation)
+        self.carries_split_groups = self.bookkeeping and stabilizer.advantages_from_baseline(
+            torch.zeros(1), torch.zeros(1), torch.zeros(1, dtype=torch.long)) is not None
+        self.score_buffer_bytes = 4 * sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+
+    def _ghost_norms(self, opob_impl: str) -> tuple[GhostGradNorms | None, bool]:
+        """The ghost-norm path when every parameter has a rule; otherwise the per-sample loop, announced (a silent
+        10x slowdown would look like a hang)."""
+        if opob_impl == "per_sample_loop":
+            return None, False
+        try:
+            return GhostGradNorms(self.engine.module), False
+        except UncoveredParameters as error:
+            log.warning("learner rank %d: per-sample gradient norms fall back to one backward per sample: %s",
+                        self.rank, error)
+            return None, True
+
+    def _uses_bookkeeping(self, opob_impl: str) -> bool:
+        """Book-keeping forms the update from the kept per-sample gradients, which needs whole parameters:
+        under ZeRO-3 the norms come from the two-pass ghost path instead (said once, here)."""
+        if self.ghost is None or opob_impl not in ("bookkeeping", "auto"):
+            return False
+        if self.spec.token_terms:  # the KL term or entropy bonus needs the model's own backward
+            return False
+        if self.spec.zero_stage == 3:
+            if opob_impl == "bookkeeping":  # asked for by name: say why it is not used
+                log.info("learner rank %d: ZeRO-3 partitions the parameters, so per-sample norms use the two-pass "
+                         "ghost path instead of bookkeeping", self.rank)
+            return False
+        return True
+
+    # ---- which path a micro-batch takes ----------------------------------------------------------
+
+    def keeps_sample_gradients(self, micro: TrainBatch, extra_bytes: int = 0) -> bool:
+        """Whether this micro-batch's update is formed by book-keeping (its kept gradients fit the budget)."""
+        if not self.bookkeeping or self.ghost is None:
+            return False
+        kept = micro.size * self.ghost.kept_bytes_per_sample(micro.input_ids.shape[1])
+        return kept + extra_bytes <= self.bookkeeping_budget_bytes
+
+    def carries_every_split_group(self, batch: TrainBatch, plan: MicroBatchPlan) -> bool:
+        """Whether each piece of a split group takes book-keeping with the score buffer within the budget."""
+        if not self.carries_split_groups:
+            return False
+        pieces = [run for run in plan.micro_batches if run.group_rows is not None]
+        return all(self.keeps_sample_gradients(sub_batch(batch, run), self.score_buffer_bytes) for run in pieces)
+
+    # ---- forwards with the norms -----------------------------------------------------------------
+
+    def forward(self, micro: TrainBatch, bookkeeping: bool) -> tuple[Tensor, Tensor, SampleGradients]:
+        """One micro-batch's forward with grad for one pass: its log-probs and entropy, and its per-sample norms
+        (with book-keeping, its per-sample gradients too), which start from the logits' gradient."""
+        recording = self.ghost is not None and self.spec.zero_stage != 3
+        with self.ghost.recording() if self.ghost is not None and recording else nullcontext():
+            logits = self.forwards.logits(micro, plain=bookkeeping)  # no loss backward through the engine follows
+        logprobs, entropy = token_logprobs_and_entropy(logits, micro.input_ids, self.spec.temperature)
+        return logprobs, entropy, self._sample_gradients(micro, logits, bookkeeping)
+
+    def _sample_gradients(self, batch: TrainBatch, logits: Tensor, bookkeeping: bool) -> SampleGradients:
+        """||grad log pi(tau_i)||^2 of each of this micro-batch's sequences (with book-keeping, the per-sample
+        gradients too); otherwise the graph stays for the loss backward."""
+        if self.ghost is not None and self.spec.zero_stage == 3:
+            return SampleGradients(self.norms_forward(batch)[1])
+        if self.ghost is not None:
+            logits_grad = sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, self.spec.temperature)
+            if bookkeeping:
+                return self.ghost.sample_gradients(logits_grad)
+            return SampleGradients(self.ghost.squared_norms(logits_grad))
+        return SampleGradients(self._per_sample_loop_norms(batch))
+
+    def _per_sample_loop_norms(self, batch: TrainBatch) -> Tensor:
+        """The norms from one backward per sample (no ghost rule for some parameter, or asked for)."""
+        def sample_logp(i: int) -> Tensor:  # the plain module: the engine's backward hooks stay out of it
+            row = batch.rows(torch.tensor([i], device=self.device))
+            row_logits = self.forwards.logits(row, plain=True)
+            return (token_logprobs(row_logits, row.input_ids, self.spec.temperature) * row.loss_mask).sum()
+
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]
+        return per_sample_loop_norms(sample_logp, batch.size, params)
+
+    def norms_forward(self, batch: TrainBatch) -> tuple[Tensor, Tensor]:
+        """A forward of its own for the per-sample norms, [B, L, V] logits (detached) and norms [B]. ZeRO-3's
+        module hooks gather and release parameters per backward and need each backward to enter at the
+        model's top, and the two-pass step has no loss backward to share a forward with."""
+        if self.ghost is None:
+            with torch.no_grad():
+                logits = self.forwards.logits(batch, plain=True)
+            return logits, self._per_sample_loop_norms(batch)
+        with self.ghost.recording():
+            logits = self.forwards.logits(batch, plain=True)
+        logits_grad = sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, self.spec.temperature)
+        return logits.detach(), self.ghost.squared_norms(logits_grad, from_logits=True)
+
+    # ---- backwards from the kept per-sample gradients ------------------------------------------------
+
+    def backward(self, loss: Tensor, logprobs: Tensor, sample_grads: SampleGradients, loss_mask: Tensor) -> Tensor:
+        """Gradients of the loss into the engine. DeepSpeed averages over ranks, so each rank's loss is
+        its share of the global sum.
+
+        With book-keeping the loss is sum_i k_i log pi(tau_i) (VCPO's weights and advantages are per
+        sequence), so its gradient is sum_i k_i G_i of the kept per-sample gradients G_i; the engine's
+        backward of <theta, that gradient> hands it to ZeRO's reduction without a pass through the model.
+        Returns how far the token coefficients of a sequence differ (`sequence_coefficients`; 0 without
+        book-keeping), for the caller to check once per step.
+        """
+        if sample_grads.parts is None:
+            self.engine.backward(loss * self.world_size)
+            return torch.zeros((), device=self.device)
+        coefficients, gap = self._sequence_coefficients(loss, logprobs, loss_mask)
+        self._backward_gradients(sample_grads.weighted_sum(coefficients))
+        return gap
+
+    def backward_piece(self, step: StepValues, batch: TrainBatch, carried: CarriedGroup, loss: Tensor,
+                       slope: Tensor, logprobs: Tensor, sample_grads: SampleGradients, loss_mask: Tensor) -> Tensor:
+        """One piece of a group split across micro-batches. Its loss is loss(A) = loss(A0) - b * slope with A0
+        the advantages at baseline 0 and b the group's baseline, known after its last piece: the engine
+        takes the gradient of loss(A0) now, the score buffer the gradient of `slope`, and the last piece
+        hands the engine -b times the buffer. Returns the larger coefficient gap of the two (see `backward`)."""
+        coefficients, gap = self._sequence_coefficients(loss, logprobs, loss_mask, keep_graph=True)
+        slope_coefficients, slope_gap = self._sequence_coefficients(slope, logprobs, loss_mask)
+        grads = sample_grads.weighted_sum(coefficients)
+        slope_grads = sample_grads.weighted_sum(slope_coefficients, fp32=True)
+        carried.add(len(loss_mask), slope_grads, slope.detach())
+        if carried.complete:
+            squared_norms, baselines = step.squared_norms, step.baseline
+            assert squared_norms is not None and baselines is not None, "a step with norms records them"
+            advantages, baseline = step_advantages(
+                self.stabilizer, self.advantage_estimator, batch.rows(carried.rows), step.logprobs[carried.rows],
+                SampleGradients(squared_norms[carried.rows]))
+            assert baseline is not None, "a carried group's stabilizer forms its baseline from the norms"
+            step.advantages[carried.rows], baselines[carried.rows] = advantages.float(), baseline.float()
+            step.loss = step.loss - baseline[0].detach() * carried.slope_loss
+            step.carried_groups += 1
+            grads = carried.close(grads, baseline[0].detach())
+        self._backward_gradients(grads)
+        return torch.maximum(gap, slope_gap)
+
+    def _sequence_coefficients(self, loss: Tensor, logprobs: Tensor, loss_mask: Tensor,
+                               keep_graph: bool = False) -> tuple[Tensor, Tensor]:
+        """[b] k_i of this rank's share of the global loss, sum_i k_i log pi(tau_i) (DeepSpeed averages), and
+        how far its token coefficients differ within a sequence."""
+        (token_coefficients,) = torch.autograd.grad(loss * self.world_size, logprobs, retain_graph=keep_graph)
+        return sequence_coefficients(token_coefficients, loss_mask)
+
+    def _backward_gradients(self, grads: dict[torch.nn.Parameter, Tensor]) -> None:
+        """The engine's backward of <theta, grads>: hands `grads` to ZeRO's reduction without a model pass."""
+        self.engine.backward(sum((param * grad).sum() for param, grad in grads.items()))
+
+    def baseline_metrics(self, batch: TrainBatch, step: StepValues) -> dict[str, Tensor]:
+        """How far VCPO's baseline moved from the group mean, and the per-sample gradient norms (all ranks')."""
+        if step.squared_norms is None:
+            return {}
+        norms = self.collectives.gather(step.squared_norms).sqrt()
+        if step.baseline is None:
+            return {}
+        group_mean = batch.rewards - group_mean_advantages(batch.rewards, batch.group_ids)
+        return {
+            "opob/baseline_mean": step.baseline.mean(),
+            "opob/group_mean_baseline_mean": group_mean.mean(),
+            "opob/baseline_shift_abs": (step.baseline - group_mean).abs().mean(),
+            "opob/sample_grad_norm_mean": norms.mean(),
+            "opob/sample_grad_norm_median": norms.median(),
+            "opob/sample_grad_norm_max": norms.max(),
+            "opob/fallback_to_loop": device_scalar(self.fallback_to_loop, self.device),
+        }
