@@ -243,8 +243,7 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
     kept = _kept_gradient_cap_bytes(spec, stabilizer.config) if per_sample_norms else 0.0
     tokens = spec.max_tokens_per_micro_batch
     if tokens != "auto" and kept is not None:  # nothing to read from the device
-        return MicroBatchBudget(tokens, "the whole batch in one micro-batch" if tokens is None else
-                                f"{tokens} tokens per micro-batch (learner.max_tokens_per_micro_batch)", kept)
+        return _job_budget(tokens, kept)
     import torch
     import torch.distributed as dist
 
@@ -281,8 +280,7 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
         kept = least(kept_gradient_cap(memory_with(0.0), share * free_bytes, None if tokens == "auto" else tokens))
         kept_why = f"; book-keeping may keep {kept / 2**30:.2f} GiB per micro-batch (bookkeeping_budget_mb auto)"
     if tokens != "auto":
-        budget = MicroBatchBudget(tokens, "the whole batch in one micro-batch" if tokens is None else
-                                  f"{tokens} tokens per micro-batch (learner.max_tokens_per_micro_batch)", kept)
+        budget = _job_budget(tokens, kept)
     else:
         budget = choose_budget(memory_with(kept), free_bytes, share, sequence_tokens, spec.gradient_checkpointing)
         assert budget.tokens is not None, "choose_budget always picks a number of tokens"
@@ -293,6 +291,13 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
     budget = dataclasses.replace(budget, why=budget.why + kept_why)
     log.info("learner rank %d: %s", rank, budget.why)
     return budget
+
+
+def _job_budget(tokens: int | None, kept_gradient_bytes: float) -> MicroBatchBudget:
+    """The job's own number of tokens per micro-batch (None: the whole batch at once), as the log states it."""
+    why = ("the whole batch in one micro-batch" if tokens is None
+           else f"{tokens} tokens per micro-batch (learner.max_tokens_per_micro_batch)")
+    return MicroBatchBudget(tokens, why, kept_gradient_bytes)
 
 
 def unallocated_adam_bytes(engine: Any, trained_parameters: int, zero_stage: int, world_size: int) -> int:
