@@ -3,7 +3,7 @@
 # repository root, after deploy/gpu-wheels.sh filled .whl/ on a machine with PyPI: the CUDA tests, then the
 # learner benchmarks on random-weight models of the published shapes (benchmarks/model_configs.py). Each
 # section has its own time limit, so the whole run ends within about 8 minutes even if one hangs (on an H200 on 2026-11-27
-# the SmolLM2 table took 40 s a configuration; the memory sweep prints its first rows before its limit); each benchmark
+# a SmolLM2 configuration took about 35 s, a Qwen2.5-1.5B one about 35 s at 2 rounds); each benchmark
 # prints its rows as they are measured, so a section cut short keeps what it measured. Everything goes to
 # ${OUT:-/tmp}/gpu-bench.log; the exit status is non-zero when any section failed or ran out of time.
 # Qwen2.5-1.5B at 64 x 1024 without gradient checkpointing may not fit an H100's 80 GB: an H200 has room.
@@ -31,12 +31,14 @@ section() {  # section LIMIT_S COMMAND...: runs COMMAND, killed with its process
 {
   section 20 python3 -c "import torch as t, transformers as h, deepspeed as d; print(t.cuda.get_device_name(0), \
 'torch', t.__version__, 'transformers', h.__version__, 'deepspeed', d.__version__)"
-  section 60 python3 -m pytest -q -p no:cacheprovider tests/gpu
-  section 220 python3 -m benchmarks.learner_step --model-config smollm2-135m --sequences 64 --tokens 512 \
-    --budget 8192 --configs tis_seq,vcpo-auto,vcpo-ghost,vcpo-bookkeeping,m2po --profile tis_seq,vcpo-auto
+  section 90 python3 -m pytest -q -p no:cacheprovider tests/gpu
+  section 150 python3 -m benchmarks.learner_step --model-config smollm2-135m --sequences 64 --tokens 512 \
+    --budget 8192 --configs tis_seq,vcpo-auto,m2po --profile tis_seq,vcpo-auto
+  # responses of drawn lengths (mean 247 of at most 1023 tokens, 90th percentile 4x the 10th): packed against
+  # padded micro-batches, and VCPO where rows differ in length
+  section 110 python3 -m benchmarks.learner_step --model-config smollm2-135m --sequences 64 --tokens 1024 \
+    --budget 8192 --lengths lognormal:256:1024 --configs tis_seq,tis_seq-padded,vcpo-auto
   section 150 python3 -m benchmarks.learner_step --model-config qwen2.5-1.5b --sequences 64 --tokens 1024 \
-    --budget 16384 --rounds 2 --configs tis_seq,vcpo-auto,m2po,tis_seq-gc
-  section 40 python3 -m benchmarks.learner_memory --model-config smollm2-135m --sequences 16,256 --tokens 512 \
-    --stabilizers tis_seq
+    --budget 16384 --rounds 2 --lengths lognormal:256:1024 --configs tis_seq,tis_seq-padded,vcpo-auto,tis_seq-gc
   exit "$failed"
 } 2>&1 | tee "$log"

@@ -172,3 +172,11 @@ def test_the_packed_step_gives_the_padded_update(tiny_qwen2, tmp_path):
                 failures.append(f"{label}: weights of {param} differ by "
                                 f"{float((packed['weights'][param] - want).abs().max()):.3g}")
     assert not failures, "\n".join(failures)
+
+
+def test_off_cuda_packed_attention_runs_row_by_row():
+    """`varlen_sdpa` serves CUDA in bf16/fp16 only; on the CPU the packed forward loops over the rows."""
+    from learner.packing import varlen_sdpa
+
+    query = torch.zeros(1, 4, 10, 8, dtype=torch.bfloat16)
+    assert varlen_sdpa(query, query, query, torch.tensor([0, 4, 10], dtype=torch.int32), 6, None) is None

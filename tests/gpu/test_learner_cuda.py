@@ -62,3 +62,74 @@ def test_each_stabilizer_decides_on_cuda_as_on_cpu(name):
     assert on_cuda.weights.device.type == "cuda"
     assert torch.allclose(on_cuda.weights.cpu(), on_cpu.weights, rtol=1e-5, atol=1e-6)
     assert torch.equal(on_cuda.mask.cpu().bool(), on_cpu.mask.bool())
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-head", "logits"])
+def test_packed_rows_on_cuda_give_the_padded_rows_logprobs_and_gradients(tiny_qwen2, fused):
+    """`packed_sdpa` runs CUDA's SDPA kernels (flash or memory-efficient) on each row's span: in fp32 the packed
+    forward's log-probs and gradients match the padded one's, and attention across rows is far off."""
+    from transformers import AutoModelForCausalLM
+
+    from learner import micro_batches
+    from learner.batch import token_logprobs
+    from learner.fused_head import fused_head
+    from learner.packing import packed_token_logprobs, packing_support
+    from tests.component.test_packing import _batch, _padded
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32, attn_implementation="sdpa").cuda()
+    supported, why = packing_support(model)  # routes the model's attention through the packed wrapper
+    assert supported, why
+    head = fused_head(model)[0] if fused else None
+    batch = _batch(model.config.vocab_size).to("cuda")
+    (run,) = micro_batches.plan(batch.sequence_lengths, batch.group_ids, None, False, packed=True).micro_batches
+    assert run.packing.tokens.device.type == "cuda"
+    micro = batch.rows(run.rows).trimmed(run.width)
+    mask = micro.loss_mask.bool()
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)).cuda() * mask
+    results = {}
+    for name, forward in (("padded", lambda: _padded(model, head, micro, True)),
+                          ("packed", lambda: packed_token_logprobs(model, head, micro, run.packing, 1.0, True))):
+        model.zero_grad()
+        logprobs, entropy = forward()
+        ((logprobs + 0.1 * entropy) * weights).sum().backward()
+        results[name] = (logprobs.detach(), [p.grad.clone() for p in model.parameters()])
+    (padded_lp, padded_g), (packed_lp, packed_g) = results["padded"], results["packed"]
+    assert packed_lp.device.type == "cuda"
+    torch.testing.assert_close(packed_lp[mask], padded_lp[mask], rtol=0, atol=1e-4)
+    for (name, _), want, got in zip(model.named_parameters(), padded_g, packed_g):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4, msg=name)
+    ids = micro.input_ids.reshape(-1)[run.packing.tokens][None]
+    with torch.no_grad():  # one causal sequence over all rows: the check above can fail
+        crossing = token_logprobs(model(input_ids=ids, position_ids=run.packing.position_ids).logits, ids, 1.0)
+        crossing = crossing[0, run.packing.scored]
+        crossing = crossing.new_zeros(mask.numel()).index_put((run.packing.targets_at,), crossing).view(mask.shape)
+    assert (crossing - padded_lp)[mask].abs().max() > 1e-2
+
+
+def test_the_varlen_kernel_gives_each_rows_own_causal_attention_in_bf16():
+    """On CUDA in bf16 a packed forward's attention is one varlen flash call (grouped-query heads as they are);
+    it matches SDPA's causal kernel run row by row, in values and gradients."""
+    from learner.packing import packed_sdpa, varlen_sdpa
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lengths = (1, 90, 4, 33, 200, 12)
+    n, heads, kv_heads, head_dim = sum(lengths), 8, 2, 64
+
+    def drawn(h):
+        return torch.randn(1, h, n, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+
+    query, key, value = drawn(heads), drawn(kv_heads), drawn(kv_heads)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    outputs = {}
+    for name, attend in (("varlen", lambda: varlen_sdpa(query, key, value, cu_seqlens, max(lengths), None)),
+                         ("rows", lambda: packed_sdpa(module, query, key, value, lengths, 0.0, None))):
+        output = attend()
+        assert output is not None and output.shape == (1, n, heads, head_dim)
+        grads = torch.autograd.grad(output.float().square().sum(), (query, key, value))
+        outputs[name] = (output.float(), [g.float() for g in grads])
+    torch.testing.assert_close(outputs["varlen"][0], outputs["rows"][0], rtol=0, atol=2e-2)
+    for want, got in zip(outputs["rows"][1], outputs["varlen"][1]):
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    assert varlen_sdpa(query.float(), key.float(), value.float(), cu_seqlens, max(lengths), None) is None  # fp32
