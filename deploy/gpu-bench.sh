@@ -2,7 +2,7 @@
 # On a lent GPU machine (CUDA torch, transformers, peft and accelerate installed; no network), from the
 # repository root, after deploy/gpu-wheels.sh filled .whl/ on a machine with PyPI: the CUDA tests, then the
 # learner benchmarks on random-weight models of the published shapes (benchmarks/model_configs.py). Each
-# section has its own time limit, so the whole run ends within about 8 minutes even if one hangs (on an H200 on 2026-11-27
+# section has its own time limit, so the whole run ends within about 9 minutes even if one hangs (on an H200 on 2026-11-27
 # a SmolLM2 configuration took about 35 s, a Qwen2.5-1.5B one about 35 s at 2 rounds); each benchmark
 # prints its rows as they are measured, so a section cut short keeps what it measured. Everything goes to
 # ${OUT:-/tmp}/gpu-bench.log; the exit status is non-zero when any section failed or ran out of time.
@@ -40,5 +40,7 @@ section() {  # section LIMIT_S COMMAND...: runs COMMAND, killed with its process
     --budget 8192 --lengths lognormal:256:1024 --configs tis_seq,tis_seq-padded,vcpo-auto
   section 150 python3 -m benchmarks.learner_step --model-config qwen2.5-1.5b --sequences 64 --tokens 1024 \
     --budget 16384 --rounds 2 --lengths lognormal:256:1024 --configs tis_seq,tis_seq-padded,vcpo-auto,tis_seq-gc
+  section 45 python3 -m benchmarks.learner_memory --model-config smollm2-135m --sequences 16,64 --tokens 512 \
+    --stabilizers tis_seq
   exit "$failed"
 } 2>&1 | tee "$log"
