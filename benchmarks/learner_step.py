@@ -57,6 +57,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # learner.packed_micro_batches false: right-padded rows, the budget counting rows x longest row
     "tis_seq-padded": ("tis_seq", {}, {"packed_micro_batches": False}),
     "m2po-padded": ("m2po", {}, {"packed_micro_batches": False}),
+    "vcpo-auto-padded": ("vcpo", {"opob_impl": "auto"}, {"packed_micro_batches": False}),
     # learner.gradient_checkpointing: activations recomputed layer by layer in the backward
     "tis_seq-gc": ("tis_seq", {}, {"gradient_checkpointing": True}),
     # algorithm.proximal: recompute, with one update and with learner.mini_batches 2 x learner.epochs 2

@@ -205,8 +205,8 @@ class LearnerSection(Section):
     )
     packed_micro_batches: bool = Field(
         True, description="run each micro-batch's rows as one sequence without padding (position ids restarting "
-        "per row, attention within each row: flash-attn's varlen kernel, else SDPA per row), so its budget counts "
-        "real tokens; VCPO's per-sample gradient norms keep padded rows. false: right-padded rows"
+        "per row, attention within each row: flash-attn's or PyTorch's varlen kernel on a GPU, else SDPA per row), "
+        "so its budget counts real tokens, VCPO's steps included. false: right-padded rows"
     )
     max_restarts: int = Field(
         2, ge=0, description="times the job resumes by itself from its latest checkpoint after a learner rank dies"

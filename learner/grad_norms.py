@@ -28,6 +28,10 @@ bf16 norm is therefore exact to bf16 rounding of those products: each term carri
 about 2^-8, and the errors of the many terms of a norm are independent, so the norm agrees with the
 per-sample loop (whose gradients are bf16 too) to about 1%.
 
+A packed forward (the rows of a micro-batch laid end to end, `learner/packing.py`) passes its `PackedRows`:
+each layer's input and output gradient, [1, N, ...], is laid back into its rows, [B, T, ...] with zeros where a
+row is shorter, before its norms are formed; the zeros add nothing to any product.
+
 Reference (`per_sample_loop`): one backward per trajectory, as the official VCPO code does.
 """
 
@@ -209,6 +213,21 @@ def _compact(part: Contribution) -> Contribution:
     return part.dense()
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """Where a packed forward's N positions sit in its micro-batch's [rows, width] layout."""
+
+    tokens: Tensor  # [N] long: each packed position's flat index into [rows, width]
+    rows: int
+    width: int
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        """A layer's [1, N, ...] input or output gradient as [rows, width, ...], zero where a row is shorter."""
+        flat = packed.flatten(0, 1)
+        out = flat.new_zeros(self.rows * self.width, *flat.shape[1:])
+        return out.index_copy_(0, self.tokens, flat).view(self.rows, self.width, *flat.shape[1:])
+
+
 @dataclass
 class _Record:
     """One recorded module call: its input, and its output only where the backward needs the tensor."""
@@ -315,36 +334,39 @@ class GhostGradNorms:
             handle.remove()
         self._records, self._grad_hooks, self._consumer = [], [], None
 
-    def squared_norms(self, logits_grad: Tensor, from_logits: bool = False) -> Tensor:
+    def squared_norms(self, logits_grad: Tensor, from_logits: bool = False, packed: PackedRows | None = None
+                      ) -> Tensor:
         """||grad_theta log pi(tau_i)||^2 for each sample, [B] fp32, given d(sum_i log pi(tau_i))/d logits
         ([B, L, V], e.g. `sequence_logprob_grad`).
 
         By default the backward starts below the output layer (which needs its whole weight, so not
         under ZeRO-3) and the forward graph stays for the loss backward. `from_logits` starts at the
         logits and frees the graph: for a forward of its own under ZeRO-3, whose per-module backward
-        hooks expect every backward to enter at the top.
+        hooks expect every backward to enter at the top. `packed`: the forward ran the rows packed, and
+        `logits_grad` is [1, N, V].
         """
-        return self._backward(logits_grad, from_logits, keep=False).squared_norms
+        return self._backward(logits_grad, from_logits, keep=False, packed=packed).squared_norms
 
-    def sample_gradients(self, logits_grad: Tensor) -> SampleGradients:
+    def sample_gradients(self, logits_grad: Tensor, packed: PackedRows | None = None) -> SampleGradients:
         """Book-keeping: the norms and every per-sample gradient from one backward, which frees the graph.
 
         The caller forms its update with `SampleGradients.weighted_sum` once it knows each sample's
         coefficient; no loss backward follows. Needs whole parameters (not ZeRO-3).
         """
-        return self._backward(logits_grad, from_logits=False, keep=True)
+        return self._backward(logits_grad, from_logits=False, keep=True, packed=packed)
 
-    def _backward(self, logits_grad: Tensor, from_logits: bool, keep: bool) -> SampleGradients:
+    def _backward(self, logits_grad: Tensor, from_logits: bool, keep: bool, packed: PackedRows | None
+                  ) -> SampleGradients:
         records = self._records
         try:
             with _tensor_core_products(logits_grad.device):
-                return self._run_backward(records, logits_grad, from_logits, keep)
+                return self._run_backward(records, logits_grad, from_logits, keep, packed)
         finally:
             records.clear()
             self._release()
 
     def _run_backward(self, records: list[_Record | None], logits_grad: Tensor, from_logits: bool,
-                      keep: bool) -> SampleGradients:
+                      keep: bool, packed: PackedRows | None) -> SampleGradients:
         heads = [i for i, r in enumerate(records) if r is not None and r.module is self.output_layer]
         if len(heads) != 1 or heads[0] == 0:
             raise RuntimeError(f"squared_norms needs one recorded forward inside recording(), saw {len(heads)}")
@@ -362,7 +384,7 @@ class GhostGradNorms:
         else:
             weight = self.output_layer.weight  # head.module is the output layer
             start, start_grad = head.input, (logits_grad.to(weight.dtype) @ weight).to(head.input.dtype)
-        batch = logits_grad.shape[0]
+        batch = logits_grad.shape[0] if packed is None else packed.rows
         calls = [r.module for r in records if r is not None] + [head.module]
         uses = Counter(id(p) for module in calls for p in _trained_parameters(module))
         total = torch.zeros(batch, dtype=torch.float32, device=logits_grad.device)
@@ -370,7 +392,10 @@ class GhostGradNorms:
 
         def consume(module: nn.Module, x: Tensor, grad: Tensor) -> None:
             """Add a call's norm now unless its parameter is shared, and keep what the caller needs."""
-            for param, contribution in self._contributions(module, x.detach(), grad, batch):
+            x = x.detach()
+            if packed is not None:
+                x, grad = packed.unpack(x), packed.unpack(grad)
+            for param, contribution in self._contributions(module, x, grad, batch):
                 if not param.requires_grad:  # a frozen output layer
                     continue
                 if keep:

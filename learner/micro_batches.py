@@ -24,6 +24,7 @@ class Packing:
     end as one sequence of N tokens, each row's positions counting from 0."""
 
     lengths: tuple[int, ...]  # each row's real tokens, in the micro-batch's row order (host)
+    width: int  # the micro-batch's padded width, its longest row
     tokens: Tensor  # [N] long: each packed token's flat index into the micro-batch's [b, width] input_ids
     position_ids: Tensor  # [1, N] long: its position within its own row
     scored: Tensor  # [M] long: the packed positions whose next token is in their row (all but each row's last)
@@ -48,7 +49,7 @@ class Packing:
         tokens, position_ids, scored_at, targets_at = torch.from_numpy(indices).to(device).split(
             [len(row), len(row), len(scored), len(scored)])
         cu_seqlens = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)).to(device)
-        return cls(tuple(lengths), tokens, position_ids[None], scored_at, targets_at, cu_seqlens)
+        return cls(tuple(lengths), width, tokens, position_ids[None], scored_at, targets_at, cu_seqlens)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from learner.batch import TrainBatch, token_logprobs, token_logprobs_and_entropy
 from learner.fused_head import FusedHead, fused_token_logprobs
+from learner.grad_norms import PackedRows
 from learner.micro_batches import Packing
 
 PACKED = "stableasync_packed_"  # + the model's own attention implementation: its packed wrapper's name
@@ -132,7 +133,7 @@ def packed_token_logprobs(model: Any, head: FusedHead | None, micro: TrainBatch,
     """The micro-batch's next-token log-probs [b, width - 1] fp32 (and, `with_entropy`, the entropy at each
     position) from one packed forward: through the fused output layer `head` when given, else from `model`'s
     logits (an engine or module). Padding positions hold 0, the rows' real positions their padded forward's values."""
-    ids = micro.input_ids.reshape(-1)[packing.tokens][None]  # [1, N]
+    ids = packed_ids(micro, packing)
     kwargs = _attention_kwargs(packing)
     if head is not None:
         hidden = head.decoder(input_ids=ids, **kwargs).last_hidden_state
@@ -146,6 +147,32 @@ def packed_token_logprobs(model: Any, head: FusedHead | None, micro: TrainBatch,
     shape = micro.loss_mask.shape
     logprobs = _unpacked(logprobs[0, packing.scored], packing, shape)
     return logprobs, _unpacked(entropy[0, packing.scored], packing, shape) if with_entropy else None
+
+
+def packed_ids(micro: TrainBatch, packing: Packing) -> Tensor:
+    """The micro-batch's tokens laid end to end, [1, N]."""
+    return micro.input_ids.reshape(-1)[packing.tokens][None]
+
+
+def packed_logits(model: Any, micro: TrainBatch, packing: Packing) -> Tensor:
+    """[1, N, V] logits of one packed forward of the micro-batch's rows (VCPO's norms start from their gradient)."""
+    return model(input_ids=packed_ids(micro, packing), **_attention_kwargs(packing)).logits
+
+
+def packed_loss_mask(micro: TrainBatch, packing: Packing) -> Tensor:
+    """The loss mask in the packed layout, [1, N - 1]: each scored position's mask, 0 at each row's last."""
+    mask = micro.loss_mask.new_zeros(packing.tokens.shape[0] - 1)
+    return mask.index_put((packing.scored,), micro.loss_mask.reshape(-1)[packing.targets_at])[None]
+
+
+def unpacked_rows(values: Tensor, packing: Packing, shape: torch.Size) -> Tensor:
+    """Per-position values of a packed forward, [1, N - 1], in the micro-batch's [b, width - 1] (0 at padding)."""
+    return _unpacked(values[0, packing.scored], packing, shape)
+
+
+def packed_rows(packing: Packing) -> PackedRows:
+    """Where the packed positions sit in the micro-batch's rows: what the per-sample norms lay them back into."""
+    return PackedRows(packing.tokens, len(packing.lengths), packing.width)
 
 
 def _unpacked(values: Tensor, packing: Packing, shape: torch.Size) -> Tensor:

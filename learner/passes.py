@@ -27,7 +27,7 @@ from algorithms.proximal import trust_region_weights
 from algorithms.regularizers import adapted_kl_coef, kl_penalty, sequence_kl
 from algorithms.stabilizer import Stabilizer
 from learner import micro_batches
-from learner.batch import TrainBatch, token_logprobs_and_entropy
+from learner.batch import TrainBatch
 from learner.collectives import Collectives, nonfinite_count
 from learner.grad_norms import SampleGradients
 from learner.lr_schedule import lr_factor
@@ -47,7 +47,8 @@ class LearnerStep:
     KL coefficient (an adaptive one moves each step) and the latest batch's sequence log-ratios.
 
     `packs` says whether micro-batches run packed (learner.packed_micro_batches, where the policy's and the
-    reference's attention have a packed path); VCPO's per-sample norms (`norms`) keep padded rows.
+    reference's attention have a packed path); VCPO's per-sample norms (`norms`) lay each layer's packed
+    inputs and output gradients back into rows to form their products.
     """
 
     def __init__(self, spec: LearnerSpec, engine: Any, optimizer: Any, collectives: Collectives,
@@ -62,9 +63,6 @@ class LearnerStep:
         self.kl_coef = spec.kl_coef
         # the latest train_step's [B] sequence log-ratios, kept on the device until the rollout samples ask
         self.last_sequence_log_ratios = torch.zeros(0)
-        if packs and norms is not None and rank == 0:
-            log.info("learner rank 0: per-sample gradient norms need padded rows: this stabilizer's steps run "
-                     "padded micro-batches")
 
     def use_reference(self, reference: Reference) -> None:
         """A new KL reference; where micro-batches run packed, its attention gets its packed path too."""
@@ -84,7 +82,7 @@ class LearnerStep:
         batch = batch.to(self.device)
         needs_norms = self.norms is not None
         plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.micro_batch_tokens,
-                                  keep_groups=needs_norms, packed=self.packs and not needs_norms)
+                                  keep_groups=needs_norms, packed=self.packs)
         one_pass = self.stabilizer.decides_per_row and (
             plan.groups_whole or self.norms is None or self.norms.carries_every_split_group(batch, plan))
         runs, one_pass = self.collectives.agreed_runs(plan, one_pass)
@@ -162,7 +160,7 @@ class LearnerStep:
             sample_grads: SampleGradients | None = None
             entropy: Tensor | None
             if norms is not None:  # the norms start from the logits' gradient
-                logprobs, entropy, sample_grads = norms.forward(micro, bookkeeping)
+                logprobs, entropy, sample_grads = norms.forward(micro, bookkeeping, run.packing)
             else:
                 logprobs, entropy = self.forwards.token_logprobs(micro, with_entropy=True, packing=run.packing)
             if rows is None:
@@ -225,11 +223,8 @@ class LearnerStep:
             sample_grads: SampleGradients | None = None
             entropy: Tensor | None
             if self.norms is not None:
-                logits, squared_norms = self.norms.norms_forward(micro)
+                logprobs, entropy, squared_norms = self.norms.norms_forward(micro, run.packing)
                 sample_grads = SampleGradients(squared_norms)
-                logprobs, entropy = token_logprobs_and_entropy(logits.detach(), micro.input_ids,
-                                                               self.spec.temperature)
-                del logits
             else:
                 with torch.no_grad():
                     logprobs, entropy = self.forwards.token_logprobs(micro, True, run.packing)

@@ -18,7 +18,7 @@ from torch import Tensor
 from learner.batch import TrainBatch, token_logprobs, token_logprobs_and_entropy
 from learner.fused_head import FusedHead, fused_head
 from learner.micro_batches import MicroBatch, Packing
-from learner.packing import packed_token_logprobs, packing_support
+from learner.packing import packed_logits, packed_token_logprobs, packing_support
 from learner.step import causal_logits, sub_batch
 
 log = logging.getLogger("stableasync.learner")
@@ -88,9 +88,11 @@ class PolicyForwards:
             return token_logprobs_and_entropy(logits, micro.input_ids, self.temperature)
         return token_logprobs(logits, micro.input_ids, self.temperature), None
 
-    def logits(self, batch: TrainBatch, plain: bool = False) -> Tensor:
-        """[B, L, V] logits; `plain` runs the bare module, outside the engine's backward bookkeeping."""
-        return causal_logits(self.engine.module if plain else self.engine, batch)
+    def logits(self, batch: TrainBatch, plain: bool = False, packing: Packing | None = None) -> Tensor:
+        """[B, L, V] logits, or with `packing` the rows' [1, N, V] without padding; `plain` runs the bare module,
+        outside the engine's backward bookkeeping."""
+        model = self.engine.module if plain else self.engine
+        return causal_logits(model, batch) if packing is None else packed_logits(model, batch, packing)
 
 
 class Reference:

@@ -53,8 +53,7 @@ class LearnerSpec:
     entropy_coef: float = 0.0  # entropy bonus: minus coef times the aggregated token entropy in the loss
     lora: LoraSpec | None = None  # train a LoRA adapter only (learner/lora.py); None: every weight
     reference_path: str | None = None  # the KL reference's model folder; None: model_path
-    # each micro-batch's rows as one sequence without padding (learner/packing.py), its budget counting real tokens;
-    # VCPO's per-sample norms keep padded rows
+    # each micro-batch's rows as one sequence without padding (learner/packing.py), its budget counting real tokens
     packed_micro_batches: bool = True
 
     @property

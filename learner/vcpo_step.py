@@ -21,7 +21,8 @@ from algorithms.stabilizer import Stabilizer
 from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs, token_logprobs_and_entropy
 from learner.collectives import Collectives
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
-from learner.micro_batches import MicroBatchPlan
+from learner.micro_batches import MicroBatchPlan, Packing
+from learner.packing import packed_ids, packed_loss_mask, packed_rows, unpacked_rows
 from learner.policy import PolicyForwards
 from learner.spec import LearnerSpec
 from learner.step import (CarriedGroup, StepValues, device_scalar, sequence_coefficients, step_advantages,
@@ -95,25 +96,46 @@ class PerSampleNorms:
 
     # ---- forwards with the norms -----------------------------------------------------------------
 
-    def forward(self, micro: TrainBatch, bookkeeping: bool) -> tuple[Tensor, Tensor, SampleGradients]:
+    def forward(self, micro: TrainBatch, bookkeeping: bool, packing: Packing | None = None
+                ) -> tuple[Tensor, Tensor, SampleGradients]:
         """One micro-batch's forward with grad for one pass: its log-probs and entropy, and its per-sample norms
-        (with book-keeping, its per-sample gradients too), which start from the logits' gradient."""
+        (with book-keeping, its per-sample gradients too), which start from the logits' gradient. With the
+        run's `packing` the forward runs its rows without padding."""
         recording = self.ghost is not None and self.spec.zero_stage != 3
         with self.ghost.recording() if self.ghost is not None and recording else nullcontext():
-            logits = self.forwards.logits(micro, plain=bookkeeping)  # no loss backward through the engine follows
-        logprobs, entropy = token_logprobs_and_entropy(logits, micro.input_ids, self.spec.temperature)
-        return logprobs, entropy, self._sample_gradients(micro, logits, bookkeeping)
+            # no loss backward through the engine follows book-keeping
+            logits = self.forwards.logits(micro, plain=bookkeeping, packing=packing)
+        logprobs, entropy = self._logprobs_and_entropy(micro, logits, packing)
+        return logprobs, entropy, self._sample_gradients(micro, logits, bookkeeping, packing)
 
-    def _sample_gradients(self, batch: TrainBatch, logits: Tensor, bookkeeping: bool) -> SampleGradients:
+    def _logprobs_and_entropy(self, micro: TrainBatch, logits: Tensor, packing: Packing | None
+                              ) -> tuple[Tensor, Tensor]:
+        """[b, L-1] log-probs and entropy from [b, L, V] logits or, packed, from [1, N, V]."""
+        if packing is None:
+            return token_logprobs_and_entropy(logits, micro.input_ids, self.spec.temperature)
+        logprobs, entropy = token_logprobs_and_entropy(logits, packed_ids(micro, packing), self.spec.temperature)
+        shape = micro.loss_mask.shape
+        return unpacked_rows(logprobs, packing, shape), unpacked_rows(entropy, packing, shape)
+
+    def _logits_grad(self, micro: TrainBatch, logits: Tensor, packing: Packing | None) -> Tensor:
+        """d(sum_i log pi(tau_i))/d logits, in the logits' layout (padded rows, or packed)."""
+        if packing is None:
+            return sequence_logprob_grad(logits, micro.input_ids, micro.loss_mask, self.spec.temperature)
+        return sequence_logprob_grad(logits, packed_ids(micro, packing), packed_loss_mask(micro, packing),
+                                     self.spec.temperature)
+
+    def _sample_gradients(self, batch: TrainBatch, logits: Tensor, bookkeeping: bool, packing: Packing | None
+                          ) -> SampleGradients:
         """||grad log pi(tau_i)||^2 of each of this micro-batch's sequences (with book-keeping, the per-sample
         gradients too); otherwise the graph stays for the loss backward."""
         if self.ghost is not None and self.spec.zero_stage == 3:
-            return SampleGradients(self.norms_forward(batch)[1])
+            return SampleGradients(self.norms_forward(batch, packing)[2])
         if self.ghost is not None:
-            logits_grad = sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, self.spec.temperature)
+            logits_grad = self._logits_grad(batch, logits, packing)
+            rows = None if packing is None else packed_rows(packing)
             if bookkeeping:
-                return self.ghost.sample_gradients(logits_grad)
-            return SampleGradients(self.ghost.squared_norms(logits_grad))
+                return self.ghost.sample_gradients(logits_grad, packed=rows)
+            return SampleGradients(self.ghost.squared_norms(logits_grad, packed=rows))
         return SampleGradients(self._per_sample_loop_norms(batch))
 
     def _per_sample_loop_norms(self, batch: TrainBatch) -> Tensor:
@@ -126,18 +148,23 @@ class PerSampleNorms:
         params = [p for p in self.engine.module.parameters() if p.requires_grad]
         return per_sample_loop_norms(sample_logp, batch.size, params)
 
-    def norms_forward(self, batch: TrainBatch) -> tuple[Tensor, Tensor]:
-        """A forward of its own for the per-sample norms, [B, L, V] logits (detached) and norms [B]. ZeRO-3's
-        module hooks gather and release parameters per backward and need each backward to enter at the
-        model's top, and the two-pass step has no loss backward to share a forward with."""
+    def norms_forward(self, batch: TrainBatch, packing: Packing | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """A forward of its own for the per-sample norms: [B, L-1] log-probs and entropy (detached) and the
+        norms [B]. ZeRO-3's module hooks gather and release parameters per backward and need each backward
+        to enter at the model's top, and the two-pass step has no loss backward to share a forward with."""
         if self.ghost is None:
             with torch.no_grad():
-                logits = self.forwards.logits(batch, plain=True)
-            return logits, self._per_sample_loop_norms(batch)
+                logits = self.forwards.logits(batch, plain=True, packing=packing)
+                logprobs, entropy = self._logprobs_and_entropy(batch, logits, packing)
+            return logprobs, entropy, self._per_sample_loop_norms(batch)
         with self.ghost.recording():
-            logits = self.forwards.logits(batch, plain=True)
-        logits_grad = sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, self.spec.temperature)
-        return logits.detach(), self.ghost.squared_norms(logits_grad, from_logits=True)
+            logits = self.forwards.logits(batch, plain=True, packing=packing)
+        logits_grad = self._logits_grad(batch, logits, packing)
+        rows = None if packing is None else packed_rows(packing)
+        squared_norms = self.ghost.squared_norms(logits_grad, from_logits=True, packed=rows)
+        del logits_grad
+        logprobs, entropy = self._logprobs_and_entropy(batch, logits.detach(), packing)
+        return logprobs, entropy, squared_norms
 
     # ---- backwards from the kept per-sample gradients ------------------------------------------------
 

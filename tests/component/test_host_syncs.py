@@ -69,8 +69,8 @@ def test_every_kind_of_host_read_is_counted():
 
 
 CASES = (("tis_seq", {}), ("vcpo", {"opob_impl": "bookkeeping"}), ("vcpo", {"opob_impl": "ghost"}), ("m2po", {}))
-# budgets of 2 and 4 micro-batches: whole prompt groups of 8 padded rows of at most 60 tokens (VCPO), or packed
-# rows counted by their real tokens (1472 in all)
+# budgets of 2 and 4 micro-batches of packed rows counted by their real tokens (1472 in all, 368 a prompt group of
+# 8), VCPO's holding whole groups
 BUDGETS = {"tis_seq": (1024, 400), "m2po": (1024, 400), "vcpo": (1024, 512)}
 
 

@@ -95,10 +95,15 @@ def test_a_model_without_a_varlen_attention_keeps_padded_rows(tiny_qwen2):
     assert not supported and "eager" in why
 
 
-CASES = {  # label -> LearnerSpec options: one pass with a reference and an entropy bonus, two passes, decoupled
+CASES = {  # label -> LearnerSpec options (and the stabilizer's config): one pass with a reference and an entropy
+    # bonus, two passes, decoupled; VCPO's norms by ghost (a second backward), book-keeping (groups split over
+    # padded micro-batches carried in the score buffer) and ZeRO-3's norms forward of its own
     "tis_seq-kl-entropy": dict(stabilizer_name="tis_seq", kl_coef=0.05, entropy_coef=0.01),
     "m2po": dict(stabilizer_name="m2po"),
     "tis_seq-recompute": dict(stabilizer_name="tis_seq", proximal="recompute", mini_batches=2),
+    "vcpo-ghost": dict(stabilizer_name="vcpo", config=dict(opob_impl="ghost")),
+    "vcpo-bookkeeping": dict(stabilizer_name="vcpo", config=dict(opob_impl="bookkeeping")),
+    "vcpo-zero3": dict(stabilizer_name="vcpo", zero_stage=3, config=dict(opob_impl="ghost")),
 }
 BUDGET = 160  # real tokens: a few packed micro-batches, and more padded ones
 
@@ -125,22 +130,23 @@ def _learner_main(rank: int, model_path: str, port: int, out: str) -> None:
 
     batch = collate(_varied_samples(), 0)
     results = {}
-    for label, case in CASES.items():
-        for packed in (True, False):
-            options = dict(case)
-            name = options.pop("stabilizer_name")
-            spec = LearnerSpec(model_path=model_path, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
-                               stabilizer_name=name, stabilizer_config=registry.build(name).config,
-                               max_tokens_per_micro_batch=BUDGET, packed_micro_batches=packed, **options)
-            learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
-            metrics = learner.train_step(batch)
-            results[(label, packed)] = {"metrics": metrics, "weights": learner.state_dict_for_publish()}
-    for packed in (True, False):  # the supervised warm-up
+    for packed in (True, False):  # the supervised warm-up; first: a ZeRO-3 rank (last) leaves its
+        # partitioning of new models on in this process
         spec = LearnerSpec(model_path=model_path, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
                            max_tokens_per_micro_batch=BUDGET, packed_micro_batches=packed)
         learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
         metrics = learner.sft_step(batch, LEARNING_RATE)
         results[("sft", packed)] = {"metrics": metrics, "weights": learner.state_dict_for_publish()}
+    for label, case in CASES.items():
+        for packed in (True, False):
+            options = dict(case)
+            name, config = options.pop("stabilizer_name"), options.pop("config", {})
+            spec = LearnerSpec(model_path=model_path, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
+                               stabilizer_name=name, stabilizer_config=registry.build(name, **config).config,
+                               max_tokens_per_micro_batch=BUDGET, packed_micro_batches=packed, **options)
+            learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
+            metrics = learner.train_step(batch)
+            results[(label, packed)] = {"metrics": metrics, "weights": learner.state_dict_for_publish()}
     torch.save(results, out)
     _leave_group()
 
@@ -159,10 +165,12 @@ def test_the_packed_step_gives_the_padded_update(tiny_qwen2, tmp_path):
         packed, padded = results[(label, True)], results[(label, False)]
         if label != "sft":
             assert packed["metrics"]["perf/micro_batches"] < padded["metrics"]["perf/micro_batches"], label
+        if label == "vcpo-bookkeeping":  # the padded step carried split groups through the score buffer
+            assert padded["metrics"]["opob/carried_groups"] > 0 == packed["metrics"]["opob/carried_groups"]
             assert packed["metrics"]["stability/skipped_step"] == 0, label
         for key, want in padded["metrics"].items():
-            if key.startswith("time/") or key.startswith("perf/"):
-                continue
+            if key.startswith("time/") or key.startswith("perf/") or key == "opob/carried_groups":
+                continue  # how the step ran: packed micro-batches hold whole groups that padded ones split
             if not packed["metrics"][key] == pytest.approx(want, rel=1e-4, abs=1e-6):
                 failures.append(f"{label}: {key} {packed['metrics'][key]} != {want}")
         moved = sum(not torch.equal(initial[p], t) for p, t in padded["weights"].items())
