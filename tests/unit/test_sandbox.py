@@ -7,8 +7,11 @@ their answers, and the pool keeps serving. Every case runs with `isolation: none
 
 import json
 import os
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -359,3 +362,78 @@ def test_the_sandbox_settings_are_documented():
     security = (ROOT / "docs" / "security.md").read_text()
     assert all(f"`sandbox.{name}`" in security for name in SandboxSection.model_fields)
     assert all(field.description for field in SandboxSection.model_fields.values())
+
+
+# ---------------------------------------------------------------- as a user who is not root
+
+NOT_ROOT = 65534  # nobody
+AS_USER = ["setpriv", f"--reuid={NOT_ROOT}", f"--regid={NOT_ROOT}", "--clear-groups", "--inh-caps=-all",
+           "--bounding-set=-all"]  # no capability left
+AS_NOT_ROOT = '''
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from tasks.sandbox import SandboxLimits, namespaces_unavailable
+from tasks.tools import ToolCall, ToolPool
+
+attacks, port, outside = sys.argv[2], int(sys.argv[3]), sys.argv[4]
+report = {"uid": os.getuid(), "why": namespaces_unavailable()}
+if report["why"] is None:
+    limits = SandboxLimits(isolation="namespaces", max_processes=16, max_file_mb=16)
+    with ToolPool([f"{attacks}:{name}" for name in ("connect", "write_outside", "secret", "echo")], workers=2,
+                  timeout_s=5.0, max_output_chars=100, limits=limits) as pool:
+        results = pool.run_many([(ToolCall(name, arguments), None) for name, arguments in (
+            ("connect", {"port": port}), ("write_outside", {"path": outside}), ("secret", {}),
+            ("echo", {"text": "after"}))])
+    report["results"] = [[r.fatal, r.error, r.content] for r in results]
+print(json.dumps(report))
+'''
+
+
+def _python_for(uid: int) -> str:
+    """A Python of this version that the user may run inside a user namespace: the system's, else this one
+    (a pyenv under /root is out of the user's reach); the sandbox and the tools need the standard library alone."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for python in (f"/usr/bin/{version}", f"/usr/local/bin/{version}", sys.executable):
+        probe = [*AS_USER, "unshare", "--user", "--map-root-user", python, "-I", "-c", "pass"]
+        if Path(python).exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+            return python
+    pytest.skip(f"no {version} that user {uid} may run (this one is {sys.executable})")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="a test process that is not root cannot become another user (setpriv as root)")
+def test_namespaces_isolate_a_worker_that_is_not_root():
+    """Ray workers usually run as a user who is not root: the namespaced sandbox starts through unprivileged
+    user namespaces there (where the kernel allows them; else it says why) and cuts the network, the writes
+    outside its private dir and the environment as it does for root."""
+    python = _python_for(NOT_ROOT)
+    work = Path(tempfile.mkdtemp(prefix="stableasync-not-root-"))
+    try:
+        work.chmod(0o777)
+        (work / "attacks.py").write_text(ATTACKS)
+        (work / "run.py").write_text(AS_NOT_ROOT)
+        for path in work.iterdir():
+            path.chmod(0o644)
+        outside = work / "outside.txt"
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen()
+            ran = subprocess.run(
+                [*AS_USER, python, "-I", str(work / "run.py"), str(ROOT), str(work / "attacks.py"),
+                 str(server.getsockname()[1]), str(outside)],
+                env={"PATH": os.environ["PATH"], "HOME": str(work), "TMPDIR": str(work),
+                     "STABLEASYNC_TEST_SECRET": "hunter2"},
+                capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        report = json.loads(ran.stdout.strip().splitlines()[-1])
+        assert report["uid"] == NOT_ROOT
+        if report["why"] is not None:
+            pytest.skip(f"namespaces cannot start here for a user who is not root: {report['why']}")
+        connect, write, secret, echo = report["results"]
+        assert connect[0] and connect[1].startswith("tool connect raised OSError: [Errno 101] Network is unreachable")
+        assert write[0] and write[1].startswith("tool write_outside raised OSError: [Errno 30] Read-only file system")
+        assert not outside.exists()
+        assert secret == [False, None, "None None True"]  # no secret; HOME, TMPDIR and the cwd its private dir
+        assert echo == [False, None, "after"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
