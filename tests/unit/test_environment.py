@@ -184,3 +184,38 @@ def test_failed_episodes_are_not_scored_and_carry_their_reason(tokenizer, faulty
 def test_an_unknown_tool_in_the_job_names_its_entry():
     with pytest.raises(TaskError, match=r"environment\.tools"):
         environment_tools(EnvironmentSpec(("no_such_file.py:tool",)))
+
+
+def test_streaming_episodes_tool_calls_run_at_once_up_to_the_workers(tokenizer, tmp_path):
+    """A streaming generator runs each episode on its own (`run_one`), its tools in a thread: two episodes'
+    one-second calls on two tool workers end together, not one after the other."""
+    import asyncio
+    import time
+
+    path = tmp_path / "nap.py"
+    path.write_text(textwrap.dedent('''
+        import time
+
+        def nap(seconds: float) -> str:
+            """Sleeps, then answers."""
+            time.sleep(seconds)
+            return "rested"
+    '''))
+    episode_runner, pool = runner(tokenizer, [f"{path}:nap"])
+    scripts = [[tool_call_text("nap", {"seconds": 1.0}), "<answer>8</answer>"]] * 2
+    batched, _ = scripted(tokenizer, scripts)
+
+    async def sample(request: TurnRequest) -> Turn:
+        return batched([request])[0]
+
+    async def both(episodes) -> None:
+        await asyncio.gather(*(episode_runner.run_one(episode, sample) for episode in episodes))
+
+    with pool:
+        episodes = [episode_runner.start(PROBLEM, MESSAGES, i) for i in range(2)]
+        started = time.monotonic()
+        asyncio.run(both(episodes))
+        took_s = time.monotonic() - started
+    assert [(e.finish_reason, e.tool_calls, e.error) for e in episodes] == [("stop", 1, None)] * 2
+    assert "rested" in tool_text(tokenizer, episodes[0])
+    assert took_s < 1.8, f"two episodes' calls on two workers took {took_s:.2f} s: one after the other"
