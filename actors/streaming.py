@@ -17,6 +17,7 @@ core in a process of its own, so weights reach the worker through `collective_rp
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -166,6 +167,10 @@ class StreamingGenerator(ReportsTimings):
                 finally:
                     await self.engine.resume_generation()
             return self.last_load_s
+
+    async def process_id(self) -> int:
+        """This generator's OS process (operators and fault tests kill it to check recovery)."""
+        return os.getpid()
 
     async def shutdown(self) -> None:
         """Stop the engine core, on the event loop that runs the engine: vLLM closes the client's sockets

@@ -144,9 +144,6 @@ class StreamingGeneratorActor(StreamingGenerator):
     async def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    async def process_id(self) -> int:
-        return os.getpid()
-
 
 class WeightGroupClosed(StableAsyncError, RuntimeError):
     """A generator must join a collective weight group after it formed (a restart): it cannot."""
