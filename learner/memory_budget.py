@@ -1,6 +1,7 @@
-"""`learner.max_tokens_per_micro_batch: auto`: the padded tokens a micro-batch may hold on this rank's device.
+"""`learner.max_tokens_per_micro_batch: auto`: the tokens a micro-batch may hold on this rank's device (real
+tokens when its rows are packed, rows x longest row when padded: what its forward runs).
 
-A micro-batch's memory grows linearly with its padded tokens: every decoder layer keeps its activations
+A micro-batch's memory grows linearly with its tokens: every decoder layer keeps its activations
 for the backward, and the logits path holds [tokens, vocab] tensors (learner/batch.py: the logits in the
 model's dtype and their gradient; with per-sample gradient norms also `sequence_logprob_grad`'s fp32
 logits gradient, and book-keeping's kept per-sample gradients, learner/grad_norms.py). Beside it a step
@@ -106,7 +107,7 @@ def kept_gradient_bytes_per_token(shape: ModelShape) -> int:
 
 @dataclass(frozen=True)
 class StepMemory:
-    """What one micro-batch of a step costs, as a function of its padded tokens: `bytes_per_token` without
+    """What one micro-batch of a step costs, as a function of its tokens: `bytes_per_token` without
     bound, `fixed_bytes` regardless of size, and `capped` terms (bytes per token, at most bytes) that stop
     growing: temporaries made one chunk at a time, and book-keeping's kept gradients within their budget."""
 
@@ -145,7 +146,7 @@ def step_memory(shape: ModelShape, dtype_bytes: int, trained_parameters: int, se
 class MicroBatchBudget:
     """A rank's micro-batch budget and why: the job's number, or what the free memory holds."""
 
-    tokens: int | None  # padded tokens per forward; None: the rank's whole batch at once
+    tokens: int | None  # tokens per forward; None: the rank's whole batch at once
     why: str
     # what VCPO's book-keeping may keep for one micro-batch under opob_impl auto (0: never; inf: no bound)
     kept_gradient_bytes: float = 0.0
@@ -153,7 +154,7 @@ class MicroBatchBudget:
 
 def choose_budget(memory: StepMemory, free_bytes: int, usable_share: float, sequence_tokens: int,
                   gradient_checkpointing: bool) -> MicroBatchBudget:
-    """The most padded tokens whose step fits `usable_share` of `free_bytes`; an error naming the knobs when
+    """The most tokens whose step fits `usable_share` of `free_bytes`; an error naming the knobs when
     not even one sequence (`sequence_tokens`, generator.max_model_len) fits."""
     usable = usable_share * free_bytes
     low, high = 0, max(0, int((usable - memory.fixed_bytes) // memory.bytes_per_token))

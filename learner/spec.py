@@ -34,8 +34,8 @@ class LearnerSpec:
     dtype: str = "float32"
     seed: int = 0
     backend: str = "gloo"
-    # padded tokens per forward; "auto": what the rank's free memory holds (learner/memory_budget.py); None: the
-    # rank's batch at once
+    # tokens per forward (real tokens packed, rows x longest row padded); "auto": what the rank's free memory
+    # holds (learner/memory_budget.py); None: the rank's batch at once
     max_tokens_per_micro_batch: int | str | None = None
     max_sequence_tokens: int | None = None  # generator.max_model_len: the least an "auto" budget must hold
     device_share: float = 1.0  # learner.gpus_per_rank below 1: the share of a GPU that an "auto" budget plans on
