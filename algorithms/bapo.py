@@ -57,7 +57,7 @@ def bound_grid(lowest: float, highest: float, step: float) -> list[float]:
 
 
 @dataclass(frozen=True)
-class _Grids:
+class BoundGrids:
     """The walk's bounds, and their fp32 logs (bounds are compared in log space)."""
 
     lows: list[float]
@@ -67,13 +67,13 @@ class _Grids:
 
 
 @functools.lru_cache(maxsize=8)
-def _grids(config: BAPOConfig) -> _Grids:
+def bound_grids(config: BAPOConfig) -> BoundGrids:
     """Built once per config: the grids depend on nothing else."""
     lows = bound_grid(config.clip_low_min, config.clip_low_max, config.step)
     highs = bound_grid(config.clip_high_min, config.clip_high_max, config.step)
     # host tensors, cached: the torch path moves them to the batch's device, the fused scan runs on the host
     log = lambda values: torch.tensor([math.log(v) for v in values], dtype=torch.float32, device="cpu")  # noqa: E731
-    return _Grids(lows, highs, log(lows), log(highs))
+    return BoundGrids(lows, highs, log(lows), log(highs))
 
 
 @dataclass
@@ -139,7 +139,7 @@ def _find_movers(
     """The movers of a log-ratio that is 0 on padding and its ratio exp(min(l, bound)), 0 on padding;
     and a fresh [B, T] tensor, the ratio with every mover zeroed. Through the fused scan where it
     applies (it selects the same movers); padding it would clip takes the torch path, which masks it."""
-    grids = _grids(config)
+    grids = bound_grids(config)
     narrowest = (grids.lows[-1], grids.highs[0], config.dual_clip_c)
     if not clips_padding(*narrowest) and native.usable((log_ratio, ratio), advantages):
         interval = (math.log(narrowest[0]), math.log(narrowest[1]), math.log(narrowest[2]))
@@ -155,7 +155,7 @@ def _find_movers_torch(
     log_ratio: Tensor, ratio: Tensor, advantages: Tensor, mask_float: Tensor, config: BAPOConfig
 ) -> tuple[_Movers, Tensor]:
     """`_find_movers` in torch ops: any device, per-token advantages."""
-    grids = _grids(config)
+    grids = bound_grids(config)
     lows, highs = grids.lows, grids.highs
     n_lows, n_highs = len(lows), len(highs)
     excess = clip_excess(log_ratio, advantages, lows[-1], highs[0], config.dual_clip_c)
@@ -191,7 +191,7 @@ def _walk(
 
     Also returns a fresh [B, T] tensor: the ratio with every mover zeroed, for the caller to finish.
     """
-    grids = _grids(config)
+    grids = bound_grids(config)
     lows, highs = grids.lows, grids.highs
     n_lows, n_highs = len(lows), len(highs)
     movers, stayers = _find_movers(log_ratio, ratio, advantages, mask_float, config)

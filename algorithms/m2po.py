@@ -48,20 +48,20 @@ def _trust_region_m2(log_ratio: Tensor, advantages: Tensor) -> tuple[Tensor, int
 
 
 @dataclass
-class _Sum:
+class BoundedSum:
     """A sum of non-negative fp32 values, and a bound on its distance from their fp64 sum."""
 
     value: float
     error: float
 
-    def settled(self, values: Callable[[], Tensor], threshold: float) -> _Sum:
+    def settled(self, values: Callable[[], Tensor], threshold: float) -> BoundedSum:
         """This sum, or the fp64 sum of `values()` where the error leaves its side of `threshold` open."""
         if abs(self.value - threshold) <= self.error:
-            return _Sum(float(values().sum(dtype=torch.float64)), 0.0)
+            return BoundedSum(float(values().sum(dtype=torch.float64)), 0.0)
         return self
 
 
-def _sum_of(values: Tensor, group: int = 16) -> _Sum:
+def sum_of(values: Tensor, group: int = 16) -> BoundedSum:
     """The sum of non-negative fp32 `values`, at half the cost of converting each to fp64 on CPU.
 
     fp32 sums down the columns of a [group, N / group] view (a vectorised reduction), then fp64 over the
@@ -71,9 +71,9 @@ def _sum_of(values: Tensor, group: int = 16) -> _Sum:
     """
     n = values.numel()
     if n % group or n < group * group:
-        return _Sum(float(values.sum(dtype=torch.float64)), 0.0)
+        return BoundedSum(float(values.sum(dtype=torch.float64)), 0.0)
     value = float(values.reshape(group, -1).sum(dim=0).sum(dtype=torch.float64))
-    return _Sum(value, value * (group * 2.0**-24 + 2 * n * 2.0**-53))
+    return BoundedSum(value, value * (group * 2.0**-24 + 2 * n * 2.0**-53))
 
 
 @functools.lru_cache(maxsize=16)
@@ -97,7 +97,7 @@ class _Region:
     """
 
     n_region: int
-    total: _Sum
+    total: BoundedSum
     tokens: Tensor  # a [B, T] tensor of the batch: the region's size and device
     build_values: Callable[[], Tensor]
     found: tuple[Tensor, Tensor] | None = None
@@ -133,16 +133,16 @@ def trust_region(log_ratio: Tensor, advantages: Tensor, tau: float) -> _Region:
 
     if not native.usable((log_ratio,), advantages):
         values, n_region = _trust_region_m2(log_ratio, advantages)
-        return _Region(n_region, _sum_of(values), values, build, built=values)
+        return _Region(n_region, sum_of(values), values, build, built=values)
     threshold = _largest_fp32_at_most(tau)
     n_region, total, found, index = native.m2po_region_scan(log_ratio, advantages, threshold)
     # an fp64 sum of non-negative terms in numel + 9 B additions lies within that many 2^-53 of the
     # exact sum (relative); twice that leaves room
     error = 2.0 * (log_ratio.numel() + 9 * log_ratio.shape[0]) * 2.0**-53 * total
-    return _Region(n_region, _Sum(total, error), log_ratio, build, (found, index), threshold)
+    return _Region(n_region, BoundedSum(total, error), log_ratio, build, (found, index), threshold)
 
 
-def _over_budget(region: _Region, tau: float) -> _Sum | None:
+def _over_budget(region: _Region, tau: float) -> BoundedSum | None:
     """The region's total, settled against the budget tau * n_region, when the region's mean exceeds
     tau; None when it is within budget (or empty), where both M2PO forms leave every token alone."""
     if region.n_region == 0:
@@ -174,7 +174,7 @@ BudgetRule = Callable[[Any, Any, Any], Any]
 _PYTHON_WALK = 512
 
 
-def _walk_floats(rule: BudgetRule, top: list[float], total: float) -> tuple[int | None, list[float], float]:
+def walk_floats(rule: BudgetRule, top: list[float], total: float) -> tuple[int | None, list[float], float]:
     """The first position where `rule` holds, the margins up to it, and `others` there (fp64 floats)."""
     removed, margins = 0.0, []
     for j, value in enumerate(top):
@@ -185,8 +185,8 @@ def _walk_floats(rule: BudgetRule, top: list[float], total: float) -> tuple[int 
     return None, margins, total - removed
 
 
-def _walk_tensors(rule: BudgetRule, top: Tensor, others: Tensor) -> tuple[int | None, Tensor, float]:
-    """`_walk_floats` in tensor ops, given `others` for every position."""
+def walk_tensors(rule: BudgetRule, top: Tensor, others: Tensor) -> tuple[int | None, Tensor, float]:
+    """`walk_floats` in tensor ops, given `others` for every position."""
     margins = rule(torch.arange(top.numel(), dtype=torch.float64, device=top.device), top, others)
     hits = (margins <= 0).nonzero()
     first = int(hits[0]) if hits.numel() else None
@@ -208,7 +208,7 @@ def _exact_others(region_m2: Tensor, top: Tensor, cut: float) -> Tensor:
     return rest + torch.cat([from_small_end[1:], from_small_end.new_zeros(1)])
 
 
-def _first_fit(region: _Region, total: _Sum, tau: float, rule: BudgetRule, columns: int) -> _Fit:
+def _first_fit(region: _Region, total: BoundedSum, tau: float, rule: BudgetRule, columns: int) -> _Fit:
     """Walk the values above tau, largest first, to the first position where `rule` holds.
 
     `total` is the region's settled sum. Values are compared in fp32 against the fp32 number that
@@ -223,12 +223,12 @@ def _first_fit(region: _Region, total: _Sum, tau: float, rule: BudgetRule, colum
         top, index, floor = region.largest(threshold, columns)
         margins: Tensor | list[float]
         if top.numel() <= _PYTHON_WALK:
-            first, margins, others = _walk_floats(rule, top.tolist(), total.value)
+            first, margins, others = walk_floats(rule, top.tolist(), total.value)
         else:
             running = torch.cumsum(top, 0, dtype=torch.float64)
-            first, margins, others = _walk_tensors(rule, top, total.value - running)
+            first, margins, others = walk_tensors(rule, top, total.value - running)
         if len(margins) and _close_call(margins, first, slack):
-            first, _, others = _walk_tensors(rule, top, _exact_others(region.values, top, max(threshold, floor)))
+            first, _, others = walk_tensors(rule, top, _exact_others(region.values, top, max(threshold, floor)))
         if first is not None or floor <= threshold:
             return _Fit(first, top, index, others)
         columns *= 8
@@ -278,7 +278,7 @@ def adaptive_clip_tau(region_m2: Tensor, tau: float) -> float | None:
     Capping at the j-th largest value v_j (0-based) gives (sum of all but the j largest) + j v_j.
     Every value <= tau fits, so only values above tau and the largest value <= tau are candidates.
     """
-    region = _Region(region_m2.numel(), _sum_of(region_m2), region_m2, lambda: region_m2, built=region_m2)
+    region = _Region(region_m2.numel(), sum_of(region_m2), region_m2, lambda: region_m2, built=region_m2)
     cap = _solve_adaptive_clip(region, tau)
     return None if cap is None else cap.tau_c
 

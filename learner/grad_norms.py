@@ -57,7 +57,7 @@ class UncoveredParameters(StableAsyncError, RuntimeError):
 
 
 @dataclass
-class _Factors:
+class Factors:
     """A per-sample gradient sum_t left_t (x) right_t; `left` is dense [B,T,m] or token ids [B,T]
     (one-hot rows of a table with `rows` rows)."""
 
@@ -98,7 +98,7 @@ class _Factors:
         return self.left.dim() == 2
 
 
-def _left_gram(p: _Factors, q: _Factors) -> Tensor:
+def _left_gram(p: Factors, q: Factors) -> Tensor:
     """[B, T_p, T_q] inner products of the left factors (one-hot rows become gathers)."""
     if p.indexed and q.indexed:
         return (p.left[:, :, None] == q.left[:, None, :]).to(p.right.dtype)
@@ -110,18 +110,18 @@ def _left_gram(p: _Factors, q: _Factors) -> Tensor:
     return torch.bmm(p.left, q.left.transpose(1, 2))
 
 
-def _inner(p: _Factors, q: _Factors) -> Tensor:
+def factor_inner(p: Factors, q: Factors) -> Tensor:
     """Per-sample <G_p, G_q>, [B] fp32, in chunks of samples; materialises G when that costs fewer FLOPs."""
     batch, steps = p.right.shape[:2]
     if p is q and p.dense_is_cheaper:
         per_sample = (p.rows if p.indexed else p.left.shape[-1]) * p.right.shape[-1]
         return torch.cat([
-            _self_dot(_Factors(p.left[i:i + n], p.right[i:i + n], p.rows).dense())
+            _self_dot(Factors(p.left[i:i + n], p.right[i:i + n], p.rows).dense())
             for i, n in _chunks(batch, per_sample)
         ])
     per_sample = steps * q.right.shape[1]
     return torch.cat([
-        (_left_gram(_Factors(p.left[i:i + n], p.right[i:i + n]), _Factors(q.left[i:i + n], q.right[i:i + n]))
+        (_left_gram(Factors(p.left[i:i + n], p.right[i:i + n]), Factors(q.left[i:i + n], q.right[i:i + n]))
          * torch.bmm(p.right[i:i + n], q.right[i:i + n].transpose(1, 2))).sum((1, 2), dtype=torch.float32)
         for i, n in _chunks(batch, per_sample)
     ])
@@ -159,7 +159,7 @@ def _trained_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in _covered_parameters(module) if p.requires_grad]
 
 
-Contribution = Union[_Factors, Tensor]
+Contribution = Union[Factors, Tensor]
 """A per-sample gradient of one parameter in one call: factors, or dense [B, *parameter shape]."""
 
 
@@ -180,7 +180,7 @@ def _pair_inner(p: Contribution, q: Contribution) -> Tensor:
         return _dense_inner(p, q)
     if isinstance(q, Tensor):
         return _dense_inner(q, p)
-    return _inner(p, q)
+    return factor_inner(p, q)
 
 
 def _squared_norm(parts: list[Contribution]) -> Tensor:
@@ -438,11 +438,11 @@ class GhostGradNorms:
             right = grad.reshape(batch, ids.shape[1], -1)
             if module.padding_idx is not None:  # that row gets no gradient
                 right = right * (ids != module.padding_idx).unsqueeze(-1)
-            return [(cast(nn.Parameter, module.weight), _Factors(ids, right, module.num_embeddings))]
+            return [(cast(nn.Parameter, module.weight), Factors(ids, right, module.num_embeddings))]
         grad = grad.reshape(batch, -1, grad.shape[-1])
         if isinstance(module, nn.Linear):
             out: list[tuple[nn.Parameter, Contribution]] = [
-                (cast(nn.Parameter, module.weight), _Factors(grad, x.reshape(batch, -1, x.shape[-1]).to(grad.dtype)))
+                (cast(nn.Parameter, module.weight), Factors(grad, x.reshape(batch, -1, x.shape[-1]).to(grad.dtype)))
             ]
             if module.bias is not None:
                 out.append((cast(nn.Parameter, module.bias), grad.sum(1, dtype=torch.float32)))

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class Job(Section):
-    """One training job: its sections as the README's job file shows them; every field has a default but `task`."""
+    """One training job: its sections as docs/jobs.md walks through them; every field has a default but `task`."""
 
     name: str = Field("job", pattern=r"^[A-Za-z0-9_.-]+$")
     seed: int = 0

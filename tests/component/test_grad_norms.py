@@ -150,13 +150,13 @@ def test_bf16_norms_and_book_kept_gradients_agree_with_each_samples_own_bf16_bac
 def test_a_linear_norm_takes_the_route_with_fewer_flops(steps, dense):
     """Dense costs 2 T m n per sample, the two Gram products 2 T^2 (m + n): a short sequence through a
     [64, 48] layer forms its Gram matrices, a long one through the same layer its dense gradient."""
-    from learner.grad_norms import _Factors, _inner
+    from learner.grad_norms import Factors, factor_inner
 
     gen = torch.Generator().manual_seed(0)
-    factors = _Factors(torch.randn(2, steps, 64, generator=gen), torch.randn(2, steps, 48, generator=gen))
+    factors = Factors(torch.randn(2, steps, 64, generator=gen), torch.randn(2, steps, 48, generator=gen))
     assert factors.dense_is_cheaper == dense
     explicit = torch.einsum("bti,btj->bij", factors.left, factors.right).square().sum((1, 2))
-    assert torch.allclose(_inner(factors, factors), explicit, rtol=1e-4)
+    assert torch.allclose(factor_inner(factors, factors), explicit, rtol=1e-4)
 
 
 def test_ghost_norms_keep_no_gradients_to_form():
@@ -222,16 +222,16 @@ def test_bookkeeping_refuses_a_loss_whose_coefficients_differ_within_a_sequence(
 
 @pytest.mark.parametrize("rows", [6, 4000])  # a small table takes the dense route, a large one the Gram route
 def test_embedding_norms_agree_on_both_routes(rows):
-    from learner.grad_norms import _Factors, _inner
+    from learner.grad_norms import Factors, factor_inner
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 6, (3, 9), generator=gen)  # repeated ids: their rows add up
     right = torch.randn(3, 9, 5, generator=gen)
-    factors = _Factors(ids, right, rows)
+    factors = Factors(ids, right, rows)
     assert factors.dense_is_smaller == (rows == 6) and factors.dense_is_cheaper == (rows == 6)
     explicit = torch.zeros(3, rows, 5)
     for b in range(3):
         for t in range(9):
             explicit[b, ids[b, t]] += right[b, t]
     assert torch.allclose(factors.dense(), explicit, atol=1e-6)
-    assert torch.allclose(_inner(factors, factors), explicit.square().sum((1, 2)), rtol=1e-5)
+    assert torch.allclose(factor_inner(factors, factors), explicit.square().sum((1, 2)), rtol=1e-5)

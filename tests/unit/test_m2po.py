@@ -208,44 +208,44 @@ def test_largest_entries_hold_every_entry_above_their_floor():
 
 
 def test_the_python_walk_and_the_tensor_walk_agree():
-    from algorithms.m2po import _walk_floats, _walk_tensors
+    from algorithms.m2po import walk_floats, walk_tensors
 
     gen = torch.Generator().manual_seed(6)
     top = torch.sort(torch.rand(300, generator=gen) * 3 + 0.04, descending=True).values
     total, n = float(top.double().sum()) + 40.0, 2000
     rules = [lambda j, v, others: others - 0.04 * (n - 1 - j), lambda j, v, others: others + (j + 1) * v - 0.04 * n]
     for rule in rules:
-        first, margins, others = _walk_floats(rule, top.tolist(), total)
-        first_t, margins_t, others_t = _walk_tensors(rule, top, total - torch.cumsum(top, 0, dtype=torch.float64))
+        first, margins, others = walk_floats(rule, top.tolist(), total)
+        first_t, margins_t, others_t = walk_tensors(rule, top, total - torch.cumsum(top, 0, dtype=torch.float64))
         assert first is not None and (first, others) == (first_t, others_t)
         assert margins == margins_t[: first + 1].tolist()
 
 
 def test_the_cheap_total_is_within_its_stated_error_of_the_fp64_sum():
-    from algorithms.m2po import _sum_of
+    from algorithms.m2po import sum_of
 
     gen = torch.Generator().manual_seed(8)
     scales = torch.tensor([1e-30, 1.0, 1e20, 0.0]).repeat(4096).view(32, 512)  # tiny, huge and zero side by side
     for values in (torch.rand(64, 2048, generator=gen), torch.randn(64, 2048, generator=gen).exp() ** 6,
                    torch.rand(32, 512, generator=gen) * scales):
-        total = _sum_of(values)
+        total = sum_of(values)
         exact = float(values.sum(dtype=torch.float64))
         assert abs(total.value - exact) <= total.error <= 2e-6 * exact
     small = torch.rand(15, generator=gen)  # too few for columns: the fp64 sum itself
-    assert _sum_of(small).value == float(small.sum(dtype=torch.float64)) and _sum_of(small).error == 0.0
+    assert sum_of(small).value == float(small.sum(dtype=torch.float64)) and sum_of(small).error == 0.0
 
 
 def test_a_budget_too_close_for_the_cheap_total_is_decided_on_the_fp64_sum():
     """16,384 trust-region values just under tau and one far above it, placed so that their fp64 sum
     exceeds the budget tau * n by 1e-7 while the cheap fp32-column total lies within its error of it.
     Algorithm 1 must mask the one large value; the adaptive clip must cap at the largest value within tau."""
-    from algorithms.m2po import _sum_of
+    from algorithms.m2po import sum_of
 
     tau, shape = 0.04, (64, 256)
     log_ratio = torch.full(shape, math.sqrt(tau * 0.998), dtype=torch.float32)
     log_ratio[5, 17] = 1.16218101978302
     squares = log_ratio * log_ratio
-    budget, total = tau * squares.numel(), _sum_of(squares)
+    budget, total = tau * squares.numel(), sum_of(squares)
     assert 0 < float(squares.sum(dtype=torch.float64)) - budget < 1e-6 and abs(total.value - budget) <= total.error
     keep = m2po_token_mask(log_ratio, torch.ones(shape[0]), torch.ones(shape, dtype=torch.bool), tau)
     assert (~keep).nonzero().tolist() == [[5, 17]]

@@ -140,10 +140,10 @@ def test_an_all_padding_batch_gives_the_same_zero_weights():
 def test_bapo_tokens_exactly_on_the_bounds_fall_in_the_same_buckets():
     # Log-ratios sit on the walk's fp32 log bounds, where < and <= part ways: the highs in the rows with
     # A > 0, the lows and the dual clip in the rows with A < 0 (padded with masked zeros).
-    from algorithms.bapo import _grids
+    from algorithms.bapo import bound_grids
     from algorithms.config import BAPOConfig
 
-    grids = _grids(BAPOConfig())
+    grids = bound_grids(BAPOConfig())
     negative_row = torch.cat([grids.log_lows, torch.tensor([math.log(3.0)], dtype=torch.float32)])
     width = max(grids.log_highs.numel(), negative_row.numel())
     log_ratio = torch.zeros(4, width)
