@@ -40,6 +40,21 @@ def _padded(model, head, micro, with_entropy: bool):
     return token_logprobs_and_entropy(causal_logits(model, micro), micro.input_ids, 1.0)
 
 
+def padded_and_packed(model, head, micro, packing, weights) -> dict[str, tuple]:
+    """Log-probs, entropy and every parameter's gradient of a weighted sum of both, from the padded forward
+    and from the packed one of the same micro-batch."""
+    from learner.packing import packed_token_logprobs
+
+    results = {}
+    for name, forward in (("padded", lambda: _padded(model, head, micro, True)),
+                          ("packed", lambda: packed_token_logprobs(model, head, micro, packing, 1.0, True))):
+        model.zero_grad()
+        logprobs, entropy = forward()
+        ((logprobs + 0.1 * entropy) * weights).sum().backward()
+        results[name] = (logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()])
+    return results
+
+
 @pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_llama"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-head", "logits"])
 def test_packed_and_padded_logprobs_and_gradients_agree_in_fp32(fixture, fused, request):
@@ -47,7 +62,7 @@ def test_packed_and_padded_logprobs_and_gradients_agree_in_fp32(fixture, fused, 
 
     from learner import micro_batches
     from learner.fused_head import fused_head
-    from learner.packing import packed_token_logprobs, packing_support
+    from learner.packing import packing_support
 
     model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(fixture), dtype=torch.float32)
     supported, why = packing_support(model)
@@ -60,13 +75,7 @@ def test_packed_and_padded_logprobs_and_gradients_agree_in_fp32(fixture, fused, 
     mask = micro.loss_mask
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
 
-    results = {}
-    for name, forward in (("padded", lambda: _padded(model, head, micro, True)),
-                          ("packed", lambda: packed_token_logprobs(model, head, micro, run.packing, 1.0, True))):
-        model.zero_grad()
-        logprobs, entropy = forward()
-        ((logprobs + 0.1 * entropy) * weights).sum().backward()
-        results[name] = (logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()])
+    results = padded_and_packed(model, head, micro, run.packing, weights)
     (padded_lp, padded_h, padded_g), (packed_lp, packed_h, packed_g) = results["padded"], results["packed"]
     torch.testing.assert_close(packed_lp[mask], padded_lp[mask], rtol=0, atol=TOLERANCE)
     torch.testing.assert_close(packed_h[mask], padded_h[mask], rtol=0, atol=TOLERANCE)

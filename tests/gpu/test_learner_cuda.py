@@ -73,8 +73,8 @@ def test_packed_rows_on_cuda_give_the_padded_rows_logprobs_and_gradients(tiny_qw
     from learner import micro_batches
     from learner.batch import token_logprobs
     from learner.fused_head import fused_head
-    from learner.packing import packed_token_logprobs, packing_support
-    from tests.component.test_packing import _batch, _padded
+    from learner.packing import packing_support
+    from tests.component.test_packing import _batch, padded_and_packed
 
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32, attn_implementation="sdpa").cuda()
     supported, why = packing_support(model)  # routes the model's attention through the packed wrapper
@@ -86,14 +86,8 @@ def test_packed_rows_on_cuda_give_the_padded_rows_logprobs_and_gradients(tiny_qw
     micro = batch.rows(run.rows).trimmed(run.width)
     mask = micro.loss_mask.bool()
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)).cuda() * mask
-    results = {}
-    for name, forward in (("padded", lambda: _padded(model, head, micro, True)),
-                          ("packed", lambda: packed_token_logprobs(model, head, micro, run.packing, 1.0, True))):
-        model.zero_grad()
-        logprobs, entropy = forward()
-        ((logprobs + 0.1 * entropy) * weights).sum().backward()
-        results[name] = (logprobs.detach(), [p.grad.clone() for p in model.parameters()])
-    (padded_lp, padded_g), (packed_lp, packed_g) = results["padded"], results["packed"]
+    results = padded_and_packed(model, head, micro, run.packing, weights)
+    (padded_lp, _, padded_g), (packed_lp, _, packed_g) = results["padded"], results["packed"]
     assert packed_lp.device.type == "cuda"
     torch.testing.assert_close(packed_lp[mask], padded_lp[mask], rtol=0, atol=1e-4)
     for (name, _), want, got in zip(model.named_parameters(), padded_g, packed_g):
