@@ -61,6 +61,6 @@ def _evaluate_left_to_right(expression: str) -> int:
             ops.append(op)
             terms.append(int(value))
     total = terms[0]
-    for op, value in zip(ops, terms[1:]):
-        total = total + value if op == "+" else total - value
+    for op, term in zip(ops, terms[1:]):
+        total = total + term if op == "+" else total - term
     return total

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from algorithms.errors import StableAsyncError
 
@@ -116,8 +116,11 @@ class Task:
 TASKS: dict[str, Callable[[Any], Task]] = {}
 
 
-def register(name: str) -> Callable[[type], type]:
-    def wrap(cls: type) -> type:
+TaskClass = TypeVar("TaskClass", bound=type[Task])
+
+
+def register(name: str) -> Callable[[TaskClass], TaskClass]:
+    def wrap(cls: TaskClass) -> TaskClass:
         cls.name = name
         TASKS[name] = cls
         return cls

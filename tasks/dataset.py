@@ -83,7 +83,9 @@ class Dataset(Task):
     def score(self, problem: Problem, completion: str) -> float:
         if self.reward_function is not None:
             return self.reward_function(completion, problem.metadata["gold"], problem.metadata["row"])
-        return graded_answer(completion, lambda answer: self.equivalent(problem.answer, answer),
+        equivalent = self.equivalent
+        assert equivalent is not None  # without a reward function, a built-in verifier scores
+        return graded_answer(completion, lambda answer: equivalent(problem.answer, answer),
                              boxed=self.config.reward in BOXED_REWARDS)
 
     def demonstration(self, problem: Problem) -> str:
