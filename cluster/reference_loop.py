@@ -29,17 +29,21 @@ from cluster.job import Job, job_task, load_job
 from cluster.run.model_prep import prepare_model, sft_samples
 from learner.batch import collate
 from learner.rank import LearnerRank
+from learner.records import TrainingSample
+from learner.weight_sync import PackedWeights
 from tasks.base import Problem, Task
+from tasks.records import ScoredCompletion
 from tasks.scoring import score_inline
 
 
-def training_samples(task: Task, problems: list[Problem], groups: list[GeneratedGroup]) -> list[dict]:
+def training_samples(task: Task, problems: list[Problem], groups: list[GeneratedGroup]) -> list[TrainingSample]:
     """Each response with its reward, the prompt's group id and the behaviour log-probs of its tokens."""
-    samples = []
+    samples: list[TrainingSample] = []
     for problem, group in zip(problems, groups):
         texts = [completion["text"] for completion in group.completions]
         scores = score_inline(task, [problem] * len(texts), texts)
-        completions = [dict(completion, reward=score.reward) for completion, score in zip(group.completions, scores)]
+        completions = [ScoredCompletion(**completion, reward=score.reward, score_error=score.error)
+                       for completion, score in zip(group.completions, scores)]
         samples += ScoredGroup(group.group_id, group.problem_id, group.prompt_ids, completions, group.version_start,
                                group.version_end, group.generator_index).samples()
     return samples
@@ -58,7 +62,7 @@ def run(job: Job, steps: int) -> list[float]:
     for _ in range(job.model.sft_warmup.steps):
         problems = [next(demonstrations) for _ in range(job.model.sft_warmup.prompts_per_step)]
         learner.sft_step(collate(sft_samples(model_path, task, problems), 0), job.model.sft_warmup.learning_rate)
-    generator.update_weights(learner.packed_weights_for_publish(generator.spec.dtype), version=0)
+    generator.update_weights(_weights(learner, generator.spec.dtype), version=0)
 
     problems_stream, seeds, rewards = task.problems("train", job.seed), random.Random(job.seed), []
     for step in range(steps):
@@ -72,11 +76,18 @@ def run(job: Job, steps: int) -> list[float]:
         # 3. one learner step: advantages within each group, the stabilizer's weights, the loss, the update
         metrics = learner.train_step(collate(samples, 0))
         # 4. the new weights (version step + 1) to the generator
-        generator.update_weights(learner.packed_weights_for_publish(generator.spec.dtype), version=step + 1)
+        generator.update_weights(_weights(learner, generator.spec.dtype), version=step + 1)
         rewards.append(mean(sample["reward"] for sample in samples))
         print(f"step {step + 1}: reward {rewards[-1]:.3f}, ESS ratio {metrics['stability/ess_ratio']:.3f}, "
               f"loss {metrics['optim/loss']:.4f}", flush=True)
     return rewards
+
+
+def _weights(learner: LearnerRank, dtype: str) -> PackedWeights:
+    """The learner's weights packed in `dtype` for the generator (rank 0, the only one here, packs them)."""
+    weights = learner.packed_weights_for_publish(dtype)
+    assert weights is not None
+    return weights
 
 
 def _free_port() -> int:

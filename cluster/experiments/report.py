@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from algorithms.errors import StableAsyncError
 from cluster.job import job_section_defaults
@@ -290,7 +290,7 @@ def summarise(run: RunData, target_reward: float | None = None, collapse_below: 
             break
     reward_fell = best_ma is not None and final_reward is not None and best_ma > 0 \
         and final_reward < REWARD_DROP_FRACTION * best_ma
-    if reward_fell:
+    if reward_fell and best_ma is not None:  # reward_fell implies best_ma is not None
         peak = moving.index(best_ma)
         drop = next((i for i in range(peak + 1, len(moving)) if moving[i] < REWARD_DROP_FRACTION * best_ma),
                     len(moving) - 1)
@@ -417,7 +417,11 @@ class CellSummary:
     wall_s_mean: float | None
 
 
-def _present(values: Sequence[Any]) -> list[Any]:
+Value = TypeVar("Value")
+Number = TypeVar("Number", bound=float)
+
+
+def _present(values: Sequence[Value | None]) -> list[Value]:
     return [value for value in values if value is not None]
 
 
@@ -425,7 +429,7 @@ def _nan_lowest(value: float) -> float:
     return -math.inf if math.isnan(value) else value
 
 
-def _lower_median(values: Sequence[float]) -> float | None:
+def _lower_median(values: Sequence[Number]) -> Number | None:
     if not values:
         return None
     return sorted(values, key=_nan_lowest)[(len(values) - 1) // 2]
@@ -439,11 +443,24 @@ def _lag_order(max_lag: int | None) -> int:
     return -1 if max_lag is None else max_lag
 
 
-def _by_cell(runs: Sequence[Any]) -> dict[tuple[str, int | None], list[Any]]:
+class _InCell(Protocol):
+    """What `_by_cell` groups by: a run's data or its summary."""
+
+    @property
+    def stabilizer(self) -> str: ...
+
+    @property
+    def max_lag(self) -> int | None: ...
+
+
+Run = TypeVar("Run", bound=_InCell)
+
+
+def _by_cell(runs: Sequence[Run]) -> dict[tuple[str, int | None], list[Run]]:
     """Runs (anything with `stabilizer` and `max_lag`) grouped by cell: stabilizers in the order they first
     appear, each one's lags ascending (a shell glob lists lag 16 before lag 2)."""
     stabilizers = list(dict.fromkeys(run.stabilizer for run in runs))
-    cells: dict[tuple[str, int | None], list[Any]] = {}
+    cells: dict[tuple[str, int | None], list[Run]] = {}
     for run in sorted(runs, key=lambda run: (stabilizers.index(run.stabilizer), _lag_order(run.max_lag))):
         cells.setdefault((run.stabilizer, run.max_lag), []).append(run)
     return cells
@@ -463,7 +480,7 @@ def summarise_cells(summaries: Sequence[RunSummary]) -> list[CellSummary]:
             final_reward_max=max(finals, default=None),
             best_reward_ma_mean=_mean(_present([run.best_reward_ma for run in runs])),
             target_reached=len(reached),
-            target_step_median=_lower_median([run.target_step for run in reached]),
+            target_step_median=_lower_median(_present([run.target_step for run in reached])),
             target_wall_s_median=_lower_median(_present([run.target_wall_s for run in reached])),
             ess_ratio_min_median=_lower_median(ess),
             ess_ratio_min_lowest=min(ess, key=_nan_lowest, default=None),
@@ -560,7 +577,7 @@ def plot_runs(runs: Sequence[RunData], summaries: Sequence[RunSummary], out_dir:
                 continue
             any_line = True
             style = _style(index)
-            steps = [s for s, _, _ in series]
+            steps: list[float] = [s for s, _, _ in series]
             walls = [w for _, w, _ in series]
             values = [v for _, _, v in series]
             any_positive = any_positive or any(math.isfinite(v) and v > 0 for v in values)

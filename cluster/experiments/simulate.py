@@ -254,7 +254,9 @@ class _Simulation:
                      self.orders)
 
     def _learner_s(self, groups: list[ScoredGroup]) -> float:
-        tokens = sum(self.c.prompt_len + c["tokens"] for g in groups for c in g.completions)
+        # a completion here is `_handle_generation`'s stand-in: its length only
+        tokens = sum(self.c.prompt_len + c["tokens"]  # type: ignore[typeddict-item]
+                     for g in groups for c in g.completions)
         return self.c.learner_overhead_s + tokens / (self.c.learner_tokens_per_s * self.c.learners)
 
     def _start_learner_step(self) -> None:
@@ -283,7 +285,8 @@ class _Simulation:
         self.schedule.finished(call)
         self.finished_calls.append(call)
         for request in call.requests:
-            completions = [{"tokens": n} for n in request.lengths]
+            # stand-ins for scored completions, with only what the simulator reads: the response's length
+            completions: list[Any] = [{"tokens": n} for n in request.lengths]
             self.schedule.buffer.add(ScoredGroup(request.group_id, "", [], completions, call.version, call.version,
                                                  call.index))
 

@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from actors.buffer import audit_ledger
 from cluster.job import Job
@@ -31,7 +32,8 @@ def _killer(job: Job, run_name: str, every_s: float, stop: threading.Event,
     while not stop.wait(every_s * rng.uniform(0.75, 1.25)):
         index = rng.randrange(job.generator.num_generators)
         try:
-            generator = ray.get_actor(f"{run_name}-generator-{index}", namespace=job.cluster.namespace)
+            # Any: Ray's ActorHandle types no method's `.remote`
+            generator: Any = ray.get_actor(f"{run_name}-generator-{index}", namespace=job.cluster.namespace)
             pid = ray.get(generator.process_id.remote(), timeout=60)
             os.kill(pid, signal.SIGKILL)
         except Exception as error:  # noqa: BLE001 - a generator mid-restart: try again next time
@@ -51,7 +53,8 @@ def soak(job: Job, steps: int, kill_every_s: float) -> int:
         "generator": job.generator.model_copy(update={"max_restarts": 10**6}),
         "logging": job.logging.model_copy(update={"run_name": run_name, "progress_bar": False}),
     })
-    stop, kills = threading.Event(), []
+    stop = threading.Event()
+    kills: list[tuple[float, int, int]] = []  # (seconds since the start, generator index, pid)
     killer = threading.Thread(target=_killer, args=(job, run_name, kill_every_s, stop, kills), daemon=True)
     started = time.monotonic()
     killer.start()

@@ -243,7 +243,8 @@ def majority_correct(correct: Sequence[bool], texts: Sequence[str]) -> bool:
             votes.setdefault(" ".join(answer.split()), []).append(mark)
     if not votes:
         return False
-    return any(max(votes.values(), key=len))
+    most_votes = max(votes.values(), key=len)
+    return any(most_votes)
 
 
 def summary_line(metrics: dict[str, float]) -> str:

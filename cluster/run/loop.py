@@ -211,7 +211,9 @@ class AsyncLoop:
                                "evaluating)")
         self._end_unfinished_groups(f"run stopped by {self.stop.signal_name} at step {self.version} (resumable)",
                                     wait_for_generation=False)
-        return JobStopped(self.stop.signal_name, self.version, checkpoint, self.run_dir)
+        signal_name = self.stop.signal_name
+        assert signal_name is not None  # the loop stops here only once a stop was requested
+        return JobStopped(signal_name, self.version, checkpoint, self.run_dir)
 
     def _end_unfinished_groups(self, why: str, wait_for_generation: bool) -> None:
         """Record in the ledger that every group still generating, orphaned or buffered ends untrained."""

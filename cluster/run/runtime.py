@@ -283,7 +283,9 @@ class LearnerGroup:
             ) from None
         master = self.rendezvous_address()
         remote_cls = ray.remote(LearnerActor)
-        self.ranks = [
+        # Any, like the generators' handles: Ray types a handle as `ActorHandle[T] | type[T]`, whose methods
+        # (undecorated by @ray.method) have no typed `.remote`
+        self.ranks: list[Any] = [
             remote_cls.options(
                 num_cpus=cpus_per_rank, num_gpus=gpus_per_rank, scheduling_strategy=self._in_bundle(rank),
                 name=f"{name_prefix}-learner-{rank}" if name_prefix else None,
@@ -392,7 +394,7 @@ def start_generator(spec: GeneratorSpec, index: int, cpus: float, max_restarts: 
         group = placement_group(bundles, strategy="STRICT_PACK")
         placement = {"num_gpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
-    actor = ray.remote(StreamingGeneratorActor if spec.streaming else GeneratorActor).options(
+    actor: Any = ray.remote(StreamingGeneratorActor if spec.streaming else GeneratorActor).options(
         num_cpus=cpus, max_restarts=max_restarts, max_task_retries=0, **placement,
         name=f"{name_prefix}-generator-{index}" if name_prefix else None,
         runtime_env={"env_vars": {**actor_env(), **engine_env(spec), "OMP_NUM_THREADS": str(max(1, int(cpus)))}},

@@ -11,7 +11,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from cluster.telemetry.alerts import AlertThresholds, StabilityAlerts
 from cluster.telemetry.run_files import EVAL_PREFIX, STEP_KEY, WALL_KEY
@@ -180,10 +180,13 @@ PROGRESS_KEYS = (
 )
 
 
+WandbMode = Literal["online", "offline", "disabled"]  # logging.wandb.mode
+
+
 class MetricSink:
     """Writes each step's metrics to `metrics.jsonl`, W&B and a one-line progress display."""
 
-    def __init__(self, run_dir: Path, run_name: str, config: dict[str, Any], wandb_mode: str = "offline",
+    def __init__(self, run_dir: Path, run_name: str, config: dict[str, Any], wandb_mode: WandbMode = "offline",
                  wandb_project: str = "stableasync", wandb_entity: str | None = None, progress_bar: bool = True,
                  total_steps: int | None = None, alerts: AlertThresholds | None = None) -> None:
         """`alerts` (the job's `logging.alerts`) turns on the ESS-collapse and grad-norm-spike alerts."""
@@ -200,7 +203,8 @@ class MetricSink:
         if wandb_mode != "disabled":
             self._wandb = self._init_wandb(run_name, config, wandb_mode, wandb_project, wandb_entity)
 
-    def _init_wandb(self, name: str, config: dict[str, Any], mode: str, project: str, entity: str | None) -> Any:
+    def _init_wandb(self, name: str, config: dict[str, Any], mode: WandbMode, project: str,
+                    entity: str | None) -> Any:
         try:
             import wandb
 
@@ -258,7 +262,7 @@ class MetricSink:
         try:
             import wandb
 
-            table = wandb.Table(columns=COLUMNS, data=[[row[name] for name in COLUMNS] for row in rows])
+            table = wandb.Table(columns=[*COLUMNS], data=[[row[name] for name in COLUMNS] for row in rows])
             self._wandb.log({STEP_KEY: step, SAMPLES_TABLE: table})
         except Exception as error:  # noqa: BLE001 - W&B must never stop training
             log.warning("W&B could not log the rollout samples (%s); they are in %s", error, self._samples_path)
@@ -315,13 +319,14 @@ def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _for_wandb(row: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
     import wandb
 
     out = {}
     for key, value in row.items():
         if isinstance(value, list):
             counts = [float(v) for v in value]
-            out[key] = wandb.Histogram(np_histogram=(counts, list(range(len(counts) + 1))))
+            out[key] = wandb.Histogram(np_histogram=(np.asarray(counts), np.arange(len(counts) + 1)))
         else:
             out[key] = value
     return out
