@@ -5,15 +5,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from cluster.job.schema import Job
 from cluster.job.validation import JobError, JobValidationError, validate_job
 
-if TYPE_CHECKING:
-    pass
 
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ConfigDict, Field
 
@@ -20,10 +20,6 @@ from cluster.job.sections import (
 )
 from cluster.job.task_sections import EnvironmentSection, EvalSection, SandboxSection, ScoringSection
 
-if TYPE_CHECKING:
-    pass
-
-
 
 class Job(Section):
     """One training job: its sections as docs/jobs.md walks through them; every field has a default but `task`."""
@@ -31,7 +27,7 @@ class Job(Section):
     name: str = Field("job", pattern=r"^[A-Za-z0-9_.-]+$")
     seed: int = 0
     model: ModelSection = ModelSection()
-    task: TaskSection  # type: ignore[valid-type]
+    task: TaskSection
     scoring: ScoringSection = ScoringSection()
     generator: GeneratorSection = GeneratorSection()
     learner: LearnerSection = LearnerSection()

@@ -13,10 +13,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from algorithms.config import STABILIZER_CONFIGS, KLEstimator, LossAggregation
 from tasks.config import TASK_CONFIGS
 
-if TYPE_CHECKING:
-    pass
-
-
 
 class Section(BaseModel):
     """Base of every job section: unknown keys are errors, values are not coerced silently."""
@@ -38,7 +34,7 @@ def _section_from_dataclass(name: str, config_cls: type, suffix: str) -> type[Ba
         config_cls(**section.model_dump(exclude={"name"}))  # a ValueError names the fields out of order
         return section
 
-    checks = {"dataclass_accepts": model_validator(mode="after")(dataclass_accepts)}
+    checks: dict[str, Any] = {"dataclass_accepts": model_validator(mode="after")(dataclass_accepts)}
     return create_model(f"{config_cls.__name__}{suffix}_{name}", __base__=Section, __validators__=checks, **fields)
 
 
@@ -47,8 +43,12 @@ def _union(configs: dict[str, type], suffix: str) -> Any:
     return Annotated[Union[models], Field(discriminator="name")]  # noqa: UP007 - a runtime tuple
 
 
-StabilizerSection = _union(STABILIZER_CONFIGS, "Section")
-TaskSection = _union(TASK_CONFIGS, "Section")
+if TYPE_CHECKING:  # discriminated unions of models made at run time: their fields are read by name
+    StabilizerSection = Any
+    TaskSection = Any
+else:
+    StabilizerSection = _union(STABILIZER_CONFIGS, "Section")
+    TaskSection = _union(TASK_CONFIGS, "Section")
 
 
 def section_config(section: BaseModel, configs: dict[str, type]) -> Any:
@@ -244,7 +244,7 @@ class KLSection(Section):
 
 
 class AlgorithmSection(Section):
-    stabilizer: StabilizerSection = Field(  # type: ignore[valid-type]
+    stabilizer: StabilizerSection = Field(
         default_factory=lambda: {"name": "tis_seq"}, validate_default=True
     )
     advantage: Literal["grpo", "dr_grpo", "reinforce", "rloo"] = "grpo"

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from cluster.job.sections import Section
 from tasks.config import TASK_CONFIGS
 
-if TYPE_CHECKING:
-    pass
 
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -15,8 +15,6 @@ from cluster.job.schema import Job
 from cluster.job.task_sections import DEFAULT_EVAL_SET, EVAL_SET_NAME, FILE_TASKS
 from tasks.config import TASK_CONFIGS
 
-if TYPE_CHECKING:
-    pass
 
 
 
