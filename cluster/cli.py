@@ -11,7 +11,6 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from algorithms.errors import StableAsyncError
 from cluster.job import Job, JobValidationError, dump_job, load_job
@@ -55,8 +54,7 @@ def _validate(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(dump_job(job), end="")
     else:
-        stabilizer: Any = job.algorithm.stabilizer  # its type: a union of section models built at run time
-        print(f"{args.job}: ok ({stabilizer.name}, max_lag {job.async_.max_lag}, "
+        print(f"{args.job}: ok ({job.algorithm.stabilizer.name}, max_lag {job.async_.max_lag}, "
               f"{job.generator.num_generators} generator(s), {job.learner.num_ranks} learner rank(s))")
     return 0
 

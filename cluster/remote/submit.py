@@ -266,7 +266,6 @@ def submit(job: Job, address: str, token: str | None, run_dir: str = DEFAULT_RUN
     keeps going there)."""
     submission_id = submission_id or f"{job.name}-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
     cluster_job = for_cluster(job, submission_id, run_dir)
-    stabilizer: Any = job.algorithm.stabilizer  # its type: a union of section models built at run time
     with tempfile.TemporaryDirectory(prefix="stableasync-submit-") as staging:
         working_dir = stage_working_dir(cluster_job, Path(staging), remote_prefixes)  # before the cluster is asked
         jobs = client(address, token)
@@ -275,7 +274,7 @@ def submit(job: Job, address: str, token: str | None, run_dir: str = DEFAULT_RUN
                 entrypoint=JOB_ENTRYPOINT,
                 submission_id=submission_id,
                 runtime_env={"working_dir": str(working_dir), "env_vars": stop_env(job)},
-                metadata={"stableasync_job": job.name, "stabilizer": stabilizer.name},
+                metadata={"stableasync_job": job.name, "stabilizer": job.algorithm.stabilizer.name},
             )
         except Exception as error:  # noqa: BLE001
             raise SubmitError(f"the cluster at {address} refused job {job.name!r}: {type(error).__name__}: "

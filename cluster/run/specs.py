@@ -28,7 +28,7 @@ def reference_at_rl_start(job: Job) -> bool:
 def learner_spec(job: Job, model_path: str, reference: Path | None = None) -> LearnerSpec:
     """The learner ranks' spec; `reference`: RUN_DIR/reference, the KL reference as RL starts, used
     when it was written (a resumed run)."""
-    stabilizer: Any = job.algorithm.stabilizer  # its type: a union of section models built at run time
+    stabilizer = job.algorithm.stabilizer
     return LearnerSpec(
         model_path=model_path, zero_stage=job.learner.zero_stage, learning_rate=job.learner.learning_rate,
         total_steps=job.learner.steps, lr_warmup_steps=job.learner.lr_warmup_steps,
