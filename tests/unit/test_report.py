@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.experiments.report import ReportError, _unique_labels, load_run, summarise, summarise_cells, write_report
+from cluster.experiments.report import ReportError, load_run, summarise, summarise_cells, unique_labels, write_report
 from tests.fixtures import BENCH_ASYNC, learner_rows, metric_rows
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -303,7 +303,7 @@ def test_a_bad_metrics_line_is_named_with_its_number(tmp_path, line):
 def test_runs_sharing_a_label_get_their_directory_name(tmp_path):
     runs = [load_run(_write_run(tmp_path / name, [0.5])) for name in ("a", "b")]
     runs.append(load_run(_write_run(tmp_path / "c", [0.5], max_lag=0)))
-    labels = [run.label for run in _unique_labels(runs + runs[:1])]
+    labels = [run.label for run in unique_labels(runs + runs[:1])]
     assert len(set(labels)) == len(labels)
     assert labels[:3] == ["tis_seq lag 2 (a)", "tis_seq lag 2 (b)", "tis_seq lag 0"]
 
@@ -311,7 +311,7 @@ def test_runs_sharing_a_label_get_their_directory_name(tmp_path):
 def test_runs_sharing_a_label_are_told_apart_by_seed_when_the_seeds_differ(tmp_path):
     seeded = [load_run(_write_run(tmp_path / f"s{seed}", [0.5], seed=seed)) for seed in (0, 1)]
     same_seed = [load_run(_write_run(tmp_path / f"t{i}", [0.5], max_lag=0, seed=3)) for i in (0, 1)]
-    labels = [run.label for run in _unique_labels(seeded + same_seed)]
+    labels = [run.label for run in unique_labels(seeded + same_seed)]
     assert labels == ["tis_seq lag 2 seed 0", "tis_seq lag 2 seed 1", "tis_seq lag 0 (t0)", "tis_seq lag 0 (t1)"]
     assert [run.seed for run in seeded] == [0, 1]
 
