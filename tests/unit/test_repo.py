@@ -105,6 +105,11 @@ def test_no_module_imports_another_modules_private_name():
             module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
             if found := _private_imports(path.read_text(), module):
                 offenders[str(path.relative_to(ROOT))] = found
+    for path in sorted((ROOT / "tests").rglob("*.py")):  # a test checks a module through its public names
+        found = [line for line in _private_imports(path.read_text(), "tests")
+                 if line.split(" import ")[0].split("from ")[1].split(".")[0] in PROJECT_PACKAGES]
+        if found:
+            offenders[str(path.relative_to(ROOT))] = found
     assert not offenders, offenders
 
 
