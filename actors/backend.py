@@ -24,8 +24,9 @@ class GeneratorBackend(Protocol):
     version: int  # the policy version of its weights
     incarnation: str  # new on every (re)start: the driver tells a restarted actor's groups apart
 
-    def generate(self, requests: list[GenerationRequest], samples: int | None = None,
-                 temperature: float | None = None) -> list[GeneratedGroup] | Any:
+    def generate(
+        self, requests: list[GenerationRequest], samples: int | None = None, temperature: float | None = None
+    ) -> list[GeneratedGroup] | Any:
         """Each request's group of responses with processed log-probs; `samples` and `temperature` override the
         spec's for one call (evaluation). Groups carry the call's timings."""
 

@@ -52,9 +52,14 @@ class ScoredGroup:
         """One training sample per response (the learner's collate input)."""
         samples = []
         for c in self.completions:
-            sample = TrainingSample(prompt_ids=self.prompt_ids, completion_ids=c["completion_ids"],
-                                    behaviour_logprobs=c["behaviour_logprobs"], reward=c["reward"],
-                                    group_id=self.group_id, version=self.version_start)
+            sample = TrainingSample(
+                prompt_ids=self.prompt_ids,
+                completion_ids=c["completion_ids"],
+                behaviour_logprobs=c["behaviour_logprobs"],
+                reward=c["reward"],
+                group_id=self.group_id,
+                version=self.version_start,
+            )
             if "policy_mask" in c:
                 sample["policy_mask"] = c["policy_mask"]
             samples.append(sample)
@@ -113,13 +118,28 @@ class Ledger:
         """An in-flight group whose generator failed is sent again (same group, fresh samples)."""
         entry = self.entries.get(group_id)
         reissues = entry.reissues + 1 if entry is not None else 0
-        self._move(group_id, "issued", ("issued",), issued_version=version, generator_index=generator_index,
-                   reason=reason, reissues=reissues, event="reissued")
+        self._move(
+            group_id,
+            "issued",
+            ("issued",),
+            issued_version=version,
+            generator_index=generator_index,
+            reason=reason,
+            reissues=reissues,
+            event="reissued",
+        )
 
-    def scored(self, group_id: int, score_errors: int = 0, sample_errors: list[str] | None = None,
-               reason: str | None = None) -> None:
-        self._move(group_id, "scored", ("issued",), score_errors=score_errors,
-                   sample_errors=list(dict.fromkeys(sample_errors)) if sample_errors else None, reason=reason)
+    def scored(
+        self, group_id: int, score_errors: int = 0, sample_errors: list[str] | None = None, reason: str | None = None
+    ) -> None:
+        self._move(
+            group_id,
+            "scored",
+            ("issued",),
+            score_errors=score_errors,
+            sample_errors=list(dict.fromkeys(sample_errors)) if sample_errors else None,
+            reason=reason,
+        )
 
     def trained(self, group_id: int, step: int, lag: int, sampled_versions: list[int] | None = None) -> None:
         self._move(group_id, "trained", ("scored",), trained_step=step, lag=lag, sampled_versions=sampled_versions)
@@ -198,8 +218,15 @@ class RolloutBuffer:
     it, at version `learner_version + busy + queued // prompts_per_step`.
     """
 
-    def __init__(self, max_lag: int, prompts_per_step: int, stale_policy: Literal["wait", "drop"], ledger: Ledger,
-                 drop_uniform_groups: bool = False, train_failed_episodes: bool = False) -> None:
+    def __init__(
+        self,
+        max_lag: int,
+        prompts_per_step: int,
+        stale_policy: Literal["wait", "drop"],
+        ledger: Ledger,
+        drop_uniform_groups: bool = False,
+        train_failed_episodes: bool = False,
+    ) -> None:
         if max_lag < 0:
             raise ValueError(f"max_lag must be >= 0, got {max_lag}")
         self.max_lag, self.prompts_per_step, self.stale_policy = max_lag, prompts_per_step, stale_policy
@@ -236,8 +263,10 @@ class RolloutBuffer:
         failed = [c for c in group.completions if c.get("episode_error")]
         if failed and not self.train_failed_episodes:
             kept = [c for c in group.completions if not c.get("episode_error")]
-            why = (f"{len(failed)} of {len(group.completions)} episodes failed for their tools' sake, not the "
-                   "policy's (environment.train_failed_episodes: true trains them at reward 0)")
+            why = (
+                f"{len(failed)} of {len(group.completions)} episodes failed for their tools' sake, not the "
+                "policy's (environment.train_failed_episodes: true trains them at reward 0)"
+            )
             if len(kept) < min(2, len(group.completions)):  # a group-relative advantage needs two responses
                 self.ledger.scored(group.group_id, score_errors, errors)
                 self.ledger.dropped(group.group_id, f"{why}; too few responses left to train")
@@ -248,8 +277,11 @@ class RolloutBuffer:
             self.ledger.scored(group.group_id, score_errors, errors)
         if self.drop_uniform_groups and group.uniform_rewards:
             self.uniform_in_a_row += 1
-            self.ledger.dropped(group.group_id, f"uniform rewards: all {len(group.completions)} responses scored "
-                                f"{group.rewards[0]:g}, so every advantage is 0 (algorithm.drop_uniform_groups)")
+            self.ledger.dropped(
+                group.group_id,
+                f"uniform rewards: all {len(group.completions)} responses scored "
+                f"{group.rewards[0]:g}, so every advantage is 0 (algorithm.drop_uniform_groups)",
+            )
             return False
         self.uniform_in_a_row = 0
         self.ready.append(group)
@@ -297,5 +329,9 @@ class RolloutBuffer:
     def mark_trained(self, groups: list[ScoredGroup], step_version: int) -> None:
         """`step_version`: the learner version the step trained at (its groups' lag is measured there)."""
         for group in groups:
-            self.ledger.trained(group.group_id, step_version, step_version - group.version_start,
-                                [group.version_start, group.version_end])
+            self.ledger.trained(
+                group.group_id,
+                step_version,
+                step_version - group.version_start,
+                [group.version_start, group.version_end],
+            )

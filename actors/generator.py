@@ -69,21 +69,34 @@ def engine_args(spec: GeneratorSpec, index: int = 0) -> dict[str, Any]:
     and tensor parallelism over its placement group through vLLM's ray executor.
     """
     common = dict(
-        model=spec.model_path, dtype=spec.dtype, max_model_len=spec.max_model_len, seed=spec.seed + index,
-        logprobs_mode="processed_logprobs", worker_extension_cls="actors.vllm_extension.WeightUpdateExtension",
+        model=spec.model_path,
+        dtype=spec.dtype,
+        max_model_len=spec.max_model_len,
+        seed=spec.seed + index,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls="actors.vllm_extension.WeightUpdateExtension",
         weight_transfer_config={"backend": spec.weight_transfer},
     )
     if spec.lora is not None:  # one adapter serves every request; the next version's is added before the old goes
         rank = min(r for r in VLLM_MAX_LORA_RANKS if r >= spec.lora.rank)
         common.update(enable_lora=True, max_lora_rank=rank, max_loras=1, max_cpu_loras=2)
     if not spec.on_gpu:
-        return dict(common, distributed_executor_backend="uni", enforce_eager=True,
-                    kv_cache_memory_bytes=spec.kv_cache_mb << 20, enable_chunked_prefill=False,
-                    max_num_batched_tokens=max(4096, spec.max_model_len))
-    gpu = dict(common, tensor_parallel_size=spec.tensor_parallel_size,
-               distributed_executor_backend="uni" if spec.tensor_parallel_size == 1 else "ray",
-               gpu_memory_utilization=spec.gpu_memory_utilization, enforce_eager=not spec.cuda_graphs,
-               enable_prefix_caching=spec.prefix_caching)
+        return dict(
+            common,
+            distributed_executor_backend="uni",
+            enforce_eager=True,
+            kv_cache_memory_bytes=spec.kv_cache_mb << 20,
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(4096, spec.max_model_len),
+        )
+    gpu = dict(
+        common,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        distributed_executor_backend="uni" if spec.tensor_parallel_size == 1 else "ray",
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        enforce_eager=not spec.cuda_graphs,
+        enable_prefix_caching=spec.prefix_caching,
+    )
     if spec.max_num_seqs is not None:
         gpu["max_num_seqs"] = spec.max_num_seqs
     return gpu
@@ -153,9 +166,13 @@ def completion_record(completion: Any, issued_version: int) -> Completion:
     version counts as `issued_version`, the generator's version when the request was sent."""
     ids = list(completion.token_ids)
     steps: list[Any] = list(completion.logprobs or [])  # one {token: Logprob} per step (logprobs=0)
-    return Completion(completion_ids=ids, behaviour_logprobs=[step[token].logprob for step, token in zip(steps, ids)],
-                      text=completion.text, finish_reason=str(completion.finish_reason),
-                      version_spans=version_spans(completion.weight_versions, len(ids), issued_version))
+    return Completion(
+        completion_ids=ids,
+        behaviour_logprobs=[step[token].logprob for step, token in zip(steps, ids)],
+        text=completion.text,
+        finish_reason=str(completion.finish_reason),
+        version_spans=version_spans(completion.weight_versions, len(ids), issued_version),
+    )
 
 
 def clock() -> float:
@@ -250,8 +267,9 @@ class Generator(ReportsTimings):
         self.episodes: EpisodeRunner | None = None  # tool episodes: built at the first call (it starts tool workers)
         quiet_per_reload_logs()
 
-    def generate(self, requests: list[GenerationRequest], samples: int | None = None,
-                 temperature: float | None = None) -> list[GeneratedGroup]:
+    def generate(
+        self, requests: list[GenerationRequest], samples: int | None = None, temperature: float | None = None
+    ) -> list[GeneratedGroup]:
         """Sample `samples_per_prompt` responses for every request, with processed log-probs.
 
         `samples` and `temperature` override the spec's for one call (evaluation: 1 greedy answer each).
@@ -259,8 +277,9 @@ class Generator(ReportsTimings):
         with self.calling():
             return self._generate(requests, samples, temperature)
 
-    def _generate(self, requests: list[GenerationRequest], samples: int | None,
-                  temperature: float | None) -> list[GeneratedGroup]:
+    def _generate(
+        self, requests: list[GenerationRequest], samples: int | None, temperature: float | None
+    ) -> list[GeneratedGroup]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -272,16 +291,25 @@ class Generator(ReportsTimings):
             SamplingParams(
                 n=samples or self.spec.samples_per_prompt,
                 temperature=self.spec.temperature if temperature is None else temperature,
-                top_p=self.spec.top_p, max_tokens=self.spec.max_new_tokens, logprobs=0, seed=r.seed,
+                top_p=self.spec.top_p,
+                max_tokens=self.spec.max_new_tokens,
+                logprobs=0,
+                seed=r.seed,
             )
             for r in requests
         ]
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False, lora_request=self.adapter)
         groups = []
         for request, prompt, output in zip(requests, prompts, outputs):
-            group = GeneratedGroup(request.group_id, request.problem_id, list(prompt["prompt_token_ids"]),
-                                   version_start=version, version_end=self.version, generator_index=self.index,
-                                   incarnation=self.incarnation)
+            group = GeneratedGroup(
+                request.group_id,
+                request.problem_id,
+                list(prompt["prompt_token_ids"]),
+                version_start=version,
+                version_end=self.version,
+                generator_index=self.index,
+                incarnation=self.incarnation,
+            )
             group.completions.extend(completion_record(completion, version) for completion in output.outputs)
             groups.append(group)
         return self._report(groups)
@@ -289,8 +317,9 @@ class Generator(ReportsTimings):
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)
 
-    def _generate_episodes(self, requests: list[GenerationRequest], samples: int | None,
-                           temperature: float | None) -> list[GeneratedGroup]:
+    def _generate_episodes(
+        self, requests: list[GenerationRequest], samples: int | None, temperature: float | None
+    ) -> list[GeneratedGroup]:
         """Each response is a multi-turn episode (`tasks/environment.py`): one engine call per round of turns
         over every episode still going, the tools run in this generator's tool workers between rounds. The
         weights cannot change during a call, so each episode's tokens carry this call's version."""
@@ -298,16 +327,27 @@ class Generator(ReportsTimings):
 
         if self.episodes is None:
             assert self.spec.environment is not None
-            self.episodes = episode_runner(self.spec.environment, self.tokenizer, self.spec.max_new_tokens,
-                                           self.spec.max_model_len)
+            self.episodes = episode_runner(
+                self.spec.environment, self.tokenizer, self.spec.max_new_tokens, self.spec.max_model_len
+            )
         version, n = self.version, samples or self.spec.samples_per_prompt
         episodes = [self.episodes.start_group(r.group_id, r.problem, r.messages, r.seed, n) for r in requests]
-        self.episodes.run_batched([e for group in episodes for e in group],
-                                  lambda turns: self._sample_turns(turns, temperature, version))
-        groups = [GeneratedGroup(request.group_id, request.problem_id, group[0].prompt_ids,
-                                 [episode.record() for episode in group], version_start=version,
-                                 version_end=self.version, generator_index=self.index, incarnation=self.incarnation)
-                  for request, group in zip(requests, episodes)]
+        self.episodes.run_batched(
+            [e for group in episodes for e in group], lambda turns: self._sample_turns(turns, temperature, version)
+        )
+        groups = [
+            GeneratedGroup(
+                request.group_id,
+                request.problem_id,
+                group[0].prompt_ids,
+                [episode.record() for episode in group],
+                version_start=version,
+                version_end=self.version,
+                generator_index=self.index,
+                incarnation=self.incarnation,
+            )
+            for request, group in zip(requests, episodes)
+        ]
         return self._report(groups)
 
     def _sample_turns(self, turns: list[TurnRequest], temperature: float | None, version: int) -> list[Turn]:
@@ -316,11 +356,23 @@ class Generator(ReportsTimings):
 
         from tasks.environment import turn_of
 
-        params = [SamplingParams(n=1, temperature=self.spec.temperature if temperature is None else temperature,
-                                 top_p=self.spec.top_p, max_tokens=turn.max_tokens, logprobs=0, seed=turn.seed)
-                  for turn in turns]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=turn.context_ids) for turn in turns],
-                                    sampling_params=params, use_tqdm=False, lora_request=self.adapter)
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=self.spec.temperature if temperature is None else temperature,
+                top_p=self.spec.top_p,
+                max_tokens=turn.max_tokens,
+                logprobs=0,
+                seed=turn.seed,
+            )
+            for turn in turns
+        ]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=turn.context_ids) for turn in turns],
+            sampling_params=params,
+            use_tqdm=False,
+            lora_request=self.adapter,
+        )
         return [turn_of(completion_record(output.outputs[0], version)) for output in outputs]
 
     def update_weights(self, weights: PackedWeights, version: int) -> float:
@@ -352,8 +404,9 @@ class Generator(ReportsTimings):
     def join_weight_transfer(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
         """Join learner rank 0's weight group (nccl or stableasync_gloo): this engine's workers take ranks
         rank_offset .. rank_offset + tensor_parallel_size - 1. Learner rank 0 joins at the same time."""
-        self.llm.init_weight_transfer_engine({"init_info": weight_group_info(self.spec, host, port, rank_offset,
-                                                                             world_size)})
+        self.llm.init_weight_transfer_engine(
+            {"init_info": weight_group_info(self.spec, host, port, rank_offset, world_size)}
+        )
 
     def receive_weights(self, update_info: dict[str, Any], version: int) -> float:
         """Receive the broadcast that learner rank 0 sends at the same time; seconds taken."""

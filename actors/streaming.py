@@ -21,8 +21,16 @@ import os
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from actors.generator import (GeneratedGroup, GenerationRequest, GeneratorSpec, ReportsTimings, chat_prompt_ids,
-                              completion_record, engine_args, weight_group_info)
+from actors.generator import (
+    GeneratedGroup,
+    GenerationRequest,
+    GeneratorSpec,
+    ReportsTimings,
+    chat_prompt_ids,
+    completion_record,
+    engine_args,
+    weight_group_info,
+)
 from actors.vllm_logs import quiet_per_reload_logs
 from algorithms.errors import StableAsyncError
 from tasks.records import newest_version, oldest_version
@@ -53,8 +61,9 @@ class StreamingGenerator(ReportsTimings):
         self.episodes: EpisodeRunner | None = None  # tool episodes: built at the first call (it starts tool workers)
         quiet_per_reload_logs()
 
-    async def generate(self, requests: list[GenerationRequest], samples: int | None = None,
-                       temperature: float | None = None) -> list[GeneratedGroup]:
+    async def generate(
+        self, requests: list[GenerationRequest], samples: int | None = None, temperature: float | None = None
+    ) -> list[GeneratedGroup]:
         """Sample every request's group concurrently with whatever else the engine is sampling; returns when
         all of them are done. Weights may change while they run: each response records its version spans."""
         sample_group = self._episode_group if self.spec.environment is not None else self._group
@@ -62,8 +71,9 @@ class StreamingGenerator(ReportsTimings):
             groups = await asyncio.gather(*(sample_group(r, samples, temperature) for r in requests))
             return self._report(list(groups))
 
-    async def _episode_group(self, request: GenerationRequest, samples: int | None,
-                             temperature: float | None) -> GeneratedGroup:
+    async def _episode_group(
+        self, request: GenerationRequest, samples: int | None, temperature: float | None
+    ) -> GeneratedGroup:
         """Each response a multi-turn episode (`tasks/environment.py`), every episode going at its own pace: its next
         turn is sent as soon as its tools answered, and weights may change between turns and within one (each
         token keeps its version; the group's lag counts from the oldest)."""
@@ -71,18 +81,27 @@ class StreamingGenerator(ReportsTimings):
 
         if self.episodes is None:
             assert self.spec.environment is not None
-            self.episodes = episode_runner(self.spec.environment, self.tokenizer, self.spec.max_new_tokens,
-                                           self.spec.max_model_len)
+            self.episodes = episode_runner(
+                self.spec.environment, self.tokenizer, self.spec.max_new_tokens, self.spec.max_model_len
+            )
         issued_version = self.version
-        episodes = self.episodes.start_group(request.group_id, request.problem, request.messages, request.seed,
-                                             samples or self.spec.samples_per_prompt)
-        await asyncio.gather(*(self.episodes.run_one(episode, lambda turn: self._turn(turn, temperature))
-                               for episode in episodes))
+        episodes = self.episodes.start_group(
+            request.group_id, request.problem, request.messages, request.seed, samples or self.spec.samples_per_prompt
+        )
+        await asyncio.gather(
+            *(self.episodes.run_one(episode, lambda turn: self._turn(turn, temperature)) for episode in episodes)
+        )
         completions = [episode.record() for episode in episodes]
-        return GeneratedGroup(request.group_id, request.problem_id, episodes[0].prompt_ids, completions,
-                              version_start=oldest_version(completions, issued_version),
-                              version_end=newest_version(completions, issued_version),
-                              generator_index=self.index, incarnation=self.incarnation)
+        return GeneratedGroup(
+            request.group_id,
+            request.problem_id,
+            episodes[0].prompt_ids,
+            completions,
+            version_start=oldest_version(completions, issued_version),
+            version_end=newest_version(completions, issued_version),
+            generator_index=self.index,
+            incarnation=self.incarnation,
+        )
 
     async def _turn(self, turn: TurnRequest, temperature: float | None) -> Turn:
         """One policy turn of an episode, sampled beside everything else the engine runs."""
@@ -93,42 +112,62 @@ class StreamingGenerator(ReportsTimings):
         from tasks.environment import turn_of
 
         issued_version = self.version
-        params = SamplingParams(n=1, temperature=self.spec.temperature if temperature is None else temperature,
-                                top_p=self.spec.top_p, max_tokens=turn.max_tokens, logprobs=0, seed=turn.seed,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(
+            n=1,
+            temperature=self.spec.temperature if temperature is None else temperature,
+            top_p=self.spec.top_p,
+            max_tokens=turn.max_tokens,
+            logprobs=0,
+            seed=turn.seed,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
         final = None
-        async for output in self.engine.generate(TokensPrompt(prompt_token_ids=turn.context_ids), params,
-                                                 request_id=f"turn-{uuid.uuid4().hex[:12]}"):
+        async for output in self.engine.generate(
+            TokensPrompt(prompt_token_ids=turn.context_ids), params, request_id=f"turn-{uuid.uuid4().hex[:12]}"
+        ):
             final = next((c for c in output.outputs if c.finished()), final)
         if final is None:
             raise IncompleteGroup(f"vLLM ended an episode's turn (seed {turn.seed}) without its response")
         return turn_of(completion_record(final, issued_version))
 
-    async def _group(self, request: GenerationRequest, samples: int | None,
-                     temperature: float | None) -> GeneratedGroup:
+    async def _group(
+        self, request: GenerationRequest, samples: int | None, temperature: float | None
+    ) -> GeneratedGroup:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         issued_version = self.version
         prompt_ids = chat_prompt_ids(self.tokenizer, request.messages)
-        params = SamplingParams(n=samples or self.spec.samples_per_prompt,
-                                temperature=self.spec.temperature if temperature is None else temperature,
-                                top_p=self.spec.top_p, max_tokens=self.spec.max_new_tokens, logprobs=0,
-                                seed=request.seed, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(
+            n=samples or self.spec.samples_per_prompt,
+            temperature=self.spec.temperature if temperature is None else temperature,
+            top_p=self.spec.top_p,
+            max_tokens=self.spec.max_new_tokens,
+            logprobs=0,
+            seed=request.seed,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
         # FINAL_ONLY: one output with all n responses (streamed outputs carry one response each, as it moves);
         # kept by index all the same, so that no response is lost whichever way vLLM hands them over
         finished: dict[int, Any] = {}
-        async for output in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                                 request_id=f"{request.group_id}-{uuid.uuid4().hex[:8]}"):
+        async for output in self.engine.generate(
+            TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=f"{request.group_id}-{uuid.uuid4().hex[:8]}"
+        ):
             finished.update((completion.index, completion) for completion in output.outputs if completion.finished())
         if len(finished) != params.n:
             raise IncompleteGroup(f"group {request.group_id}: vLLM returned {len(finished)} of {params.n} responses")
         completions = [completion_record(finished[index], issued_version) for index in sorted(finished)]
-        return GeneratedGroup(request.group_id, request.problem_id, prompt_ids, completions,
-                              version_start=oldest_version(completions, issued_version),
-                              version_end=newest_version(completions, issued_version),
-                              generator_index=self.index, incarnation=self.incarnation)
+        return GeneratedGroup(
+            request.group_id,
+            request.problem_id,
+            prompt_ids,
+            completions,
+            version_start=oldest_version(completions, issued_version),
+            version_end=newest_version(completions, issued_version),
+            generator_index=self.index,
+            incarnation=self.incarnation,
+        )
 
     async def update_weights(self, weights: PackedWeights, version: int) -> float:
         """Load weights from the object store (`stableasync_packed`) between engine steps; seconds taken. The

@@ -116,8 +116,9 @@ class PackedEngine(_CheckpointFormatEngine):
             with warnings.catch_warnings():  # torch warns that the received bytes are read-only; they are read
                 warnings.simplefilter("ignore", UserWarning)
                 data = torch.frombuffer(data, dtype=torch.uint8)
-        _model(self).load_weights(unpack(update_info.names, update_info.dtype_names, update_info.shapes,
-                                       update_info.offsets, data))
+        _model(self).load_weights(
+            unpack(update_info.names, update_info.dtype_names, update_info.shapes, update_info.offsets, data)
+        )
 
 
 class GlooEngine(_CheckpointFormatEngine):
@@ -130,8 +131,9 @@ class GlooEngine(_CheckpointFormatEngine):
 
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
-        self.sync = CollectiveWeightSync(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                         bucket_mb=init_info.bucket_mb)
+        self.sync = CollectiveWeightSync(
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, bucket_mb=init_info.bucket_mb
+        )
 
     def receive_weights(self, update_info: SpecsUpdateInfo) -> None:
         from learner.weight_sync import TensorSpec

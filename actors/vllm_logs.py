@@ -9,9 +9,12 @@ import logging
 # perf/weight_load_s carries it) and the prefix-cache reset, and at WARNING that RotaryEmbedding "failed
 # to load weights" (its cos/sin cache is a buffer, not a weight; vLLM puts it back). Their other
 # warnings and errors still pass.
-PER_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace", "vllm.v1.core.block_pool",
-                       "vllm.model_executor.model_loader.reload.layerwise",
-                       "vllm.v1.core.sched.scheduler")  # a streaming engine's pause and resume around each load
+PER_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.inplace",
+    "vllm.v1.core.block_pool",
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.v1.core.sched.scheduler",
+)  # a streaming engine's pause and resume around each load
 
 
 def _is_not_per_reload_noise(record: logging.LogRecord) -> bool:

@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from algorithms.batch import PolicyBatch, TokenWeights
-
 from algorithms.config import LossAggregation
 
 AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)

@@ -212,8 +212,9 @@ def _walk(
     return _Walk(lows[j], highs[k], share, movers.index, movers.ratio, clipped), stayers
 
 
-def adapt_bounds(log_ratio: Tensor, advantages: Tensor, mask: Tensor,
-                 config: BAPOConfig) -> tuple[float, float, Tensor]:
+def adapt_bounds(
+    log_ratio: Tensor, advantages: Tensor, mask: Tensor, config: BAPOConfig
+) -> tuple[float, float, Tensor]:
     """The first bounds on the walk (c_low first, then c_high) that reach the positive share; and the share."""
     mask = mask.bool()
     log_ratio = zero_outside(log_ratio.float(), mask)

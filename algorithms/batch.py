@@ -138,8 +138,12 @@ def masked_seq_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 def zero_outside(values: Tensor, mask: Tensor) -> Tensor:
     """`values` where `mask` is True, 0 elsewhere (a NaN or inf outside the mask does not leak)."""
-    if (values.dtype == torch.float32 and mask.dtype == torch.bool and values.shape == mask.shape
-            and not values.requires_grad):
+    if (
+        values.dtype == torch.float32
+        and mask.dtype == torch.bool
+        and values.shape == mask.shape
+        and not values.requires_grad
+    ):
         return zero_outside_(values.clone(), mask)
     # A 0-dim tensor operand is several times faster than a Python scalar in torch.where on CPU.
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))

@@ -95,9 +95,7 @@ def clip_flags(
     return clipped
 
 
-def clipped_surrogate_weights(
-    batch: PolicyBatch, low: float, high: float, dual_clip_c: float | None
-) -> TokenWeights:
+def clipped_surrogate_weights(batch: PolicyBatch, low: float, high: float, dual_clip_c: float | None) -> TokenWeights:
     """Token PPO surrogate with ratio bounds [low, high] as detached weights, with its clip fraction.
 
     One fresh [B, T] tensor carries the 0/1 clip flags and then the weights.

@@ -28,7 +28,10 @@ def config_field(text: str, default: T, **bounds: float) -> T:
 
 
 _BOUND_TESTS = {
-    "gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.lt, "<"), "le": (operator.le, "<="),
+    "gt": (operator.gt, ">"),
+    "ge": (operator.ge, ">="),
+    "lt": (operator.lt, "<"),
+    "le": (operator.le, "<="),
 }
 
 

@@ -128,6 +128,7 @@ class _Region:
 
 def trust_region(log_ratio: Tensor, advantages: Tensor, tau: float) -> _Region:
     """The trust region of `log_ratio` (0 on padding), through the fused scan where it applies."""
+
     def build() -> Tensor:
         return _trust_region_m2(log_ratio, advantages)[0]
 
@@ -344,9 +345,7 @@ class M2PO(Stabilizer):
         metrics["stability/mask_frac"] = dropped.numel() / batch.token_count
         return TokenWeights(weights, batch.mask, metrics)
 
-    def _adaptive_clip(
-        self, batch: PolicyBatch, region: _Region, metrics: dict[str, Tensor]
-    ) -> TokenWeights:
+    def _adaptive_clip(self, batch: PolicyBatch, region: _Region, metrics: dict[str, Tensor]) -> TokenWeights:
         cap = _solve_adaptive_clip(region, self.config.tau)
         if cap is None:  # within budget the released code still clips, at [0, 1e5]
             low, high = 0.0, 1e5

@@ -54,9 +54,7 @@ def module() -> ModuleType | None:
 
         build_directory = extensions_dir() / f"stableasync_token_scans-torch{torch.__version__}"
         build_directory.mkdir(parents=True, exist_ok=True)
-        return load(
-            "stableasync_token_scans", [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(build_directory)
-        )
+        return load("stableasync_token_scans", [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(build_directory))
     except Exception as error:  # no compiler or headers: the torch path selects the same tokens
         log.warning("stableasync: the fused CPU scans could not be built (%s); using the torch path", error)
         return None
@@ -115,6 +113,13 @@ def bapo_movers(
     log high, log c) of the narrowest clip, rounded to fp32 as the torch path's comparisons round them."""
     log_low, log_high, log_c = interval
     return _built().bapo_movers(
-        log_ratio.detach(), ratio.detach(), advantages.detach(), log_low, log_high, log_c,
-        log_highs, log_lows, dual_clip_below_lows,
+        log_ratio.detach(),
+        ratio.detach(),
+        advantages.detach(),
+        log_low,
+        log_high,
+        log_c,
+        log_highs,
+        log_lows,
+        dual_clip_below_lows,
     )

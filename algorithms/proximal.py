@@ -21,8 +21,9 @@ from algorithms.batch import PolicyBatch, zero_where_set
 from algorithms.clipping import clip_flags
 
 
-def trust_region_weights(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                         eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
+def trust_region_weights(
+    logprobs: Tensor, proximal_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float
+) -> tuple[Tensor, Tensor]:
     """Detached weights r * active [B, T] of the clipped surrogate against pi_prox, and the float 0/1
     flags [B, T] of the loss tokens where the clip binds (no gradient).
 

@@ -7,8 +7,13 @@ from types import MappingProxyType
 from typing import Any
 
 # Importing the implementation modules registers them.
-from algorithms import clipping, importance, m2po, vcpo  # noqa: F401
-from algorithms import bapo  # noqa: F401
+from algorithms import (  # noqa: F401
+    bapo,
+    clipping,
+    importance,
+    m2po,
+    vcpo,
+)
 from algorithms.config import STABILIZER_CONFIGS
 from algorithms.stabilizer import REGISTRY, Stabilizer
 

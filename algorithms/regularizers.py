@@ -40,15 +40,21 @@ def _low_var(log_ratio: Tensor) -> Tensor:
 
 def _straight_through(value: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     """`value`'s number with k2's gradient (verl's `k3+` and `low_var_kl+`)."""
+
     def term(log_ratio: Tensor) -> Tensor:
         k2 = _k2(log_ratio)
         return k2 + (value(log_ratio) - k2).detach()
+
     return term
 
 
 KL_TERMS: dict[str, Callable[[Tensor], Tensor]] = {
-    "k1": _k1, "k2": _k2, "k3": _k3, "low_var": _low_var,
-    "k3+": _straight_through(_k3), "low_var+": _straight_through(_low_var),
+    "k1": _k1,
+    "k2": _k2,
+    "k3": _k3,
+    "low_var": _low_var,
+    "k3+": _straight_through(_k3),
+    "low_var+": _straight_through(_low_var),
 }
 """Schulman's estimators of KL(pi || ref) per token from l = log pi - log ref of a token sampled by pi:
 k1 = l (unbiased, can be negative), k2 = l^2 / 2, k3 = exp(-l) - 1 + l (unbiased, never negative),
@@ -59,8 +65,14 @@ their values': k1's is 0; k3's and low_var's are the gradient of KL(ref || pi), 
 the gradient of KL(pi || ref). `k3+` and `low_var+` take k3's and low_var's value with k2's gradient, so
 the loss logs an unbiased KL(pi || ref) and follows its gradient (KL_GRADIENTS says which each follows)."""
 
-KL_GRADIENTS: dict[str, str] = {"k1": "none", "k2": "KL(pi || ref)", "k3": "KL(ref || pi)",
-                                "low_var": "KL(ref || pi)", "k3+": "KL(pi || ref)", "low_var+": "KL(pi || ref)"}
+KL_GRADIENTS: dict[str, str] = {
+    "k1": "none",
+    "k2": "KL(pi || ref)",
+    "k3": "KL(ref || pi)",
+    "low_var": "KL(ref || pi)",
+    "k3+": "KL(pi || ref)",
+    "low_var+": "KL(pi || ref)",
+}
 """The divergence whose gradient each estimator gives in expectation as a loss term (tests/unit/test_kl_estimators.py
 checks each against the exact gradients on a small categorical)."""
 

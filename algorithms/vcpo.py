@@ -52,8 +52,9 @@ def opob_baseline(rewards: Tensor, sample_weights: Tensor, group_ids: Tensor) ->
     rewards = rewards.double()
     weights = sample_weights.double()
     weight_sum = group_sum(weights, index, n_groups)
-    weighted = (group_sum(weights * rewards, index, n_groups)
-                / weight_sum.where(weight_sum > 0, torch.ones_like(weight_sum)))
+    weighted = group_sum(weights * rewards, index, n_groups) / weight_sum.where(
+        weight_sum > 0, torch.ones_like(weight_sum)
+    )
     plain = group_sum(rewards, index, n_groups) / group_sum(torch.ones_like(rewards), index, n_groups)
     usable = (weight_sum > 0) & torch.isfinite(weighted)
     return torch.where(usable, weighted, plain)[index].to(out_dtype)

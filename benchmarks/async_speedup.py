@@ -51,7 +51,7 @@ def wall_per_step_s(rows: list[dict[str, Any]]) -> float:
 def time_to_target_s(rows: list[dict[str, Any]], target: float, window: int = 10) -> float | None:
     rewards = [metric_number(r.get("rollout/reward_mean")) for r in rows]
     for i in range(window, len(rows) + 1):
-        if statistics.fmean(rewards[i - window:i]) >= target:
+        if statistics.fmean(rewards[i - window : i]) >= target:
             return rows[i - 1]["time/wall_s"] - rows[0]["time/wall_s"]
     return None
 
@@ -65,8 +65,9 @@ def phase_s(run_dir: Path, rows: list[dict[str, Any]]) -> tuple[float, float]:
     else:  # a run from before that metric: the whole run's generate calls, warm-up included
         summary = json.loads((run_dir / "summary.json").read_text())
         g = summary["generate_s"] / summary["steps"]
-    t = statistics.fmean(metric_number(r["time/learner_step_s"]) + metric_number(r["perf/weight_sync_s"])
-                         for r in steady)
+    t = statistics.fmean(
+        metric_number(r["time/learner_step_s"]) + metric_number(r["perf/weight_sync_s"]) for r in steady
+    )
     return g, t
 
 
@@ -100,9 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps <= SKIP_STEPS:
         parser.error(f"--steps must be above {SKIP_STEPS}: the first {SKIP_STEPS} steps are left out as warm-up")
 
-    from cluster.run.driver import train
-    from cluster.job import load_job
     from cluster.experiments.simulate import calibrate, simulate
+    from cluster.job import load_job
+    from cluster.run.driver import train
 
     base = load_job(args.job).model_dump(mode="json", by_alias=True)
     out = Path(args.out)
@@ -119,11 +120,15 @@ def main(argv: list[str] | None = None) -> None:
     ideal = (g + t) / max(g, t)
     sync_wall = wall_per_step_s(rows[0])
     print(f"job {args.job}: {args.steps} steps per lag, 1 generator + 1 learner rank, one CPU and thread each")
-    print(f"phases at max_lag 0: generator g (calls + weight loads) = {g:.3f} s/step, "
-          f"learner + sync t = {t:.3f} s/step, "
-          f"ideal speedup (g + t) / max(g, t) = {ideal:.2f}\n")
-    print(f"{'max_lag':>7}{'wall s/step':>13}{'speedup':>9}{'of ideal':>10}{'to target s':>13}"
-          f"{'simulated s/step':>18}{'sim error':>11}")
+    print(
+        f"phases at max_lag 0: generator g (calls + weight loads) = {g:.3f} s/step, "
+        f"learner + sync t = {t:.3f} s/step, "
+        f"ideal speedup (g + t) / max(g, t) = {ideal:.2f}\n"
+    )
+    print(
+        f"{'max_lag':>7}{'wall s/step':>13}{'speedup':>9}{'of ideal':>10}{'to target s':>13}"
+        f"{'simulated s/step':>18}{'sim error':>11}"
+    )
     for lag in lags:
         wall = wall_per_step_s(rows[lag])
         speedup = sync_wall / wall
@@ -131,17 +136,23 @@ def main(argv: list[str] | None = None) -> None:
         config, measured = calibrate(runs[lag])
         predicted = simulate(config).step_s_mean
         error = (predicted - measured.step_s) / measured.step_s if measured.step_s else math.nan
-        print(f"{lag:>7}{wall:>13.3f}{speedup:>9.2f}{speedup / ideal:>10.0%}"
-              f"{(f'{to_target:.1f}' if to_target is not None else 'never'):>13}{predicted:>18.3f}{error:>+11.0%}")
+        print(
+            f"{lag:>7}{wall:>13.3f}{speedup:>9.2f}{speedup / ideal:>10.0%}"
+            f"{(f'{to_target:.1f}' if to_target is not None else 'never'):>13}{predicted:>18.3f}{error:>+11.0%}"
+        )
     print("\neach run against its own phases:")
-    print(f"{'max_lag':>7}{'own g s/step':>14}{'own t s/step':>14}{'response len':>14}{'own ideal':>11}"
-          f"{'(g + t) / wall':>16}{'of own ideal':>14}")
+    print(
+        f"{'max_lag':>7}{'own g s/step':>14}{'own t s/step':>14}{'response len':>14}{'own ideal':>11}"
+        f"{'(g + t) / wall':>16}{'of own ideal':>14}"
+    )
     for lag in lags:
         own_g, own_t = phase_s(runs[lag], rows[lag])
         wall = wall_per_step_s(rows[lag])
         length = statistics.median(metric_number(r["rollout/response_len"]) for r in rows[lag][SKIP_STEPS:])
-        print(f"{lag:>7}{own_g:>14.3f}{own_t:>14.3f}{length:>14.1f}{(own_g + own_t) / max(own_g, own_t):>11.2f}"
-              f"{(own_g + own_t) / wall:>16.2f}{max(own_g, own_t) / wall:>14.0%}")
+        print(
+            f"{lag:>7}{own_g:>14.3f}{own_t:>14.3f}{length:>14.1f}{(own_g + own_t) / max(own_g, own_t):>11.2f}"
+            f"{(own_g + own_t) / wall:>16.2f}{max(own_g, own_t) / wall:>14.0%}"
+        )
     print(f"\n(simulated s/step is compared with the run's mean gap between step rows, {out}/lag*/metrics.jsonl)")
     print("\nthis machine with both cores busy (async phases run slower by about their memory-bound share):")
     print(report(contention))

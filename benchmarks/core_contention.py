@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 import torch
 
-
 Step = Callable[[], object]
 
 

@@ -32,8 +32,15 @@ class VllmEngine:
     def __init__(self, model_path: str, samples: int, max_new_tokens: int) -> None:
         from actors.generator import Generator, GeneratorSpec
 
-        self.generator = Generator(GeneratorSpec(model_path, samples_per_prompt=samples, max_new_tokens=max_new_tokens,
-                                                 max_model_len=max_new_tokens + 128, kv_cache_mb=256))
+        self.generator = Generator(
+            GeneratorSpec(
+                model_path,
+                samples_per_prompt=samples,
+                max_new_tokens=max_new_tokens,
+                max_model_len=max_new_tokens + 128,
+                kv_cache_mb=256,
+            )
+        )
 
     def run(self, prompts: list[list[dict[str, str]]], seed: int) -> int:
         from actors.generator import GenerationRequest
@@ -61,10 +68,18 @@ class TransformersEngine:
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(i)) + i for i in ids])  # left padding for decoding
         attention = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=1.0,
-                                  top_p=1.0, top_k=0, max_new_tokens=self.max_new_tokens,
-                                  num_return_sequences=self.samples, pad_token_id=pad,
-                                  eos_token_id=self.model.generation_config.eos_token_id)
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=self.max_new_tokens,
+            num_return_sequences=self.samples,
+            pad_token_id=pad,
+            eos_token_id=self.model.generation_config.eos_token_id,
+        )
         new = out[:, width:]
         eos = self.model.generation_config.eos_token_id
         tokens = 0
@@ -86,8 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     model_path, prompts = _problems(args.job, args.prompts)
-    engines = {"vllm": VllmEngine(model_path, args.samples, args.max_new_tokens),
-               "transformers": TransformersEngine(model_path, args.samples, args.max_new_tokens)}
+    engines = {
+        "vllm": VllmEngine(model_path, args.samples, args.max_new_tokens),
+        "transformers": TransformersEngine(model_path, args.samples, args.max_new_tokens),
+    }
     for engine in engines.values():  # warm-up: first-call compilation and allocation
         engine.run(prompts[:2], seed=0)
     best: dict[str, tuple[float, int]] = {}
@@ -101,11 +118,16 @@ def main(argv: list[str] | None = None) -> None:
             rates[name] = tokens / seconds
             if name not in best or tokens / seconds > best[name][1] / best[name][0]:
                 best[name] = (seconds, tokens)
-        rounds.append(f"round {round_ + 1}: " + ", ".join(f"{name} {rate:.0f} tok/s" for name, rate in rates.items())
-                      + f", vllm x transformers {rates['vllm'] / rates['transformers']:.2f}")
-    print(f"model {model_path}\n{args.prompts} prompts x {args.samples} samples, max_new_tokens "
-          f"{args.max_new_tokens}, {torch.get_num_threads()} torch thread(s) for both, "
-          f"best of {args.rounds} interleaved rounds\n")
+        rounds.append(
+            f"round {round_ + 1}: "
+            + ", ".join(f"{name} {rate:.0f} tok/s" for name, rate in rates.items())
+            + f", vllm x transformers {rates['vllm'] / rates['transformers']:.2f}"
+        )
+    print(
+        f"model {model_path}\n{args.prompts} prompts x {args.samples} samples, max_new_tokens "
+        f"{args.max_new_tokens}, {torch.get_num_threads()} torch thread(s) for both, "
+        f"best of {args.rounds} interleaved rounds\n"
+    )
     print("\n".join(rounds) + "\n")
     print(f"{'engine':<14}{'seconds':>9}{'tokens':>9}{'tokens/s':>11}{'x transformers':>16}")
     reference = best["transformers"][1] / best["transformers"][0]

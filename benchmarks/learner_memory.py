@@ -30,8 +30,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.learner_step import (default_dtype, device_name, free_port, on_cuda, peak_growth, synthetic_batch,
-                                     timed_seconds)
+from benchmarks.learner_step import (
+    default_dtype,
+    device_name,
+    free_port,
+    on_cuda,
+    peak_growth,
+    synthetic_batch,
+    timed_seconds,
+)
 
 GROUP_SIZE = 8
 
@@ -46,10 +53,16 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     from algorithms import registry
     from learner.rank import LearnerRank, LearnerSpec
 
-    spec = LearnerSpec(model_path=args.model_path, zero_stage=2, learning_rate=1e-6,
-                       stabilizer_name=args.stabilizer, stabilizer_config=registry.build(args.stabilizer).config,
-                       max_tokens_per_micro_batch=args.budget or None, dtype=args.dtype,
-                       backend="nccl" if on_cuda() else "gloo")
+    spec = LearnerSpec(
+        model_path=args.model_path,
+        zero_stage=2,
+        learning_rate=1e-6,
+        stabilizer_name=args.stabilizer,
+        stabilizer_config=registry.build(args.stabilizer).config,
+        max_tokens_per_micro_batch=args.budget or None,
+        dtype=args.dtype,
+        backend="nccl" if on_cuda() else "gloo",
+    )
     learner = LearnerRank(spec, 0, 1, "127.0.0.1", free_port())
     learner.train_step(synthetic_batch(GROUP_SIZE, args.tokens, args.vocab))  # optimizer state exists before measuring
     batch = synthetic_batch(args.count, args.tokens, args.vocab)
@@ -60,21 +73,48 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 
     peak = peak_growth(lambda: outcome.update(seconds=timed_seconds(step)))
     metrics = outcome["metrics"]
-    return {"peak_bytes": peak, "seconds": outcome["seconds"], "micro_batches": metrics["perf/micro_batches"],
-            "passes": metrics["perf/learner_passes"]}
+    return {
+        "peak_bytes": peak,
+        "seconds": outcome["seconds"],
+        "micro_batches": metrics["perf/micro_batches"],
+        "passes": metrics["perf/learner_passes"],
+    }
 
 
-def _measure(args: argparse.Namespace, model_path: str, vocab: int, stabilizer: str, count: int,
-             budget: int) -> dict[str, Any]:
+def _measure(
+    args: argparse.Namespace, model_path: str, vocab: int, stabilizer: str, count: int, budget: int
+) -> dict[str, Any]:
     child = subprocess.run(
-        [sys.executable, "-m", "benchmarks.learner_memory", "--child", "--model-path", model_path,
-         "--vocab", str(vocab), "--stabilizer", stabilizer, "--count", str(count), "--budget", str(budget),
-         "--tokens", str(args.tokens), "--threads", str(args.threads), "--dtype", args.dtype],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.learner_memory",
+            "--child",
+            "--model-path",
+            model_path,
+            "--vocab",
+            str(vocab),
+            "--stabilizer",
+            stabilizer,
+            "--count",
+            str(count),
+            "--budget",
+            str(budget),
+            "--tokens",
+            str(args.tokens),
+            "--threads",
+            str(args.threads),
+            "--dtype",
+            args.dtype,
+        ],
+        capture_output=True,
+        text=True,
     )
     if child.returncode != 0:
-        raise SystemExit(f"the measurement of {stabilizer} at {count} sequences failed (exit {child.returncode}):\n"
-                         f"{child.stderr[-3000:]}")
+        raise SystemExit(
+            f"the measurement of {stabilizer} at {count} sequences failed (exit {child.returncode}):\n"
+            f"{child.stderr[-3000:]}"
+        )
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
@@ -85,11 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=int, default=4096, help="learner.max_tokens_per_micro_batch")
     parser.add_argument("--stabilizers", default="tis_seq,m2po")
     parser.add_argument("--model", default="smollm2-135m", help="a known model name or a local folder")
-    parser.add_argument("--model-config",
-                        help="measure this model instead of --model: a published architecture with random "
-                             "weights (smollm2-135m, qwen2.5-1.5b, qwen2.5-7b) or a model folder")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
-                        help="the learner's model.dtype (default: bfloat16 on a CUDA GPU, float32 on the CPU)")
+    parser.add_argument(
+        "--model-config",
+        help="measure this model instead of --model: a published architecture with random "
+        "weights (smollm2-135m, qwen2.5-1.5b, qwen2.5-7b) or a model folder",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="the learner's model.dtype (default: bfloat16 on a CUDA GPU, float32 on the CPU)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
@@ -115,21 +160,28 @@ def main(argv: list[str] | None = None) -> None:
     memory = "CUDA memory allocated" if on_cuda() else "resident set"
     print(f"model {model}; {args.tokens} tokens per sequence; budget {args.budget} tokens per micro-batch")
     print(f"{device_name()}, {args.dtype}; ZeRO-2, 1 rank, {args.threads} torch thread(s); memory: {memory}")
-    print(f"{'stabilizer':<10} {'sequences':>9} {'micro':>6} {'passes':>6} {'peak MiB':>9} {'x smallest':>10} "
-          f"{'ms/token':>9} {'x single':>9}")
+    print(
+        f"{'stabilizer':<10} {'sequences':>9} {'micro':>6} {'passes':>6} {'peak MiB':>9} {'x smallest':>10} "
+        f"{'ms/token':>9} {'x single':>9}"
+    )
     for stabilizer in args.stabilizers.split(","):
         single = _measure(args, model_path, vocab, stabilizer, counts[0], 0)
         single_per_token = single["seconds"] / (counts[0] * args.tokens)
-        print(f"{stabilizer:<10} {counts[0]:>9} {'single':>6} {single['passes']:>6.0f} "
-              f"{single['peak_bytes'] / 2**20:>9.0f} {'':>10} {1000 * single_per_token:>9.3f} {1.0:>9.2f}")
+        print(
+            f"{stabilizer:<10} {counts[0]:>9} {'single':>6} {single['passes']:>6.0f} "
+            f"{single['peak_bytes'] / 2**20:>9.0f} {'':>10} {1000 * single_per_token:>9.3f} {1.0:>9.2f}"
+        )
         smallest = None
         for count in counts:
             result = _measure(args, model_path, vocab, stabilizer, count, args.budget)
             smallest = smallest or result["peak_bytes"]
             per_token = result["seconds"] / (count * args.tokens)
-            print(f"{stabilizer:<10} {count:>9} {result['micro_batches']:>6.0f} {result['passes']:>6.0f} "
-                  f"{result['peak_bytes'] / 2**20:>9.0f} {result['peak_bytes'] / smallest:>10.2f} "
-                  f"{1000 * per_token:>9.3f} {per_token / single_per_token:>9.2f}", flush=True)
+            print(
+                f"{stabilizer:<10} {count:>9} {result['micro_batches']:>6.0f} {result['passes']:>6.0f} "
+                f"{result['peak_bytes'] / 2**20:>9.0f} {result['peak_bytes'] / smallest:>10.2f} "
+                f"{1000 * per_token:>9.3f} {per_token / single_per_token:>9.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

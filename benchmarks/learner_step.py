@@ -67,8 +67,15 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "tis_seq-kl": ("tis_seq", {}, {"kl_coef": 1e-3}),
     "tis_seq-entropy": ("tis_seq", {}, {"entropy_coef": 1e-3}),
     # model.lora rank 16 on every linear layer: adapter gradients and optimizer state only
-    "tis_seq-lora": ("tis_seq", {}, {"lora": LoraSpec(16, 32.0, 0.0, ("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                      "gate_proj", "up_proj", "down_proj"))}),
+    "tis_seq-lora": (
+        "tis_seq",
+        {},
+        {
+            "lora": LoraSpec(
+                16, 32.0, 0.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+            )
+        },
+    ),
 }
 REFERENCE = "tis_seq"
 GROUP_SIZE = 8
@@ -124,24 +131,43 @@ def synthetic_batch(sequences: int, tokens: int, vocab: int, lengths: str | None
     samples = []
     for i, length in enumerate(response_lengths(lengths, sequences, tokens)):
         completion = torch.randint(3, vocab, (length,), generator=gen).tolist()
-        samples.append(dict(
-            prompt_ids=torch.randint(3, vocab, (PROMPT_TOKENS,), generator=gen).tolist(),
-            completion_ids=completion,
-            behaviour_logprobs=(-6.0 + 0.3 * torch.randn(len(completion), generator=gen)).tolist(),
-            reward=float(torch.rand((), generator=gen) < 0.5), group_id=i // GROUP_SIZE, version=0,
-        ))
+        samples.append(
+            dict(
+                prompt_ids=torch.randint(3, vocab, (PROMPT_TOKENS,), generator=gen).tolist(),
+                completion_ids=completion,
+                behaviour_logprobs=(-6.0 + 0.3 * torch.randn(len(completion), generator=gen)).tolist(),
+                reward=float(torch.rand((), generator=gen) < 0.5),
+                group_id=i // GROUP_SIZE,
+                version=0,
+            )
+        )
     return collate(samples, 0)
 
 
-def _learner(model_path: str, name: str, config: dict[str, Any], options: dict[str, Any], port: int,
-             budget: int | None, dtype: str):
+def _learner(
+    model_path: str,
+    name: str,
+    config: dict[str, Any],
+    options: dict[str, Any],
+    port: int,
+    budget: int | None,
+    dtype: str,
+):
     from algorithms import registry
     from learner.rank import LearnerRank, LearnerSpec
 
-    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=1e-6, stabilizer_name=name,
-                       stabilizer_config=registry.build(name, **config).config, loss_aggregation="seq-mean-token-mean",
-                       max_tokens_per_micro_batch=budget, dtype=dtype, backend="nccl" if on_cuda() else "gloo",
-                       **options)
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        learning_rate=1e-6,
+        stabilizer_name=name,
+        stabilizer_config=registry.build(name, **config).config,
+        loss_aggregation="seq-mean-token-mean",
+        max_tokens_per_micro_batch=budget,
+        dtype=dtype,
+        backend="nccl" if on_cuda() else "gloo",
+        **options,
+    )
     return LearnerRank(spec, 0, 1, "127.0.0.1", port)
 
 
@@ -240,8 +266,11 @@ def profile_step(step: Callable[[], Any]) -> dict[str, Any]:
         timed = [(kernel.name, kernel.time_range.elapsed_us()) for kernel in kernels]
     else:
         busy_s = None
-        timed = [(event.name, event.self_cpu_time_total) for event in events
-                 if event.device_type == DeviceType.CPU and not event.is_async]
+        timed = [
+            (event.name, event.self_cpu_time_total)
+            for event in events
+            if event.device_type == DeviceType.CPU and not event.is_async
+        ]
     return {"wall_s": wall_s, "busy_s": busy_s, "top": top_by_time(timed, PROFILE_TOP_KERNELS)}
 
 
@@ -250,8 +279,10 @@ def print_profile(label: str, profile: dict[str, Any]) -> None:
     if busy_s is None:
         print(f"  profile of {label}: {wall_s:.3f} s step under the profiler; top operators by self CPU time:")
     else:
-        print(f"  profile of {label}: {wall_s:.3f} s step under the profiler, a GPU kernel running "
-              f"{busy_s:.3f} s of it ({busy_s / wall_s:.0%}); top kernels by device time:")
+        print(
+            f"  profile of {label}: {wall_s:.3f} s step under the profiler, a GPU kernel running "
+            f"{busy_s:.3f} s of it ({busy_s / wall_s:.0%}); top kernels by device time:"
+        )
     for name, us, calls in profile["top"]:
         print(f"    {us / 1e3:>9.1f} ms {us / 1e6 / wall_s:>6.1%} {calls:>6}x  {name[:PROFILE_NAME_CHARS]}")
 
@@ -266,9 +297,14 @@ def _configuration_child(args: argparse.Namespace, label: str) -> None:
     held = held_bytes()
     times = [timed_seconds(lambda: learner.train_step(batch)) for _ in range(args.rounds)]
     peak = peak_growth(lambda: learner.train_step(batch))
-    result = {"times": times, "peak_bytes": peak, "held_bytes": held,
-              "bookkeeping_share": metrics.get("opob/bookkeeping_share"), "tokens": int(batch.attention_mask.sum()),
-              "micro_batches": metrics["perf/micro_batches"]}
+    result = {
+        "times": times,
+        "peak_bytes": peak,
+        "held_bytes": held,
+        "bookkeeping_share": metrics.get("opob/bookkeeping_share"),
+        "tokens": int(batch.attention_mask.sum()),
+        "micro_batches": metrics["perf/micro_batches"],
+    }
     if args.profile:
         result["profile"] = profile_step(lambda: learner.train_step(batch))
     print(json.dumps(result))
@@ -296,21 +332,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=512, help="prompt plus completion tokens per sequence")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--job", default="deploy/jobs/demo.yaml", help="the job whose model is measured")
-    parser.add_argument("--model-config",
-                        help="measure this model instead of the job's: a published architecture with random "
-                             "weights (smollm2-135m, qwen2.5-1.5b, qwen2.5-7b) or a model folder")
+    parser.add_argument(
+        "--model-config",
+        help="measure this model instead of the job's: a published architecture with random "
+        "weights (smollm2-135m, qwen2.5-1.5b, qwen2.5-7b) or a model folder",
+    )
     parser.add_argument("--budget", type=int, default=8192, help="learner.max_tokens_per_micro_batch")
-    parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help=f"comma-separated, of {', '.join(CONFIGS)} ({REFERENCE} is always measured)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
-                        help="the learner's model.dtype (default: bfloat16 on a CUDA GPU, float32 on the CPU)")
-    parser.add_argument("--profile", nargs="?", const="all", metavar="CONFIGS",
-                        help="one more step of these configurations (comma-separated; all measured ones without "
-                             "names) under torch.profiler: GPU busy share and top kernels")
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated, of {', '.join(CONFIGS)} ({REFERENCE} is always measured)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="the learner's model.dtype (default: bfloat16 on a CUDA GPU, float32 on the CPU)",
+    )
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="all",
+        metavar="CONFIGS",
+        help="one more step of these configurations (comma-separated; all measured ones without "
+        "names) under torch.profiler: GPU busy share and top kernels",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timings)")
-    parser.add_argument("--lengths", metavar="lognormal:MEAN:MAX",
-                        help="response lengths drawn log-normal (mean MEAN, 90th percentile 4x the 10th, clipped to "
-                             "[32, MAX]) instead of --tokens for every sequence")
+    parser.add_argument(
+        "--lengths",
+        metavar="lognormal:MEAN:MAX",
+        help="response lengths drawn log-normal (mean MEAN, 90th percentile 4x the 10th, clipped to "
+        "[32, MAX]) instead of --tokens for every sequence",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
@@ -340,27 +392,58 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as error:
             parser.error(str(error))
         real = sum(drawn) + PROMPT_TOKENS * len(drawn)
-        print(f"model {model}; {args.sequences} sequences of {PROMPT_TOKENS} prompt tokens and responses of "
-              f"{min(drawn)}-{max(drawn)} tokens ({args.lengths}, mean {sum(drawn) / len(drawn):.0f}): {real} real "
-              f"tokens, {len(drawn) * (max(drawn) + PROMPT_TOKENS)} padded to the longest; micro-batches of "
-              f"{args.budget} tokens")
+        print(
+            f"model {model}; {args.sequences} sequences of {PROMPT_TOKENS} prompt tokens and responses of "
+            f"{min(drawn)}-{max(drawn)} tokens ({args.lengths}, mean {sum(drawn) / len(drawn):.0f}): {real} real "
+            f"tokens, {len(drawn) * (max(drawn) + PROMPT_TOKENS)} padded to the longest; micro-batches of "
+            f"{args.budget} tokens"
+        )
     else:
-        print(f"model {model}; {args.sequences} sequences x {args.tokens} tokens, micro-batches of {args.budget} "
-              "tokens")
-    print(f"{device_name()}, {args.dtype}; ZeRO-2, 1 rank, {args.threads} torch thread(s); {args.rounds} timed steps "
-          f"per configuration, each configuration in its own process; memory: {memory}")
-    print(f"{'configuration':<22} {'step s (min)':>12} {'x tis_seq':>10} {'median x':>9} {'peak MiB':>9}"
-          f" {'x tis_seq':>10} {'book-kept':>9} {'held MiB':>9} {'micro':>5} {'tokens/s':>9}", flush=True)
+        print(
+            f"model {model}; {args.sequences} sequences x {args.tokens} tokens, micro-batches of {args.budget} tokens"
+        )
+    print(
+        f"{device_name()}, {args.dtype}; ZeRO-2, 1 rank, {args.threads} torch thread(s); {args.rounds} timed steps "
+        f"per configuration, each configuration in its own process; memory: {memory}"
+    )
+    print(
+        f"{'configuration':<22} {'step s (min)':>12} {'x tis_seq':>10} {'median x':>9} {'peak MiB':>9}"
+        f" {'x tis_seq':>10} {'book-kept':>9} {'held MiB':>9} {'micro':>5} {'tokens/s':>9}",
+        flush=True,
+    )
     reference: dict[str, Any] | None = None
     results: dict[str, dict[str, Any]] = {}
     for label in labels:
         child = subprocess.run(
-            [sys.executable, "-m", "benchmarks.learner_step", "--child", label, "--model-path", model_path,
-             "--vocab", str(vocab), "--port", str(free_port()), "--sequences", str(args.sequences),
-             "--tokens", str(args.tokens), "--threads", str(args.threads), "--rounds", str(args.rounds),
-             "--budget", str(args.budget), "--dtype", args.dtype, *(["--profile"] if label in profiled else []),
-             *(["--lengths", args.lengths] if args.lengths else [])],
-            capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.learner_step",
+                "--child",
+                label,
+                "--model-path",
+                model_path,
+                "--vocab",
+                str(vocab),
+                "--port",
+                str(free_port()),
+                "--sequences",
+                str(args.sequences),
+                "--tokens",
+                str(args.tokens),
+                "--threads",
+                str(args.threads),
+                "--rounds",
+                str(args.rounds),
+                "--budget",
+                str(args.budget),
+                "--dtype",
+                args.dtype,
+                *(["--profile"] if label in profiled else []),
+                *(["--lengths", args.lengths] if args.lengths else []),
+            ],
+            capture_output=True,
+            text=True,
         )
         if child.returncode != 0:
             raise SystemExit(f"{label}: its process failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
@@ -368,19 +451,23 @@ def main(argv: list[str] | None = None) -> None:
         reference = reference or result
         best, median = min(result["times"]), statistics.median(result["times"])
         share = result["bookkeeping_share"]
-        print(f"{label:<22} {best:>12.3f} {best / min(reference['times']):>10.2f} "
-              f"{median / statistics.median(reference['times']):>9.2f} {result['peak_bytes'] / 2**20:>9.0f} "
-              f"{result['peak_bytes'] / reference['peak_bytes']:>10.2f} {'-' if share is None else f'{share:.2f}':>9} "
-              f"{result['held_bytes'] / 2**20:>9.0f} {result['micro_batches']:>5.0f} "
-              f"{result['tokens'] / best:>9.1f}")
+        print(
+            f"{label:<22} {best:>12.3f} {best / min(reference['times']):>10.2f} "
+            f"{median / statistics.median(reference['times']):>9.2f} {result['peak_bytes'] / 2**20:>9.0f} "
+            f"{result['peak_bytes'] / reference['peak_bytes']:>10.2f} {'-' if share is None else f'{share:.2f}':>9} "
+            f"{result['held_bytes'] / 2**20:>9.0f} {result['micro_batches']:>5.0f} "
+            f"{result['tokens'] / best:>9.1f}"
+        )
         if "profile" in result:
             print_profile(label, result["profile"])
         sys.stdout.flush()
     for label, result in results.items():
         padded = results.get(f"{label}-padded")
         if padded is not None:
-            print(f"{label}: packed tokens/s x padded: {min(padded['times']) / min(result['times']):.2f} (fastest "
-                  f"steps), {statistics.median(padded['times']) / statistics.median(result['times']):.2f} (medians)")
+            print(
+                f"{label}: packed tokens/s x padded: {min(padded['times']) / min(result['times']):.2f} (fastest "
+                f"steps), {statistics.median(padded['times']) / statistics.median(result['times']):.2f} (medians)"
+            )
 
 
 if __name__ == "__main__":

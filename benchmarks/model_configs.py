@@ -17,21 +17,51 @@ import torch
 
 # name -> (transformers model type, its config's values), from each model's published config.json
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
-    "smollm2-135m": ("llama", dict(
-        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-        vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=8192,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-    )),
-    "qwen2.5-1.5b": ("qwen2", dict(
-        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-        vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    )),
-    "qwen2.5-7b": ("qwen2", dict(
-        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-        vocab_size=152064, tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    )),
+    "smollm2-135m": (
+        "llama",
+        dict(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=8192,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        ),
+    ),
+    "qwen2.5-1.5b": (
+        "qwen2",
+        dict(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=32768,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+    ),
+    "qwen2.5-7b": (
+        "qwen2",
+        dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=32768,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+    ),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -41,8 +71,9 @@ def transformers_config(name: str):  # -> transformers.PretrainedConfig
     from transformers import AutoConfig
 
     if name not in ARCHITECTURES:
-        raise ValueError(f"no model config named {name!r}: choose from {', '.join(ARCHITECTURES)}, "
-                         "or give a model folder")
+        raise ValueError(
+            f"no model config named {name!r}: choose from {', '.join(ARCHITECTURES)}, or give a model folder"
+        )
     model_type, values = ARCHITECTURES[name]
     return AutoConfig.for_model(model_type, **values)
 
@@ -82,8 +113,9 @@ def model_folder(name_or_path: str, dtype: str) -> str:
     return str(atomic_build(default_cache() / "models" / f"random-{name_or_path}-{dtype}", params, build))
 
 
-def benchmark_model(parser: Any, model_config: str | None, dtype: str, fallback: Callable[[], str]
-                    ) -> tuple[str, str, int]:
+def benchmark_model(
+    parser: Any, model_config: str | None, dtype: str, fallback: Callable[[], str]
+) -> tuple[str, str, int]:
     """The model a learner benchmark measures: `--model-config`'s folder (a bad name is the parser's usage
     error), else `fallback()`'s; with how to name it in the printed header, and its vocabulary size."""
     from transformers import AutoConfig

@@ -35,8 +35,9 @@ def _fused(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> tor
     return logprobs.sum() + entropy.sum()
 
 
-def _measure(objective: Callable, hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
-             rounds: int) -> tuple[float, int]:
+def _measure(
+    objective: Callable, hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, rounds: int
+) -> tuple[float, int]:
     """Fastest forward + backward in seconds, and its peak memory in bytes above what was held before it."""
     cuda = hidden.is_cuda
 
@@ -61,8 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-config", default="smollm2-135m", help="benchmarks/model_configs.py's names")
     parser.add_argument("--tokens", type=int, default=4096, help="positions in the micro-batch")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
-                        help="default: bfloat16 on a GPU, float32 on CPU")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on a GPU, float32 on CPU")
     return parser
 
 
@@ -76,15 +76,21 @@ def main(argv: list[str] | None = None) -> None:
     weight = (0.02 * torch.randn(config.vocab_size, config.hidden_size, generator=gen)).to(device, dtype)
     weight.requires_grad_()
     ids = torch.randint(0, config.vocab_size, (1, args.tokens), generator=gen).to(device)
-    results = {label: _measure(objective, hidden, weight, ids, args.rounds)
-               for label, objective in (("whole", _whole), ("fused", _fused))}
-    print(f"{args.model_config} output layer ({config.vocab_size} x {config.hidden_size}), {args.tokens} positions, "
-          f"{dtype}, {device.type}; forward + backward of log-probs and entropy, fastest of {args.rounds}")
+    results = {
+        label: _measure(objective, hidden, weight, ids, args.rounds)
+        for label, objective in (("whole", _whole), ("fused", _fused))
+    }
+    print(
+        f"{args.model_config} output layer ({config.vocab_size} x {config.hidden_size}), {args.tokens} positions, "
+        f"{dtype}, {device.type}; forward + backward of log-probs and entropy, fastest of {args.rounds}"
+    )
     print(f"{'path':<8} {'seconds':>9} {'x whole':>8} {'peak MiB':>9} {'x whole':>8}")
     base_time, base_peak = results["whole"]
     for label, (seconds, peak) in results.items():
-        print(f"{label:<8} {seconds:>9.3f} {seconds / base_time:>8.2f} {peak / 2**20:>9.0f} "
-              f"{peak / max(base_peak, 1):>8.2f}")
+        print(
+            f"{label:<8} {seconds:>9.3f} {seconds / base_time:>8.2f} {peak / 2**20:>9.0f} "
+            f"{peak / max(base_peak, 1):>8.2f}"
+        )
 
 
 if __name__ == "__main__":

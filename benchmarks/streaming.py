@@ -23,13 +23,13 @@ from benchmarks.async_speedup import SKIP_STEPS, time_to_target_s, two_core_job,
 from cluster.telemetry.run_files import metric_number, read_jsonl_rows, step_rows
 
 
-def _job_for(base: dict[str, Any], streaming: bool, steps: int, lag: int, requests_in_flight: int,
-             out: Path) -> Any:
+def _job_for(base: dict[str, Any], streaming: bool, steps: int, lag: int, requests_in_flight: int, out: Path) -> Any:
     """The request-batch job, or its streaming twin with one prompt per request and `requests_in_flight` of them."""
     if not streaming:
         return two_core_job(base, lag, steps, out, "request-batch", streaming=False)
-    return two_core_job(base, lag, steps, out, "streaming", streaming=True, prompts_per_request=1,
-                        requests_in_flight=requests_in_flight)
+    return two_core_job(
+        base, lag, steps, out, "streaming", streaming=True, prompts_per_request=1, requests_in_flight=requests_in_flight
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,24 +54,31 @@ def main(argv: list[str] | None = None) -> None:
 
     base = load_job(args.job).model_dump(mode="json", by_alias=True)
     out = Path(args.out)
-    runs = {streaming: train(_job_for(base, streaming, args.steps, args.max_lag, args.requests_in_flight,
-                                      out)).run_dir
-            for streaming in (False, True)}  # one process, one Ray cluster, one job after the other
+    runs = {
+        streaming: train(_job_for(base, streaming, args.steps, args.max_lag, args.requests_in_flight, out)).run_dir
+        for streaming in (False, True)
+    }  # one process, one Ray cluster, one job after the other
     rows = {streaming: step_rows(read_jsonl_rows(run_dir / "metrics.jsonl")) for streaming, run_dir in runs.items()}
     batch_wall = wall_per_step_s(rows[False])
-    print(f"job {args.job}: {args.steps} steps, max_lag {args.max_lag}, 1 generator + 1 learner rank; streaming: "
-          f"{args.requests_in_flight} calls of one group in flight\n")
-    print(f"{'generator':>13}{'wall s/step':>13}{'speedup':>9}{'to target s':>13}{'response len':>14}"
-          f"{'mixed share':>13}")
+    print(
+        f"job {args.job}: {args.steps} steps, max_lag {args.max_lag}, 1 generator + 1 learner rank; streaming: "
+        f"{args.requests_in_flight} calls of one group in flight\n"
+    )
+    print(
+        f"{'generator':>13}{'wall s/step':>13}{'speedup':>9}{'to target s':>13}{'response len':>14}{'mixed share':>13}"
+    )
     for streaming, name in ((False, "request-batch"), (True, "streaming")):
         wall = wall_per_step_s(rows[streaming])
         to_target = time_to_target_s(rows[streaming], args.target_reward)
         length = statistics.median(metric_number(r.get("rollout/response_len")) for r in rows[streaming])
-        mixed = [metric_number(r["async/mixed_version_share"]) for r in rows[streaming]
-                 if "async/mixed_version_share" in r]
-        print(f"{name:>13}{wall:>13.3f}{batch_wall / wall:>9.2f}"
-              f"{(f'{to_target:.1f}' if to_target is not None else 'never'):>13}{length:>14.1f}"
-              f"{(f'{statistics.fmean(mixed):.3f}' if mixed else '-'):>13}")
+        mixed = [
+            metric_number(r["async/mixed_version_share"]) for r in rows[streaming] if "async/mixed_version_share" in r
+        ]
+        print(
+            f"{name:>13}{wall:>13.3f}{batch_wall / wall:>9.2f}"
+            f"{(f'{to_target:.1f}' if to_target is not None else 'never'):>13}{length:>14.1f}"
+            f"{(f'{statistics.fmean(mixed):.3f}' if mixed else '-'):>13}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,9 +34,16 @@ def _batch(job, vocab: int):
     samples, group = [], job.generator.samples_per_prompt
     for i in range(job.learner.prompts_per_step * group):
         completion = torch.randint(3, vocab, (job.generator.max_new_tokens,), generator=gen).tolist()
-        samples.append(dict(prompt_ids=torch.randint(3, vocab, (24,), generator=gen).tolist(),
-                            completion_ids=completion, behaviour_logprobs=[-6.0] * len(completion),
-                            reward=float(i % 2), group_id=i // group, version=0))
+        samples.append(
+            dict(
+                prompt_ids=torch.randint(3, vocab, (24,), generator=gen).tolist(),
+                completion_ids=completion,
+                behaviour_logprobs=[-6.0] * len(completion),
+                reward=float(i % 2),
+                group_id=i // group,
+                version=0,
+            )
+        )
     return collate(samples, 0)
 
 
@@ -44,8 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", default="deploy/jobs/demo.yaml")
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--lora-rank", type=int, default=0,
-                        help="also measure the job with model.lora at this rank (every linear layer), side by side")
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="also measure the job with model.lora at this rank (every linear layer), side by side",
+    )
     return parser
 
 
@@ -90,8 +101,14 @@ def _measure(job, model_path: str, rounds: int) -> dict[str, float]:
     learners.shutdown()
     runtime.stop_generator(generator)
     transport_s = [sync - reload for sync, reload in zip(sync_s, reload_s)]
-    return {"mib": size / 2**20, "sync": min(sync_s), "reload": min(reload_s), "transport": min(transport_s),
-            "raw": min(raw_s), "step": min(step_s)}
+    return {
+        "mib": size / 2**20,
+        "sync": min(sync_s),
+        "reload": min(reload_s),
+        "transport": min(transport_s),
+        "raw": min(raw_s),
+        "step": min(step_s),
+    }
 
 
 def _print(label: str, model_path: str, rounds: int, r: dict[str, float]) -> None:

@@ -54,8 +54,10 @@ def _validate(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(dump_job(job), end="")
     else:
-        print(f"{args.job}: ok ({job.algorithm.stabilizer.name}, max_lag {job.async_.max_lag}, "
-              f"{job.generator.num_generators} generator(s), {job.learner.num_ranks} learner rank(s))")
+        print(
+            f"{args.job}: ok ({job.algorithm.stabilizer.name}, max_lag {job.async_.max_lag}, "
+            f"{job.generator.num_generators} generator(s), {job.learner.num_ranks} learner rank(s))"
+        )
     return 0
 
 
@@ -130,8 +132,9 @@ def _submit(args: argparse.Namespace) -> int:
     if job is None or api is None:
         return 2
     try:
-        submission = submit(job, *api, run_dir=args.run_dir,
-                            remote_prefixes=(*DEFAULT_REMOTE_PREFIXES, *(args.remote_prefix or ())))
+        submission = submit(
+            job, *api, run_dir=args.run_dir, remote_prefixes=(*DEFAULT_REMOTE_PREFIXES, *(args.remote_prefix or ()))
+        )
         print(f"submitted {submission.submission_id}; run directory on the head node: {submission.run_dir}")
         print(f"  stableasync status {submission.submission_id} --address {api[0]}")
         print(f"  stableasync logs {submission.submission_id} --address {api[0]} --follow")
@@ -173,7 +176,7 @@ def _cluster_job(args: argparse.Namespace) -> int:
     except SubmitError as error:
         print(error, file=sys.stderr)
         return 1
-    except Exception as error:  # noqa: BLE001 - an unknown id or an unreachable cluster: say which
+    except Exception as error:
         print(f"{args.submission_id}: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     return 0
@@ -181,8 +184,10 @@ def _cluster_job(args: argparse.Namespace) -> int:
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="the Ray Jobs API, http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS)")
-    parser.add_argument("--token-file", help="the cluster's auth token (default: $RAY_AUTH_TOKEN, "
-                        "$RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)")
+    parser.add_argument(
+        "--token-file",
+        help="the cluster's auth token (default: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)",
+    )
     parser.add_argument("--no-auth", action="store_true", help="for a cluster without token authentication")
 
 
@@ -192,16 +197,16 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.calibrate and args.paper:
         print("give --calibrate RUN_DIR or --paper, not both", file=sys.stderr)
         return 2
-    overrides = {name: value for name, value in vars(args).items()
-                 if name in simulate.CONFIG_FIELDS and value is not None}
+    overrides = {
+        name: value for name, value in vars(args).items() if name in simulate.CONFIG_FIELDS and value is not None
+    }
     return simulate.run_cli(args.calibrate, args.paper, overrides)
 
 
 def _report(args: argparse.Namespace) -> int:
     from cluster.experiments import report
 
-    return report.run_cli(args.run_dirs, args.out, args.target_reward, args.ess_collapse_below,
-                          args.ess_collapse_steps)
+    return report.run_cli(args.run_dirs, args.out, args.target_reward, args.ess_collapse_below, args.ess_collapse_steps)
 
 
 def _wandb_workspace(args: argparse.Namespace) -> int:
@@ -220,17 +225,24 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 def _sweep(args: argparse.Namespace) -> int:
     from cluster.experiments.report import ReportError, print_tables
-    from cluster.run.stopping import JobStopped, stop_on_signals
     from cluster.experiments.sweep import sweep
+    from cluster.run.stopping import JobStopped, stop_on_signals
 
     job = _load(args.job, args.set)  # --set fields apply to every cell
     if job is None:
         return 2
     with stop_on_signals() as stop:
         try:
-            summaries = sweep(job, args.stabilizers.split(","), _int_list(args.max_lag, "--max-lag"), Path(args.out),
-                              None, args.target_reward, stop,
-                              None if args.seeds is None else _int_list(args.seeds, "--seeds"))
+            summaries = sweep(
+                job,
+                args.stabilizers.split(","),
+                _int_list(args.max_lag, "--max-lag"),
+                Path(args.out),
+                None,
+                args.target_reward,
+                stop,
+                None if args.seeds is None else _int_list(args.seeds, "--seeds"),
+            )
         except (ValueError, FileExistsError, ReportError) as error:
             print(f"stableasync sweep: {error}", file=sys.stderr)
             return 2
@@ -243,10 +255,10 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from cluster.run.checkpoints import LEARNER, TAG, ModelSaveFailed, readable_checkpoints, write_model
-    from cluster.run.specs import lora_spec
     from cluster.job import job_task
+    from cluster.run.checkpoints import LEARNER, TAG, ModelSaveFailed, readable_checkpoints, write_model
     from cluster.run.model_prep import prepare_model
+    from cluster.run.specs import lora_spec
     from learner.export import save_checkpoint_model
 
     run_dir = Path(args.run_dir)
@@ -259,14 +271,18 @@ def _export(args: argparse.Namespace) -> int:
         return 2
     name = args.checkpoint or max(usable)
     if name not in usable:
-        print(f"stableasync export: no usable checkpoint {name!r} in {run_dir / 'checkpoints'}; there are: "
-              f"{', '.join(sorted(usable))}", file=sys.stderr)
+        print(
+            f"stableasync export: no usable checkpoint {name!r} in {run_dir / 'checkpoints'}; there are: "
+            f"{', '.join(sorted(usable))}",
+            file=sys.stderr,
+        )
         return 2
     base_model = prepare_model(job, job_task(job))
     out = Path(args.out) if args.out else run_dir / f"model-{name}"
     try:
-        write_model(out, lambda folder: save_checkpoint_model(usable[name] / LEARNER, TAG, base_model, folder,
-                                                              lora_spec(job)))
+        write_model(
+            out, lambda folder: save_checkpoint_model(usable[name] / LEARNER, TAG, base_model, folder, lora_spec(job))
+        )
     except ModelSaveFailed as failure:
         print(f"stableasync export: {failure}", file=sys.stderr)
         return 1
@@ -289,8 +305,11 @@ def _evaluate(args: argparse.Namespace) -> int:
         return 2
     run_job_file = Path(args.model_or_run) / "job.yaml"
     if args.job is None and not run_job_file.is_file():
-        print("stableasync evaluate: give --job JOB.yaml, the job whose task and eval section say what to answer "
-              "(a run directory's own job.yaml is the default)", file=sys.stderr)
+        print(
+            "stableasync evaluate: give --job JOB.yaml, the job whose task and eval section say what to answer "
+            "(a run directory's own job.yaml is the default)",
+            file=sys.stderr,
+        )
         return 2
     job = _load(args.job or str(run_job_file), args.set)
     if job is None:
@@ -299,8 +318,10 @@ def _evaluate(args: argparse.Namespace) -> int:
     labels = known if args.sets is None else [label.strip() for label in args.sets.split(",")]
     unknown = [label for label in labels if label not in known]
     if unknown:
-        print(f"stableasync evaluate: --sets: no set {', '.join(unknown)} in the job (its sets: {', '.join(known)})",
-              file=sys.stderr)
+        print(
+            f"stableasync evaluate: --sets: no set {', '.join(unknown)} in the job (its sets: {', '.join(known)})",
+            file=sys.stderr,
+        )
         return 2
     try:
         sets = evaluation_sets(job, job_task(job), always=True, labels=labels)
@@ -311,8 +332,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     print(results_table(results))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": str(model), "job": args.job or str(run_job_file), "sets": results},
-                              indent=2) + "\n")
+    out.write_text(
+        json.dumps({"model": str(model), "job": args.job or str(run_job_file), "sets": results}, indent=2) + "\n"
+    )
     print(f"results: {out}")
     return 0
 
@@ -328,9 +350,14 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 
 def _add_set_option(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                         help="override a field of the job file, as YAML (learner.steps=100, "
-                              "algorithm.stabilizer={name: vcpo}); repeatable, validated like the file")
+    command.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a field of the job file, as YAML (learner.steps=100, "
+        "algorithm.stabilizer={name: vcpo}); repeatable, validated like the file",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -346,14 +373,19 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("job")
     _add_set_option(validate)
     validate.add_argument("--dry-run", action="store_true", help="print the resolved job")
-    validate.add_argument("--schema-only", action="store_true", help="check the file alone, not the task's data "
-                          "and reward function (a job whose data is on the cluster it is submitted to)")
+    validate.add_argument(
+        "--schema-only",
+        action="store_true",
+        help="check the file alone, not the task's data "
+        "and reward function (a job whose data is on the cluster it is submitted to)",
+    )
     validate.set_defaults(run=_validate)
     soak = commands.add_parser("soak", help="a long run with generators killed every so often; audits the ledger")
     soak.add_argument("job")
     _add_set_option(soak)
-    soak.add_argument("--steps", type=int, default=6000,
-                      help="learner steps (about 0.25 s each for the demo on 2 cores)")
+    soak.add_argument(
+        "--steps", type=int, default=6000, help="learner steps (about 0.25 s each for the demo on 2 cores)"
+    )
     soak.add_argument("--kill-every-s", type=float, default=120.0, help="seconds between generator kills (+-25%%)")
     soak.set_defaults(run=_soak)
     submit = commands.add_parser("submit", help="run a job on a remote Ray cluster (Ray Jobs API, token auth)")
@@ -361,40 +393,60 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set_option(submit)
     _add_cluster_options(submit)
     submit.add_argument("--run-dir", default="~/stableasync/runs", help="parent of the run directory on the head node")
-    submit.add_argument("--remote-prefix", action="append", metavar="PREFIX",
-                        help="the job's paths under PREFIX (absolute, or ~/...: the nodes' home) are on the cluster "
-                        "already and not uploaded; repeatable, beside /mnt/shared and ~/stableasync")
+    submit.add_argument(
+        "--remote-prefix",
+        action="append",
+        metavar="PREFIX",
+        help="the job's paths under PREFIX (absolute, or ~/...: the nodes' home) are on the cluster "
+        "already and not uploaded; repeatable, beside /mnt/shared and ~/stableasync",
+    )
     submit.add_argument("--wait", action="store_true", help="block until the job ends; exit 0 only if it succeeded")
     submit.add_argument("--timeout-s", type=float, default=24 * 3600.0, help="how long --wait waits")
     submit.set_defaults(run=_submit)
-    for name, text in (("status", "a submitted job's status"), ("logs", "a submitted job's driver log"),
-                       ("stop", "stop a submitted job")):
+    for name, text in (
+        ("status", "a submitted job's status"),
+        ("logs", "a submitted job's driver log"),
+        ("stop", "stop a submitted job"),
+    ):
         command = commands.add_parser(name, help=text)
         command.add_argument("submission_id")
         _add_cluster_options(command)
         if name == "logs":
             command.add_argument("--follow", action="store_true", help="stream the log until the job ends")
         command.set_defaults(run=_cluster_job)
-    simulate = commands.add_parser("simulate", help="predict step time, utilisation and lag of an async setting "
-                                   "(a discrete-event model; no Ray, no GPU)")
-    simulate.add_argument("--calibrate", metavar="RUN_DIR", help="derive the costs from a finished run, then print "
-                          "predicted vs measured step time (flags below then ask 'what if')")
+    simulate = commands.add_parser(
+        "simulate",
+        help="predict step time, utilisation and lag of an async setting (a discrete-event model; no Ray, no GPU)",
+    )
+    simulate.add_argument(
+        "--calibrate",
+        metavar="RUN_DIR",
+        help="derive the costs from a finished run, then print "
+        "predicted vs measured step time (flags below then ask 'what if')",
+    )
     simulate.add_argument("--paper", action="store_true", help="the VCPO paper's setting beside its reported speedup")
     for flag, kind, text in (
-        ("generators", int, "generator GPUs (G)"), ("learners", int, "learner GPUs (L)"),
-        ("max-lag", int, "0 is synchronous"), ("stale-policy", str, "wait or drop"),
+        ("generators", int, "generator GPUs (G)"),
+        ("learners", int, "learner GPUs (L)"),
+        ("max-lag", int, "0 is synchronous"),
+        ("stale-policy", str, "wait or drop"),
         ("samples-per-prompt", int, "responses per prompt group"),
         ("prompts-per-request", int, "groups per generate call"),
-        ("prompts-per-step", int, "groups per learner step"), ("steps", int, "learner steps to simulate"),
-        ("response-len-mean", float, "tokens"), ("response-len-cv", float, "0: every response the mean length"),
-        ("max-response-len", int, "tokens"), ("prompt-len", float, "tokens per sample (learner cost)"),
+        ("prompts-per-step", int, "groups per learner step"),
+        ("steps", int, "learner steps to simulate"),
+        ("response-len-mean", float, "tokens"),
+        ("response-len-cv", float, "0: every response the mean length"),
+        ("max-response-len", int, "tokens"),
+        ("prompt-len", float, "tokens per sample (learner cost)"),
         ("gen-tokens-per-s", float, "per generator GPU"),
         ("gen-decode-step-s", float, "per decode step of the longest response"),
         ("gen-call-overhead-s", float, "per generate call"),
         ("gen-weight-load-s", float, "per new weight version, in each generator (object-store sync)"),
         ("learner-tokens-per-s", float, "per learner GPU"),
-        ("learner-overhead-s", float, "per learner step"), ("sync-fixed-s", float, "per weight publish"),
-        ("weight-bytes", float, "bytes published per step"), ("sync-bytes-per-s", float, "publish bandwidth"),
+        ("learner-overhead-s", float, "per learner step"),
+        ("sync-fixed-s", float, "per weight publish"),
+        ("weight-bytes", float, "bytes published per step"),
+        ("sync-bytes-per-s", float, "publish bandwidth"),
         ("seed", int, "seed of the response lengths"),
     ):
         simulate.add_argument(f"--{flag}", type=kind, help=text)
@@ -403,50 +455,88 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("job")
     sweep.add_argument("--stabilizers", default="none,tis_seq,mis_seq,m2po,vcpo", help="comma-separated names")
     sweep.add_argument("--max-lag", default="0,2,8,16", help="comma-separated lag bounds")
-    sweep.add_argument("--seeds", help="comma-separated job seeds: the whole grid runs once per seed, and the "
-                       "report adds a table over the seeds of each cell (default: the job's seed, once)")
+    sweep.add_argument(
+        "--seeds",
+        help="comma-separated job seeds: the whole grid runs once per seed, and the "
+        "report adds a table over the seeds of each cell (default: the job's seed, once)",
+    )
     sweep.add_argument("--out", default="runs/sweep", help="folder for the runs and the report")
     _add_set_option(sweep)
     sweep.add_argument("--target-reward", type=float, help="report the time each cell takes to reach this reward")
     sweep.set_defaults(run=_sweep)
-    report = commands.add_parser("report", help="compare finished runs: a table, plots and a self-contained "
-                                 "report.html (no Ray, no GPU)")
-    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                        help="finished run directories (job.yaml, metrics.jsonl)")
-    report.add_argument("--out", default="report",
-                        help="folder for table.md, table.csv, cells.md, cells.csv, the PNGs and report.html")
-    report.add_argument("--target-reward", type=float, help="report the first step and wall time at which the "
-                        "10-step moving average of the reward reaches this")
-    report.add_argument("--ess-collapse-below", type=float, help="ESS ratio collapse threshold (default: each "
-                        "run's logging.alerts.ess_ratio_below, 0.1 unless set)")
-    report.add_argument("--ess-collapse-steps", type=int, help="consecutive low-ESS steps that make a collapse "
-                        "(default: each run's logging.alerts.ess_collapse_steps, 3 unless set)")
+    report = commands.add_parser(
+        "report", help="compare finished runs: a table, plots and a self-contained report.html (no Ray, no GPU)"
+    )
+    report.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories (job.yaml, metrics.jsonl)"
+    )
+    report.add_argument(
+        "--out", default="report", help="folder for table.md, table.csv, cells.md, cells.csv, the PNGs and report.html"
+    )
+    report.add_argument(
+        "--target-reward",
+        type=float,
+        help="report the first step and wall time at which the 10-step moving average of the reward reaches this",
+    )
+    report.add_argument(
+        "--ess-collapse-below",
+        type=float,
+        help="ESS ratio collapse threshold (default: each run's logging.alerts.ess_ratio_below, 0.1 unless set)",
+    )
+    report.add_argument(
+        "--ess-collapse-steps",
+        type=int,
+        help="consecutive low-ESS steps that make a collapse "
+        "(default: each run's logging.alerts.ess_collapse_steps, 3 unless set)",
+    )
     report.set_defaults(run=_report)
-    wandb_workspace = commands.add_parser("wandb-workspace", help="build the W&B workspace of a workspace file "
-                                          "and save it to a project (offline: write the view it would save)")
+    wandb_workspace = commands.add_parser(
+        "wandb-workspace",
+        help="build the W&B workspace of a workspace file "
+        "and save it to a project (offline: write the view it would save)",
+    )
     wandb_workspace.add_argument("--spec", default="deploy/wandb/workspace.yaml", help="the workspace file")
     wandb_workspace.add_argument("--entity", required=True, help="W&B entity (logging.wandb.entity of the jobs)")
     wandb_workspace.add_argument("--project", required=True, help="W&B project (logging.wandb.project of the jobs)")
-    wandb_workspace.add_argument("--offline", action="store_true", help="write the view instead of saving it "
-                                 "(the default when WANDB_MODE=offline or no W&B key is set)")
-    wandb_workspace.add_argument("--out", help="where the view is written (default: runs/wandb-workspace.json; "
-                                 "online, also written when given)")
+    wandb_workspace.add_argument(
+        "--offline",
+        action="store_true",
+        help="write the view instead of saving it (the default when WANDB_MODE=offline or no W&B key is set)",
+    )
+    wandb_workspace.add_argument(
+        "--out", help="where the view is written (default: runs/wandb-workspace.json; online, also written when given)"
+    )
     wandb_workspace.set_defaults(run=_wandb_workspace)
-    export = commands.add_parser("export", help="write a run checkpoint's policy as a Hugging Face model folder "
-                                 "(a finished run has its last one in RUN_DIR/model)")
+    export = commands.add_parser(
+        "export",
+        help="write a run checkpoint's policy as a Hugging Face model folder "
+        "(a finished run has its last one in RUN_DIR/model)",
+    )
     export.add_argument("run_dir", metavar="RUN_DIR")
     export.add_argument("--checkpoint", metavar="step-NNNNNN", help="which checkpoint (default: the newest usable)")
     export.add_argument("--out", help="the model folder (default: RUN_DIR/model-step-NNNNNN)")
     export.set_defaults(run=_export)
-    evaluate = commands.add_parser("evaluate", help="answer a job's evaluation sets with a saved model (one "
-                                   "generator in this process, no training): a table per set and a JSON file")
-    evaluate.add_argument("model_or_run", metavar="MODEL_OR_RUN", help="a Hugging Face model folder, or a run "
-                          "directory (its model/, the policy the run saved)")
-    evaluate.add_argument("--job", help="the job file whose task, eval section and generator settings apply "
-                          "(default: the run directory's job.yaml)")
+    evaluate = commands.add_parser(
+        "evaluate",
+        help="answer a job's evaluation sets with a saved model (one "
+        "generator in this process, no training): a table per set and a JSON file",
+    )
+    evaluate.add_argument(
+        "model_or_run",
+        metavar="MODEL_OR_RUN",
+        help="a Hugging Face model folder, or a run directory (its model/, the policy the run saved)",
+    )
+    evaluate.add_argument(
+        "--job",
+        help="the job file whose task, eval section and generator settings apply "
+        "(default: the run directory's job.yaml)",
+    )
     _add_set_option(evaluate)
-    evaluate.add_argument("--sets", metavar="NAME,NAME", help="answer only these sets ('default': the unnamed set of "
-                          "eval.num_problems; default: every set)")
+    evaluate.add_argument(
+        "--sets",
+        metavar="NAME,NAME",
+        help="answer only these sets ('default': the unnamed set of eval.num_problems; default: every set)",
+    )
     evaluate.add_argument("--out", default="evaluation.json", help="where the results are written as JSON")
     evaluate.set_defaults(run=_evaluate)
     prepare = commands.add_parser("prepare-model", help="build a known model offline into the cache")

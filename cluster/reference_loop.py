@@ -24,9 +24,9 @@ from statistics import mean
 
 from actors.buffer import ScoredGroup
 from actors.generator import GeneratedGroup, GenerationRequest, Generator
-from cluster.run.specs import generator_spec, learner_spec
 from cluster.job import Job, job_task, load_job
 from cluster.run.model_prep import prepare_model, sft_samples
+from cluster.run.specs import generator_spec, learner_spec
 from learner.batch import collate
 from learner.rank import LearnerRank
 from learner.records import TrainingSample
@@ -42,10 +42,19 @@ def training_samples(task: Task, problems: list[Problem], groups: list[Generated
     for problem, group in zip(problems, groups):
         texts = [completion["text"] for completion in group.completions]
         scores = score_inline(task, [problem] * len(texts), texts)
-        completions = [ScoredCompletion(**completion, reward=score.reward, score_error=score.error)
-                       for completion, score in zip(group.completions, scores)]
-        samples += ScoredGroup(group.group_id, group.problem_id, group.prompt_ids, completions, group.version_start,
-                               group.version_end, group.generator_index).samples()
+        completions = [
+            ScoredCompletion(**completion, reward=score.reward, score_error=score.error)
+            for completion, score in zip(group.completions, scores)
+        ]
+        samples += ScoredGroup(
+            group.group_id,
+            group.problem_id,
+            group.prompt_ids,
+            completions,
+            group.version_start,
+            group.version_end,
+            group.generator_index,
+        ).samples()
     return samples
 
 
@@ -53,8 +62,9 @@ def run(job: Job, steps: int) -> list[float]:
     """Train `steps` RL steps after the job's supervised warm-up; the mean reward of each step's samples."""
     task = job_task(job)
     model_path = prepare_model(job, task)  # the tiny model is built offline; SmolLM2 comes from its wheel
-    learner = LearnerRank(learner_spec(job, model_path), rank=0, world_size=1, master_addr="127.0.0.1",
-                          master_port=_free_port())
+    learner = LearnerRank(
+        learner_spec(job, model_path), rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port()
+    )
     generator = Generator(generator_spec(job, model_path))
 
     # A short supervised warm-up teaches the answer format, so that some rewards are above 0.
@@ -68,8 +78,12 @@ def run(job: Job, steps: int) -> list[float]:
     for step in range(steps):
         # 1. sample: one group of responses per prompt, with the weights of version `step`
         problems = [next(problems_stream) for _ in range(job.learner.prompts_per_step)]
-        requests = [GenerationRequest(group_id=i, problem_id=p.problem_id, messages=task.messages(p),
-                                      seed=seeds.getrandbits(31)) for i, p in enumerate(problems)]
+        requests = [
+            GenerationRequest(
+                group_id=i, problem_id=p.problem_id, messages=task.messages(p), seed=seeds.getrandbits(31)
+            )
+            for i, p in enumerate(problems)
+        ]
         groups = generator.generate(requests)
         # 2. score every response
         samples = training_samples(task, problems, groups)
@@ -78,8 +92,11 @@ def run(job: Job, steps: int) -> list[float]:
         # 4. the new weights (version step + 1) to the generator
         generator.update_weights(_weights(learner, generator.spec.dtype), version=step + 1)
         rewards.append(mean(sample["reward"] for sample in samples))
-        print(f"step {step + 1}: reward {rewards[-1]:.3f}, ESS ratio {metrics['stability/ess_ratio']:.3f}, "
-              f"loss {metrics['optim/loss']:.4f}", flush=True)
+        print(
+            f"step {step + 1}: reward {rewards[-1]:.3f}, ESS ratio {metrics['stability/ess_ratio']:.3f}, "
+            f"loss {metrics['optim/loss']:.4f}",
+            flush=True,
+        )
     return rewards
 
 
@@ -108,8 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     rewards = run(load_job(args.job), args.steps)
     window = max(1, min(10, len(rewards) // 2))
-    print(f"mean reward: first {window} steps {mean(rewards[:window]):.3f}, last {window} steps "
-          f"{mean(rewards[-window:]):.3f}")
+    print(
+        f"mean reward: first {window} steps {mean(rewards[:window]):.3f}, last {window} steps "
+        f"{mean(rewards[-window:]):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,15 @@ class TrainBatch:
         caller knows its longest row on the host (reading it from the device would wait for the device)."""
         if width is None:
             width = max(2, int(self.sequence_lengths.max())) if self.size else 2
-        return TrainBatch(self.input_ids[:, :width], self.attention_mask[:, :width], self.loss_mask[:, :width - 1],
-                          self.behaviour_logprobs[:, :width - 1], self.rewards, self.group_ids, self.versions)
+        return TrainBatch(
+            self.input_ids[:, :width],
+            self.attention_mask[:, :width],
+            self.loss_mask[:, : width - 1],
+            self.behaviour_logprobs[:, : width - 1],
+            self.rewards,
+            self.group_ids,
+            self.versions,
+        )
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """Every tensor on `device` (the rank's): the model and the collectives see one device."""
@@ -85,8 +92,10 @@ def collate(samples: Sequence[TrainingSample], pad_token_id: int) -> TrainBatch:
         if policy_mask is None:
             loss_mask[row, start : start + len(completion)] = True
         elif len(policy_mask) != len(completion):
-            raise ValueError(f"sample {row} (group {sample['group_id']}): {len(completion)} completion tokens but "
-                             f"a policy mask of {len(policy_mask)}")
+            raise ValueError(
+                f"sample {row} (group {sample['group_id']}): {len(completion)} completion tokens but "
+                f"a policy mask of {len(policy_mask)}"
+            )
         else:  # tool results are context only: off the loss, every importance ratio and the ESS
             loss_mask[row, start : start + len(completion)] = np.asarray(policy_mask, dtype=np.bool_)
         behaviour[row, start : start + len(completion)] = sample["behaviour_logprobs"]
@@ -124,8 +133,13 @@ class _TargetLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float,  # logits [N, V], targets [N]
-                with_entropy: bool) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx,
+        logits: Tensor,
+        targets: Tensor,
+        temperature: float,  # logits [N, V], targets [N]
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         logprobs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         normalisers = torch.empty_like(logprobs)
@@ -142,8 +156,9 @@ class _TargetLogprobs(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None
-                 ) -> tuple[Tensor | None, None, None, None]:
+    def backward(
+        ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None
+    ) -> tuple[Tensor | None, None, None, None]:
         """d logp[target]/dx = onehot - p and dH/dx = -p (log p + H), with x = logits / T."""
         logits, targets, normalisers, entropy = ctx.saved_tensors
         temperature = ctx.temperature
@@ -152,14 +167,25 @@ class _TargetLogprobs(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for rows in position_chunks(*logits.shape):
             log_p = logits[rows].float() / temperature - normalisers[rows, None]
-            grad_logits[rows] = chunk_logits_gradient(log_p, targets[rows], entropy[rows] if entropy.numel() else None,
-                                                      None if grad_logprobs is None else grad_logprobs[rows],
-                                                      None if grad_entropy is None else grad_entropy[rows], temperature)
+            grad_logits[rows] = chunk_logits_gradient(
+                log_p,
+                targets[rows],
+                entropy[rows] if entropy.numel() else None,
+                None if grad_logprobs is None else grad_logprobs[rows],
+                None if grad_entropy is None else grad_entropy[rows],
+                temperature,
+            )
         return grad_logits, None, None, None
 
 
-def chunk_logits_gradient(log_p: Tensor, targets: Tensor, entropy: Tensor | None, grad_logprobs: Tensor | None,
-                          grad_entropy: Tensor | None, temperature: float) -> Tensor:
+def chunk_logits_gradient(
+    log_p: Tensor,
+    targets: Tensor,
+    entropy: Tensor | None,
+    grad_logprobs: Tensor | None,
+    grad_entropy: Tensor | None,
+    temperature: float,
+) -> Tensor:
     """d/d logits of sum_t g_t log p_t[target_t] + e_t H_t for one chunk of positions, from its log-softmax
     `log_p` [n, V] (consumed): d logp[target]/dx = onehot - p and dH/dx = -p (log p + H), with x = logits / T."""
     chunk = torch.zeros_like(log_p)
@@ -177,8 +203,9 @@ def _chunked(logits: Tensor, input_ids: Tensor, temperature: float, with_entropy
     batch, length, vocab = logits.shape
     # score every position against the next token (the last one against a dummy) so the logits stay a view
     targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
-    logprobs, entropy = _TargetLogprobs.apply(logits.reshape(batch * length, vocab), targets, float(temperature),
-                                              with_entropy)
+    logprobs, entropy = _TargetLogprobs.apply(
+        logits.reshape(batch * length, vocab), targets, float(temperature), with_entropy
+    )
     entropy = entropy.view(batch, length)[:, :-1] if with_entropy else entropy
     return logprobs.view(batch, length)[:, :-1], entropy
 
@@ -205,8 +232,9 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     One chunk of positions at a time, so the extra softmax never costs more than one fp32 chunk; a policy
     whose entropy collapses stops exploring, the usual way GRPO runs stall.
     """
-    return _chunked(logits, torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device), temperature,
-                    with_entropy=True)[1]
+    return _chunked(
+        logits, torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device), temperature, with_entropy=True
+    )[1]
 
 
 def sequence_logprob_grad(logits: Tensor, input_ids: Tensor, loss_mask: Tensor, temperature: float = 1.0) -> Tensor:

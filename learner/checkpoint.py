@@ -26,8 +26,9 @@ def check_owned_by_me(path: Path) -> None:
     for item in [path, *path.rglob("*")]:
         info = item.lstat()
         if info.st_uid != os.getuid():
-            raise PermissionError(f"refusing to load checkpoint {path}: {item} belongs to another user "
-                                  f"(uid {info.st_uid})")
+            raise PermissionError(
+                f"refusing to load checkpoint {path}: {item} belongs to another user (uid {info.st_uid})"
+            )
         if info.st_mode & 0o002:
             raise PermissionError(f"refusing to load checkpoint {path}: {item} is writable by every user")
 
@@ -41,12 +42,13 @@ def storage_errors(what: str) -> Iterator[None]:
         yield
     except OSError:
         raise
-    except Exception as error:  # noqa: BLE001 - reported with its type and message, never swallowed
+    except Exception as error:
         raise OSError(f"writing {what} failed: {type(error).__name__}: {error}") from error
 
 
-def save_model_folder(model: Any, tokenizer_source: str, folder: str,
-                      state_dict: dict[str, Tensor] | None = None) -> None:
+def save_model_folder(
+    model: Any, tokenizer_source: str, folder: str, state_dict: dict[str, Tensor] | None = None
+) -> None:
     """`model` (or its config with `state_dict`) and the tokenizer of `tokenizer_source` as a Hugging Face
     folder that transformers and vLLM load as it is; any failure to write it is an OSError (`storage_errors`)."""
     from transformers import AutoTokenizer
@@ -104,8 +106,9 @@ def load_checkpoint(engine: Any, directory: str, tag: str, rank: int) -> dict[st
     alone owns the folder; returns its client state. A collective."""
     path = Path(directory) / tag
     check_owned_by_me(path)  # DeepSpeed unpickles its checkpoint files
-    loaded, client_state = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+    loaded, client_state = engine.load_checkpoint(
+        directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if loaded is None:
         raise FileNotFoundError(f"learner rank {rank}: no checkpoint in {path}")
     return dict(client_state)

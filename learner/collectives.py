@@ -13,8 +13,13 @@ from torch import Tensor
 from learner.micro_batches import EMPTY, MicroBatch, MicroBatchPlan
 
 # Metrics computed from the gathered global batch: the same on every rank, so averaged without token weights.
-GLOBAL_METRICS = {"stability/ess_ratio", "stability/chi2_seq", "stability/ess_ratio_clipped", "stability/lr_scale",
-                  "stability/skipped_step"}
+GLOBAL_METRICS = {
+    "stability/ess_ratio",
+    "stability/chi2_seq",
+    "stability/ess_ratio_clipped",
+    "stability/lr_scale",
+    "stability/skipped_step",
+}
 
 
 def nonfinite_count(*tensors: Tensor) -> Tensor:
@@ -80,8 +85,9 @@ class Collectives:
             return dict(zip(names, values.tolist()))
         weights = torch.ones_like(values)
         if token_weight is not None:
-            weighted = torch.tensor([n.startswith("stability/") and n not in GLOBAL_METRICS for n in names],
-                                    device=self.device)
+            weighted = torch.tensor(
+                [n.startswith("stability/") and n not in GLOBAL_METRICS for n in names], device=self.device
+            )
             weights[weighted] = token_weight.float().to(self.device)
         totals = torch.stack([values * weights, weights])
         dist.all_reduce(totals)

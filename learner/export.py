@@ -11,12 +11,13 @@ from pathlib import Path
 
 import torch
 
-from learner.lora import LoraSpec, with_lora
 from learner.checkpoint import check_owned_by_me, save_lora_model_folder, save_model_folder
+from learner.lora import LoraSpec, with_lora
 
 
-def save_checkpoint_model(learner_dir: Path, tag: str, base_model: str, folder: str,
-                          lora: LoraSpec | None = None) -> None:
+def save_checkpoint_model(
+    learner_dir: Path, tag: str, base_model: str, folder: str, lora: LoraSpec | None = None
+) -> None:
     """Write the policy of the checkpoint in `learner_dir` (DeepSpeed's save folder, state under `tag`) to
     `folder`; `base_model` is the job's model folder, for the architecture and the tokenizer. A LoRA run's
     checkpoint becomes the merged model, with its adapter alone in `folder/adapter`."""
@@ -31,8 +32,10 @@ def save_checkpoint_model(learner_dir: Path, tag: str, base_model: str, folder: 
     prefix = "base_model.model." if peft_model is not None else ""  # peft's names of the base model's weights
     tied = {prefix + key for key in getattr(model, "_tied_weights_keys", None) or []}
     if unexpected or set(missing) - tied:
-        raise ValueError(f"checkpoint {learner_dir} does not fit the job's model {base_model}: "
-                         f"missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+        raise ValueError(
+            f"checkpoint {learner_dir} does not fit the job's model {base_model}: "
+            f"missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}"
+        )
     if lora is None:  # and so no peft_model
         save_model_folder(model, base_model, folder)
     else:

@@ -24,8 +24,9 @@ class _FusedTargetLogprobs(torch.autograd.Function):
     """log softmax(h W^T / T)[target] and the entropy per position, differentiable in h and W."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-                with_entropy: bool) -> tuple[Tensor, Tensor]:  # hidden [N, d], weight [V, d], targets [N]
+    def forward(
+        ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+    ) -> tuple[Tensor, Tensor]:  # hidden [N, d], weight [V, d], targets [N]
         ctx.set_materialize_grads(False)
         logprobs = torch.empty(hidden.shape[0], dtype=_reduced_dtype(hidden), device=hidden.device)
         normalisers = torch.empty_like(logprobs)
@@ -42,8 +43,11 @@ class _FusedTargetLogprobs(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_logprobs: Tensor | None, grad_entropy: Tensor | None  # type: ignore[override]
-                 ) -> tuple[Tensor | None, Tensor | None, None, None, None]:
+    def backward(
+        ctx: Any,
+        grad_logprobs: Tensor | None,
+        grad_entropy: Tensor | None,  # type: ignore[override]
+    ) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         """Per chunk: the logits' gradient (`chunk_logits_gradient`), then dh = dlogits W and dW += dlogits^T h."""
         hidden, weight, targets, normalisers, entropy = ctx.saved_tensors
         temperature = ctx.temperature
@@ -58,9 +62,13 @@ class _FusedTargetLogprobs(torch.autograd.Function):
         for rows in position_chunks(hidden.shape[0], weight.shape[0]):
             log_p = (hidden[rows] @ weight.T).to(normalisers.dtype).div_(temperature).sub_(normalisers[rows, None])
             grad_logits = chunk_logits_gradient(
-                log_p, targets[rows], entropy[rows] if entropy.numel() else None,
+                log_p,
+                targets[rows],
+                entropy[rows] if entropy.numel() else None,
                 None if grad_logprobs is None else grad_logprobs[rows],
-                None if grad_entropy is None else grad_entropy[rows], temperature).to(hidden.dtype)
+                None if grad_entropy is None else grad_entropy[rows],
+                temperature,
+            ).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
@@ -73,16 +81,18 @@ def _reduced_dtype(hidden: Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, torch.float32)
 
 
-def fused_token_logprobs(hidden: Tensor, weight: Tensor, input_ids: Tensor, temperature: float = 1.0,
-                         with_entropy: bool = False) -> tuple[Tensor, Tensor]:
+def fused_token_logprobs(
+    hidden: Tensor, weight: Tensor, input_ids: Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[Tensor, Tensor]:
     """`learner.batch.token_logprobs_and_entropy` of the logits h W^T without forming them: from the last
     hidden states [B, L, d] and the output layer's weight [V, d], each next token's log-prob [B, L-1] fp32
     and, `with_entropy`, the entropy at each position [B, L-1] (else an empty tensor)."""
     batch, length, width = hidden.shape
     # score every position against the next token (the last one against a dummy) so the hidden states stay a view
     targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
-    logprobs, entropy = _FusedTargetLogprobs.apply(hidden.reshape(batch * length, width), weight, targets,
-                                                   float(temperature), with_entropy)
+    logprobs, entropy = _FusedTargetLogprobs.apply(
+        hidden.reshape(batch * length, width), weight, targets, float(temperature), with_entropy
+    )
     entropy = entropy.view(batch, length)[:, :-1] if with_entropy else entropy
     return logprobs.view(batch, length)[:, :-1], entropy
 

@@ -38,10 +38,11 @@ Reference (`per_sample_loop`): one backward per trajectory, as the official VCPO
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator, Union, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -115,16 +116,24 @@ def factor_inner(p: Factors, q: Factors) -> Tensor:
     batch, steps = p.right.shape[:2]
     if p is q and p.dense_is_cheaper:
         per_sample = (p.rows if p.indexed else p.left.shape[-1]) * p.right.shape[-1]
-        return torch.cat([
-            _self_dot(Factors(p.left[i:i + n], p.right[i:i + n], p.rows).dense())
-            for i, n in _chunks(batch, per_sample)
-        ])
+        return torch.cat(
+            [
+                _self_dot(Factors(p.left[i : i + n], p.right[i : i + n], p.rows).dense())
+                for i, n in _chunks(batch, per_sample)
+            ]
+        )
     per_sample = steps * q.right.shape[1]
-    return torch.cat([
-        (_left_gram(Factors(p.left[i:i + n], p.right[i:i + n]), Factors(q.left[i:i + n], q.right[i:i + n]))
-         * torch.bmm(p.right[i:i + n], q.right[i:i + n].transpose(1, 2))).sum((1, 2), dtype=torch.float32)
-        for i, n in _chunks(batch, per_sample)
-    ])
+    return torch.cat(
+        [
+            (
+                _left_gram(
+                    Factors(p.left[i : i + n], p.right[i : i + n]), Factors(q.left[i : i + n], q.right[i : i + n])
+                )
+                * torch.bmm(p.right[i : i + n], q.right[i : i + n].transpose(1, 2))
+            ).sum((1, 2), dtype=torch.float32)
+            for i, n in _chunks(batch, per_sample)
+        ]
+    )
 
 
 def _self_dot(dense: Tensor) -> Tensor:
@@ -140,8 +149,12 @@ def _chunks(batch: int, elements_per_sample: int) -> Iterator[tuple[int, int]]:
 
 
 def _is_rms_norm(module: nn.Module) -> bool:
-    return (type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), nn.Parameter)
-            and hasattr(module, "variance_epsilon") and getattr(module, "bias", None) is None)
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and isinstance(getattr(module, "weight", None), nn.Parameter)
+        and hasattr(module, "variance_epsilon")
+        and getattr(module, "bias", None) is None
+    )
 
 
 def _covered_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -159,7 +172,7 @@ def _trained_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in _covered_parameters(module) if p.requires_grad]
 
 
-Contribution = Union[Factors, Tensor]
+Contribution = Factors | Tensor
 """A per-sample gradient of one parameter in one call: factors, or dense [B, *parameter shape]."""
 
 
@@ -190,7 +203,7 @@ def _squared_norm(parts: list[Contribution]) -> Tensor:
     parts = ([cast(Tensor, sum(dense))] if dense else []) + [part for part in parts if not isinstance(part, Tensor)]
     total = cast(Tensor, sum(_pair_inner(p, p) for p in parts))
     for j, p in enumerate(parts):
-        for q in parts[j + 1:]:
+        for q in parts[j + 1 :]:
             total = total + 2 * _pair_inner(p, q)
     return total
 
@@ -251,9 +264,12 @@ class SampleGradients:
             raise RuntimeError("these sample gradients kept norms only (ghost or per-sample loop), not the gradients")
         coefficients = coefficients.float()
         # every parameter kept has at least one part, so each sum is a tensor
-        return {param: cast(Tensor, sum(_weighted_sum(part, coefficients, param.shape) for part in parts)).to(
-                    torch.float32 if fp32 else param.dtype)
-                for param, parts in self.parts.items()}
+        return {
+            param: cast(Tensor, sum(_weighted_sum(part, coefficients, param.shape) for part in parts)).to(
+                torch.float32 if fp32 else param.dtype
+            )
+            for param, parts in self.parts.items()
+        }
 
 
 class GhostGradNorms:
@@ -271,8 +287,10 @@ class GhostGradNorms:
         owned = {id(p) for p in self.trained}
         missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
         if missing:
-            raise UncoveredParameters(f"no ghost-norm rule for parameters {missing[:5]}"
-                                      + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+            raise UncoveredParameters(
+                f"no ghost-norm rule for parameters {missing[:5]}"
+                + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            )
         self._records: list[_Record | None] = []
         self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._consumer: Callable[[int, Tensor], None] | None = None
@@ -334,8 +352,7 @@ class GhostGradNorms:
             handle.remove()
         self._records, self._grad_hooks, self._consumer = [], [], None
 
-    def squared_norms(self, logits_grad: Tensor, from_logits: bool = False, packed: PackedRows | None = None
-                      ) -> Tensor:
+    def squared_norms(self, logits_grad: Tensor, from_logits: bool = False, packed: PackedRows | None = None) -> Tensor:
         """||grad_theta log pi(tau_i)||^2 for each sample, [B] fp32, given d(sum_i log pi(tau_i))/d logits
         ([B, L, V], e.g. `sequence_logprob_grad`).
 
@@ -355,8 +372,9 @@ class GhostGradNorms:
         """
         return self._backward(logits_grad, from_logits=False, keep=True, packed=packed)
 
-    def _backward(self, logits_grad: Tensor, from_logits: bool, keep: bool, packed: PackedRows | None
-                  ) -> SampleGradients:
+    def _backward(
+        self, logits_grad: Tensor, from_logits: bool, keep: bool, packed: PackedRows | None
+    ) -> SampleGradients:
         records = self._records
         try:
             with _tensor_core_products(logits_grad.device):
@@ -365,8 +383,14 @@ class GhostGradNorms:
             records.clear()
             self._release()
 
-    def _run_backward(self, records: list[_Record | None], logits_grad: Tensor, from_logits: bool,
-                      keep: bool, packed: PackedRows | None) -> SampleGradients:
+    def _run_backward(
+        self,
+        records: list[_Record | None],
+        logits_grad: Tensor,
+        from_logits: bool,
+        keep: bool,
+        packed: PackedRows | None,
+    ) -> SampleGradients:
         heads = [i for i, r in enumerate(records) if r is not None and r.module is self.output_layer]
         if len(heads) != 1 or heads[0] == 0:
             raise RuntimeError(f"squared_norms needs one recorded forward inside recording(), saw {len(heads)}")
@@ -418,8 +442,9 @@ class GhostGradNorms:
         # trained embedding (LoRA) no one output is upstream of every recorded layer, and the backward asks
         # for the trained parameters themselves (adapter-sized, so their summed gradients cost little).
         upstream = [first_output] if isinstance(first.module, nn.Embedding) else self.trained
-        torch.autograd.grad(start, upstream, grad_outputs=start_grad, retain_graph=not (from_logits or keep),
-                            allow_unused=True)
+        torch.autograd.grad(
+            start, upstream, grad_outputs=start_grad, retain_graph=not (from_logits or keep), allow_unused=True
+        )
         missed = [type(r.module).__name__ for r in records if r is not None]
         if missed:
             raise UncoveredParameters(f"no gradient reached the outputs of {missed[:5]} on the way to the first layer")
@@ -429,8 +454,9 @@ class GhostGradNorms:
         return SampleGradients(total, kept if keep else None)
 
     @staticmethod
-    def _contributions(module: nn.Module, x: Tensor, grad: Tensor,
-                       batch: int) -> list[tuple[nn.Parameter, Contribution]]:
+    def _contributions(
+        module: nn.Module, x: Tensor, grad: Tensor, batch: int
+    ) -> list[tuple[nn.Parameter, Contribution]]:
         """Each parameter's per-sample gradient of this call: factors in the model's dtype, or a direct
         [B, n] fp32 vector. (The weights and biases are Parameters, as in `_covered_parameters`.)"""
         if isinstance(module, nn.Embedding):

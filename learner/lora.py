@@ -32,8 +32,13 @@ class LoraSpec:
         from peft import LoraConfig
 
         # peft annotates lora_alpha as an int, but it is the numerator of a float scale (alpha / r): a fraction works
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha,  # type: ignore[arg-type]
-                          lora_dropout=self.dropout, target_modules=list(self.target_modules), task_type="CAUSAL_LM")
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,  # type: ignore[arg-type]
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            task_type="CAUSAL_LM",
+        )
 
 
 def with_lora(model: Any, spec: LoraSpec) -> Any:

@@ -12,8 +12,9 @@ from typing import Literal
 LRSchedule = Literal["constant", "linear", "cosine"]
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, schedule: LRSchedule = "constant",
-              min_ratio: float = 0.0) -> float:
+def lr_factor(
+    step: int, total_steps: int, warmup_steps: int = 0, schedule: LRSchedule = "constant", min_ratio: float = 0.0
+) -> float:
     """Multiplier on `learner.learning_rate` for optimizer step `step` (0-based; it makes policy version step+1).
 
     The first `warmup_steps` steps ramp linearly from 1/warmup_steps to 1; after them `constant` stays at 1,

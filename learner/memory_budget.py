@@ -68,8 +68,14 @@ class ModelShape:
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        return cls(hidden=text.hidden_size, intermediate=text.intermediate_size, layers=text.num_hidden_layers,
-                   query_width=heads * head_dim, key_value_width=kv_heads * head_dim, vocab=text.vocab_size)
+        return cls(
+            hidden=text.hidden_size,
+            intermediate=text.intermediate_size,
+            layers=text.num_hidden_layers,
+            query_width=heads * head_dim,
+            key_value_width=kv_heads * head_dim,
+            vocab=text.vocab_size,
+        )
 
 
 def layer_activation_numbers(shape: ModelShape) -> int:
@@ -116,21 +122,34 @@ class StepMemory:
     capped: tuple[tuple[int, float], ...] = ()
 
     def bytes_for(self, tokens: int) -> float:
-        return (self.fixed_bytes + tokens * self.bytes_per_token
-                + sum(min(cap, tokens * per_token) for per_token, cap in self.capped))
+        return (
+            self.fixed_bytes
+            + tokens * self.bytes_per_token
+            + sum(min(cap, tokens * per_token) for per_token, cap in self.capped)
+        )
 
 
-def step_memory(shape: ModelShape, dtype_bytes: int, trained_parameters: int, sequence_tokens: int, *,
-                gradient_checkpointing: bool, per_sample_norms: bool, kept_gradient_cap_bytes: float = 0.0,
-                later_bytes: int = 0) -> StepMemory:
+def step_memory(
+    shape: ModelShape,
+    dtype_bytes: int,
+    trained_parameters: int,
+    sequence_tokens: int,
+    *,
+    gradient_checkpointing: bool,
+    per_sample_norms: bool,
+    kept_gradient_cap_bytes: float = 0.0,
+    later_bytes: int = 0,
+) -> StepMemory:
     """The step's memory model for rows of up to `sequence_tokens`. `kept_gradient_cap_bytes`: what
     book-keeping may keep (VCPO's bookkeeping_budget_mb under `auto`, which counts the score buffer too;
     0 without book-keeping; infinite when book-keeping is forced, and then also the score buffer).
     `later_bytes`: what the rank takes after the budget is chosen, so not yet gone from the free memory:
     AdamW's moments (torch makes them at the first step) and a KL term's reference copy."""
-    per_token = (activation_bytes_per_token(shape, dtype_bytes, gradient_checkpointing)
-                 + logits_bytes_per_token(shape, dtype_bytes, per_sample_norms)
-                 + MASK_BYTES_PER_POSITION * sequence_tokens)
+    per_token = (
+        activation_bytes_per_token(shape, dtype_bytes, gradient_checkpointing)
+        + logits_bytes_per_token(shape, dtype_bytes, per_sample_norms)
+        + MASK_BYTES_PER_POSITION * sequence_tokens
+    )
     fixed = 4 * GRADIENT_COPIES * trained_parameters + later_bytes
     capped: list[tuple[int, float]] = [(LIVE_CHUNKS * 4 * shape.vocab, LIVE_CHUNKS * 4 * CHUNK_LOGIT_ELEMENTS)]
     if per_sample_norms:  # a [rows, T, T] Gram chunk is T numbers per token
@@ -152,8 +171,9 @@ class MicroBatchBudget:
     kept_gradient_bytes: float = 0.0
 
 
-def choose_budget(memory: StepMemory, free_bytes: int, usable_share: float, sequence_tokens: int,
-                  gradient_checkpointing: bool) -> MicroBatchBudget:
+def choose_budget(
+    memory: StepMemory, free_bytes: int, usable_share: float, sequence_tokens: int, gradient_checkpointing: bool
+) -> MicroBatchBudget:
     """The most tokens whose step fits `usable_share` of `free_bytes`; an error naming the knobs when
     not even one sequence (`sequence_tokens`, generator.max_model_len) fits."""
     usable = usable_share * free_bytes
@@ -170,12 +190,15 @@ def choose_budget(memory: StepMemory, free_bytes: int, usable_share: float, sequ
             f"MiB per token, {memory.fixed_bytes / 2**30:.2f} GiB per step), but {usable_share:.0%} of the "
             f"{free_bytes / 2**30:.2f} GiB free on the rank's device is {usable / 2**30:.2f} GiB; lower "
             f"generator.max_model_len, give the rank more memory{advice}, or set "
-            "learner.max_tokens_per_micro_batch to a number of your own")
+            "learner.max_tokens_per_micro_batch to a number of your own"
+        )
     capped = memory.bytes_for(low) - memory.fixed_bytes - low * memory.bytes_per_token
-    why = (f"{low} tokens per micro-batch (learner.max_tokens_per_micro_batch auto): {usable_share:.0%} of "
-           f"{free_bytes / 2**30:.2f} GiB free, less {memory.fixed_bytes / 2**30:.2f} GiB per step and "
-           f"{capped / 2**30:.2f} GiB of chunked temporaries and kept gradients, at "
-           f"{memory.bytes_per_token / 2**20:.2f} MiB per token")
+    why = (
+        f"{low} tokens per micro-batch (learner.max_tokens_per_micro_batch auto): {usable_share:.0%} of "
+        f"{free_bytes / 2**30:.2f} GiB free, less {memory.fixed_bytes / 2**30:.2f} GiB per step and "
+        f"{capped / 2**30:.2f} GiB of chunked temporaries and kept gradients, at "
+        f"{memory.bytes_per_token / 2**20:.2f} MiB per token"
+    )
     return MicroBatchBudget(low, why)
 
 
@@ -214,8 +237,10 @@ def read_host_available_bytes() -> int:
     """Host memory this process may still use (cgroup v2, else v1, else none)."""
     limit, usage = _read("/sys/fs/cgroup/memory.max"), _read("/sys/fs/cgroup/memory.current")
     if limit is None:
-        limit, usage = (_read("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
-                        _read("/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+        limit, usage = (
+            _read("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+            _read("/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+        )
     return host_available_bytes(Path("/proc/meminfo").read_text(), limit, usage)
 
 
@@ -259,9 +284,15 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
 
     def memory_with(kept_bytes: float) -> StepMemory:
         return step_memory(
-            ModelShape.from_config(engine.module.config), dtype_bytes, trained, sequence_tokens,
-            gradient_checkpointing=spec.gradient_checkpointing, per_sample_norms=per_sample_norms,
-            kept_gradient_cap_bytes=kept_bytes, later_bytes=later)
+            ModelShape.from_config(engine.module.config),
+            dtype_bytes,
+            trained,
+            sequence_tokens,
+            gradient_checkpointing=spec.gradient_checkpointing,
+            per_sample_norms=per_sample_norms,
+            kept_gradient_cap_bytes=kept_bytes,
+            later_bytes=later,
+        )
 
     hosts: list[Any] = [None] * world_size
     if world_size > 1:
@@ -286,8 +317,9 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
         budget = choose_budget(memory_with(kept), free_bytes, share, sequence_tokens, spec.gradient_checkpointing)
         assert budget.tokens is not None, "choose_budget always picks a number of tokens"
         fewest = int(least(float(budget.tokens)))
-        why = (budget.why if fewest == budget.tokens
-               else f"{fewest}, the least over the ranks; this rank's: {budget.why}")
+        why = (
+            budget.why if fewest == budget.tokens else f"{fewest}, the least over the ranks; this rank's: {budget.why}"
+        )
         budget = MicroBatchBudget(fewest, why, kept)
     budget = dataclasses.replace(budget, why=budget.why + kept_why)
     log.info("learner rank %d: %s", rank, budget.why)
@@ -296,8 +328,11 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
 
 def _job_budget(tokens: int | None, kept_gradient_bytes: float) -> MicroBatchBudget:
     """The job's own number of tokens per micro-batch (None: the whole batch at once), as the log states it."""
-    why = ("the whole batch in one micro-batch" if tokens is None
-           else f"{tokens} tokens per micro-batch (learner.max_tokens_per_micro_batch)")
+    why = (
+        "the whole batch in one micro-batch"
+        if tokens is None
+        else f"{tokens} tokens per micro-batch (learner.max_tokens_per_micro_batch)"
+    )
     return MicroBatchBudget(tokens, why, kept_gradient_bytes)
 
 
@@ -307,8 +342,12 @@ def unallocated_adam_bytes(engine: Any, trained_parameters: int, zero_stage: int
     import torch
 
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO wraps torch's optimizer
-    held = sum(value.numel() * value.element_size() for state in optimizer.state.values()
-               for value in state.values() if torch.is_tensor(value))
+    held = sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if torch.is_tensor(value)
+    )
     share = trained_parameters // (world_size if zero_stage >= 1 else 1)
     return max(0, 2 * 4 * share - held)
 

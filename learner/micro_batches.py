@@ -44,10 +44,12 @@ class Packing:
         row = np.repeat(np.arange(len(sizes)), sizes)  # [N] each packed token's row
         position = np.arange(int(ends[-1])) - (ends - sizes)[row]
         scored = np.flatnonzero(position < sizes[row] - 1)
-        indices = np.concatenate([row * width + position, position, scored,
-                                  row[scored] * (width - 1) + position[scored]])
-        tokens, position_ids, scored_at, targets_at = torch.from_numpy(indices).to(device).split(
-            [len(row), len(row), len(scored), len(scored)])
+        indices = np.concatenate(
+            [row * width + position, position, scored, row[scored] * (width - 1) + position[scored]]
+        )
+        tokens, position_ids, scored_at, targets_at = (
+            torch.from_numpy(indices).to(device).split([len(row), len(row), len(scored), len(scored)])
+        )
         cu_seqlens = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)).to(device)
         return cls(tuple(lengths), width, tokens, position_ids[None], scored_at, targets_at, cu_seqlens)
 
@@ -84,8 +86,9 @@ class MicroBatchPlan:
         return len(self.micro_batches)
 
 
-def plan(sequence_lengths: Tensor, group_ids: Tensor, max_tokens: int | None, keep_groups: bool,
-         packed: bool = False) -> MicroBatchPlan:
+def plan(
+    sequence_lengths: Tensor, group_ids: Tensor, max_tokens: int | None, keep_groups: bool, packed: bool = False
+) -> MicroBatchPlan:
     """Micro-batches of at most `max_tokens` padded tokens (None: one micro-batch of every row); `packed`: of at
     most `max_tokens` real tokens, each micro-batch's rows packed into one sequence (its `packing`).
 
@@ -126,9 +129,14 @@ def _packed_cost(rows: Iterable[int], lengths: list[int]) -> int:
     return sum(lengths[r] for r in rows)
 
 
-def _fill(lengths: list[int], group_list: list[int], max_tokens: int, keep_groups: bool,
-          cost: Callable[[Iterable[int], list[int]], int], packed: bool
-          ) -> tuple[list[list[int]], dict[int, list[int]], bool]:
+def _fill(
+    lengths: list[int],
+    group_list: list[int],
+    max_tokens: int,
+    keep_groups: bool,
+    cost: Callable[[Iterable[int], list[int]], int],
+    packed: bool,
+) -> tuple[list[list[int]], dict[int, list[int]], bool]:
     """The micro-batches' rows, longest units (rows or whole groups) first; a padded unit joins the latest
     micro-batch (rows of similar length together), a packed one the first with room for it (any lengths pack
     alike). Also each split group's micro-batches and whether every group stayed whole."""
@@ -156,8 +164,9 @@ def _fill(lengths: list[int], group_list: list[int], max_tokens: int, keep_group
     return batches, split_groups, groups_whole
 
 
-def _pieces(rows: list[int], lengths: list[int], max_tokens: int,
-            cost: Callable[[Iterable[int], list[int]], int]) -> list[list[int]]:
+def _pieces(
+    rows: list[int], lengths: list[int], max_tokens: int, cost: Callable[[Iterable[int], list[int]], int]
+) -> list[list[int]]:
     """Consecutive runs of `rows` (longest first) that each fit the budget."""
     pieces: list[list[int]] = []
     for row in rows:

@@ -69,11 +69,18 @@ def build_tiny_model(
     """A random-init causal LM and a byte-level BPE tokenizer (digits split, ChatML template) in `out_dir`."""
     lines = list(corpus)
     params = {
-        "builder_version": BUILDER_VERSION, "arch": arch, "hidden_size": hidden_size, "num_layers": num_layers,
-        "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+        "builder_version": BUILDER_VERSION,
+        "arch": arch,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
         "intermediate_size": intermediate_size,
-        "vocab_size": vocab_size, "max_position_embeddings": max_position_embeddings,
-        "tie_word_embeddings": tie_word_embeddings, "seed": seed,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": tie_word_embeddings,
+        "seed": seed,
         "corpus_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest(),
     }
 
@@ -87,11 +94,18 @@ def build_tiny_model(
         config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
         # Qwen2Config declares no head_dim field but keeps the keyword as an attribute, which Qwen2's attention reads
         config = config_cls(  # type: ignore[call-arg]
-            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-            head_dim=head_dim, max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=tie_word_embeddings, bos_token_id=ids["<|im_start|>"],
-            eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=tie_word_embeddings,
+            bos_token_id=ids["<|im_start|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
         )
         torch.manual_seed(seed)
         model = model_cls(config)
@@ -112,12 +126,18 @@ def _train_tokenizer(lines: list[str], vocab_size: int):  # -> PreTrainedTokeniz
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(lines, trainer)
     tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in ANSWER_TOKENS])
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                      pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
 
@@ -192,13 +212,14 @@ def hub_model_folder(repo_id: str, field: str) -> str:
 
     try:
         return str(snapshot_download(repo_id))
-    except Exception as error:  # noqa: BLE001 - offline, unknown, gated: the id and the setting are what to fix
+    except Exception as error:
         first = str(error).splitlines()[0] if str(error) else ""
         raise ModelPathError(
             f"{field}: {repo_id!r} is no local folder, and as a Hugging Face hub id it does not load here "
             f"({type(error).__name__}: {first[:200]}); with no network (HF_HUB_OFFLINE=1, as here without "
             "internet) it must be in the cache already (HF_HOME; `huggingface-cli download "
-            f"{repo_id}` where there is a network), else give {field} a local model folder") from error
+            f"{repo_id}` where there is a network), else give {field} a local model folder"
+        ) from error
 
 
 def check_chat_template(model_path: str) -> None:
@@ -208,10 +229,12 @@ def check_chat_template(model_path: str) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as error:  # a hub id with no network, a folder without tokenizer files
-        raise ModelPathError(f"model.path: no tokenizer loads from {model_path!r} ({type(error).__name__}: "
-                             f"{str(error).splitlines()[0] if str(error) else ''}); a hub id must be in the Hugging "
-                             "Face cache already when there is no network (HF_HUB_OFFLINE=1); else give a local model "
-                             f"folder, or one of {', '.join(['tiny', *KNOWN_MODELS])}") from error
+        raise ModelPathError(
+            f"model.path: no tokenizer loads from {model_path!r} ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); a hub id must be in the Hugging "
+            "Face cache already when there is no network (HF_HUB_OFFLINE=1); else give a local model "
+            f"folder, or one of {', '.join(['tiny', *KNOWN_MODELS])}"
+        ) from error
     if not getattr(tokenizer, "chat_template", None):
         raise ModelPathError(f"model.path: the tokenizer at {model_path} has no chat template, which the tasks need")
 

@@ -37,8 +37,15 @@ VARLEN = ("sdpa", "flash_attention_2", "flash_attention_3")
 FLASH = ("flash_attention_2", "flash_attention_3")
 
 
-def packed_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, lengths: tuple[int, ...],
-                dropout: float, scaling: float | None) -> Tensor:
+def packed_sdpa(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    lengths: tuple[int, ...],
+    dropout: float,
+    scaling: float | None,
+) -> Tensor:
     """SDPA's causal kernel on each row's own span of the packed [1, heads, N, head_dim] query, key and value:
     [1, N, heads, head_dim], as transformers' attention functions return."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -46,14 +53,25 @@ def packed_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tens
     outputs, start = [], 0
     for length in lengths:
         span = slice(start, start + length)
-        outputs.append(sdpa_attention_forward(module, query[:, :, span], key[:, :, span], value[:, :, span], None,
-                                              dropout=dropout, scaling=scaling, is_causal=True)[0])
+        outputs.append(
+            sdpa_attention_forward(
+                module,
+                query[:, :, span],
+                key[:, :, span],
+                value[:, :, span],
+                None,
+                dropout=dropout,
+                scaling=scaling,
+                is_causal=True,
+            )[0]
+        )
         start += length
     return torch.cat(outputs, dim=1)
 
 
-def varlen_sdpa(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_length: int,
-                scaling: float | None) -> Tensor | None:
+def varlen_sdpa(
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_length: int, scaling: float | None
+) -> Tensor | None:
     """Causal attention within each row of the packed [1, heads, N, head_dim] query, key and value in one call
     of PyTorch's varlen flash kernel, [1, N, heads, head_dim]; None where that kernel does not serve: off CUDA,
     in fp32, head_dim over 256, or a PyTorch without it (then `packed_sdpa`)."""
@@ -75,9 +93,17 @@ def _packed_attention(implementation: str) -> Callable[..., tuple[Tensor, Any]]:
     the same attention within each row: flash's varlen kernel on the rows' `cu_seq_lens`, or `packed_sdpa`."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                  dropout: float = 0.0, scaling: float | None = None, packed_lengths: tuple[int, ...] | None = None,
-                  **kwargs: Any) -> tuple[Tensor, Any]:
+    def attention(
+        module: torch.nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        packed_lengths: tuple[int, ...] | None = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Any]:
         own = ALL_ATTENTION_FUNCTIONS[implementation]
         if packed_lengths is None:  # a padded forward: the model's attention as it was
             return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -108,7 +134,7 @@ def packing_support(model: Any) -> tuple[bool, str]:
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"]):
         return False, f"{type(base).__name__} has sliding-window layers (layer_types)"
     if isinstance(implementation, str) and implementation.startswith(PACKED):
-        return True, f"packed micro-batches (attention: {implementation[len(PACKED):]} within each row)"
+        return True, f"packed micro-batches (attention: {implementation[len(PACKED) :]} within each row)"
     if implementation not in VARLEN:
         return False, f"attention {implementation!r} has no varlen path here (sdpa and flash_attention_2/3 have)"
     AttentionInterface.register(PACKED + implementation, _packed_attention(implementation))
@@ -122,14 +148,21 @@ def _attention_kwargs(packing: Packing) -> dict[str, Any]:
     and a placeholder 4D mask, which transformers passes on as it is instead of building one (and reading the
     position ids on the host to find the rows, as `find_packed_sequence_indices` does)."""
     device = packing.position_ids.device
-    return {"position_ids": packing.position_ids, "use_cache": False, "packed_lengths": packing.lengths,
-            "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
-            "cu_seq_lens_q": packing.cu_seqlens, "cu_seq_lens_k": packing.cu_seqlens,
-            "max_length_q": packing.max_length, "max_length_k": packing.max_length}
+    return {
+        "position_ids": packing.position_ids,
+        "use_cache": False,
+        "packed_lengths": packing.lengths,
+        "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
+        "cu_seq_lens_q": packing.cu_seqlens,
+        "cu_seq_lens_k": packing.cu_seqlens,
+        "max_length_q": packing.max_length,
+        "max_length_k": packing.max_length,
+    }
 
 
-def packed_token_logprobs(model: Any, head: FusedHead | None, micro: TrainBatch, packing: Packing,
-                          temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+def packed_token_logprobs(
+    model: Any, head: FusedHead | None, micro: TrainBatch, packing: Packing, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
     """The micro-batch's next-token log-probs [b, width - 1] fp32 (and, `with_entropy`, the entropy at each
     position) from one packed forward: through the fused output layer `head` when given, else from `model`'s
     logits (an engine or module). Padding positions hold 0, the rows' real positions their padded forward's values."""

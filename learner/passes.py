@@ -35,8 +35,18 @@ from learner.micro_batches import MicroBatch
 from learner.packing import packing_support
 from learner.policy import PolicyForwards, Reference
 from learner.spec import LearnerSpec
-from learner.step import (CarriedGroup, NonFiniteUpdate, StepValues, check_one_coefficient_per_sequence,
-                          device_scalar, prompt_group_shares, rows_of, sequence_metrics, step_advantages, sub_batch)
+from learner.step import (
+    CarriedGroup,
+    NonFiniteUpdate,
+    StepValues,
+    check_one_coefficient_per_sequence,
+    device_scalar,
+    prompt_group_shares,
+    rows_of,
+    sequence_metrics,
+    step_advantages,
+    sub_batch,
+)
 from learner.vcpo_step import PerSampleNorms
 
 log = logging.getLogger("stableasync.learner")
@@ -51,9 +61,20 @@ class LearnerStep:
     inputs and output gradients back into rows to form their products.
     """
 
-    def __init__(self, spec: LearnerSpec, engine: Any, optimizer: Any, collectives: Collectives,
-                 stabilizer: Stabilizer, forwards: PolicyForwards, reference: Reference | None,
-                 norms: PerSampleNorms | None, micro_batch_tokens: int | None, packs: bool, rank: int) -> None:
+    def __init__(
+        self,
+        spec: LearnerSpec,
+        engine: Any,
+        optimizer: Any,
+        collectives: Collectives,
+        stabilizer: Stabilizer,
+        forwards: PolicyForwards,
+        reference: Reference | None,
+        norms: PerSampleNorms | None,
+        micro_batch_tokens: int | None,
+        packs: bool,
+        rank: int,
+    ) -> None:
         self.spec, self.engine, self.optimizer, self.collectives = spec, engine, optimizer, collectives
         self.stabilizer, self.forwards, self.reference, self.norms = stabilizer, forwards, reference, norms
         self.micro_batch_tokens, self.packs, self.rank = micro_batch_tokens, packs, rank
@@ -81,10 +102,12 @@ class LearnerStep:
         self.engine.train()
         batch = batch.to(self.device)
         needs_norms = self.norms is not None
-        plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.micro_batch_tokens,
-                                  keep_groups=needs_norms, packed=self.packs)
+        plan = micro_batches.plan(
+            batch.sequence_lengths, batch.group_ids, self.micro_batch_tokens, keep_groups=needs_norms, packed=self.packs
+        )
         one_pass = self.stabilizer.decides_per_row and (
-            plan.groups_whole or self.norms is None or self.norms.carries_every_split_group(batch, plan))
+            plan.groups_whole or self.norms is None or self.norms.carries_every_split_group(batch, plan)
+        )
         runs, one_pass = self.collectives.agreed_runs(plan, one_pass)
         reference = None if self.reference is None else self.reference.logprobs(batch, runs)
         task_rewards = batch.rewards
@@ -98,15 +121,20 @@ class LearnerStep:
             step = self.two_passes(batch, runs, reference)
         policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
         decision = step.decision or self.stabilizer.token_weights(policy)  # one pass: for the metrics only
-        metrics = {**health_metrics(policy), **decision.metrics,
-                   **(self.norms.baseline_metrics(batch, step) if self.norms is not None else {}),
-                   **reward_metrics, **self._kl_metrics(batch, step.logprobs, reference),
-                   "rollout/reward_mean": task_rewards.mean()}
+        metrics = {
+            **health_metrics(policy),
+            **decision.metrics,
+            **(self.norms.baseline_metrics(batch, step) if self.norms is not None else {}),
+            **reward_metrics,
+            **self._kl_metrics(batch, step.logprobs, reference),
+            "rollout/reward_mean": task_rewards.mean(),
+        }
         self.last_sequence_log_ratios = policy.seq_log_ratio
         metrics["stability/entropy"] = (step.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
         metrics["perf/micro_batches"] = self._scalar(len(plan))
         metrics["perf/learner_passes"] = self._scalar(
-            1.0 + self.spec.epochs if decoupled else 1.0 if step.decision is None else 2.0)
+            1.0 + self.spec.epochs if decoupled else 1.0 if step.decision is None else 2.0
+        )
         if step.squared_norms is not None:
             metrics["opob/bookkeeping_share"] = self._scalar(step.bookkept_micro_batches / len(runs))
             metrics["opob/carried_groups"] = self._scalar(step.carried_groups)
@@ -118,23 +146,35 @@ class LearnerStep:
             metrics["optim/lr"] = self._scalar(0.0)
             return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan, batch=batch)
         lr_scale = self.stabilizer.lr_scale(global_log_w)
-        schedule = lr_factor(self.version, self.spec.total_steps, self.spec.lr_warmup_steps, self.spec.lr_schedule,
-                             self.spec.lr_min_ratio)
+        schedule = lr_factor(
+            self.version,
+            self.spec.total_steps,
+            self.spec.lr_warmup_steps,
+            self.spec.lr_schedule,
+            self.spec.lr_min_ratio,
+        )
         metrics["optim/lr"] = self._scalar(self.spec.learning_rate * schedule * lr_scale)
         if decoupled:
             grad_norm, update_metrics = self.decoupled_updates(batch, step, lr_scale * schedule, reference)
             metrics.update(update_metrics)
             if update_metrics["optim/updates"] == 0:  # the first update was already non-finite
-                return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan,
-                                    batch=batch)
+                return self._finish(
+                    metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan, batch=batch
+                )
             self.version += 1
         else:
             grad_norm = self._step_with_lr_scale(lr_scale * schedule)
-        reduced = self._finish(metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm,
-                               batch=batch)
+        reduced = self._finish(
+            metrics, start, skipped=False, loss=loss, lr_scale=lr_scale, grad_norm=grad_norm, batch=batch
+        )
         if reference is not None and self.spec.kl_target is not None:  # the same reduced KL on every rank
-            self.kl_coef = adapted_kl_coef(self.kl_coef, reduced["stability/kl_ref_mean"], self.spec.kl_target,
-                                           self.spec.kl_horizon, batch.size * self.world_size)
+            self.kl_coef = adapted_kl_coef(
+                self.kl_coef,
+                reduced["stability/kl_ref_mean"],
+                self.spec.kl_target,
+                self.spec.kl_horizon,
+                batch.size * self.world_size,
+            )
         return reduced
 
     def one_pass(self, batch: TrainBatch, runs: list[MicroBatch], reference: Tensor | None) -> StepValues:
@@ -175,9 +215,17 @@ class LearnerStep:
             decision = self.stabilizer.token_weights(policy)
             denominator = mask_denominator if mask_denominator is not None else self._global_denominator(decision.mask)
             loss = self.loss(policy, decision, denominator, entropy, rows_of(reference, rows, logprobs))
-            slope = None if carried is None else policy_loss(
-                PolicyBatch(logprobs, micro.behaviour_logprobs, carried.slope[rows], micro.loss_mask), decision,
-                self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
+            slope = (
+                None
+                if carried is None
+                else policy_loss(
+                    PolicyBatch(logprobs, micro.behaviour_logprobs, carried.slope[rows], micro.loss_mask),
+                    decision,
+                    self.spec.loss_aggregation,
+                    denominator,
+                    self.spec.constant_tokens,
+                )
+            )
             bad = nonfinite_count(loss, decision.weights, *([] if slope is None else [slope]))
             nonfinite = nonfinite + bad
             # a non-finite micro-batch poisons the accumulated gradient, so that the engine's step finds a
@@ -193,8 +241,9 @@ class LearnerStep:
                 coefficient_gap = torch.maximum(coefficient_gap, gap)
                 carried = None if carried.complete else carried
             else:
-                coefficient_gap = torch.maximum(coefficient_gap,
-                                                norms.backward(loss, logprobs, sample_grads, micro.loss_mask))
+                coefficient_gap = torch.maximum(
+                    coefficient_gap, norms.backward(loss, logprobs, sample_grads, micro.loss_mask)
+                )
             del logprobs, entropy, sample_grads, policy, decision, loss  # before the next forward allocates
         nonfinite_found, largest_gap = self.collectives.max(torch.stack([nonfinite, coefficient_gap])).tolist()
         check_one_coefficient_per_sequence(largest_gap)
@@ -212,8 +261,7 @@ class LearnerStep:
             self.backpropagate(batch, runs, step.decision, step.advantages, denominator, reference=reference)
         return step
 
-    def decide_on_whole_batch(self, batch: TrainBatch, runs: list[MicroBatch], reference: Tensor | None
-                              ) -> StepValues:
+    def decide_on_whole_batch(self, batch: TrainBatch, runs: list[MicroBatch], reference: Tensor | None) -> StepValues:
         """The first of two passes: the whole batch's learner log-probs (and per-sample gradient norms)
         without grad, the advantages, and the stabilizer's decision on them; no gradient yet. Skipped when
         the decision or the loss is not finite on some rank."""
@@ -240,9 +288,16 @@ class LearnerStep:
             self.engine.zero_grad()
         return step
 
-    def backpropagate(self, batch: TrainBatch, runs: list[MicroBatch], decision: TokenWeights, advantages: Tensor,
-                      denominator: Tensor, proximal_logprobs: Tensor | None = None,
-                      reference: Tensor | None = None) -> float:
+    def backpropagate(
+        self,
+        batch: TrainBatch,
+        runs: list[MicroBatch],
+        decision: TokenWeights,
+        advantages: Tensor,
+        denominator: Tensor,
+        proximal_logprobs: Tensor | None = None,
+        reference: Tensor | None = None,
+    ) -> float:
         """Each micro-batch's share of the loss of a decision made on the whole `batch`, into the engine's
         accumulated gradient; returns the loss tokens the trust region clipped.
 
@@ -263,14 +318,20 @@ class LearnerStep:
             # the entropy costs an exp per logit: only where it is trained on
             logprobs, entropy = self.forwards.token_logprobs(micro, bool(self.spec.entropy_coef), run.packing)
             if proximal_logprobs is not None and rows is not None:
-                trust, clipped = trust_region_weights(logprobs, proximal_logprobs[rows, :width], micro_advantages,
-                                                      micro.loss_mask, self.spec.proximal_eps_low,
-                                                      self.spec.proximal_eps_high)
+                trust, clipped = trust_region_weights(
+                    logprobs,
+                    proximal_logprobs[rows, :width],
+                    micro_advantages,
+                    micro.loss_mask,
+                    self.spec.proximal_eps_low,
+                    self.spec.proximal_eps_high,
+                )
                 weights = weights * trust
                 clipped_tokens += float(clipped.sum())
             share = PolicyBatch(logprobs, micro.behaviour_logprobs, micro_advantages, micro.loss_mask)
-            loss = self.loss(share, TokenWeights(weights, mask, {}), denominator, entropy,
-                             rows_of(reference, rows, logprobs))
+            loss = self.loss(
+                share, TokenWeights(weights, mask, {}), denominator, entropy, rows_of(reference, rows, logprobs)
+            )
             if proximal_logprobs is not None and not self.collectives.all_finite(loss):
                 if index:  # poisons what the earlier micro-batches accumulated
                     self.engine.backward(loss * math.nan)
@@ -281,8 +342,9 @@ class LearnerStep:
             del logprobs, entropy, share, loss
         return clipped_tokens
 
-    def decoupled_updates(self, batch: TrainBatch, step: StepValues, lr_scale: float, reference: Tensor | None
-                          ) -> tuple[float, dict[str, Tensor]]:
+    def decoupled_updates(
+        self, batch: TrainBatch, step: StepValues, lr_scale: float, reference: Tensor | None
+    ) -> tuple[float, dict[str, Tensor]]:
         """`epochs` passes over the batch in `mini_batches` shares of whole prompt groups, one optimizer update
         per share: the stabilizer's decision at pi_prox (step.logprobs) times the trust region around pi_prox.
         Returns the largest update's gradient norm and the updates' metrics; after a non-finite share no
@@ -297,25 +359,44 @@ class LearnerStep:
                     share = batch.rows(rows)
                     decision = TokenWeights(step.decision.weights[rows], step.decision.mask[rows], {})
                     denominator = self._global_denominator(decision.mask)
-                    plan = micro_batches.plan(share.sequence_lengths, share.group_ids,
-                                              self.micro_batch_tokens, keep_groups=False, packed=self.packs)
+                    plan = micro_batches.plan(
+                        share.sequence_lengths,
+                        share.group_ids,
+                        self.micro_batch_tokens,
+                        keep_groups=False,
+                        packed=self.packs,
+                    )
                     runs = self.collectives.agreed_runs(plan)[0]
                     clipped_tokens += self.backpropagate(
-                        share, runs, decision, step.advantages[rows], denominator, step.logprobs[rows],
-                        None if reference is None else reference[rows])
+                        share,
+                        runs,
+                        decision,
+                        step.advantages[rows],
+                        denominator,
+                        step.logprobs[rows],
+                        None if reference is None else reference[rows],
+                    )
                     norms.append(self._apply_update(lr_scale))
         except NonFiniteUpdate as error:
             if error.micro_batch:  # gradients accumulated before it: the engine's step must drop them
                 self._discard_step()
         planned = self.spec.epochs * len(shares)
         tokens = float(batch.loss_mask.sum()) * len(norms)
-        metrics = {"optim/updates": self._scalar(len(norms)),
-                   "stability/skipped_updates": self._scalar(planned - len(norms)),
-                   "stability/proximal_clip_frac": self._scalar(clipped_tokens / tokens if tokens else 0.0)}
+        metrics = {
+            "optim/updates": self._scalar(len(norms)),
+            "stability/skipped_updates": self._scalar(planned - len(norms)),
+            "stability/proximal_clip_frac": self._scalar(clipped_tokens / tokens if tokens else 0.0),
+        }
         return (max(norms) if norms else math.nan), metrics
 
-    def loss(self, policy: PolicyBatch, decision: TokenWeights, denominator: Tensor, entropy: Tensor | None,
-             reference: Tensor | None) -> Tensor:
+    def loss(
+        self,
+        policy: PolicyBatch,
+        decision: TokenWeights,
+        denominator: Tensor,
+        entropy: Tensor | None,
+        reference: Tensor | None,
+    ) -> Tensor:
         """The policy-gradient loss, plus the KL term to the reference and minus the entropy bonus when the job
         has them: all three aggregated over the decision's mask with one denominator. Every pass calls it."""
         loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
@@ -328,11 +409,13 @@ class LearnerStep:
             terms.append(-self.spec.entropy_coef * entropy)
         if not terms:
             return loss
-        return loss + aggregate_token_loss(sum(terms[1:], terms[0]), mask, self.spec.loss_aggregation, denominator,
-                                           self.spec.constant_tokens)
+        return loss + aggregate_token_loss(
+            sum(terms[1:], terms[0]), mask, self.spec.loss_aggregation, denominator, self.spec.constant_tokens
+        )
 
-    def _advantages(self, batch: TrainBatch, logprobs: Tensor, sample_grads: SampleGradients | None
-                    ) -> tuple[Tensor, Tensor | None]:
+    def _advantages(
+        self, batch: TrainBatch, logprobs: Tensor, sample_grads: SampleGradients | None
+    ) -> tuple[Tensor, Tensor | None]:
         return step_advantages(self.stabilizer, self.advantage_estimator, batch, logprobs, sample_grads)
 
     def _kl_in_reward(self, batch: TrainBatch, reference: Tensor | None) -> tuple[TrainBatch, dict[str, Tensor]]:
@@ -341,8 +424,9 @@ class LearnerStep:
         in-reward penalty uses the rollout's); otherwise the batch as it is."""
         if reference is None or self.spec.kl_in != "reward":
             return batch, {}
-        penalty = self.kl_coef * sequence_kl(batch.behaviour_logprobs, reference, batch.loss_mask,
-                                             self.spec.kl_estimator)
+        penalty = self.kl_coef * sequence_kl(
+            batch.behaviour_logprobs, reference, batch.loss_mask, self.spec.kl_estimator
+        )
         shaped = replace(batch, rewards=batch.rewards - penalty)
         return shaped, {"rollout/kl_ref_penalty_mean": penalty.mean()}
 
@@ -351,8 +435,10 @@ class LearnerStep:
         if reference is None:
             return {}
         tokens = kl_penalty(logprobs, reference, self.spec.kl_estimator, batch.loss_mask)
-        return {"stability/kl_ref_mean": tokens.sum() / batch.loss_mask.sum().clamp(min=1),
-                "stability/kl_ref_coef": self._scalar(self.kl_coef)}
+        return {
+            "stability/kl_ref_mean": tokens.sum() / batch.loss_mask.sum().clamp(min=1),
+            "stability/kl_ref_coef": self._scalar(self.kl_coef),
+        }
 
     # ---- the supervised warm-up --------------------------------------------------------------
 
@@ -361,8 +447,9 @@ class LearnerStep:
         same token-budget micro-batches as the RL step."""
         self.engine.train()
         batch = batch.to(self.device)
-        plan = micro_batches.plan(batch.sequence_lengths, batch.group_ids, self.micro_batch_tokens,
-                                  keep_groups=False, packed=self.packs)
+        plan = micro_batches.plan(
+            batch.sequence_lengths, batch.group_ids, self.micro_batch_tokens, keep_groups=False, packed=self.packs
+        )
         denominator = self.collectives.sum(batch.loss_mask.sum()).clamp(min=1)
         total = torch.zeros((), device=self.device)
         for run in self.collectives.agreed_runs(plan)[0]:
@@ -404,8 +491,17 @@ class LearnerStep:
         if self.engine.was_step_applied():
             raise RuntimeError(f"learner rank {self.rank}: DeepSpeed applied a step with a non-finite gradient")
 
-    def _finish(self, metrics: dict[str, Tensor], start: float, *, skipped: bool, loss: Tensor, lr_scale: float,
-                grad_norm: float, batch: TrainBatch) -> dict[str, float]:
+    def _finish(
+        self,
+        metrics: dict[str, Tensor],
+        start: float,
+        *,
+        skipped: bool,
+        loss: Tensor,
+        lr_scale: float,
+        grad_norm: float,
+        batch: TrainBatch,
+    ) -> dict[str, float]:
         metrics = dict(metrics)
         metrics["optim/loss"] = loss.detach() * self.world_size  # a share of the global loss; ranks average
         metrics["optim/grad_norm"] = self._scalar(grad_norm)

@@ -41,13 +41,15 @@ def packs_micro_batches(models: list[Any], rank: int) -> bool:
     checks = [packing_support(model) for model in models]
     packs = all(supported for supported, _ in checks)
     if rank == 0:
-        log.info("learner rank 0: %s%s", "; ".join(why for ok, why in checks if not ok) or checks[0][1],
-                 "" if packs else ": padded micro-batches")
+        log.info(
+            "learner rank 0: %s%s",
+            "; ".join(why for ok, why in checks if not ok) or checks[0][1],
+            "" if packs else ": padded micro-batches",
+        )
     return packs
 
 
-def load_frozen_model(path: str, dtype: torch.dtype, device: torch.device,
-                      zero3_config: dict[str, Any] | None) -> Any:
+def load_frozen_model(path: str, dtype: torch.dtype, device: torch.device, zero3_config: dict[str, Any] | None) -> Any:
     """A frozen copy of the model at `path` (the KL reference). With `zero3_config` a DeepSpeed engine without an
     optimizer, so each rank keeps only its partition (as OpenRLHF's reference does); otherwise a plain copy on
     `device`, which costs one more set of weights and no optimizer state."""
@@ -58,8 +60,10 @@ def load_frozen_model(path: str, dtype: torch.dtype, device: torch.device,
         return model.to(device).eval()
     import deepspeed
 
-    frozen = {key: zero3_config[key] for key in ("train_micro_batch_size_per_gpu", "zero_optimization", "bf16",
-                                                 "steps_per_print")}
+    frozen = {
+        key: zero3_config[key]
+        for key in ("train_micro_batch_size_per_gpu", "zero_optimization", "bf16", "steps_per_print")
+    }
     engine, *_ = deepspeed.initialize(model=model, config=frozen)
     engine.eval()  # DeepSpeed's eval() returns None
     return engine
@@ -72,8 +76,9 @@ class PolicyForwards:
     def __init__(self, engine: Any, head: FusedHead | None, temperature: float) -> None:
         self.engine, self.head, self.temperature = engine, head, temperature
 
-    def token_logprobs(self, micro: TrainBatch, with_entropy: bool, packing: Packing | None = None
-                       ) -> tuple[Tensor, Tensor | None]:
+    def token_logprobs(
+        self, micro: TrainBatch, with_entropy: bool, packing: Packing | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """The policy's log-probs [b, L-1] fp32 of the micro-batch's next tokens and, `with_entropy`, its entropy
         at each position: through the fused output layer where the model has one (the bare module, whose
         parameters' gradients ZeRO reduces as the engine's would), else from the engine's logits; with the
@@ -117,12 +122,13 @@ class Reference:
             rows, micro = run.rows, sub_batch(batch, run)
             with nullcontext() if self.own_model is not None else self.model.disable_adapter():
                 if run.packing is not None:
-                    logprobs, _ = packed_token_logprobs(self.model, self.head, micro, run.packing, self.temperature,
-                                                        False)
+                    logprobs, _ = packed_token_logprobs(
+                        self.model, self.head, micro, run.packing, self.temperature, False
+                    )
                 elif self.head is not None:
                     logprobs, _ = self.head.token_logprobs(micro.input_ids, self.temperature, False)
                 else:
                     logprobs = token_logprobs(causal_logits(self.model, micro), micro.input_ids, self.temperature)
             if rows is not None:
-                out[rows, :micro.loss_mask.shape[1]] = logprobs
+                out[rows, : micro.loss_mask.shape[1]] = logprobs
         return out

@@ -26,8 +26,9 @@ class Publisher:
     def specs(self, dtype: str) -> list[TensorSpec]:
         """Name (HF checkpoint), whole shape and wire `dtype` of every published weight, in the order
         `weights` yields them; read locally (ZeRO-3's `ds_shape`), no collective."""
-        return [TensorSpec(name, tuple(getattr(param, "ds_shape", param.shape)), dtype)
-                for name, param in self.parameters()]
+        return [
+            TensorSpec(name, tuple(getattr(param, "ds_shape", param.shape)), dtype) for name, param in self.parameters()
+        ]
 
     def parameters(self) -> Iterator[tuple[str, Tensor]]:
         """What the generators load: every parameter, or with LoRA the adapter's alone (peft's names)."""

@@ -46,8 +46,12 @@ def engine_config(spec: LearnerSpec) -> dict[str, Any]:
         "managed_gradient_accumulation": False,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": spec.learning_rate, "weight_decay": spec.weight_decay, "eps": spec.adam_eps,
-                       "torch_adam": True},
+            "params": {
+                "lr": spec.learning_rate,
+                "weight_decay": spec.weight_decay,
+                "eps": spec.adam_eps,
+                "torch_adam": True,
+            },
         },
         "zero_optimization": {"stage": spec.zero_stage},
         "gradient_clipping": spec.grad_clip,
@@ -64,8 +68,11 @@ class LearnerRank:
         from transformers import AutoModelForCausalLM
 
         os.environ.update(
-            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-            WORLD_SIZE=str(world_size), LOCAL_RANK="0" if spec.backend == "gloo" else os.environ.get("LOCAL_RANK", "0"),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK="0" if spec.backend == "gloo" else os.environ.get("LOCAL_RANK", "0"),
         )
         deepspeed.init_distributed(dist_backend=spec.backend)
         torch.manual_seed(spec.seed)
@@ -95,17 +102,39 @@ class LearnerRank:
         self.micro_batch_tokens = self.micro_batch_budget.tokens  # padded tokens per forward; None: the whole batch
         self.stabilizer = registry.build(spec.stabilizer_name, **config_values(spec.stabilizer_config))
         # no [tokens, vocabulary] logits where the output layer fuses with the log-softmax (whole weights: not ZeRO-3)
-        self.forwards = PolicyForwards(self.engine, fused_head_of(self.engine.module, spec.zero_stage, rank),
-                                       spec.temperature)
-        self.norms = (PerSampleNorms(spec, self.engine, self.stabilizer, self.forwards, self.collectives,
-                                     self.micro_batch_budget.kept_gradient_bytes, rank)
-                      if self.stabilizer.needs_grad_norms else None)
+        self.forwards = PolicyForwards(
+            self.engine, fused_head_of(self.engine.module, spec.zero_stage, rank), spec.temperature
+        )
+        self.norms = (
+            PerSampleNorms(
+                spec,
+                self.engine,
+                self.stabilizer,
+                self.forwards,
+                self.collectives,
+                self.micro_batch_budget.kept_gradient_bytes,
+                rank,
+            )
+            if self.stabilizer.needs_grad_norms
+            else None
+        )
         reference = self._reference(spec.reference_path or spec.model_path) if spec.kl_coef > 0 else None
         # decided once, after the reference exists: each model's attention gets its packed wrapper
         own_reference = [] if reference is None or reference.own_model is None else [reference.module]
         packs = spec.packed_micro_batches and packs_micro_batches([self.engine.module, *own_reference], rank)
-        self.step = LearnerStep(spec, self.engine, self.optimizer, self.collectives, self.stabilizer, self.forwards,
-                                reference, self.norms, self.micro_batch_tokens, packs, rank)
+        self.step = LearnerStep(
+            spec,
+            self.engine,
+            self.optimizer,
+            self.collectives,
+            self.stabilizer,
+            self.forwards,
+            reference,
+            self.norms,
+            self.micro_batch_tokens,
+            packs,
+            rank,
+        )
 
     def _reference(self, path: str) -> Reference:
         """The frozen policy the KL term measures against, loaded from `path` a second time (a collective under
@@ -113,8 +142,9 @@ class LearnerRank:
         if self.spec.lora is not None:
             return Reference(None, self.engine.module, self.forwards.head, self.spec.temperature)
         model = load_frozen_model(path, self.dtype, self.device, self.config if self.spec.zero_stage == 3 else None)
-        return Reference(model, self.engine.module, fused_head_of(model, self.spec.zero_stage, self.rank),
-                         self.spec.temperature)
+        return Reference(
+            model, self.engine.module, fused_head_of(model, self.spec.zero_stage, self.rank), self.spec.temperature
+        )
 
     def load_reference(self, folder: str) -> None:
         """The KL reference from `folder` (the policy as RL starts, which the driver wrote after the warm-up),

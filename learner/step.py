@@ -41,8 +41,13 @@ def sub_batch(batch: TrainBatch, run: MicroBatch) -> TrainBatch:
     return empty
 
 
-def step_advantages(stabilizer: Stabilizer, estimator: Callable[[Tensor, Tensor], Tensor], batch: TrainBatch,
-                    logprobs: Tensor, sample_grads: SampleGradients | None) -> tuple[Tensor, Tensor | None]:
+def step_advantages(
+    stabilizer: Stabilizer,
+    estimator: Callable[[Tensor, Tensor], Tensor],
+    batch: TrainBatch,
+    logprobs: Tensor,
+    sample_grads: SampleGradients | None,
+) -> tuple[Tensor, Tensor | None]:
     """The stabilizer's own advantages (VCPO's baseline), else the job's `estimator`; with the baseline when one
     was formed. Only a baseline reads the log-probs, and it needs the per-sample norms."""
     log_w = ((logprobs.detach() - batch.behaviour_logprobs) * batch.loss_mask).sum(dim=1)
@@ -80,11 +85,24 @@ class StepValues:
     def empty(cls, batch: TrainBatch, with_norms: bool) -> StepValues:
         zeros = batch.behaviour_logprobs.new_zeros
         norms = zeros(batch.size) if with_norms else None
-        return cls(zeros(batch.loss_mask.shape), zeros(batch.loss_mask.shape), zeros(batch.size), norms,
-                   None if norms is None else zeros(batch.size), zeros(()))
+        return cls(
+            zeros(batch.loss_mask.shape),
+            zeros(batch.loss_mask.shape),
+            zeros(batch.size),
+            norms,
+            None if norms is None else zeros(batch.size),
+            zeros(()),
+        )
 
-    def record(self, rows: Tensor, logprobs: Tensor, entropy: Tensor | None, advantages: Tensor | None,
-               sample_grads: SampleGradients | None, baseline: Tensor | None) -> None:
+    def record(
+        self,
+        rows: Tensor,
+        logprobs: Tensor,
+        entropy: Tensor | None,
+        advantages: Tensor | None,
+        sample_grads: SampleGradients | None,
+        baseline: Tensor | None,
+    ) -> None:
         """One micro-batch's values (trimmed to its own width) into its rows."""
         width = logprobs.shape[1]
         self.logprobs[rows, :width] = logprobs.detach()
@@ -171,8 +189,10 @@ def prompt_group_shares(group_ids: Tensor, shares: int) -> list[Tensor]:
     """[b] row indices of `shares` runs of consecutive whole prompt groups, as even as the groups allow."""
     groups = torch.unique(group_ids)
     if len(groups) < shares:
-        raise ValueError(f"{shares} mini-batches need at least as many prompt groups per rank, got {len(groups)} "
-                         "(learner.mini_batches)")
+        raise ValueError(
+            f"{shares} mini-batches need at least as many prompt groups per rank, got {len(groups)} "
+            "(learner.mini_batches)"
+        )
     return [torch.isin(group_ids, part).nonzero().flatten() for part in groups.tensor_split(shares)]
 
 
@@ -181,7 +201,7 @@ def rows_of(reference: Tensor | None, rows: Tensor | None, logprobs: Tensor) -> 
     log-probs (a KL of 0 on its empty mask)."""
     if reference is None:
         return None
-    return logprobs.detach() if rows is None else reference[rows, :logprobs.shape[1]]
+    return logprobs.detach() if rows is None else reference[rows, : logprobs.shape[1]]
 
 
 # How far a sequence's token coefficients may differ, relative to the largest, and still be one coefficient.
@@ -202,8 +222,10 @@ def check_one_coefficient_per_sequence(gap: float) -> None:
     """Refuse a loss whose token coefficients differ within a sequence (`sequence_coefficients`' gap):
     book-keeping forms the update from whole-sequence gradients, so such a loss would be trained on wrongly."""
     if gap > COEFFICIENT_GAP_TOLERANCE:
-        raise RuntimeError(f"book-keeping needs one loss coefficient per sequence; tokens of a sequence differ by "
-                           f"{gap:.3g} of the largest (use opob_impl: ghost for this loss)")
+        raise RuntimeError(
+            f"book-keeping needs one loss coefficient per sequence; tokens of a sequence differ by "
+            f"{gap:.3g} of the largest (use opob_impl: ghost for this loss)"
+        )
 
 
 def config_values(config: Any) -> dict[str, Any]:

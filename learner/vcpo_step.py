@@ -25,8 +25,7 @@ from learner.micro_batches import MicroBatchPlan, Packing
 from learner.packing import packed_ids, packed_loss_mask, packed_rows, unpacked_rows
 from learner.policy import PolicyForwards
 from learner.spec import LearnerSpec
-from learner.step import (CarriedGroup, StepValues, device_scalar, sequence_coefficients, step_advantages,
-                          sub_batch)
+from learner.step import CarriedGroup, StepValues, device_scalar, sequence_coefficients, step_advantages, sub_batch
 
 log = logging.getLogger("stableasync.learner")
 
@@ -35,10 +34,23 @@ class PerSampleNorms:
     """How a rank's steps get per-sample gradient norms, decided once from the stabilizer's `opob_impl` (a
     stabilizer without the option, a user's own, gets the ghost path) and the engine's model."""
 
-    def __init__(self, spec: LearnerSpec, engine: Any, stabilizer: Stabilizer, forwards: PolicyForwards,
-                 collectives: Collectives, kept_gradient_bytes: float, rank: int) -> None:
-        self.spec, self.engine, self.stabilizer, self.forwards, self.collectives = (spec, engine, stabilizer,
-                                                                                    forwards, collectives)
+    def __init__(
+        self,
+        spec: LearnerSpec,
+        engine: Any,
+        stabilizer: Stabilizer,
+        forwards: PolicyForwards,
+        collectives: Collectives,
+        kept_gradient_bytes: float,
+        rank: int,
+    ) -> None:
+        self.spec, self.engine, self.stabilizer, self.forwards, self.collectives = (
+            spec,
+            engine,
+            stabilizer,
+            forwards,
+            collectives,
+        )
         self.rank, self.world_size, self.device = rank, collectives.world_size, collectives.device
         self.advantage_estimator = ADVANTAGES[spec.advantage]
         opob_impl = getattr(stabilizer.config, "opob_impl", "ghost")
@@ -48,8 +60,11 @@ class PerSampleNorms:
         self.bookkeeping_budget_bytes = kept_gradient_bytes if opob_impl == "auto" else math.inf
         # book-keeping carries a group split across micro-batches in one pass, with a score buffer of one
         # fp32 gradient (the VCPO paper's two buffers; the other is the engine's own accumulation)
-        self.carries_split_groups = self.bookkeeping and stabilizer.advantages_from_baseline(
-            torch.zeros(1), torch.zeros(1), torch.zeros(1, dtype=torch.long)) is not None
+        self.carries_split_groups = (
+            self.bookkeeping
+            and stabilizer.advantages_from_baseline(torch.zeros(1), torch.zeros(1), torch.zeros(1, dtype=torch.long))
+            is not None
+        )
         self.score_buffer_bytes = 4 * sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
 
     def _ghost_norms(self, opob_impl: str) -> tuple[GhostGradNorms | None, bool]:
@@ -60,8 +75,9 @@ class PerSampleNorms:
         try:
             return GhostGradNorms(self.engine.module), False
         except UncoveredParameters as error:
-            log.warning("learner rank %d: per-sample gradient norms fall back to one backward per sample: %s",
-                        self.rank, error)
+            log.warning(
+                "learner rank %d: per-sample gradient norms fall back to one backward per sample: %s", self.rank, error
+            )
             return None, True
 
     def _uses_bookkeeping(self, opob_impl: str) -> bool:
@@ -73,8 +89,11 @@ class PerSampleNorms:
             return False
         if self.spec.zero_stage == 3:
             if opob_impl == "bookkeeping":  # asked for by name: say why it is not used
-                log.info("learner rank %d: ZeRO-3 partitions the parameters, so per-sample norms use the two-pass "
-                         "ghost path instead of bookkeeping", self.rank)
+                log.info(
+                    "learner rank %d: ZeRO-3 partitions the parameters, so per-sample norms use the two-pass "
+                    "ghost path instead of bookkeeping",
+                    self.rank,
+                )
             return False
         return True
 
@@ -96,8 +115,9 @@ class PerSampleNorms:
 
     # ---- forwards with the norms -----------------------------------------------------------------
 
-    def forward(self, micro: TrainBatch, bookkeeping: bool, packing: Packing | None = None
-                ) -> tuple[Tensor, Tensor, SampleGradients]:
+    def forward(
+        self, micro: TrainBatch, bookkeeping: bool, packing: Packing | None = None
+    ) -> tuple[Tensor, Tensor, SampleGradients]:
         """One micro-batch's forward with grad for one pass: its log-probs and entropy, and its per-sample norms
         (with book-keeping, its per-sample gradients too), which start from the logits' gradient. With the
         run's `packing` the forward runs its rows without padding."""
@@ -108,8 +128,9 @@ class PerSampleNorms:
         logprobs, entropy = self._logprobs_and_entropy(micro, logits, packing)
         return logprobs, entropy, self._sample_gradients(micro, logits, bookkeeping, packing)
 
-    def _logprobs_and_entropy(self, micro: TrainBatch, logits: Tensor, packing: Packing | None
-                              ) -> tuple[Tensor, Tensor]:
+    def _logprobs_and_entropy(
+        self, micro: TrainBatch, logits: Tensor, packing: Packing | None
+    ) -> tuple[Tensor, Tensor]:
         """[b, L-1] log-probs and entropy from [b, L, V] logits or, packed, from [1, N, V]."""
         if packing is None:
             return token_logprobs_and_entropy(logits, micro.input_ids, self.spec.temperature)
@@ -121,11 +142,13 @@ class PerSampleNorms:
         """d(sum_i log pi(tau_i))/d logits, in the logits' layout (padded rows, or packed)."""
         if packing is None:
             return sequence_logprob_grad(logits, micro.input_ids, micro.loss_mask, self.spec.temperature)
-        return sequence_logprob_grad(logits, packed_ids(micro, packing), packed_loss_mask(micro, packing),
-                                     self.spec.temperature)
+        return sequence_logprob_grad(
+            logits, packed_ids(micro, packing), packed_loss_mask(micro, packing), self.spec.temperature
+        )
 
-    def _sample_gradients(self, batch: TrainBatch, logits: Tensor, bookkeeping: bool, packing: Packing | None
-                          ) -> SampleGradients:
+    def _sample_gradients(
+        self, batch: TrainBatch, logits: Tensor, bookkeeping: bool, packing: Packing | None
+    ) -> SampleGradients:
         """||grad log pi(tau_i)||^2 of each of this micro-batch's sequences (with book-keeping, the per-sample
         gradients too); otherwise the graph stays for the loss backward."""
         if self.ghost is not None and self.spec.zero_stage == 3:
@@ -140,6 +163,7 @@ class PerSampleNorms:
 
     def _per_sample_loop_norms(self, batch: TrainBatch) -> Tensor:
         """The norms from one backward per sample (no ghost rule for some parameter, or asked for)."""
+
         def sample_logp(i: int) -> Tensor:  # the plain module: the engine's backward hooks stay out of it
             row = batch.rows(torch.tensor([i], device=self.device))
             row_logits = self.forwards.logits(row, plain=True)
@@ -185,8 +209,17 @@ class PerSampleNorms:
         self._backward_gradients(sample_grads.weighted_sum(coefficients))
         return gap
 
-    def backward_piece(self, step: StepValues, batch: TrainBatch, carried: CarriedGroup, loss: Tensor,
-                       slope: Tensor, logprobs: Tensor, sample_grads: SampleGradients, loss_mask: Tensor) -> Tensor:
+    def backward_piece(
+        self,
+        step: StepValues,
+        batch: TrainBatch,
+        carried: CarriedGroup,
+        loss: Tensor,
+        slope: Tensor,
+        logprobs: Tensor,
+        sample_grads: SampleGradients,
+        loss_mask: Tensor,
+    ) -> Tensor:
         """One piece of a group split across micro-batches. Its loss is loss(A) = loss(A0) - b * slope with A0
         the advantages at baseline 0 and b the group's baseline, known after its last piece: the engine
         takes the gradient of loss(A0) now, the score buffer the gradient of `slope`, and the last piece
@@ -200,8 +233,12 @@ class PerSampleNorms:
             squared_norms, baselines = step.squared_norms, step.baseline
             assert squared_norms is not None and baselines is not None, "a step with norms records them"
             advantages, baseline = step_advantages(
-                self.stabilizer, self.advantage_estimator, batch.rows(carried.rows), step.logprobs[carried.rows],
-                SampleGradients(squared_norms[carried.rows]))
+                self.stabilizer,
+                self.advantage_estimator,
+                batch.rows(carried.rows),
+                step.logprobs[carried.rows],
+                SampleGradients(squared_norms[carried.rows]),
+            )
             assert baseline is not None, "a carried group's stabilizer forms its baseline from the norms"
             step.advantages[carried.rows], baselines[carried.rows] = advantages.float(), baseline.float()
             step.loss = step.loss - baseline[0].detach() * carried.slope_loss
@@ -210,8 +247,9 @@ class PerSampleNorms:
         self._backward_gradients(grads)
         return torch.maximum(gap, slope_gap)
 
-    def _sequence_coefficients(self, loss: Tensor, logprobs: Tensor, loss_mask: Tensor,
-                               keep_graph: bool = False) -> tuple[Tensor, Tensor]:
+    def _sequence_coefficients(
+        self, loss: Tensor, logprobs: Tensor, loss_mask: Tensor, keep_graph: bool = False
+    ) -> tuple[Tensor, Tensor]:
         """[b] k_i of this rank's share of the global loss, sum_i k_i log pi(tau_i) (DeepSpeed averages), and
         how far its token coefficients differ within a sequence."""
         (token_coefficients,) = torch.autograd.grad(loss * self.world_size, logprobs, retain_graph=keep_graph)

@@ -38,8 +38,11 @@ class TensorSpec:
     @staticmethod
     def wire(specs: list[TensorSpec]) -> dict[str, list]:
         """`specs` as vLLM's weight-transfer update info spells them: names, dtype_names and shapes."""
-        return {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
-                "shapes": [list(s.shape) for s in specs]}
+        return {
+            "names": [s.name for s in specs],
+            "dtype_names": [s.dtype for s in specs],
+            "shapes": [list(s.shape) for s in specs],
+        }
 
     @staticmethod
     def from_wire(names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> list[TensorSpec]:
@@ -68,8 +71,12 @@ class PackedWeights:
     def pack(weights: dict[str, Tensor], dtype: str | None = None) -> PackedWeights:
         """Copy `weights` (any device) into one CPU buffer, in their order, cast to `dtype` (default: each
         tensor's own), one tensor at a time."""
-        packed = PackedWeights.allocate([TensorSpec(name, tuple(t.shape), dtype or str(t.dtype).removeprefix("torch."))
-                                         for name, t in weights.items()])
+        packed = PackedWeights.allocate(
+            [
+                TensorSpec(name, tuple(t.shape), dtype or str(t.dtype).removeprefix("torch."))
+                for name, t in weights.items()
+            ]
+        )
         for index, tensor in enumerate(weights.values()):
             packed.put(index, tensor)
         return packed
@@ -91,7 +98,8 @@ class PackedWeights:
         if tuple(tensor.shape) != spec.shape:
             raise ValueError(f"{spec.name}: shape {tuple(tensor.shape)} does not match its spec {spec.shape}")
         _view(torch.from_numpy(self.data), self.offsets[index], getattr(torch, spec.dtype), spec.shape).copy_(
-            tensor.detach())
+            tensor.detach()
+        )
 
     @property
     def nbytes(self) -> int:
@@ -116,11 +124,14 @@ def _view(data: Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...] 
     return data[offset : offset + nbytes].view(dtype).view(shape)
 
 
-def unpack(names: list[str], dtype_names: list[str], shapes: list[list[int]], offsets: list[int],
-           data: Tensor) -> list[tuple[str, Tensor]]:
+def unpack(
+    names: list[str], dtype_names: list[str], shapes: list[list[int]], offsets: list[int], data: Tensor
+) -> list[tuple[str, Tensor]]:
     """(name, tensor) views of a packed uint8 buffer, as `PackedWeights.update_info` describes it."""
-    return [(spec.name, _view(data, offset, getattr(torch, spec.dtype), spec.shape))
-            for spec, offset in zip(TensorSpec.from_wire(names, dtype_names, shapes), offsets)]
+    return [
+        (spec.name, _view(data, offset, getattr(torch, spec.dtype), spec.shape))
+        for spec, offset in zip(TensorSpec.from_wire(names, dtype_names, shapes), offsets)
+    ]
 
 
 def buckets(specs: list[TensorSpec], bucket_mb: int) -> list[list[TensorSpec]]:
@@ -141,8 +152,9 @@ def buckets(specs: list[TensorSpec], bucket_mb: int) -> list[list[TensorSpec]]:
 class CollectiveWeightSync:
     """One member of a gloo weight group: rank 0 is learner rank 0, the others generator engine workers."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, bucket_mb: int = 512,
-                 timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, host: str, port: int, rank: int, world_size: int, bucket_mb: int = 512, timeout_s: float = 600.0
+    ) -> None:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world_size, is_master=rank == SOURCE_RANK, timeout=timeout)
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("stableasync-weights", store), rank, world_size, timeout)
@@ -158,8 +170,9 @@ class CollectiveWeightSync:
             raise RuntimeError("only the learner (rank 0) sends weights")
         stream, sent = iter(tensors), 0
         for bucket in buckets(specs, self.bucket_mb):
-            flat = torch.cat([next(stream).detach().to(self.device, getattr(torch, s.dtype)).reshape(-1)
-                              for s in bucket])
+            flat = torch.cat(
+                [next(stream).detach().to(self.device, getattr(torch, s.dtype)).reshape(-1) for s in bucket]
+            )
             # torch's stubs leave out Backend.broadcast, which the C++ class binds (tensor, root)
             self.group.broadcast(flat, SOURCE_RANK).wait()  # type: ignore[attr-defined]
             sent += flat.numel() * flat.element_size()

@@ -37,9 +37,11 @@ class Arithmetic(Task):
         if "calculator" not in tools:
             return None
         expression = problem.question.removeprefix("What is ").removesuffix("?")
-        return [{"role": "assistant", "content": tool_call_text("calculator", {"expression": expression})},
-                {"role": "tool", "content": problem.answer},
-                {"role": "assistant", "content": self.demonstration(problem)}]
+        return [
+            {"role": "assistant", "content": tool_call_text("calculator", {"expression": expression})},
+            {"role": "tool", "content": problem.answer},
+            {"role": "assistant", "content": self.demonstration(problem)},
+        ]
 
 
 def _same_integer(answer: str, gold: str) -> bool:

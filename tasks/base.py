@@ -65,7 +65,7 @@ def last_boxed(completion: str) -> str | None:
     for index in range(last.end(), len(completion)):
         depth += _BRACE_DEPTH.get(completion[index], 0)
         if depth == 0:
-            return completion[last.end():index].strip()
+            return completion[last.end() : index].strip()
     return None
 
 
@@ -187,7 +187,7 @@ def user_function(entry: str, field: str) -> Callable[..., Any]:
         module = _import_file(Path(source), field) if source.endswith(".py") else importlib.import_module(source)
     except TaskError:
         raise
-    except Exception as error:  # noqa: BLE001 - any error in the user's module is reported with its field
+    except Exception as error:
         raise TaskError(f"{field}: importing {source!r} failed: {type(error).__name__}: {error}") from error
     function = getattr(module, name, None)
     if not callable(function):

@@ -69,5 +69,8 @@ class DatasetConfig(CheckedConfig):
 
 
 TASK_CONFIGS: dict[str, type] = {
-    "arithmetic": ArithmeticConfig, "countdown": CountdownConfig, "gsm8k": GSM8KConfig, "dataset": DatasetConfig,
+    "arithmetic": ArithmeticConfig,
+    "countdown": CountdownConfig,
+    "gsm8k": GSM8KConfig,
+    "dataset": DatasetConfig,
 }

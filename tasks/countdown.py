@@ -41,7 +41,7 @@ def _search(items: list[tuple[Fraction, str]], target: Fraction) -> str | None:
             if b != 0 and (a / b).denominator == 1:
                 candidates.append((a / b, f"({ea} / {eb})"))
             for value, expr in candidates:
-                found = _search(rest + [(value, expr)], target)
+                found = _search([*rest, (value, expr)], target)
                 if found is not None:
                     return found
     return None
@@ -101,16 +101,23 @@ class Countdown(Task):
         c = self.config
         for index in count():
             while True:
-                numbers = [rng.randint(1, max(2, c.max_target - 1))
-                           for _ in range(rng.randint(c.min_numbers, c.max_numbers))]
+                numbers = [
+                    rng.randint(1, max(2, c.max_target - 1)) for _ in range(rng.randint(c.min_numbers, c.max_numbers))
+                ]
                 target = rng.randint(c.min_target, c.max_target)
                 solution = solve(numbers, target)
                 if solution is not None:
                     break
-            question = (f"Using the numbers {numbers}, create an equation that equals {target}. You can use "
-                        "+, -, * and / and each number exactly once.")
-            yield Problem(f"countdown-{split}-{index:06d}", question, solution,
-                          {"numbers": numbers, "target": target, "solution": solution})
+            question = (
+                f"Using the numbers {numbers}, create an equation that equals {target}. You can use "
+                "+, -, * and / and each number exactly once."
+            )
+            yield Problem(
+                f"countdown-{split}-{index:06d}",
+                question,
+                solution,
+                {"numbers": numbers, "target": target, "solution": solution},
+            )
 
     def score(self, problem: Problem, completion: str) -> float:
         return graded_answer(completion, lambda answer: reaches_target(answer, problem))
@@ -123,6 +130,8 @@ class Countdown(Task):
         if "countdown_check" not in tools:
             return None
         solution = problem.metadata["solution"]
-        return [{"role": "assistant", "content": tool_call_text("countdown_check", {"expression": solution})},
-                {"role": "tool", "content": f"correct: {solution} = {problem.metadata['target']}"},
-                {"role": "assistant", "content": self.demonstration(problem)}]
+        return [
+            {"role": "assistant", "content": tool_call_text("countdown_check", {"expression": solution})},
+            {"role": "tool", "content": f"correct: {solution} = {problem.metadata['target']}"},
+            {"role": "assistant", "content": self.demonstration(problem)},
+        ]

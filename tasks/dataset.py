@@ -15,8 +15,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks.base import (ANSWER_FORMAT, Problem, Task, TaskError, file_problems, graded_answer, read_jsonl, register,
-                        user_function)
+from tasks.base import (
+    ANSWER_FORMAT,
+    Problem,
+    Task,
+    TaskError,
+    file_problems,
+    graded_answer,
+    read_jsonl,
+    register,
+    user_function,
+)
 from tasks.config import DatasetConfig
 from tasks.gsm8k import math_equivalent
 
@@ -60,19 +69,26 @@ class Dataset(Task):
         if config.answer_field not in row:
             raise TaskError(f"{where}: field {config.answer_field!r} (task.answer_field) is missing")
         gold = row[config.answer_field]
-        if self.reward_function is None:  # the built-in verifiers compare text
-            if isinstance(gold, bool) or not isinstance(gold, (str, int, float)) or not str(gold).strip():
-                raise TaskError(f"{where}: field {config.answer_field!r} must be non-empty text or a number for "
-                                f"reward {config.reward!r}, got {json.dumps(gold)[:80]}")
+        textual = not isinstance(gold, bool) and isinstance(gold, (str, int, float)) and bool(str(gold).strip())
+        if self.reward_function is None and not textual:  # the built-in verifiers compare text
+            raise TaskError(
+                f"{where}: field {config.answer_field!r} must be non-empty text or a number for "
+                f"reward {config.reward!r}, got {json.dumps(gold)[:80]}"
+            )
         demonstration = None
         if config.demonstration_field is not None:
             demonstration = row.get(config.demonstration_field)
             if not isinstance(demonstration, str) or not demonstration.strip():
-                raise TaskError(f"{where}: field {config.demonstration_field!r} (task.demonstration_field) is "
-                                "missing or not text")
+                raise TaskError(
+                    f"{where}: field {config.demonstration_field!r} (task.demonstration_field) is missing or not text"
+                )
         answer = gold if isinstance(gold, str) else json.dumps(gold)
-        return Problem(f"{path.stem}-{line:06d}", messages[-1]["content"], answer,
-                       {"messages": messages, "gold": gold, "row": row, "demonstration": demonstration})
+        return Problem(
+            f"{path.stem}-{line:06d}",
+            messages[-1]["content"],
+            answer,
+            {"messages": messages, "gold": gold, "row": row, "demonstration": demonstration},
+        )
 
     def problems(self, split: str, seed: int) -> Iterator[Problem]:
         return file_problems(self.rows, split, seed)
@@ -85,8 +101,9 @@ class Dataset(Task):
             return self.reward_function(completion, problem.metadata["gold"], problem.metadata["row"])
         equivalent = self.equivalent
         assert equivalent is not None  # without a reward function, a built-in verifier scores
-        return graded_answer(completion, lambda answer: equivalent(problem.answer, answer),
-                             boxed=self.config.reward in BOXED_REWARDS)
+        return graded_answer(
+            completion, lambda answer: equivalent(problem.answer, answer), boxed=self.config.reward in BOXED_REWARDS
+        )
 
     def demonstration(self, problem: Problem) -> str:
         return problem.metadata["demonstration"] or f"<answer>{problem.answer}</answer>"
@@ -103,10 +120,15 @@ def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
         raise TaskError(f"{where} must be text or a non-empty list of chat messages, got {json.dumps(prompt)[:80]}")
     messages = []
     for index, message in enumerate(prompt):
-        if (not isinstance(message, dict) or set(message) != {"role", "content"} or message["role"] not in ROLES
-                or not isinstance(message["content"], str)):
-            raise TaskError(f"{where}[{index}] must be {{role: {'|'.join(ROLES)}, content: text}}, got "
-                            f"{json.dumps(message)[:80]}")
+        if (
+            not isinstance(message, dict)
+            or set(message) != {"role", "content"}
+            or message["role"] not in ROLES
+            or not isinstance(message["content"], str)
+        ):
+            raise TaskError(
+                f"{where}[{index}] must be {{role: {'|'.join(ROLES)}, content: text}}, got {json.dumps(message)[:80]}"
+            )
         messages.append(dict(message))
     if messages[-1]["role"] != "user":
         raise TaskError(f"{where} must end with a user message (the model answers it), not {messages[-1]['role']!r}")
@@ -117,14 +139,17 @@ def load_reward_function(spec: str) -> RewardFunction:
     """`task.reward` 'FILE.py:NAME' or 'module:NAME' as a function (completion, answer, row) -> float."""
     source, _, name = spec.rpartition(":")
     if not source or not name.isidentifier():
-        raise TaskError(f"task.reward: {spec!r} is neither a built-in ({', '.join(BUILT_IN_REWARDS)}) nor "
-                        "'FILE.py:NAME' or 'module:NAME'")
+        raise TaskError(
+            f"task.reward: {spec!r} is neither a built-in ({', '.join(BUILT_IN_REWARDS)}) nor "
+            "'FILE.py:NAME' or 'module:NAME'"
+        )
     function = user_function(spec, "task.reward")
     try:
         inspect.signature(function).bind("completion", "answer", {})
     except TypeError:
-        raise TaskError(f"task.reward: {name}{inspect.signature(function)} cannot be called as "
-                        f"{name}(completion, answer, row)") from None
+        raise TaskError(
+            f"task.reward: {name}{inspect.signature(function)} cannot be called as {name}(completion, answer, row)"
+        ) from None
     except ValueError:  # no signature to inspect (some builtins): it is tried on the first sample
         pass
     return function

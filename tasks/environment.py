@@ -38,7 +38,9 @@ class EnvironmentSpec:
     tool_memory_limit_mb: int | None = 1024
     max_tool_output_chars: int = 4096
     tool_workers: int = 1  # calls of different episodes (or of one turn) that run at once
-    sandbox: SandboxLimits = SandboxLimits()  # the job's `sandbox` section: isolation, environment, limits
+    sandbox: SandboxLimits = field(
+        default_factory=SandboxLimits
+    )  # the job's `sandbox` section: isolation, environment, limits
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,13 @@ class Turn:
 
 def turn_of(record: Completion) -> Turn:
     """A sampled turn from the generator's record of one response to the episode's context."""
-    return Turn(record["completion_ids"], record["behaviour_logprobs"], record["text"], record["finish_reason"],
-                record["version_spans"])
+    return Turn(
+        record["completion_ids"],
+        record["behaviour_logprobs"],
+        record["text"],
+        record["finish_reason"],
+        record["version_spans"],
+    )
 
 
 @dataclass
@@ -120,11 +127,19 @@ class Episode:
         self.finish_reason, self.error = finish_reason, error
 
     def record(self) -> Completion:
-        return Completion(completion_ids=self.completion_ids, behaviour_logprobs=self.behaviour_logprobs,
-                          text="\n".join(self.policy_texts), finish_reason=self.finish_reason or "length",
-                          version_spans=self.version_spans, policy_mask=self.policy_mask, turns=self.turns,
-                          tool_calls=self.tool_calls, tool_errors=self.tool_errors, episode_error=self.error,
-                          transcript="\n".join(self.transcript))
+        return Completion(
+            completion_ids=self.completion_ids,
+            behaviour_logprobs=self.behaviour_logprobs,
+            text="\n".join(self.policy_texts),
+            finish_reason=self.finish_reason or "length",
+            version_spans=self.version_spans,
+            policy_mask=self.policy_mask,
+            turns=self.turns,
+            tool_calls=self.tool_calls,
+            tool_errors=self.tool_errors,
+            episode_error=self.error,
+            transcript="\n".join(self.transcript),
+        )
 
 
 _PROBE_ANSWER = "PROBE-ASSISTANT-TURN"
@@ -144,8 +159,9 @@ class ToolChat:
         self.tool_names = schema_names(schemas)
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool = False, **extra: Any) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
-                                                  **extra)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
+        )
 
     def messages(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
         """A task's messages with the tools described in the system message, for templates that ignore `tools`."""
@@ -169,11 +185,13 @@ class ToolChat:
         full = self._render(turn + [{"role": "tool", "content": c} for c in contents], generation_prompt=True)
         cut = base.find(_PROBE_ANSWER) + len(_PROBE_ANSWER)
         if not full.startswith(base[:cut]):
-            raise TaskError("environment: the model's chat template renders earlier turns differently once tool "
-                            "messages follow; its episodes cannot be built token by token")
+            raise TaskError(
+                "environment: the model's chat template renders earlier turns differently once tool "
+                "messages follow; its episodes cannot be built token by token"
+            )
         delta = full[cut:]
         if after_stop_token and self.eos_text and delta.startswith(self.eos_text):
-            delta = delta[len(self.eos_text):]
+            delta = delta[len(self.eos_text) :]
         return list(self.tokenizer.encode(delta, add_special_tokens=False))
 
     def demonstration(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
@@ -191,7 +209,7 @@ class ToolChat:
                 ids += tool_ids
                 mask += [0] * len(tool_ids)
                 pending_tools = []
-            turn = list(self.tokenizer.encode(message["content"], add_special_tokens=False)) + [self.eos_id]
+            turn = [*list(self.tokenizer.encode(message["content"], add_special_tokens=False)), self.eos_id]
             ids += turn
             mask += [1] * len(turn)
         return ids, mask
@@ -205,23 +223,31 @@ class EpisodeBudget:
     max_model_len: int
 
     def left(self, episode: Episode) -> int:
-        return min(self.max_new_tokens - len(episode.completion_ids),
-                   self.max_model_len - len(episode.prompt_ids) - len(episode.completion_ids))
+        return min(
+            self.max_new_tokens - len(episode.completion_ids),
+            self.max_model_len - len(episode.prompt_ids) - len(episode.completion_ids),
+        )
 
 
 class EpisodeRunner:
     """The steps of an episode between engine calls: what a sampled turn asks for, and what the tools' results do.
     The drivers (`run_batched`, and the streaming generator's coroutine) only sample and call these."""
 
-    def __init__(self, spec: EnvironmentSpec, chat: ToolChat, run_tools: Callable[[Sequence[tuple[ToolCall, Problem]]],
-                 list[ToolResult]], budget: EpisodeBudget) -> None:
+    def __init__(
+        self,
+        spec: EnvironmentSpec,
+        chat: ToolChat,
+        run_tools: Callable[[Sequence[tuple[ToolCall, Problem]]], list[ToolResult]],
+        budget: EpisodeBudget,
+    ) -> None:
         self.spec, self.chat, self.run_tools, self.budget = spec, chat, run_tools, budget
 
     def start(self, problem: Problem, messages: list[dict[str, str]], seed: int) -> Episode:
         return Episode(problem, self.chat.prompt_ids(messages), seed)
 
-    def start_group(self, group_id: int, problem: Problem | None, messages: list[dict[str, str]], seed: int,
-                    episodes: int) -> list[Episode]:
+    def start_group(
+        self, group_id: int, problem: Problem | None, messages: list[dict[str, str]], seed: int, episodes: int
+    ) -> list[Episode]:
         """A prompt group's episodes, each with a seed of its own; the tools need the group's problem."""
         if problem is None:
             raise ValueError(f"group {group_id}: a tool episode needs the request's problem")
@@ -276,11 +302,14 @@ class EpisodeRunner:
         call per round."""
         while active := [episode for episode in episodes if not episode.done]:
             turns = sample([self.turn_request(episode) for episode in active])
-            waiting = [(episode, parsed) for episode, turn in zip(active, turns, strict=True)
-                       if (parsed := self.after_turn(episode, turn)) is not None]
+            waiting = [
+                (episode, parsed)
+                for episode, turn in zip(active, turns, strict=True)
+                if (parsed := self.after_turn(episode, turn)) is not None
+            ]
             results = self.run_tools([(call, episode.problem) for episode, parsed in waiting for call in parsed.calls])
             for episode, parsed in waiting:
-                mine, results = results[:len(parsed.calls)], results[len(parsed.calls):]
+                mine, results = results[: len(parsed.calls)], results[len(parsed.calls) :]
                 self.after_tools(episode, parsed, mine)
 
 
@@ -298,9 +327,14 @@ def episode_runner(spec: EnvironmentSpec, tokenizer: Any, max_new_tokens: int, m
     """A generator's episode runner, with its tool workers started (they live as long as the generator)."""
     from tasks.tools import ToolPool
 
-    pool = ToolPool(spec.tools, workers=spec.tool_workers, timeout_s=spec.tool_timeout_s,
-                    memory_limit_mb=spec.tool_memory_limit_mb, max_output_chars=spec.max_tool_output_chars,
-                    limits=spec.sandbox)
+    pool = ToolPool(
+        spec.tools,
+        workers=spec.tool_workers,
+        timeout_s=spec.tool_timeout_s,
+        memory_limit_mb=spec.tool_memory_limit_mb,
+        max_output_chars=spec.max_tool_output_chars,
+        limits=spec.sandbox,
+    )
     chat = ToolChat(tokenizer, environment_tools(spec))
     return EpisodeRunner(spec, chat, pool.run_many, EpisodeBudget(max_new_tokens, max_model_len))
 
@@ -312,8 +346,10 @@ def score_responses(scorer: Any, problems: Sequence[Problem], completions: Seque
 
     live = [(p, c["text"]) for p, c in zip(problems, completions, strict=True) if not c.get("episode_error")]
     scores = iter(scorer.score_many([p for p, _ in live], [text for _, text in live]) if live else [])
-    return [ScoreResult(0.0, f"episode failed: {c['episode_error']}") if c.get("episode_error") else next(scores)
-            for c in completions]
+    return [
+        ScoreResult(0.0, f"episode failed: {c['episode_error']}") if c.get("episode_error") else next(scores)
+        for c in completions
+    ]
 
 
 @dataclass
@@ -344,8 +380,10 @@ class EpisodeStats:
         """Per episode means; none when no episode was scored (a job without tools logs none of these)."""
         if not self.episodes:
             return {}
-        return {"rollout/turns_mean": self.turns / self.episodes,
-                "rollout/tool_calls_mean": self.tool_calls / self.episodes,
-                "rollout/tool_errors_mean": self.tool_errors / self.episodes,
-                "rollout/failed_episode_share": self.failed / self.episodes,
-                "rollout/tool_token_share": self.tool_tokens / self.tokens if self.tokens else 0.0}
+        return {
+            "rollout/turns_mean": self.turns / self.episodes,
+            "rollout/tool_calls_mean": self.tool_calls / self.episodes,
+            "rollout/tool_errors_mean": self.tool_errors / self.episodes,
+            "rollout/failed_episode_share": self.failed / self.episodes,
+            "rollout/tool_token_share": self.tool_tokens / self.tokens if self.tokens else 0.0,
+        }

@@ -10,8 +10,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from tasks.base import (Problem, Task, TaskError, file_problems, graded_answer, read_jsonl, register,
-                        tool_call_text)
+from tasks.base import Problem, Task, TaskError, file_problems, graded_answer, read_jsonl, register, tool_call_text
 from tasks.config import GSM8KConfig
 
 _CALC = re.compile(r"<<[^>]*>>")
@@ -31,8 +30,14 @@ def load_rows(path: Path, max_rows: int | None = None) -> list[Problem]:
         gold = gold.strip().replace(",", "")
         if not _NUMBER.fullmatch(gold):
             raise TaskError(f"{path}:{line_number}: gold answer {gold!r} is not a number")
-        problems.append(Problem(f"gsm8k-{path.stem}-{line_number:05d}", row["question"].strip(), gold,
-                                {"reasoning": _CALC.sub("", reasoning).strip(), "annotated": reasoning.strip()}))
+        problems.append(
+            Problem(
+                f"gsm8k-{path.stem}-{line_number:05d}",
+                row["question"].strip(),
+                gold,
+                {"reasoning": _CALC.sub("", reasoning).strip(), "annotated": reasoning.strip()},
+            )
+        )
     return problems
 
 
@@ -64,8 +69,10 @@ class GSM8K(Task):
         for text, calculation in zip(parts[0::2], parts[1::2]):
             expression, _, result = calculation.partition("=")
             call = tool_call_text("calculator", {"expression": expression.strip()})
-            messages += [{"role": "assistant", "content": f"{text.strip()} {call}".strip()},
-                         {"role": "tool", "content": result.strip()}]
+            messages += [
+                {"role": "assistant", "content": f"{text.strip()} {call}".strip()},
+                {"role": "tool", "content": result.strip()},
+            ]
         messages.append({"role": "assistant", "content": f"{parts[-1].strip()}\n<answer>{problem.answer}</answer>"})
         return messages
 

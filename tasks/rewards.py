@@ -66,8 +66,9 @@ class CompositeScorer:
             scores = {c.kind: r[i].reward for c, r in per_component if r[i].error is None}
             errors = [f"{c.kind}: {r[i].error}" for c, r in per_component if r[i].error is not None]
             reward = sum(c.weight * r[i].reward for c, r in per_component)
-            results.append(ScoreResult(0.0, "; ".join(errors)[:300], scores) if errors
-                           else ScoreResult(reward, None, scores))
+            results.append(
+                ScoreResult(0.0, "; ".join(errors)[:300], scores) if errors else ScoreResult(reward, None, scores)
+            )
         self.failures += sum(r.error is not None for r in results)
         return results
 
@@ -104,8 +105,9 @@ class RewardModelScorer:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         self.model = AutoModelForSequenceClassification.from_pretrained(path, torch_dtype=dtype).to(device).eval()
         if self.model.config.num_labels != 1:
-            raise TaskError(f"{path}: a reward model has one output (num_labels 1), this one has "
-                             f"{self.model.config.num_labels}")
+            raise TaskError(
+                f"{path}: a reward model has one output (num_labels 1), this one has {self.model.config.num_labels}"
+            )
         if self.model.config.pad_token_id is None:  # the head finds each row's last token by it
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.max_length, self.batch_size, self.device = max_length, batch_size, device
@@ -121,22 +123,29 @@ class RewardModelScorer:
         its own."""
         results: list[ScoreResult] = []
         for start in range(0, len(conversations), self.batch_size):
-            batch = conversations[start:start + self.batch_size]
+            batch = conversations[start : start + self.batch_size]
             try:
                 scores = self._logits([self.text(m, c) for m, c in batch])
-            except Exception as error:  # noqa: BLE001 - a failing batch fails its samples, not the job
+            except Exception as error:
                 results += [ScoreResult(0.0, f"raised {type(error).__name__}: {error}"[:300])] * len(batch)
                 continue
-            results += [ScoreResult(s) if math.isfinite(s) else ScoreResult(0.0, f"non-finite score {s}")
-                        for s in scores]
+            results += [
+                ScoreResult(s) if math.isfinite(s) else ScoreResult(0.0, f"non-finite score {s}") for s in scores
+            ]
         return results
 
     def encode(self, texts: list[str]) -> Any:
         """The batch's tensors. A chat template already writes the special tokens (a Llama template's BOS):
         tokenizing its text adds none, or the model would read two BOS (OpenRLHF and TRL do the same)."""
         templated = bool(getattr(self.tokenizer, "chat_template", None))
-        return self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=self.max_length,
-                              add_special_tokens=not templated).to(self.device)
+        return self.tokenizer(
+            texts,
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            add_special_tokens=not templated,
+        ).to(self.device)
 
     def _logits(self, texts: list[str]) -> list[float]:
         import torch
@@ -156,21 +165,25 @@ def reward_model_problem(path: str) -> str | None:
         return f"{path!r}: no such folder (a reward model is a local Hugging Face model folder or a hub id)"
     try:  # a hub id: its config and tokenizer come to the cache here, the actor loads the weights by the id
         config = AutoConfig.from_pretrained(path)
-    except Exception as error:  # noqa: BLE001 - whatever transformers raises, the path is what to fix
+    except Exception as error:
         if not Path(path).is_dir():
-            return (f"{path!r} is no local folder and does not load as a Hugging Face hub id: {error}"[:400]
-                    + "; with no network (HF_HUB_OFFLINE=1) it must be in the cache already (HF_HOME), else give a "
-                    "local model folder")
+            return (
+                f"{path!r} is no local folder and does not load as a Hugging Face hub id: {error}"[:400]
+                + "; with no network (HF_HUB_OFFLINE=1) it must be in the cache already (HF_HOME), else give a "
+                "local model folder"
+            )
         return f"{path!r} does not load as a model: {error}"[:500]
     architectures = getattr(config, "architectures", None) or []
     if not any(name.endswith("ForSequenceClassification") for name in architectures):
-        return (f"{path!r} is {', '.join(architectures) or 'no architecture'}, not a sequence-classification "
-                "model (a reward model has a score head)")
+        return (
+            f"{path!r} is {', '.join(architectures) or 'no architecture'}, not a sequence-classification "
+            "model (a reward model has a score head)"
+        )
     if config.num_labels != 1:
         return f"{path!r} has {config.num_labels} outputs; a reward model has one (num_labels 1)"
     try:
         AutoTokenizer.from_pretrained(path)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         return f"{path!r} has no tokenizer that loads: {error}"[:500]
     return None
 

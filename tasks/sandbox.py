@@ -27,7 +27,6 @@ main thread. `tasks.scoring.ScorePool` and `tasks.tools.ToolPool` are its two us
 threat model.
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +48,16 @@ from multiprocessing.connection import Pipe, wait
 from typing import Any, Generic, Self, TypeVar
 
 from algorithms.errors import StableAsyncError
-from tasks.sandbox_worker import (ISOLATIONS, STARTED, Handler, ItemFailed, SandboxLimits, StartFailed,
-                                  WorkerSetup, really_root)
+from tasks.sandbox_worker import (
+    ISOLATIONS,
+    STARTED,
+    Handler,
+    ItemFailed,
+    SandboxLimits,
+    StartFailed,
+    WorkerSetup,
+    really_root,
+)
 
 Result = TypeVar("Result")
 
@@ -95,8 +102,18 @@ def namespace_command() -> list[str]:
     namespace dies with its first process, which `--kill-child` ties to unshare's life), and a user namespace
     for a caller who is not root (root makes the others without it, then drops to a user of its own)."""
     user = [] if really_root() else ["--user", "--map-root-user"]
-    return ["unshare", *user, "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
-            "--propagation", "private"]
+    return [
+        "unshare",
+        *user,
+        "--net",
+        "--mount",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+        "--propagation",
+        "private",
+    ]
 
 
 _PROBE = """
@@ -129,9 +146,14 @@ def namespaces_unavailable() -> str | None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory(prefix="stableasync-probe-") as workdir:
         try:
-            done = subprocess.run([*namespace_command(), sys.executable, "-I", "-c", _PROBE, root, workdir],
-                                  capture_output=True, text=True, timeout=30, cwd=workdir,
-                                  env={"PATH": os.environ.get("PATH", os.defpath)})
+            done = subprocess.run(
+                [*namespace_command(), sys.executable, "-I", "-c", _PROBE, root, workdir],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                cwd=workdir,
+                env={"PATH": os.environ.get("PATH", os.defpath)},
+            )
         except (OSError, subprocess.TimeoutExpired) as error:
             return f"unshare did not run: {type(error).__name__}: {error}"
     if done.returncode != 0 or done.stdout.strip() != "ok":
@@ -149,8 +171,9 @@ def resolve_isolation(isolation: str, setting: str = "sandbox.isolation") -> boo
         return False
     why = namespaces_unavailable()
     if isolation == "namespaces" and why is not None:
-        raise SandboxUnavailable(f"{setting}: namespaces cannot start on this machine: {why} (docs/security.md; "
-                                 "use auto or none)")
+        raise SandboxUnavailable(
+            f"{setting}: namespaces cannot start on this machine: {why} (docs/security.md; use auto or none)"
+        )
     if isolation == "auto":
         _log_auto(why)
     return why is None
@@ -161,13 +184,17 @@ def _log_auto(why: str | None) -> None:
     if why is None:
         log.info("sandbox.isolation auto: untrusted code runs in namespaces (no network, read-only filesystem)")
     else:
-        log.warning("sandbox.isolation auto: no namespaces here (%s); untrusted code runs with process limits "
-                    "alone, and can reach the network and every file the worker's user can", why)
+        log.warning(
+            "sandbox.isolation auto: no namespaces here (%s); untrusted code runs with process limits "
+            "alone, and can reach the network and every file the worker's user can",
+            why,
+        )
 
 
-
-_BOOT = ("import json, sys; sys.path[:] = json.loads(sys.argv[2]); from tasks.sandbox_worker import worker_entry; "
-         "worker_entry(int(sys.argv[1]))")
+_BOOT = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[2]); from tasks.sandbox_worker import worker_entry; "
+    "worker_entry(int(sys.argv[1]))"
+)
 
 
 # ---------------------------------------------------------------- the caller's side
@@ -224,8 +251,12 @@ def _kill_tree(pid: int) -> None:
 
 def sandbox_env(names: Sequence[str], home: str) -> dict[str, str]:
     """A worker's environment: PATH and LANG, HOME and TMPDIR in its private directory, and the variables named."""
-    env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": os.environ.get("LANG", "C.UTF-8"), "HOME": home,
-           "TMPDIR": home}
+    env = {
+        "PATH": os.environ.get("PATH", os.defpath),
+        "LANG": os.environ.get("LANG", "C.UTF-8"),
+        "HOME": home,
+        "TMPDIR": home,
+    }
     env.update({name: os.environ[name] for name in names if name in os.environ})
     return env
 
@@ -234,15 +265,21 @@ class _Worker:
     def __init__(self, setup: WorkerSetup, startup_timeout_s: float) -> None:
         self.conn, child = Pipe()
         self.workdir = setup.workdir
-        self.log = tempfile.TemporaryFile()  # its own stderr (unshare's complaints, say): quoted if it fails to start
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - kept open for the worker's life: its own stderr (unshare's complaints, say): quoted if it fails to start
         prefix = namespace_command() if setup.namespaces else []
         paths = [path or os.getcwd() for path in sys.path]
         try:
             with children_ignore_sigint():
                 self.process = subprocess.Popen(
                     [*prefix, sys.executable, "-I", "-c", _BOOT, str(child.fileno()), json.dumps(paths)],
-                    stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, pass_fds=(child.fileno(),),
-                    cwd=setup.workdir, env=sandbox_env(setup.limits.env, setup.workdir), start_new_session=True)
+                    stdin=subprocess.DEVNULL,
+                    stdout=self.log,
+                    stderr=self.log,
+                    pass_fds=(child.fileno(),),
+                    cwd=setup.workdir,
+                    env=sandbox_env(setup.limits.env, setup.workdir),
+                    start_new_session=True,
+                )
         finally:
             child.close()
         self.conn.send(setup)
@@ -307,9 +344,18 @@ class WorkerPool(Generic[Result]):
     died_reason = "worker died (killed or out of memory)"
     output_reason = "wrote more than {limit} bytes to stdout/stderr (sandbox max_output_chars)"
 
-    def __init__(self, build: Callable[..., Handler], args: tuple[Any, ...], workers: int, timeout_s: float,
-                 memory_limit_mb: int | None, startup_timeout_s: float, describe: str, startup_setting: str,
-                 limits: SandboxLimits | None = None) -> None:
+    def __init__(
+        self,
+        build: Callable[..., Handler],
+        args: tuple[Any, ...],
+        workers: int,
+        timeout_s: float,
+        memory_limit_mb: int | None,
+        startup_timeout_s: float,
+        describe: str,
+        startup_setting: str,
+        limits: SandboxLimits | None = None,
+    ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.timeout_s = timeout_s
@@ -321,9 +367,17 @@ class WorkerPool(Generic[Result]):
         except SandboxUnavailable as error:
             raise self.start_error(f"{describe}: {error}") from None
         self.isolation = "namespaces" if namespaces else "none"
-        self._setup = functools.partial(WorkerSetup, build, tuple(args), memory_limit_mb, self.limits, namespaces,
-                                        build_dir=os.getcwd(), output_reason=self.output_reason,
-                                        died_reason=self.died_reason)
+        self._setup = functools.partial(
+            WorkerSetup,
+            build,
+            tuple(args),
+            memory_limit_mb,
+            self.limits,
+            namespaces,
+            build_dir=os.getcwd(),
+            output_reason=self.output_reason,
+            died_reason=self.died_reason,
+        )
         self._workers = [self._start_worker() for _ in range(workers)]
         self._free = threading.Condition()
         self._idle = list(range(workers))
@@ -404,13 +458,17 @@ class WorkerPool(Generic[Result]):
                     except (EOFError, OSError):
                         if not worker.started:
                             said = worker.output()
-                            raise self.start_error(f"{self._describe} failed to start: it exited "
-                                                   f"{worker.process.poll()}" + (f": {said}" if said else ""))
+                            raise self.start_error(
+                                f"{self._describe} failed to start: it exited "
+                                f"{worker.process.poll()}" + (f": {said}" if said else "")
+                            ) from None
                         fail_head(slot, batch, self.died_reason)
                 elif time.monotonic() >= deadline(slot):
                     if not worker.started:
-                        raise self.start_error(f"{self._describe} did not start within {self.startup_timeout_s:g} s "
-                                               f"({self._startup_setting})")
+                        raise self.start_error(
+                            f"{self._describe} did not start within {self.startup_timeout_s:g} s "
+                            f"({self._startup_setting})"
+                        )
                     fail_head(slot, batch, self.timeout_reason.format(timeout_s=self.timeout_s))
                 if not batch:
                     del in_flight[slot], head_deadline[slot]

@@ -75,7 +75,6 @@ class WorkerSetup:
     died_reason: str
 
 
-
 def _initial_user_namespace() -> bool:
     """Whether this process is in the machine's own user namespace (its uid map is the identity)."""
     try:
@@ -107,8 +106,12 @@ def _check(result: int, what: str) -> None:
 
 
 class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
-                ("userns_fd", ctypes.c_uint64)]
+    _fields_ = [  # noqa: RUF012 - ctypes reads the layout from this class attribute
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 _SYS_MOUNT_SETATTR = 442  # the same number on every architecture (syscalls from 424 on are unified)
@@ -121,11 +124,19 @@ def read_only_view(workdir: str) -> None:
     libc = _syscall_libc()
     _check(libc.mount(workdir.encode(), workdir.encode(), None, _MS_BIND | _MS_REC, None), f"bind {workdir}")
     read_only = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0)
-    _check(libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, b"/", _AT_RECURSIVE, ctypes.byref(read_only),
-                        ctypes.sizeof(read_only)), "mount_setattr / read-only")
+    _check(
+        libc.syscall(
+            _SYS_MOUNT_SETATTR, _AT_FDCWD, b"/", _AT_RECURSIVE, ctypes.byref(read_only), ctypes.sizeof(read_only)
+        ),
+        "mount_setattr / read-only",
+    )
     writable = _MountAttr(0, _MOUNT_ATTR_RDONLY, 0, 0)
-    _check(libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, workdir.encode(), 0, ctypes.byref(writable),
-                        ctypes.sizeof(writable)), f"mount_setattr {workdir} writable")
+    _check(
+        libc.syscall(
+            _SYS_MOUNT_SETATTR, _AT_FDCWD, workdir.encode(), 0, ctypes.byref(writable), ctypes.sizeof(writable)
+        ),
+        f"mount_setattr {workdir} writable",
+    )
 
 
 _PR_SET_CHILD_SUBREAPER, _PR_CAPBSET_DROP, _PR_SET_KEEPCAPS, _PR_SET_NO_NEW_PRIVS = 36, 24, 8, 38
@@ -206,6 +217,7 @@ def _set_limits(memory_limit_mb: int | None, limits: SandboxLimits) -> None:
     The address space caps what the worker holds now plus `memory_limit_mb`: on top of the start-up
     footprint, not absolute, since a CUDA torch imported for a verifier alone maps gigabytes it never touches.
     The process limit counts the user's processes now plus `max_processes`."""
+
     def cap(kind: int, value: int) -> None:
         hard = resource.getrlimit(kind)[1]
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
@@ -288,7 +300,7 @@ def _run_item(handle: Handler, item: Any, setup: WorkerSetup) -> Any:
             data = pickle.dumps(handle(item))
             view = memoryview(len(data).to_bytes(8, "little") + data)  # framed: its children hold the pipe too
             while view:
-                view = view[os.write(result_write, view):]
+                view = view[os.write(result_write, view) :]
         finally:
             os._exit(0)
     os.close(out_write)
@@ -336,7 +348,7 @@ def _run_item(handle: Handler, item: Any, setup: WorkerSetup) -> Any:
         return ItemFailed(_died_reason(status, limits, setup.died_reason))
     try:
         return pickle.loads(b"".join(chunks)[8:])
-    except Exception:  # noqa: BLE001 - a result cut short: the item's process died writing it
+    except Exception:
         return ItemFailed(_died_reason(status, limits, setup.died_reason))
 
 
@@ -355,7 +367,7 @@ def worker_entry(fd: int) -> None:
         _syscall_libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans come here, to be killed
         _drop_privileges(setup.workdir)
         _set_limits(setup.memory_limit_mb, setup.limits)
-    except BaseException as error:  # noqa: BLE001 - reported to the pool, which names it
+    except BaseException as error:
         conn.send(StartFailed(f"{type(error).__name__}: {error}"[:300]))
         return
     conn.send(STARTED)
@@ -368,4 +380,3 @@ def worker_entry(fd: int) -> None:
             return
         for item in message:
             conn.send(_run_item(handle, item, setup))
-

@@ -16,8 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.base import Problem, Task, build_task
-from tasks.sandbox import Handler, SandboxLimits, WorkerPool, WorkerStartError
-from tasks.sandbox import children_ignore_sigint  # noqa: F401 - re-exported: callers start processes with it
+from tasks.sandbox import (
+    Handler,
+    SandboxLimits,
+    WorkerPool,
+    WorkerStartError,
+    children_ignore_sigint,  # noqa: F401 - re-exported: callers start processes with it
+)
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ def checked_score(task: Task, problem: Problem, completion: str) -> ScoreResult:
         reward = task.score(problem, completion)
     except MemoryError:
         return ScoreResult(0.0, "verifier ran out of memory")
-    except Exception as error:  # noqa: BLE001 - any verifier bug is a failed sample, not a dead job
+    except Exception as error:
         return ScoreResult(0.0, f"raised {type(error).__name__}: {error}"[:300])
     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
         return ScoreResult(0.0, f"non-numeric reward {type(reward).__name__}")
@@ -71,14 +76,30 @@ class ScorePool(WorkerPool[ScoreResult]):
 
     start_error = RewardWorkerError
 
-    def __init__(self, task_name: str, task_config: Any, max_workers: int = 1, timeout_s: float = 5.0,
-                 memory_limit_mb: int | None = None, extra_modules: tuple[str, ...] = (),
-                 startup_timeout_s: float = 120.0, limits: SandboxLimits | None = None) -> None:
+    def __init__(
+        self,
+        task_name: str,
+        task_config: Any,
+        max_workers: int = 1,
+        timeout_s: float = 5.0,
+        memory_limit_mb: int | None = None,
+        extra_modules: tuple[str, ...] = (),
+        startup_timeout_s: float = 120.0,
+        limits: SandboxLimits | None = None,
+    ) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-        super().__init__(_build_scorer, (task_name, task_config, tuple(extra_modules)), max_workers, timeout_s,
-                         memory_limit_mb, startup_timeout_s, describe=f"reward worker for task {task_name!r}",
-                         startup_setting="ScorePool startup_timeout_s", limits=limits)
+        super().__init__(
+            _build_scorer,
+            (task_name, task_config, tuple(extra_modules)),
+            max_workers,
+            timeout_s,
+            memory_limit_mb,
+            startup_timeout_s,
+            describe=f"reward worker for task {task_name!r}",
+            startup_setting="ScorePool startup_timeout_s",
+            limits=limits,
+        )
         self.failures = 0
 
     def score_many(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[ScoreResult]:

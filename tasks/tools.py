@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from algorithms.errors import StableAsyncError
 from tasks.base import Problem, TaskError, user_function
-from tasks.countdown import reaches_target, evaluate
+from tasks.countdown import evaluate, reaches_target
 from tasks.sandbox import Handler, SandboxLimits, WorkerPool, WorkerStartError
 
 PROBLEM_PARAMETER = "problem"  # a tool parameter of this name receives the episode's Problem, not a model argument
@@ -64,8 +64,9 @@ def _hermes_call(body: str, number: int) -> ToolCall | str:
     except json.JSONDecodeError as error:
         return f"tool call {number} is not valid JSON: {error.msg} at char {error.pos}"
     if not isinstance(call, dict):
-        return (f'tool call {number} must be a JSON object {{"name": ..., "arguments": {{...}}}}, '
-                f"not {type(call).__name__}")
+        return (
+            f'tool call {number} must be a JSON object {{"name": ..., "arguments": {{...}}}}, not {type(call).__name__}'
+        )
     name = call.get("name")
     if not isinstance(name, str) or not name:
         return f'tool call {number} has no "name" (the tool to call, as text)'
@@ -121,8 +122,14 @@ _MAX_EXPRESSION_CHARS = 1000
 _MAX_INT_BITS = 4096  # about 1,233 digits: beyond it an integer result is refused before it is computed
 _CALCULATOR_SYNTAX = "only numbers, + - * / // % ** and parentheses"
 _REFUSED_SYNTAX: dict[type[ast.AST], str] = {
-    ast.Name: "names", ast.Attribute: "attributes", ast.Call: "function calls", ast.Subscript: "subscripts",
-    ast.Compare: "comparisons", ast.BoolOp: "boolean operators", ast.Constant: "constants other than numbers"}
+    ast.Name: "names",
+    ast.Attribute: "attributes",
+    ast.Call: "function calls",
+    ast.Subscript: "subscripts",
+    ast.Compare: "comparisons",
+    ast.BoolOp: "boolean operators",
+    ast.Constant: "constants other than numbers",
+}
 
 
 def _checked_int(value: Number) -> Number:
@@ -140,18 +147,29 @@ def _divide(left: Number, right: Number) -> Number:
 
 def _power(base: Number, exponent: Number) -> Number:
     """`base ** exponent`, refused before computing when an integer result would exceed the size bound."""
-    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and abs(base) > 1:
-        if (abs(base).bit_length() - 1) * exponent > _MAX_INT_BITS:
-            raise ToolError(f"result too large: {base} ** {exponent} has over {_MAX_INT_BITS} bits")
-    value = base ** exponent
+    if (
+        isinstance(base, int)
+        and isinstance(exponent, int)
+        and exponent > 0
+        and abs(base) > 1
+        and (abs(base).bit_length() - 1) * exponent > _MAX_INT_BITS
+    ):
+        raise ToolError(f"result too large: {base} ** {exponent} has over {_MAX_INT_BITS} bits")
+    value = base**exponent
     if isinstance(value, complex):  # (-8) ** (1/3)
         raise ToolError("a negative number to a fractional power has no real value")
     return value
 
 
 _BINARY: dict[type[ast.operator], Callable[[Number, Number], Number]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: _divide,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: _power}
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: _divide,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: _power,
+}
 _UNARY: dict[type[ast.unaryop], Callable[[Number], Number]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
@@ -198,8 +216,10 @@ def countdown_check(expression: str, problem: Problem) -> str:
     """Check a countdown answer: whether the expression uses each given number exactly once and equals the
     target, and what is wrong otherwise."""
     if "numbers" not in problem.metadata or "target" not in problem.metadata:
-        raise TaskError(f"countdown_check needs a countdown problem (metadata numbers and target); "
-                        f"{problem.problem_id} has {sorted(problem.metadata)}")
+        raise TaskError(
+            f"countdown_check needs a countdown problem (metadata numbers and target); "
+            f"{problem.problem_id} has {sorted(problem.metadata)}"
+        )
     target = problem.metadata["target"]
     try:
         value = evaluate(expression)
@@ -209,8 +229,11 @@ def countdown_check(expression: str, problem: Problem) -> str:
         return f"correct: {expression} = {target}"
     used = Counter(int(n) for n in re.findall(r"\d+", expression))
     given = Counter(problem.metadata["numbers"])
-    wrong = [f"uses {n} {used[n]} time(s) but it is given {given[n]} time(s)" for n in sorted(used | given)
-             if used[n] != given[n]]
+    wrong = [
+        f"uses {n} {used[n]} time(s) but it is given {given[n]} time(s)"
+        for n in sorted(used | given)
+        if used[n] != given[n]
+    ]
     if value != target:
         wrong.append(f"equals {_number_text(value)}, not {target}")
     return f"wrong: {expression}: {'; '.join(wrong) or 'not accepted'}"
@@ -228,8 +251,10 @@ def check_tool_entry(entry: str, where: str) -> str:
         return entry
     source, _, name = entry.rpartition(":")
     if not source or not name.isidentifier():
-        raise TaskError(f"{where}: {entry!r} is neither a built-in tool ({', '.join(sorted(BUILTIN_TOOLS))}) nor "
-                        "'FILE.py:NAME' or 'module:NAME'")
+        raise TaskError(
+            f"{where}: {entry!r} is neither a built-in tool ({', '.join(sorted(BUILTIN_TOOLS))}) nor "
+            "'FILE.py:NAME' or 'module:NAME'"
+        )
     return name
 
 
@@ -251,8 +276,15 @@ def load_tools(names: Sequence[str], field: str = "environment.tools") -> dict[s
     return tools
 
 
-_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object",
-                               list: "array", type(None): "null"}
+_JSON_TYPES: dict[Any, str] = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    dict: "object",
+    list: "array",
+    type(None): "null",
+}
 _JSON_TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
     "string": lambda v: isinstance(v, str),
     "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -282,8 +314,9 @@ def _type_schema(hint: Any) -> dict[str, Any]:
             return {**members[0], "type": [members[0]["type"], *nullable]}
         if all(set(m) == {"type"} and isinstance(m["type"], str) for m in members):
             return {"type": [*(m["type"] for m in members), *nullable]}
-    raise TaskError(f"type {hint!r} has no JSON schema here (use str, int, float, bool, list[...], dict, "
-                    "Literal[...] or X | None)")
+    raise TaskError(
+        f"type {hint!r} has no JSON schema here (use str, int, float, bool, list[...], dict, Literal[...] or X | None)"
+    )
 
 
 def tool_schema(name: str, function: Tool) -> dict[str, Any]:
@@ -292,7 +325,7 @@ def tool_schema(name: str, function: Tool) -> dict[str, Any]:
     try:
         hints = typing.get_type_hints(function)
         signature = inspect.signature(function)
-    except Exception as error:  # noqa: BLE001 - an unresolvable hint is the user's to fix, named here
+    except Exception as error:
         raise TaskError(f"tool {name}: its signature cannot be read: {type(error).__name__}: {error}") from None
     properties: dict[str, Any] = {}
     required: list[str] = []
@@ -310,9 +343,14 @@ def tool_schema(name: str, function: Tool) -> dict[str, Any]:
         if parameter.default is parameter.empty:
             required.append(parameter.name)
     description = " ".join((inspect.getdoc(function) or "").split("\n\n")[0].split())
-    return {"type": "function", "function": {"name": name, "description": description,
-                                             "parameters": {"type": "object", "properties": properties,
-                                                            "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
 
 
 def tool_schemas(tools: dict[str, Tool]) -> list[dict[str, Any]]:
@@ -324,12 +362,14 @@ def tools_prompt(schemas: list[dict[str, Any]]) -> str:
     """A system message describing the tools and the hermes call format (the Qwen2.5 template's own words), for
     chat templates that do not render `tools` themselves."""
     listed = "\n".join(json.dumps(schema) for schema in schemas)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n"
-            f"<tools>\n{listed}\n</tools>\n\n"
-            "For each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n"
-            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{listed}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
 
 def _argument_problem(value: Any, schema: dict[str, Any]) -> str | None:
@@ -343,8 +383,14 @@ def _argument_problem(value: Any, schema: dict[str, Any]) -> str | None:
     if "enum" in schema and value not in schema["enum"]:
         return f"must be one of {json.dumps(schema['enum'])}, got {json.dumps(value)[:80]}"
     if "items" in schema and isinstance(value, list):
-        return next((f"item {i} {problem}" for i, item in enumerate(value)
-                     if (problem := _argument_problem(item, schema["items"])) is not None), None)
+        return next(
+            (
+                f"item {i} {problem}"
+                for i, item in enumerate(value)
+                if (problem := _argument_problem(item, schema["items"])) is not None
+            ),
+            None,
+        )
     return None
 
 
@@ -394,10 +440,13 @@ class ToolRunner:
 
     def __init__(self, tools: dict[str, Tool], max_output_chars: int = 4096) -> None:
         self.tools, self.max_output_chars = tools, max_output_chars
-        self.schemas = {name: tool_schema(name, function)["function"]["parameters"]["properties"]
-                        for name, function in tools.items()}
-        self.wants_problem = {name: PROBLEM_PARAMETER in inspect.signature(function).parameters
-                              for name, function in tools.items()}
+        self.schemas = {
+            name: tool_schema(name, function)["function"]["parameters"]["properties"]
+            for name, function in tools.items()
+        }
+        self.wants_problem = {
+            name: PROBLEM_PARAMETER in inspect.signature(function).parameters for name, function in tools.items()
+        }
 
     def __call__(self, call: ToolCall, problem: Problem) -> ToolResult:
         if call.name not in self.tools:
@@ -426,14 +475,16 @@ class ToolRunner:
             return _said(str(error))
         except MemoryError:
             return _said(f"tool {name} ran out of memory", fatal=True)
-        except BaseException as error:  # noqa: BLE001 - SystemExit included: a tool's failure ends its episode only
+        except BaseException as error:
             return _said(f"tool {name} raised {type(error).__name__}: {error}"[:300], fatal=True)
         if printed.chars > self.max_output_chars:
-            return _said(f"tool {name} printed {printed.chars} chars, over max_output_chars {self.max_output_chars}",
-                         fatal=True)
+            return _said(
+                f"tool {name} printed {printed.chars} chars, over max_output_chars {self.max_output_chars}", fatal=True
+            )
         if len(content) > self.max_output_chars:
-            return _said(f"tool {name} returned {len(content)} chars, over max_output_chars {self.max_output_chars}",
-                         fatal=True)
+            return _said(
+                f"tool {name} returned {len(content)} chars, over max_output_chars {self.max_output_chars}", fatal=True
+            )
         return ToolResult(content)
 
 
@@ -460,15 +511,31 @@ class ToolPool(WorkerPool[ToolResult]):
     died_reason = "killed its worker (it died or ran out of memory)"
     output_reason = "wrote more than {limit} bytes to stdout/stderr (max_output_chars)"
 
-    def __init__(self, tool_names: Sequence[str], workers: int = 1, timeout_s: float = 5.0,
-                 memory_limit_mb: int | None = 1024, max_output_chars: int = 4096, startup_timeout_s: float = 120.0,
-                 field: str = "environment.tools", limits: SandboxLimits | None = None) -> None:
+    def __init__(
+        self,
+        tool_names: Sequence[str],
+        workers: int = 1,
+        timeout_s: float = 5.0,
+        memory_limit_mb: int | None = 1024,
+        max_output_chars: int = 4096,
+        startup_timeout_s: float = 120.0,
+        field: str = "environment.tools",
+        limits: SandboxLimits | None = None,
+    ) -> None:
         for index, entry in enumerate(tool_names):  # a misspelt entry fails here, before any worker starts
             check_tool_entry(entry, f"{field}.{index}")
         limits = dataclasses.replace(limits or SandboxLimits(), max_output_chars=max_output_chars)
-        super().__init__(_build_tool_runner, (tuple(tool_names), field, max_output_chars), workers, timeout_s,
-                         memory_limit_mb, startup_timeout_s, describe=f"tool worker for {field}",
-                         startup_setting="ToolPool startup_timeout_s", limits=limits)
+        super().__init__(
+            _build_tool_runner,
+            (tuple(tool_names), field, max_output_chars),
+            workers,
+            timeout_s,
+            memory_limit_mb,
+            startup_timeout_s,
+            describe=f"tool worker for {field}",
+            startup_setting="ToolPool startup_timeout_s",
+            limits=limits,
+        )
         self.calls_run = self.failures = self.call_errors = 0
         self._counting = threading.Lock()  # a streaming generator's episodes call from threads of their own
 

@@ -14,16 +14,39 @@ from pathlib import Path
 
 from cluster.experiments.report_plots import CURVES, plot_cells, plot_runs
 from cluster.experiments.report_reading import ReportError, load_run, unique_labels
-from cluster.experiments.report_tables import (RunSummary, cells_markdown_table, has_repeats, markdown_table,
-                                               render_html, summarise, summarise_cells, write_cells_csv, write_csv)
+from cluster.experiments.report_tables import (
+    RunSummary,
+    cells_markdown_table,
+    has_repeats,
+    markdown_table,
+    render_html,
+    summarise,
+    summarise_cells,
+    write_cells_csv,
+    write_csv,
+)
 
 # what the CLI, the sweep and the tests import from here, and the summary `write_report` returns
-__all__ = ["ReportError", "RunSummary", "load_run", "print_tables", "run_cli", "summarise", "summarise_cells",
-           "unique_labels", "write_report"]
+__all__ = [
+    "ReportError",
+    "RunSummary",
+    "load_run",
+    "print_tables",
+    "run_cli",
+    "summarise",
+    "summarise_cells",
+    "unique_labels",
+    "write_report",
+]
 
 
-def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path = "report", target_reward: float | None = None,
-                 collapse_below: float | None = None, collapse_steps: int | None = None) -> list[RunSummary]:
+def write_report(
+    run_dirs: Sequence[str | Path],
+    out_dir: str | Path = "report",
+    target_reward: float | None = None,
+    collapse_below: float | None = None,
+    collapse_steps: int | None = None,
+) -> list[RunSummary]:
     """Read every run (all errors before anything is written), then write table.md, table.csv, cells.md
     and cells.csv (one row per stabilizer and max lag, over its seeds), the PNGs and report.html into
     `out_dir`; returns the summaries in the order given. `collapse_below` and `collapse_steps` None: each
@@ -46,13 +69,18 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path = "report",
     cells = summarise_cells(summaries)
     (out / "cells.md").write_text(cells_markdown_table(cells))
     write_cells_csv(cells, out / "cells.csv")
-    images = plot_runs(runs, summaries, out, target_reward) + [plot_cells(runs, out, target_reward)]
+    images = [*plot_runs(runs, summaries, out, target_reward), plot_cells(runs, out, target_reward)]
     (out / "report.html").write_text(render_html(summaries, cells, images, target_reward))
     return summaries
 
 
-def run_cli(run_dirs: Sequence[str], out_dir: str, target_reward: float | None, collapse_below: float | None,
-            collapse_steps: int | None) -> int:
+def run_cli(
+    run_dirs: Sequence[str],
+    out_dir: str,
+    target_reward: float | None,
+    collapse_below: float | None,
+    collapse_steps: int | None,
+) -> int:
     """`stableasync report`: print the table, write the files; exit 2 naming the file that cannot be read."""
     import sys
 
@@ -63,8 +91,10 @@ def run_cli(run_dirs: Sequence[str], out_dir: str, target_reward: float | None, 
         return 2
     print_tables(summaries)
     out = Path(out_dir)
-    print(f"\nwrote {out / 'report.html'} (self-contained), table.md, table.csv, cells.md, cells.csv and "
-          f"{len(CURVES) + 2} PNGs in {out}")
+    print(
+        f"\nwrote {out / 'report.html'} (self-contained), table.md, table.csv, cells.md, cells.csv and "
+        f"{len(CURVES) + 2} PNGs in {out}"
+    )
     return 0
 
 

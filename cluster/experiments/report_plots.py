@@ -10,9 +10,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.experiments.report_reading import (ESS_KEY, GRAD_NORM_KEY, KL_K3_KEY, LAG_HIST_KEY, MOVING_AVERAGE_STEPS,
-                                                REWARD_KEY, RunData, lag_counts, metric_series,
-                                                reward_moving_average)
+from cluster.experiments.report_reading import (
+    ESS_KEY,
+    GRAD_NORM_KEY,
+    KL_K3_KEY,
+    LAG_HIST_KEY,
+    MOVING_AVERAGE_STEPS,
+    REWARD_KEY,
+    RunData,
+    lag_counts,
+    metric_series,
+    reward_moving_average,
+)
 from cluster.experiments.report_tables import RunSummary, by_cell, lag_order
 
 # (file stem, metric key, y-axis label, log y)
@@ -30,8 +39,9 @@ def _style(index: int) -> dict[str, Any]:
     return {"color": f"C{index % 10}", "linestyle": ("-", "--", ":", "-.")[index // 10 % 4]}
 
 
-def plot_runs(runs: Sequence[RunData], summaries: Sequence[RunSummary], out_dir: Path,
-              target_reward: float | None = None) -> list[Path]:
+def plot_runs(
+    runs: Sequence[RunData], summaries: Sequence[RunSummary], out_dir: Path, target_reward: float | None = None
+) -> list[Path]:
     """Write one PNG per metric (left: against RL step, right: against run wall time) and the lag
     histogram; returns their paths. Every file is written even when no run logged its metric (the panel
     says so), so a report always has the same pages. Uses matplotlib's Agg canvas (no display, no pyplot
@@ -63,24 +73,32 @@ def plot_runs(runs: Sequence[RunData], summaries: Sequence[RunSummary], out_dir:
                     ax.plot(xs, values, alpha=0.25, linewidth=0.8, color=style["color"])
                     finite = [(x, v) for x, v in zip(xs, values) if math.isfinite(v)]
                     moving = reward_moving_average([v for _, v in finite])
-                    ax.plot([x for x, _ in finite][len(finite) - len(moving):], moving, label=run.label, **style)
+                    ax.plot([x for x, _ in finite][len(finite) - len(moving) :], moving, label=run.label, **style)
                 else:
                     ax.plot(xs, values, label=run.label, linewidth=1.2, **style)
                 bad = [x for x, v in zip(xs, values) if not math.isfinite(v)]
                 if bad:  # NaN/inf leave gaps in the line: mark them at the top of the panel
-                    ax.plot(bad, [0.98] * len(bad), "x", color=style["color"], markersize=6,
-                            transform=blended_transform_factory(ax.transData, ax.transAxes))
+                    ax.plot(
+                        bad,
+                        [0.98] * len(bad),
+                        "x",
+                        color=style["color"],
+                        markersize=6,
+                        transform=blended_transform_factory(ax.transData, ax.transAxes),
+                    )
         for ax, xlabel in zip(axes, ("RL step (policy version)", "run wall time (s since the run started)")):
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
             if not any_line:
                 ax.text(0.5, 0.5, f"no run logged {key}", ha="center", va="center", transform=ax.transAxes)
             if key == REWARD_KEY and target_reward is not None:
-                ax.axhline(target_reward, color="black", linestyle="--", linewidth=0.8,
-                           label=f"target {target_reward:g}")
+                ax.axhline(
+                    target_reward, color="black", linestyle="--", linewidth=0.8, label=f"target {target_reward:g}"
+                )
             if key == ESS_KEY and any_line and ess_threshold is not None:
-                ax.axhline(ess_threshold, color="red", linestyle="--", linewidth=0.8,
-                           label=f"collapse below {ess_threshold:g}")
+                ax.axhline(
+                    ess_threshold, color="red", linestyle="--", linewidth=0.8, label=f"collapse below {ess_threshold:g}"
+                )
         if log_y and any_positive:
             axes[0].set_yscale("log")
         axes[0].set_ylabel(ylabel)
@@ -103,8 +121,13 @@ def plot_runs(runs: Sequence[RunData], summaries: Sequence[RunSummary], out_dir:
     hists = [(index, run, counts) for index, run, counts in hists if sum(counts) > 0]
     width = 0.8 / max(1, len(hists))
     for slot, (index, run, counts) in enumerate(hists):
-        ax.bar([k - 0.4 + width * (slot + 0.5) for k in range(len(counts))], counts, width=width,
-               color=_style(index)["color"], label=f"{run.label} ({sum(counts):.0f} samples)")
+        ax.bar(
+            [k - 0.4 + width * (slot + 0.5) for k in range(len(counts))],
+            counts,
+            width=width,
+            color=_style(index)["color"],
+            label=f"{run.label} ({sum(counts):.0f} samples)",
+        )
     if hists:
         bins = max(len(counts) for _, _, counts in hists)
         ax.set_xticks(range(bins))
@@ -124,7 +147,7 @@ def plot_runs(runs: Sequence[RunData], summaries: Sequence[RunSummary], out_dir:
 def _reward_ma_by_step(run: RunData) -> dict[int, float]:
     finite = [(step, value) for step, _, value in metric_series(run, REWARD_KEY) if math.isfinite(value)]
     moving = reward_moving_average([value for _, value in finite])
-    return dict(zip([step for step, _ in finite][len(finite) - len(moving):], moving))
+    return dict(zip([step for step, _ in finite][len(finite) - len(moving) :], moving))
 
 
 def plot_cells(runs: Sequence[RunData], out_dir: Path, target_reward: float | None = None) -> Path:
@@ -151,8 +174,12 @@ def plot_cells(runs: Sequence[RunData], out_dir: Path, target_reward: float | No
             any_line = True
             color = _style(stabilizers.index(stabilizer))["color"]
             values = [[curve[step] for curve in curves] for step in steps]
-            ax.plot(steps, [statistics.fmean(v) for v in values], color=color,
-                    label=f"{stabilizer} ({len(curves)} run{'s' if len(curves) > 1 else ''})")
+            ax.plot(
+                steps,
+                [statistics.fmean(v) for v in values],
+                color=color,
+                label=f"{stabilizer} ({len(curves)} run{'s' if len(curves) > 1 else ''})",
+            )
             if len(curves) > 1:
                 ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.15)
         if target_reward is not None:

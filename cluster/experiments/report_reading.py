@@ -131,12 +131,17 @@ def load_run(path: str | Path) -> RunData:
     wall_s = _continued_wall_s(all_rows)
     rl = [(row, w) for row, w in zip(all_rows, wall_s) if row[STEP_KEY] > 0]
     return RunData(
-        path=run_dir, name=str(job.get("name") or run_dir.name),
+        path=run_dir,
+        name=str(job.get("name") or run_dir.name),
         label=f"{stabilizer} lag {'?' if max_lag is None else max_lag}",
-        stabilizer=str(stabilizer), max_lag=max_lag, seed=seed, steps_planned=steps_planned,
+        stabilizer=str(stabilizer),
+        max_lag=max_lag,
+        seed=seed,
+        steps_planned=steps_planned,
         ess_collapse_below=None if below is None else float(below),
         ess_collapse_steps=needed if needed is not None else DEFAULT_ALERTS["ess_collapse_steps"],
-        rows=[row for row, _ in rl], wall_s=[w for _, w in rl],
+        rows=[row for row, _ in rl],
+        wall_s=[w for _, w in rl],
     )
 
 
@@ -145,8 +150,11 @@ def load_run(path: str | Path) -> RunData:
 
 def metric_series(run: RunData, key: str) -> list[tuple[int, float, float]]:
     """(step, run wall s, value) of every RL row that logged `key` as a number (NaN included)."""
-    return [(int(row[STEP_KEY]), wall_s, row[key]) for row, wall_s in zip(run.rows, run.wall_s)
-            if key in row and not isinstance(row[key], list)]
+    return [
+        (int(row[STEP_KEY]), wall_s, row[key])
+        for row, wall_s in zip(run.rows, run.wall_s)
+        if key in row and not isinstance(row[key], list)
+    ]
 
 
 def reward_moving_average(rewards: Sequence[float]) -> list[float]:
@@ -155,7 +163,7 @@ def reward_moving_average(rewards: Sequence[float]) -> list[float]:
     window = min(MOVING_AVERAGE_STEPS, len(rewards))
     if window == 0:
         return []
-    return [statistics.fmean(rewards[i - window + 1:i + 1]) for i in range(window - 1, len(rewards))]
+    return [statistics.fmean(rewards[i - window + 1 : i + 1]) for i in range(window - 1, len(rewards))]
 
 
 def lag_counts(run: RunData) -> list[float]:

@@ -15,9 +15,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from cluster.experiments.report_reading import (EVAL_SOLVED_KEY, ESS_KEY, GRAD_NORM_KEY, KL_K3_KEY, LAG_MEAN_KEY,
-                                                MOVING_AVERAGE_STEPS, REWARD_KEY, RunData, lag_counts,
-                                                metric_series, reward_moving_average)
+from cluster.experiments.report_reading import (
+    ESS_KEY,
+    EVAL_SOLVED_KEY,
+    GRAD_NORM_KEY,
+    KL_K3_KEY,
+    LAG_MEAN_KEY,
+    MOVING_AVERAGE_STEPS,
+    REWARD_KEY,
+    RunData,
+    lag_counts,
+    metric_series,
+    reward_moving_average,
+)
 from cluster.telemetry.run_files import step_rows
 
 FINAL_FRACTION = 0.1  # the final reward is the mean over this last share of RL steps (at least one)
@@ -73,8 +83,12 @@ def _grad_norm_max(values: list[float]) -> float | None:
     return max(values)
 
 
-def summarise(run: RunData, target_reward: float | None = None, collapse_below: float | None = None,
-              collapse_steps: int | None = None) -> RunSummary:
+def summarise(
+    run: RunData,
+    target_reward: float | None = None,
+    collapse_below: float | None = None,
+    collapse_steps: int | None = None,
+) -> RunSummary:
     """One run's table row. Every rule, over RL steps only (train/step > 0), in logged order:
 
     - final reward: mean `rollout/reward_mean` of the last max(1, n // 10) of the n steps with a finite
@@ -101,8 +115,7 @@ def summarise(run: RunData, target_reward: float | None = None, collapse_below: 
     needed = run.ess_collapse_steps if collapse_steps is None else collapse_steps
     rewards = [(s, w, r) for s, w, r in metric_series(run, REWARD_KEY) if math.isfinite(r)]
     reward_values = [r for _, _, r in rewards]
-    final_reward = (statistics.fmean(reward_values[-max(1, len(reward_values) // 10):])
-                    if reward_values else None)
+    final_reward = statistics.fmean(reward_values[-max(1, len(reward_values) // 10) :]) if reward_values else None
     evaluations = [v for _, _, v in metric_series(run, EVAL_SOLVED_KEY) if math.isfinite(v)]
     moving = reward_moving_average(reward_values)
     offset = len(rewards) - len(moving)  # moving[i] belongs to rewards[i + offset]
@@ -132,29 +145,52 @@ def summarise(run: RunData, target_reward: float | None = None, collapse_below: 
         if not math.isfinite(value):
             fired.append((step, f"grad norm {value} at step {step}"))
             break
-    reward_fell = best_ma is not None and final_reward is not None and best_ma > 0 \
+    reward_fell = (
+        best_ma is not None
+        and final_reward is not None
+        and best_ma > 0
         and final_reward < REWARD_DROP_FRACTION * best_ma
+    )
     if reward_fell and best_ma is not None:  # reward_fell implies best_ma is not None
         peak = moving.index(best_ma)
-        drop = next((i for i in range(peak + 1, len(moving)) if moving[i] < REWARD_DROP_FRACTION * best_ma),
-                    len(moving) - 1)
+        drop = next(
+            (i for i in range(peak + 1, len(moving)) if moving[i] < REWARD_DROP_FRACTION * best_ma), len(moving) - 1
+        )
         step = rewards[drop + offset][0]
-        fired.append((step, f"final reward {final_reward:.3g} < {REWARD_DROP_FRACTION:.0%} of the best "
-                            f"moving average {best_ma:.3g} (step {rewards[peak + offset][0]})"))
+        fired.append(
+            (
+                step,
+                f"final reward {final_reward:.3g} < {REWARD_DROP_FRACTION:.0%} of the best "
+                f"moving average {best_ma:.3g} (step {rewards[peak + offset][0]})",
+            )
+        )
     fired.sort(key=lambda item: item[0])
     finite_wall = [w for w in run.wall_s if math.isfinite(w)]
     return RunSummary(
-        run_dir=run.path, label=run.label, stabilizer=run.stabilizer, max_lag=run.max_lag, seed=run.seed,
-        steps_planned=run.steps_planned, steps_done=len(step_rows(run.rows)),
+        run_dir=run.path,
+        label=run.label,
+        stabilizer=run.stabilizer,
+        max_lag=run.max_lag,
+        seed=run.seed,
+        steps_planned=run.steps_planned,
+        steps_done=len(step_rows(run.rows)),
         wall_s=finite_wall[-1] if finite_wall else None,
-        final_reward=final_reward, best_reward_ma=best_ma, eval_solved=evaluations[-1] if evaluations else None,
+        final_reward=final_reward,
+        best_reward_ma=best_ma,
+        eval_solved=evaluations[-1] if evaluations else None,
         target_reward=target_reward,
-        target_step=target_step, target_wall_s=target_wall_s,
+        target_step=target_step,
+        target_wall_s=target_wall_s,
         ess_ratio_min=(min(finite_ess) if finite_ess else math.nan) if ess else None,
-        grad_norm_max=_grad_norm_max([v for _, _, v in grad_norms]), kl_k3_max=max(kl) if kl else None,
-        lag_mean=_lag_mean(run), ess_collapse_below=below, ess_collapse_steps=needed,
-        collapsed=bool(fired), collapse_step=fired[0][0] if fired else None,
-        collapse_reason="; ".join(why for _, why in fired), reward_fell=reward_fell,
+        grad_norm_max=_grad_norm_max([v for _, _, v in grad_norms]),
+        kl_k3_max=max(kl) if kl else None,
+        lag_mean=_lag_mean(run),
+        ess_collapse_below=below,
+        ess_collapse_steps=needed,
+        collapsed=bool(fired),
+        collapse_step=fired[0][0] if fired else None,
+        collapse_reason="; ".join(why for _, why in fired),
+        reward_fell=reward_fell,
     )
 
 
@@ -222,8 +258,16 @@ def _write_dataclass_csv(kind: type, rows: Sequence[Any], path: Path) -> None:
         writer.writerow(names)
         for row in rows:
             values = [getattr(row, name) for name in names]
-            writer.writerow([";".join("" if item is None else str(item) for item in value) if isinstance(value, tuple)
-                             else "" if value is None else value for value in values])
+            writer.writerow(
+                [
+                    ";".join("" if item is None else str(item) for item in value)
+                    if isinstance(value, tuple)
+                    else ""
+                    if value is None
+                    else value
+                    for value in values
+                ]
+            )
 
 
 def write_csv(summaries: Sequence[RunSummary], path: Path) -> None:
@@ -317,21 +361,28 @@ def summarise_cells(summaries: Sequence[RunSummary]) -> list[CellSummary]:
         finals = _present([run.final_reward for run in runs])
         reached = [run for run in runs if run.target_step is not None]
         ess = _present([run.ess_ratio_min for run in runs])
-        out.append(CellSummary(
-            stabilizer=stabilizer, max_lag=max_lag, runs=len(runs), seeds=tuple(run.seed for run in runs),
-            collapsed=sum(run.collapsed for run in runs), reward_fell=sum(run.reward_fell for run in runs),
-            final_reward_mean=_mean(finals), final_reward_min=min(finals, default=None),
-            final_reward_max=max(finals, default=None),
-            best_reward_ma_mean=_mean(_present([run.best_reward_ma for run in runs])),
-            target_reached=len(reached),
-            target_step_median=_lower_median(_present([run.target_step for run in reached])),
-            target_wall_s_median=_lower_median(_present([run.target_wall_s for run in reached])),
-            ess_ratio_min_median=_lower_median(ess),
-            ess_ratio_min_lowest=min(ess, key=_nan_lowest, default=None),
-            grad_norm_max=_grad_norm_max(_present([run.grad_norm_max for run in runs])),
-            lag_mean=_mean(_present([run.lag_mean for run in runs])),
-            wall_s_mean=_mean(_present([run.wall_s for run in runs])),
-        ))
+        out.append(
+            CellSummary(
+                stabilizer=stabilizer,
+                max_lag=max_lag,
+                runs=len(runs),
+                seeds=tuple(run.seed for run in runs),
+                collapsed=sum(run.collapsed for run in runs),
+                reward_fell=sum(run.reward_fell for run in runs),
+                final_reward_mean=_mean(finals),
+                final_reward_min=min(finals, default=None),
+                final_reward_max=max(finals, default=None),
+                best_reward_ma_mean=_mean(_present([run.best_reward_ma for run in runs])),
+                target_reached=len(reached),
+                target_step_median=_lower_median(_present([run.target_step for run in reached])),
+                target_wall_s_median=_lower_median(_present([run.target_wall_s for run in reached])),
+                ess_ratio_min_median=_lower_median(ess),
+                ess_ratio_min_lowest=min(ess, key=_nan_lowest, default=None),
+                grad_norm_max=_grad_norm_max(_present([run.grad_norm_max for run in runs])),
+                lag_mean=_mean(_present([run.lag_mean for run in runs])),
+                wall_s_mean=_mean(_present([run.wall_s for run in runs])),
+            )
+        )
     return out
 
 
@@ -351,8 +402,12 @@ CELL_COLUMNS: list[tuple[str, Callable[[CellSummary], str]]] = [
     ("collapsed", lambda c: _of_runs(c.collapsed, c)),
     ("reward fell", lambda c: _of_runs(c.reward_fell, c)),
     ("final reward mean", lambda c: _shown(c.final_reward_mean, _fixed(3))),
-    ("final reward min–max", lambda c: MISSING if c.final_reward_min is None
-        else f"{_fixed(3)(c.final_reward_min)}–{_fixed(3)(c.final_reward_max)}"),
+    (
+        "final reward min–max",
+        lambda c: MISSING
+        if c.final_reward_min is None
+        else f"{_fixed(3)(c.final_reward_min)}–{_fixed(3)(c.final_reward_max)}",
+    ),
     ("best reward MA mean", lambda c: _shown(c.best_reward_ma_mean, _fixed(3))),
     ("reached target", lambda c: _of_runs(c.target_reached, c)),
     ("median target step", lambda c: _shown(c.target_step_median, _plain)),
@@ -380,7 +435,6 @@ def has_repeats(cells: Sequence[CellSummary]) -> bool:
     return any(cell.runs > 1 for cell in cells)
 
 
-
 # ---- the HTML page ----------------------------------------------------------------------------------
 
 
@@ -389,8 +443,11 @@ def _html_table(header: Sequence[str], rows: Sequence[tuple[Sequence[str], bool]
     esc = html.escape
     head = "".join(f"<th>{esc(name)}</th>" for name in header)
     body = "".join(
-        "<tr" + (' class="collapsed"' if shaded else "") + ">"
-        + "".join(f"<td>{esc(cell)}</td>" for cell in cells) + "</tr>\n"
+        "<tr"
+        + (' class="collapsed"' if shaded else "")
+        + ">"
+        + "".join(f"<td>{esc(cell)}</td>" for cell in cells)
+        + "</tr>\n"
         for cells, shaded in rows
     )
     return f"<table><thead><tr>{head}</tr></thead><tbody>\n{body}</tbody></table>\n"
@@ -400,15 +457,20 @@ def _cells_html(cells: Sequence[CellSummary]) -> str:
     """The table over each cell's runs, when some cell has more than one (else it repeats the run table)."""
     if not has_repeats(cells):
         return ""
-    table = _html_table([name for name, _ in CELL_COLUMNS],
-                        [([show(cell) for _, show in CELL_COLUMNS], cell.collapsed > 0) for cell in cells])
-    return (f"<h2>Over seeds: one row per stabilizer and max lag</h2>\n<p>Means and min–max over each cell's "
-            f"runs; medians are the middle run's value. A row is shaded when any of its runs collapsed.</p>\n"
-            f"{table}<h2>Every run</h2>\n")
+    table = _html_table(
+        [name for name, _ in CELL_COLUMNS],
+        [([show(cell) for _, show in CELL_COLUMNS], cell.collapsed > 0) for cell in cells],
+    )
+    return (
+        f"<h2>Over seeds: one row per stabilizer and max lag</h2>\n<p>Means and min–max over each cell's "
+        f"runs; medians are the middle run's value. A row is shaded when any of its runs collapsed.</p>\n"
+        f"{table}<h2>Every run</h2>\n"
+    )
 
 
-def render_html(summaries: Sequence[RunSummary], cells: Sequence[CellSummary], images: Sequence[Path],
-                target_reward: float | None) -> str:
+def render_html(
+    summaries: Sequence[RunSummary], cells: Sequence[CellSummary], images: Sequence[Path], target_reward: float | None
+) -> str:
     """One self-contained page: the tables and every PNG inline as base64 data URIs (no external
     files, scripts or network), so it can be mailed or attached to an issue as is."""
     esc = html.escape
@@ -425,9 +487,13 @@ def render_html(summaries: Sequence[RunSummary], cells: Sequence[CellSummary], i
         f"reached at the first step whose trailing {MOVING_AVERAGE_STEPS}-step moving average is at or above it. "
         "Collapse: ESS ratio below the threshold (or NaN) for N consecutive steps, or a non-finite grad norm, "
         f"or a final reward below {REWARD_DROP_FRACTION:.0%} of the best moving average. "
-        "Thresholds per run: " + ", ".join(
+        "Thresholds per run: "
+        + ", ".join(
             f"{esc(s.label)}: ESS &lt; {'off' if s.ess_collapse_below is None else f'{s.ess_collapse_below:g}'} "
-            f"for {s.ess_collapse_steps}" for s in summaries) + "."
+            f"for {s.ess_collapse_steps}"
+            for s in summaries
+        )
+        + "."
     )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>StableAsync report</title>
@@ -442,7 +508,7 @@ figure {{ margin: 1em 0; }}
 </style></head><body>
 <h1>StableAsync report</h1>
 <p>Generated {esc(datetime.now().isoformat(timespec="seconds"))} by <code>stableasync report</code> from
-{len(summaries)} run director{'y' if len(summaries) == 1 else 'ies'}:</p>
+{len(summaries)} run director{"y" if len(summaries) == 1 else "ies"}:</p>
 <ul>{sources}</ul>
 <p>{rules}</p>
 {_cells_html(cells)}{table}{figures}</body></html>

@@ -5,6 +5,7 @@ setting, calibration from a finished run, the printed prediction and the CLI. Co
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import sys
@@ -17,8 +18,16 @@ from cluster.experiments.simulate_model import CONFIG_FIELDS, SimConfig, SimResu
 from cluster.telemetry.run_files import STEP_KEY, WALL_KEY, metric_number, read_jsonl_rows, read_run_job, step_rows
 
 # what the CLI, benchmarks/async_speedup.py, the tests and docs/simulator.md use from here
-__all__ = ["CONFIG_FIELDS", "CalibrationError", "SimConfig", "SimResult", "calibrate", "run_cli", "simulate",
-           "synchronous"]
+__all__ = [
+    "CONFIG_FIELDS",
+    "CalibrationError",
+    "SimConfig",
+    "SimResult",
+    "calibrate",
+    "run_cli",
+    "simulate",
+    "synchronous",
+]
 
 
 # ---- the VCPO paper's setting --------------------------------------------------------------------
@@ -33,11 +42,26 @@ def paper_config() -> SimConfig:
     tokens, 2 rollout + 2 training GPUs). Shapes are the paper's scripts; every cost is our assumption
     for a 7B model on H100s (docs/simulator.md says why each)."""
     return SimConfig(
-        generators=2, learners=2, max_lag=2, samples_per_prompt=16, prompts_per_request=64, prompts_per_step=128,
-        steps=60, response_len_mean=4000.0, response_len_cv=0.9, max_response_len=12288, prompt_len=1024.0,
-        gen_tokens_per_s=2500.0, gen_decode_step_s=0.012, gen_call_overhead_s=10.0,
-        learner_tokens_per_s=4000.0, learner_overhead_s=30.0,
-        sync_fixed_s=5.0, weight_bytes=15.2e9, sync_bytes_per_s=5e9, sync_waits_for_generation=True,
+        generators=2,
+        learners=2,
+        max_lag=2,
+        samples_per_prompt=16,
+        prompts_per_request=64,
+        prompts_per_step=128,
+        steps=60,
+        response_len_mean=4000.0,
+        response_len_cv=0.9,
+        max_response_len=12288,
+        prompt_len=1024.0,
+        gen_tokens_per_s=2500.0,
+        gen_decode_step_s=0.012,
+        gen_call_overhead_s=10.0,
+        learner_tokens_per_s=4000.0,
+        learner_overhead_s=30.0,
+        sync_fixed_s=5.0,
+        weight_bytes=15.2e9,
+        sync_bytes_per_s=5e9,
+        sync_waits_for_generation=True,
     )
 
 
@@ -84,10 +108,15 @@ def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
     g, learner, async_ = job["generator"], job["learner"], job["async"]
     try:
         shape = SimConfig(
-            generators=int(g["num_generators"]), learners=int(learner["num_ranks"]), max_lag=int(async_["max_lag"]),
-            stale_policy=async_["stale_policy"], samples_per_prompt=int(g["samples_per_prompt"]),
-            prompts_per_request=int(g["prompts_per_request"]), prompts_per_step=int(learner["prompts_per_step"]),
-            max_response_len=int(g["max_new_tokens"]), seed=int(job.get("seed", 0)),
+            generators=int(g["num_generators"]),
+            learners=int(learner["num_ranks"]),
+            max_lag=int(async_["max_lag"]),
+            stale_policy=async_["stale_policy"],
+            samples_per_prompt=int(g["samples_per_prompt"]),
+            prompts_per_request=int(g["prompts_per_request"]),
+            prompts_per_step=int(learner["prompts_per_step"]),
+            max_response_len=int(g["max_new_tokens"]),
+            seed=int(job.get("seed", 0)),
         )
     except (TypeError, ValueError) as error:
         raise CalibrationError(f"{run_dir / 'job.yaml'}: {error}") from None
@@ -95,8 +124,9 @@ def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
     learner_step_s = statistics.fmean(_finite(rows, "time/learner_step_s", metrics))
     _finite(rows, "perf/learner_tokens_per_s", metrics)
     # tokens one rank trained per step, each row's own rate x time (a mean of rates would weight short steps up)
-    per_row = [metric_number(r.get("perf/learner_tokens_per_s")) * metric_number(r.get("time/learner_step_s"))
-               for r in rows]
+    per_row = [
+        metric_number(r.get("perf/learner_tokens_per_s")) * metric_number(r.get("time/learner_step_s")) for r in rows
+    ]
     rank_tokens = statistics.fmean(t for t in per_row if math.isfinite(t))
     response_len = statistics.fmean(_finite(rows, "rollout/response_len", metrics))
     samples = shape.prompts_per_step * shape.samples_per_prompt
@@ -109,19 +139,32 @@ def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
     lags = [v for v in (metric_number(r.get("async/lag_mean")) for r in rows) if math.isfinite(v)]
     loads = [v for v in (metric_number(r.get("perf/weight_load_s")) for r in rows) if math.isfinite(v)]
     measured = Measured(
-        steps=len(rows), logged_step_s=statistics.fmean(_finite(rows, "time/step_s", metrics)),
-        step_s=_measured_period(rows), lag_mean=statistics.fmean(lags) if lags else None,
-        learner_step_s=learner_step_s, weight_sync_s=sync_s, gen_tokens_per_s=gen_per_gpu,
-        learner_tokens_per_s=rank_tokens / learner_step_s, response_len=response_len,
+        steps=len(rows),
+        logged_step_s=statistics.fmean(_finite(rows, "time/step_s", metrics)),
+        step_s=_measured_period(rows),
+        lag_mean=statistics.fmean(lags) if lags else None,
+        learner_step_s=learner_step_s,
+        weight_sync_s=sync_s,
+        gen_tokens_per_s=gen_per_gpu,
+        learner_tokens_per_s=rank_tokens / learner_step_s,
+        response_len=response_len,
         weight_load_s=loads[-1] if loads else 0.0,  # the logged value is the run's mean so far
     )
     collective = async_["weight_sync"] != "object_store"  # its publish waits for the loads: already in sync_s
     config = replace(
-        shape, steps=max(2, min(len(rows), 5000)), response_len_mean=response_len, response_len_cv=0.0,
+        shape,
+        steps=max(2, min(len(rows), 5000)),
+        response_len_mean=response_len,
+        response_len_cv=0.0,
         prompt_len=max(0.0, rank_tokens * shape.learners / samples - response_len),
-        gen_tokens_per_s=measured.gen_tokens_per_s, gen_decode_step_s=0.0, gen_call_overhead_s=0.0,
-        learner_tokens_per_s=measured.learner_tokens_per_s, learner_overhead_s=0.0,
-        gen_weight_load_s=0.0 if collective else measured.weight_load_s, sync_fixed_s=sync_s, weight_bytes=0.0,
+        gen_tokens_per_s=measured.gen_tokens_per_s,
+        gen_decode_step_s=0.0,
+        gen_call_overhead_s=0.0,
+        learner_tokens_per_s=measured.learner_tokens_per_s,
+        learner_overhead_s=0.0,
+        gen_weight_load_s=0.0 if collective else measured.weight_load_s,
+        sync_fixed_s=sync_s,
+        weight_bytes=0.0,
         sync_waits_for_generation=collective,
     )
     return config, measured
@@ -130,7 +173,7 @@ def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
 def _measured_period(rows: list[dict[str, Any]]) -> float | None:
     """Mean wall-clock between consecutive RL rows (a resume restarts `time/wall_s`: those pairs are skipped)."""
     gaps = []
-    for before, after in zip(rows, rows[1:]):
+    for before, after in itertools.pairwise(rows):
         gap = metric_number(after.get(WALL_KEY)) - metric_number(before.get(WALL_KEY))
         if metric_number(after.get(STEP_KEY)) == metric_number(before.get(STEP_KEY)) + 1 and gap > 0:
             gaps.append(gap)
@@ -161,9 +204,11 @@ def describe(result: SimResult, sync: SimResult | None = None) -> str:
     ]
     if c != synchronous(c):
         sync = sync or simulate(synchronous(c))
-        lines.append(f"synchronous (max_lag 0, wait): step_s mean {sync.step_s_mean:.2f} s -> "
-                     f"speedup {sync.step_s_mean / result.step_s_mean:.2f}x "
-                     f"(perfect overlap: {sync.step_s_mean / result.ideal_step_s:.2f}x)")
+        lines.append(
+            f"synchronous (max_lag 0, wait): step_s mean {sync.step_s_mean:.2f} s -> "
+            f"speedup {sync.step_s_mean / result.step_s_mean:.2f}x "
+            f"(perfect overlap: {sync.step_s_mean / result.ideal_step_s:.2f}x)"
+        )
     return "\n".join(lines)
 
 
@@ -180,22 +225,29 @@ def describe_calibration(run_dir: Path, config: SimConfig, measured: Measured, r
         f"  learner: {measured.learner_tokens_per_s:.1f} tokens/s per rank over {measured.learner_step_s:.3f} s "
         f"(time/learner_step_s), prompt {config.prompt_len:.1f} tokens per sample (derived)",
         f"  weight sync: {measured.weight_sync_s:.3f} s (perf/weight_sync_s)"
-        + (", waits for in-flight generation (collective)" if config.sync_waits_for_generation
-           else f"; each generator then loads it in {config.gen_weight_load_s:.3f} s (perf/weight_load_s)"),
+        + (
+            ", waits for in-flight generation (collective)"
+            if config.sync_waits_for_generation
+            else f"; each generator then loads it in {config.gen_weight_load_s:.3f} s (perf/weight_load_s)"
+        ),
         "",
         f"  {'':34}{'predicted':>10}{'measured':>10}{'error':>9}",
         f"  {'time/step_s (as the driver logs)':34}{result.logged_step_s_mean:>10.3f}{measured.logged_step_s:>10.3f}"
         f"{_error(result.logged_step_s_mean, measured.logged_step_s):>9}",
     ]
     if measured.step_s is not None:
-        lines.append(f"  {'step period (time/wall_s)':34}{result.step_s_mean:>10.3f}{measured.step_s:>10.3f}"
-                     f"{_error(result.step_s_mean, measured.step_s):>9}")
+        lines.append(
+            f"  {'step period (time/wall_s)':34}{result.step_s_mean:>10.3f}{measured.step_s:>10.3f}"
+            f"{_error(result.step_s_mean, measured.step_s):>9}"
+        )
     else:
         lines.append(f"  {'step period (time/wall_s)':34}{result.step_s_mean:>10.3f}{'-':>10}")
     if measured.lag_mean is not None:
         lines.append(f"  {'async/lag_mean':34}{result.lag_mean:>10.3f}{measured.lag_mean:>10.3f}")
-    lines.append(f"  predicted utilisation: generators {result.generator_utilisation:.0%}, "
-                 f"learner {result.learner_utilisation:.0%}")
+    lines.append(
+        f"  predicted utilisation: generators {result.generator_utilisation:.0%}, "
+        f"learner {result.learner_utilisation:.0%}"
+    )
     return "\n".join(lines)
 
 
@@ -205,20 +257,22 @@ def describe_paper(result: SimResult) -> str:
     step_ratio = PAPER_SYNC_STEPS / PAPER_ASYNC_STEPS
     sync = simulate(synchronous(result.config))
     speedup = sync.step_s_mean / result.step_s_mean
-    return "\n".join([
-        "VCPO paper setting: multi-turn tool use, Qwen2.5-7B, max_lag (k) 2; shapes from the paper's scripts,",
-        "costs assumed by us for H100s (docs/simulator.md)",
-        "",
-        describe(result, sync),
-        "",
-        f"paper's figure: {PAPER_SPEEDUP}x less wall-clock to reach the synchronous run's best AIME-2025 accuracy "
-        "(arXiv v1, Fig. 1)",
-        f"  from the paper's README: {per_step:.2f}x per step ({PAPER_SYNC_GPU_H} GPU-h / {PAPER_SYNC_STEPS} steps "
-        f"sync vs {PAPER_ASYNC_GPU_H} GPU-h / {PAPER_ASYNC_STEPS} steps at k=2) x {step_ratio:.2f}x fewer steps",
-        f"our model's prediction: {speedup:.2f}x per step",
-        f"  x the paper's step ratio {step_ratio:.2f} (not modelled: it comes from learning, not scheduling) "
-        f"= {speedup * step_ratio:.2f}x wall-clock",
-    ])
+    return "\n".join(
+        [
+            "VCPO paper setting: multi-turn tool use, Qwen2.5-7B, max_lag (k) 2; shapes from the paper's scripts,",
+            "costs assumed by us for H100s (docs/simulator.md)",
+            "",
+            describe(result, sync),
+            "",
+            f"paper's figure: {PAPER_SPEEDUP}x less wall-clock to reach the synchronous run's best AIME-2025 accuracy "
+            "(arXiv v1, Fig. 1)",
+            f"  from the paper's README: {per_step:.2f}x per step ({PAPER_SYNC_GPU_H} GPU-h / {PAPER_SYNC_STEPS} steps "
+            f"sync vs {PAPER_ASYNC_GPU_H} GPU-h / {PAPER_ASYNC_STEPS} steps at k=2) x {step_ratio:.2f}x fewer steps",
+            f"our model's prediction: {speedup:.2f}x per step",
+            f"  x the paper's step ratio {step_ratio:.2f} (not modelled: it comes from learning, not scheduling) "
+            f"= {speedup * step_ratio:.2f}x wall-clock",
+        ]
+    )
 
 
 def run_cli(calibrate_dir: str | None, paper: bool, overrides: dict[str, Any]) -> int:

@@ -31,11 +31,13 @@ class SimConfig(CheckedConfig):
     generators: int = config_field("G: generator GPUs, one engine each (generator.num_generators)", 4, gt=0)
     learners: int = config_field(
         "L: learner GPUs (learner.num_ranks); a step's tokens are split evenly over them",
-        2, gt=0,
+        2,
+        gt=0,
     )
     max_lag: int = config_field(
         "async.max_lag: learner version minus rollout version allowed at train time; 0 is synchronous",
-        1, ge=0,
+        1,
+        ge=0,
     )
     stale_policy: Literal["wait", "drop"] = config_field(
         "async.stale_policy: throttle generation (wait) or drop stale groups",
@@ -44,49 +46,59 @@ class SimConfig(CheckedConfig):
     samples_per_prompt: int = config_field("responses per prompt group (generator.samples_per_prompt)", 8, gt=0)
     prompts_per_request: int = config_field(
         "prompt groups one generate call samples (generator.prompts_per_request)",
-        16, gt=0,
+        16,
+        gt=0,
     )
     prompts_per_step: int = config_field(
         "prompt groups one learner step trains on (learner.prompts_per_step)",
-        64, gt=0,
+        64,
+        gt=0,
     )
     steps: int = config_field("learner steps to simulate", 200, gt=0)
     response_len_mean: float = config_field("mean response length, tokens (before the cap)", 1024.0, gt=0)
     response_len_cv: float = config_field(
         "coefficient of variation of the log-normal response length; 0: every response is the mean",
-        0.6, ge=0,
+        0.6,
+        ge=0,
     )
     max_response_len: int = config_field("cap on a response, tokens (generator.max_new_tokens)", 4096, gt=0)
     prompt_len: float = config_field("prompt tokens per sample; costs the learner only", 256.0, ge=0)
     gen_tokens_per_s: float = config_field(
         "generation throughput of one generator GPU, generated tokens per second",
-        6000.0, gt=0,
+        6000.0,
+        gt=0,
     )
     gen_decode_step_s: float = config_field(
         "seconds per decode step of a call's longest response (the straggler tail)",
-        0.006, ge=0,
+        0.006,
+        ge=0,
     )
     gen_call_overhead_s: float = config_field(
         "fixed seconds per generate call (scheduling, prefill, transfer)",
-        0.5, ge=0,
+        0.5,
+        ge=0,
     )
     gen_weight_load_s: float = config_field(
         "seconds a generator spends loading each new weight version into its engine, before its next call "
         "(object-store sync; a collective publish includes the load in sync_s instead)",
-        0.0, ge=0,
+        0.0,
+        ge=0,
     )
     learner_tokens_per_s: float = config_field(
         "training throughput of one learner GPU, prompt + response tokens per second",
-        12000.0, gt=0,
+        12000.0,
+        gt=0,
     )
     learner_overhead_s: float = config_field(
         "fixed seconds per learner step (optimizer step, collectives, dispatch)",
-        1.0, ge=0,
+        1.0,
+        ge=0,
     )
     sync_fixed_s: float = config_field("fixed seconds per weight publish", 0.5, ge=0)
     weight_bytes: float = config_field(
         "bytes of weights published per step (1.5B parameters in bf16: 3.1e9)",
-        3.1e9, ge=0,
+        3.1e9,
+        ge=0,
     )
     sync_bytes_per_s: float = config_field("weight publish bandwidth, bytes per second", 10e9, gt=0)
     sync_waits_for_generation: bool = config_field(
@@ -105,8 +117,7 @@ class SimConfig(CheckedConfig):
         if self.stale_policy not in ("wait", "drop"):
             found.append(f"stale_policy must be 'wait' or 'drop', got {self.stale_policy!r}")
         if self.learners > 0 and self.prompts_per_step % self.learners:
-            found.append(f"prompts_per_step ({self.prompts_per_step}) must divide evenly over "
-                         f"{self.learners} learners")
+            found.append(f"prompts_per_step ({self.prompts_per_step}) must divide evenly over {self.learners} learners")
         return found
 
     @property
@@ -204,8 +215,9 @@ class _Simulation:
         self.c = config
         self.rng = random.Random(config.seed)
         buffer = RolloutBuffer(config.max_lag, config.prompts_per_step, config.stale_policy, Ledger())
-        self.schedule: Schedule[_Request, _Call] = Schedule(buffer, config.prompts_per_request, self._new_request,
-                                                            self._send)
+        self.schedule: Schedule[_Request, _Call] = Schedule(
+            buffer, config.prompts_per_request, self._new_request, self._send
+        )
         for index in range(config.generators):
             self.schedule.join(index, 0)
         self.now = 0.0
@@ -217,7 +229,7 @@ class _Simulation:
         self.logged: list[float] = []
         self.lag_counts = [0] * (config.max_lag + 1)  # grows if a lag ever exceeded the bound (tests: it never does)
         self.orders = 0
-        sigma2 = math.log1p(config.response_len_cv ** 2)
+        sigma2 = math.log1p(config.response_len_cv**2)
         self.len_sigma = math.sqrt(sigma2)
         self.len_mu = math.log(config.response_len_mean) - sigma2 / 2
 
@@ -245,13 +257,15 @@ class _Simulation:
         self.loaded_version[call.index] = call.weights_version
         call_s = c.gen_call_overhead_s + max(lengths) * c.gen_decode_step_s + sum(lengths) / c.gen_tokens_per_s
         self.orders += 1
-        return _Call(call.index, call.requests, call.weights_version, self.now, self.now + load_s + call_s,
-                     self.orders)
+        return _Call(call.index, call.requests, call.weights_version, self.now, self.now + load_s + call_s, self.orders)
 
     def _learner_s(self, groups: list[ScoredGroup]) -> float:
         # a completion here is `_handle_generation`'s stand-in: its length only
-        tokens = sum(self.c.prompt_len + c["tokens"]  # type: ignore[typeddict-item]
-                     for g in groups for c in g.completions)
+        tokens = sum(
+            self.c.prompt_len + c["tokens"]  # type: ignore[typeddict-item]
+            for g in groups
+            for c in g.completions
+        )
         return self.c.learner_overhead_s + tokens / (self.c.learner_tokens_per_s * self.c.learners)
 
     def _start_learner_step(self) -> None:
@@ -282,8 +296,9 @@ class _Simulation:
         for request in call.requests:
             # stand-ins for scored completions, with only what the simulator reads: the response's length
             completions: list[Any] = [{"tokens": n} for n in request.lengths]
-            self.schedule.buffer.add(ScoredGroup(request.group_id, "", [], completions, call.version, call.version,
-                                                 call.index))
+            self.schedule.buffer.add(
+                ScoredGroup(request.group_id, "", [], completions, call.version, call.version, call.index)
+            )
 
     def _handle_learner(self, step: _Step) -> None:
         self.learner = None
@@ -305,7 +320,7 @@ class _Simulation:
         run_s = self.now
         calls = self.finished_calls + list(self.schedule.calls)
         gen_busy_s = sum(max(0.0, min(call.end_s, run_s) - call.start_s) for call in calls)
-        previous = [0.0] + self.step_ends[:-1]
+        previous = [0.0, *self.step_ends[:-1]]
         return SimResult(
             config=self.c,
             step_s=tuple(end - start for start, end in zip(previous, self.step_ends)),
@@ -316,8 +331,9 @@ class _Simulation:
             lag_counts=tuple(self.lag_counts),
             dropped_groups=self.schedule.buffer.ledger.counts().get("dropped", 0),
             gen_call_s_mean=statistics.fmean(call.end_s - call.start_s for call in calls),
-            gen_s_per_group=(sum(call.end_s - call.start_s for call in calls)
-                             / sum(len(call.requests) for call in calls)),
+            gen_s_per_group=(
+                sum(call.end_s - call.start_s for call in calls) / sum(len(call.requests) for call in calls)
+            ),
             learner_s_mean=statistics.fmean(self.learner_busy_s),
             run_s=run_s,
         )

@@ -24,8 +24,9 @@ from actors.buffer import audit_ledger
 from cluster.job import Job
 
 
-def _killer(job: Job, run_name: str, every_s: float, stop: threading.Event,
-            kills: list[tuple[float, int, int]]) -> None:
+def _killer(
+    job: Job, run_name: str, every_s: float, stop: threading.Event, kills: list[tuple[float, int, int]]
+) -> None:
     import ray
 
     rng, started = random.Random(0), time.monotonic()
@@ -36,7 +37,7 @@ def _killer(job: Job, run_name: str, every_s: float, stop: threading.Event,
             generator: Any = ray.get_actor(f"{run_name}-generator-{index}", namespace=job.cluster.namespace)
             pid = ray.get(generator.process_id.remote(), timeout=60)
             os.kill(pid, signal.SIGKILL)
-        except Exception as error:  # noqa: BLE001 - a generator mid-restart: try again next time
+        except Exception as error:
             print(f"soak: no kill at {time.monotonic() - started:.0f} s ({type(error).__name__})", flush=True)
             continue
         kills.append((time.monotonic() - started, index, pid))
@@ -48,11 +49,13 @@ def soak(job: Job, steps: int, kill_every_s: float) -> int:
     from cluster.run.driver import run_job
 
     run_name = f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
-    job = job.model_copy(update={
-        "learner": job.learner.model_copy(update={"steps": steps}),
-        "generator": job.generator.model_copy(update={"max_restarts": 10**6}),
-        "logging": job.logging.model_copy(update={"run_name": run_name, "progress_bar": False}),
-    })
+    job = job.model_copy(
+        update={
+            "learner": job.learner.model_copy(update={"steps": steps}),
+            "generator": job.generator.model_copy(update={"max_restarts": 10**6}),
+            "logging": job.logging.model_copy(update={"run_name": run_name, "progress_bar": False}),
+        }
+    )
     stop = threading.Event()
     kills: list[tuple[float, int, int]] = []  # (seconds since the start, generator index, pid)
     killer = threading.Thread(target=_killer, args=(job, run_name, kill_every_s, stop, kills), daemon=True)
@@ -66,8 +69,10 @@ def soak(job: Job, steps: int, kill_every_s: float) -> int:
     rows = [json.loads(line) for line in (Path(result.run_dir) / "ledger.jsonl").read_text().splitlines()]
     problems = audit_ledger(rows)
     summary = json.loads((Path(result.run_dir) / "summary.json").read_text())
-    print(f"soak: {steps} steps in {(time.monotonic() - started) / 60:.1f} min, {len(kills)} generator kills, "
-          f"{summary['generator_restarts']} restarts seen, {sum(r['event'] == 'reissued' for r in rows)} groups "
-          f"reissued; ledger {summary['ledger']}; audit: {'complete' if not problems else problems[:10]}")
+    print(
+        f"soak: {steps} steps in {(time.monotonic() - started) / 60:.1f} min, {len(kills)} generator kills, "
+        f"{summary['generator_restarts']} restarts seen, {sum(r['event'] == 'reissued' for r in rows)} groups "
+        f"reissued; ledger {summary['ledger']}; audit: {'complete' if not problems else problems[:10]}"
+    )
     print(f"soak: run directory {result.run_dir}")
     return 0 if not problems and (summary["generator_restarts"] > 0 or not kills) else 1

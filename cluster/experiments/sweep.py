@@ -34,15 +34,23 @@ def _repeated(values: list[Any]) -> list[Any]:
     return sorted({value for value in values if values.count(value) > 1}, key=str)
 
 
-def grid(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
-         overrides: dict[str, dict[str, Any]] | None = None, seeds: list[int] | None = None) -> list[Cell]:
+def grid(
+    job: Job,
+    stabilizers: list[str],
+    max_lags: list[int],
+    out_dir: Path,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    seeds: list[int] | None = None,
+) -> list[Cell]:
     """Every (seed, stabilizer, max_lag) variant of `job`, validated up front: a bad cell stops the sweep
     before anything runs, with the cell named. `overrides` are section updates applied to every cell.
     `seeds` None: the job's own seed, and run names without one (`tis_seq-lag2`); else each seed in turn
     (`tis_seq-lag2-seed1`)."""
-    problems = [f"{what} {value!r} is listed twice" for what, values in
-                (("stabilizer", stabilizers), ("max_lag", max_lags), ("seed", seeds or []))
-                for value in _repeated(values)]
+    problems = [
+        f"{what} {value!r} is listed twice"
+        for what, values in (("stabilizer", stabilizers), ("max_lag", max_lags), ("seed", seeds or []))
+        for value in _repeated(values)
+    ]
     if problems:
         raise ValueError("sweep grid: " + "; ".join(problems))
     base = job.model_dump(mode="json", by_alias=True)
@@ -53,9 +61,13 @@ def grid(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
         for stabilizer in stabilizers:
             for max_lag in max_lags:
                 run_name = f"{stabilizer}-lag{max_lag}" + ("" if seeds is None else f"-seed{seed}")
-                data = {**base, "seed": seed, "algorithm": {**base["algorithm"], "stabilizer": {"name": stabilizer}},
-                        "async": {**base["async"], "max_lag": max_lag},
-                        "logging": {**base["logging"], "run_dir": str(out_dir / "runs"), "run_name": run_name}}
+                data = {
+                    **base,
+                    "seed": seed,
+                    "algorithm": {**base["algorithm"], "stabilizer": {"name": stabilizer}},
+                    "async": {**base["async"], "max_lag": max_lag},
+                    "logging": {**base["logging"], "run_dir": str(out_dir / "runs"), "run_name": run_name},
+                }
                 where = f"{stabilizer} max_lag {max_lag}" + ("" if seeds is None else f" seed {seed}")
                 try:
                     cells.append(Cell(stabilizer, max_lag, validate_job(data, where), run_name))
@@ -66,15 +78,22 @@ def grid(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
     return cells
 
 
-def sweep(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
-          overrides: dict[str, dict[str, Any]] | None = None, target_reward: float | None = None,
-          stop: StopRequest | None = None, seeds: list[int] | None = None) -> list[Any]:
+def sweep(
+    job: Job,
+    stabilizers: list[str],
+    max_lags: list[int],
+    out_dir: Path,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    target_reward: float | None = None,
+    stop: StopRequest | None = None,
+    seeds: list[int] | None = None,
+) -> list[Any]:
     """Run every cell, then write the report (table, plots, HTML) over the runs into `out_dir`.
 
     A cell that `stop` stops raises `JobStopped`: the sweep ends there, with no report.
     """
-    from cluster.run.driver import run_job
     from cluster.experiments.report import write_report
+    from cluster.run.driver import run_job
 
     cells = grid(job, stabilizers, max_lags, out_dir, overrides, seeds)
     run_dirs = []
@@ -87,7 +106,7 @@ def sweep(job: Job, stabilizers: list[str], max_lags: list[int], out_dir: Path,
             run_job(cell.job, stop=stop)
         except JobStopped:
             raise
-        except Exception:  # noqa: BLE001 - a cell that stops (numerical failure, crash) is a finding
+        except Exception:
             run_dir.mkdir(parents=True, exist_ok=True)  # a cell can fail before its run directory exists
             (run_dir / "failed.txt").write_text(traceback.format_exc())
             log.warning("sweep cell %s stopped early; see %s", cell.run_name, run_dir / "failed.txt")

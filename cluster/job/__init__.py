@@ -8,15 +8,44 @@ with overrides, and the resolved job written back) and `derived` (what the worke
 tool episodes, sandbox limits and evaluation sets). Callers import from `cluster.job`.
 """
 
-from cluster.job.derived import (EvaluationSet, check_sandbox, environment_spec, evaluation_set, evaluation_sets,
-                                 job_task, sandbox_limits)
+from cluster.job.derived import (
+    EvaluationSet,
+    check_sandbox,
+    environment_spec,
+    evaluation_set,
+    evaluation_sets,
+    job_task,
+    sandbox_limits,
+)
 from cluster.job.loading import apply_overrides, dump_job, load_job
 from cluster.job.schema import Job, job_section_defaults
 from cluster.job.sections import AlertsSection, AlgorithmSection, KLSection, section_config
 from cluster.job.task_sections import DEFAULT_EVAL_SET, RewardSection, SandboxSection, ScoringSection
 from cluster.job.validation import JobError, JobValidationError, cross_field_errors, validate_job
 
-__all__ = ["DEFAULT_EVAL_SET", "AlertsSection", "AlgorithmSection", "EvaluationSet", "Job", "JobError",
-           "JobValidationError", "KLSection", "RewardSection", "SandboxSection", "ScoringSection", "apply_overrides",
-           "check_sandbox", "cross_field_errors", "dump_job", "environment_spec", "evaluation_set", "evaluation_sets",
-           "job_section_defaults", "job_task", "load_job", "sandbox_limits", "section_config", "validate_job"]
+__all__ = [
+    "DEFAULT_EVAL_SET",
+    "AlertsSection",
+    "AlgorithmSection",
+    "EvaluationSet",
+    "Job",
+    "JobError",
+    "JobValidationError",
+    "KLSection",
+    "RewardSection",
+    "SandboxSection",
+    "ScoringSection",
+    "apply_overrides",
+    "check_sandbox",
+    "cross_field_errors",
+    "dump_job",
+    "environment_spec",
+    "evaluation_set",
+    "evaluation_sets",
+    "job_section_defaults",
+    "job_task",
+    "load_job",
+    "sandbox_limits",
+    "section_config",
+    "validate_job",
+]

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from tasks.sandbox import SandboxLimits
 
 
-
 def job_task(job: Job, **overrides: Any) -> Task:
     """The job's task, built from its section; `overrides` replace fields of its config (the evaluation
     set's data file)."""
@@ -37,8 +36,16 @@ def environment_spec(job: Job) -> EnvironmentSpec | None:
     e = job.environment
     if not e.tools:
         return None
-    return EnvironmentSpec(tuple(e.tools), e.max_turns, e.tool_call_format, e.tool_timeout_s, e.tool_memory_limit_mb,
-                           e.max_tool_output_chars, e.tool_workers, sandbox_limits(job))
+    return EnvironmentSpec(
+        tuple(e.tools),
+        e.max_turns,
+        e.tool_call_format,
+        e.tool_timeout_s,
+        e.tool_memory_limit_mb,
+        e.max_tool_output_chars,
+        e.tool_workers,
+        sandbox_limits(job),
+    )
 
 
 def sandbox_limits(job: Job) -> SandboxLimits:
@@ -46,8 +53,9 @@ def sandbox_limits(job: Job) -> SandboxLimits:
     from tasks.sandbox import SandboxLimits  # standard library only
 
     s = job.sandbox
-    return SandboxLimits(s.isolation, tuple(s.env), s.cpu_s, s.max_processes, s.max_file_mb, s.max_open_files,
-                         s.max_output_chars)
+    return SandboxLimits(
+        s.isolation, tuple(s.env), s.cpu_s, s.max_processes, s.max_file_mb, s.max_open_files, s.max_output_chars
+    )
 
 
 def check_sandbox(job: Job, source: str = "job") -> None:
@@ -56,8 +64,15 @@ def check_sandbox(job: Job, source: str = "job") -> None:
     from tasks.sandbox import namespaces_unavailable
 
     if job.sandbox.isolation == "namespaces" and (why := namespaces_unavailable()) is not None:
-        raise JobValidationError(source, [JobError("sandbox.isolation", f"namespaces cannot start on this machine: "
-                                                   f"{why}; use auto or none (docs/security.md)")])
+        raise JobValidationError(
+            source,
+            [
+                JobError(
+                    "sandbox.isolation",
+                    f"namespaces cannot start on this machine: {why}; use auto or none (docs/security.md)",
+                )
+            ],
+        )
 
 
 def evaluation_set(job: Job, task: Task, always: bool = False) -> list[tuple[Problem, list[dict[str, str]]]]:
@@ -102,8 +117,9 @@ class EvaluationSet:
         return metric if self.name is None else metric.replace("eval/", f"eval/{self.name}/", 1)
 
 
-def evaluation_sets(job: Job, task: Task, always: bool = False,
-                    labels: Collection[str] | None = None) -> list[EvaluationSet]:
+def evaluation_sets(
+    job: Job, task: Task, always: bool = False, labels: Collection[str] | None = None
+) -> list[EvaluationSet]:
     """Every set an evaluation answers: the unnamed one (`evaluation_set`), then each of eval.sets in the file's
     order, their files read and checked now; empty when the job does not evaluate, unless `always`. `labels`
     keeps only those sets (the unnamed one is 'default'; `stableasync evaluate --sets`)."""
@@ -112,10 +128,20 @@ def evaluation_sets(job: Job, task: Task, always: bool = False,
     config = section_config(job.task, TASK_CONFIGS)
     sets = []
     if labels is None or DEFAULT_EVAL_SET in labels:
-        sets.append(EvaluationSet(None, evaluation_set(job, task, always=True), job.eval.temperature,
-                                  job.eval.samples_per_problem, job.task.name, config, tuple(job.eval.pass_at)))
-    return sets + [_named_evaluation_set(job, name, config) for name in job.eval.sets
-                   if labels is None or name in labels]
+        sets.append(
+            EvaluationSet(
+                None,
+                evaluation_set(job, task, always=True),
+                job.eval.temperature,
+                job.eval.samples_per_problem,
+                job.task.name,
+                config,
+                tuple(job.eval.pass_at),
+            )
+        )
+    return sets + [
+        _named_evaluation_set(job, name, config) for name in job.eval.sets if labels is None or name in labels
+    ]
 
 
 def _named_evaluation_set(job: Job, name: str, job_task_config: Any) -> EvaluationSet:
@@ -129,8 +155,11 @@ def _named_evaluation_set(job: Job, name: str, job_task_config: Any) -> Evaluati
     task_name = eval_set_task(job, name)
     assert task_name is not None, "validate_job refuses a set without a file format"
     fields = config_fields(task_name)
-    overrides = {"path": spec.path, **{key: value for key, value in EVAL_SET_TASK_RESETS.items() if key in fields},
-                 **{key: getattr(spec, key) for key in ("prompt_field", "answer_field") if getattr(spec, key)}}
+    overrides = {
+        "path": spec.path,
+        **{key: value for key, value in EVAL_SET_TASK_RESETS.items() if key in fields},
+        **{key: getattr(spec, key) for key in ("prompt_field", "answer_field") if getattr(spec, key)},
+    }
     base = job_task_config if task_name == job.task.name else TASK_CONFIGS[task_name]()
     config = dataclasses.replace(base, **overrides)
     try:
@@ -139,6 +168,12 @@ def _named_evaluation_set(job: Job, name: str, job_task_config: Any) -> Evaluati
         raise TaskError(f"{where}: {error}") from error
     problems = list(itertools.islice(task.problems("eval", job.seed), spec.num_problems))
     temperature = job.eval.temperature if spec.temperature is None else spec.temperature
-    return EvaluationSet(name, [(problem, task.messages(problem)) for problem in problems], temperature,
-                         spec.samples_per_problem or job.eval.samples_per_problem, task_name, config,
-                         tuple(job.eval.pass_at))
+    return EvaluationSet(
+        name,
+        [(problem, task.messages(problem)) for problem in problems],
+        temperature,
+        spec.samples_per_problem or job.eval.samples_per_problem,
+        task_name,
+        config,
+        tuple(job.eval.pass_at),
+    )

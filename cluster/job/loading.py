@@ -13,8 +13,6 @@ from cluster.job.schema import Job
 from cluster.job.validation import JobError, JobValidationError, validate_job
 
 
-
-
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str, Any], list[JobError]]:
     """The job file's settings with `FIELD=VALUE` settings over them (`learner.steps=100`), each value read
     as YAML (`1e-6`, `true`, `[a, b]`, `{name: vcpo}`), and the overrides that could not be applied; the schema
@@ -36,8 +34,9 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[dic
         for depth, section in enumerate(sections):
             node = node.setdefault(section, {})
             if not isinstance(node, dict):
-                errors.append(JobError(".".join(sections[:depth + 1]),
-                                       f"is a value, not a section: cannot set {field}"))
+                errors.append(
+                    JobError(".".join(sections[: depth + 1]), f"is a value, not a section: cannot set {field}")
+                )
                 break
         else:
             node[name] = value
@@ -55,8 +54,9 @@ def load_job(path: str | Path, overrides: Sequence[str] = ()) -> Job:
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
-        raise JobValidationError(str(path),
-                                 [JobError(where, f"invalid YAML: {getattr(error, 'problem', error)}")]) from None
+        raise JobValidationError(
+            str(path), [JobError(where, f"invalid YAML: {getattr(error, 'problem', error)}")]
+        ) from None
     unapplied: list[JobError] = []
     if overrides and isinstance(data, dict):  # a file that is not a mapping is the schema's to report
         data, unapplied = apply_overrides(data, overrides)

@@ -78,8 +78,11 @@ def _keep(command: Sequence[str], forwarder: _Forwarder, status_w: int, alive_r:
         os.read(alive_r, 1)  # nothing is ever written: this returns when the entrypoint's end closes
         if finished.is_set():  # it closes after reading the exit status: the driver is already done
             return
-        print(f"job entrypoint died: killing the driver (pid {driver.pid}) and its process group",
-              file=sys.stderr, flush=True)
+        print(
+            f"job entrypoint died: killing the driver (pid {driver.pid}) and its process group",
+            file=sys.stderr,
+            flush=True,
+        )
         with contextlib.suppress(ProcessLookupError):
             os.killpg(driver.pid, signal.SIGKILL)
 
@@ -107,7 +110,7 @@ def _start_keeper(command: Sequence[str]) -> tuple[int, int, int]:
                 forwarder = _Forwarder()  # before the entrypoint knows where to send signals
                 os.write(status_w, f"keeper {os.getpid()}\n".encode())
                 _keep(command, forwarder, status_w, alive_r)
-        except BaseException as error:  # noqa: BLE001 - a forked child must never return into the caller
+        except BaseException as error:
             print(f"job entrypoint: the keeper failed: {error!r}", file=sys.stderr, flush=True)
             os._exit(1)
         os._exit(0)
@@ -152,8 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         driver_pid = int(line.split()[1])
     if line.startswith("exit "):
         return int(line.split()[1])
-    print(f"job entrypoint: the keeper process (pid {keeper_pid}) died; killing the driver's process group",
-          file=sys.stderr)
+    print(
+        f"job entrypoint: the keeper process (pid {keeper_pid}) died; killing the driver's process group",
+        file=sys.stderr,
+    )
     if driver_pid is not None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(driver_pid, signal.SIGKILL)

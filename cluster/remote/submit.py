@@ -71,8 +71,10 @@ def find_token(token_file: str | None = None) -> str:
         if token:
             return token
     looked = ", ".join(name for name, _ in candidates)
-    raise SubmitError(f"no Ray auth token found (looked at {looked}); copy the cluster's token there, "
-                      "or pass --token-file (the deploy YAMLs print where the head keeps it)")
+    raise SubmitError(
+        f"no Ray auth token found (looked at {looked}); copy the cluster's token there, "
+        "or pass --token-file (the deploy YAMLs print where the head keeps it)"
+    )
 
 
 def _read(path: Path) -> str | None:
@@ -92,7 +94,7 @@ def client(address: str, token: str | None) -> Any:
 
     try:
         return JobSubmissionClient(address, headers=auth_headers(token))
-    except Exception as error:  # noqa: BLE001 - connection, auth and version errors all end the command
+    except Exception as error:
         raise SubmitError(f"cannot reach the Ray Jobs API at {address}: {type(error).__name__}: {error}") from None
 
 
@@ -126,15 +128,20 @@ def job_files(job: Job) -> list[tuple[str, str]]:
     if job.eval.task_path:
         files.append(("eval.task_path", job.eval.task_path))
     files += [(f"eval.sets.{name}.path", spec.path) for name, spec in job.eval.sets.items()]
-    files += [(f"environment.tools.{index}", entry.rpartition(":")[0]) for index, entry in
-              enumerate(job.environment.tools) if entry.rpartition(":")[0].endswith(".py")]  # a tool's FILE.py
+    files += [
+        (f"environment.tools.{index}", entry.rpartition(":")[0])
+        for index, entry in enumerate(job.environment.tools)
+        if entry.rpartition(":")[0].endswith(".py")
+    ]  # a tool's FILE.py
     return files
 
 
 def _prefix_parts(prefix: str) -> tuple[str, ...]:
     if not (prefix.startswith("/") or prefix == "~" or prefix.startswith("~/")):
-        raise SubmitError(f"remote prefix {prefix!r} must be an absolute path, or start with ~ (the home directory "
-                          "on the cluster's nodes)")
+        raise SubmitError(
+            f"remote prefix {prefix!r} must be an absolute path, or start with ~ (the home directory "
+            "on the cluster's nodes)"
+        )
     return PurePosixPath(os.path.normpath(prefix)).parts
 
 
@@ -143,7 +150,7 @@ def is_remote(path: str, prefixes: Sequence[str] = DEFAULT_REMOTE_PREFIXES) -> b
     if not (path.startswith("/") or path.startswith("~")):
         return False
     parts = PurePosixPath(os.path.normpath(path)).parts
-    return any(parts[:len(prefix)] == prefix for prefix in map(_prefix_parts, prefixes))
+    return any(parts[: len(prefix)] == prefix for prefix in map(_prefix_parts, prefixes))
 
 
 def carried_files(job: Job, remote_prefixes: Sequence[str] = DEFAULT_REMOTE_PREFIXES) -> list[CarriedFile]:
@@ -159,8 +166,9 @@ def carried_files(job: Job, remote_prefixes: Sequence[str] = DEFAULT_REMOTE_PREF
             continue
         source = Path(path).expanduser().resolve()
         if not source.is_file():
-            missing.append(f"{field}: {path} ({source}) is {'not a file' if source.exists() else 'missing'} on "
-                           "this machine")
+            missing.append(
+                f"{field}: {path} ({source}) is {'not a file' if source.exists() else 'missing'} on this machine"
+            )
             continue
         if source in carried:  # one file named twice (task.path and eval.task_path) travels once
             carried[source] = CarriedFile((*carried[source].fields, field), source, carried[source].staged)
@@ -174,10 +182,13 @@ def carried_files(job: Job, remote_prefixes: Sequence[str] = DEFAULT_REMOTE_PREF
         carried[source] = CarriedFile((field,), source, staged)
     if missing:
         prefixes = ", ".join(remote_prefixes)
-        raise SubmitError("the job names files that submit cannot carry to the cluster:\n  " + "\n  ".join(missing)
-                          + f"\nsubmit uploads the files a job names from this machine (relative paths from "
-                          f"{Path.cwd()}); for a file on the cluster already, give its absolute path under a remote "
-                          f"prefix ({prefixes}; add one with --remote-prefix)")
+        raise SubmitError(
+            "the job names files that submit cannot carry to the cluster:\n  "
+            + "\n  ".join(missing)
+            + f"\nsubmit uploads the files a job names from this machine (relative paths from "
+            f"{Path.cwd()}); for a file on the cluster already, give its absolute path under a remote "
+            f"prefix ({prefixes}; add one with --remote-prefix)"
+        )
     return list(carried.values())
 
 
@@ -193,9 +204,12 @@ def with_carried_paths(job: Job, carried: Sequence[CarriedFile]) -> Job:
         data["eval"]["task_path"] = staged["eval.task_path"]
     for name, values in data["eval"]["sets"].items():
         values["path"] = staged.get(f"eval.sets.{name}.path", values["path"])
-    data["environment"]["tools"] = [f"{staged[f'environment.tools.{index}']}:{entry.rpartition(':')[2]}"
-                                    if f"environment.tools.{index}" in staged else entry
-                                    for index, entry in enumerate(job.environment.tools)]
+    data["environment"]["tools"] = [
+        f"{staged[f'environment.tools.{index}']}:{entry.rpartition(':')[2]}"
+        if f"environment.tools.{index}" in staged
+        else entry
+        for index, entry in enumerate(job.environment.tools)
+    ]
     try:
         return validate_job(data, "the job with its carried files")
     except JobValidationError as error:  # a bug here, not the user's: their job validated before
@@ -208,21 +222,23 @@ def _mib(size: int) -> str:
 
 def _check_size(destination: Path, carried: Sequence[CarriedFile]) -> None:
     """SubmitError naming the biggest files when the working_dir would be over Ray's upload limit."""
-    sizes = [(f"{path.relative_to(destination)}", path.stat().st_size)
-             for path in destination.rglob("*") if path.is_file()]
+    sizes = [
+        (f"{path.relative_to(destination)}", path.stat().st_size) for path in destination.rglob("*") if path.is_file()
+    ]
     sizes += [(f"{', '.join(file.fields)} {file.source}", file.source.stat().st_size) for file in carried]
     total, limit = sum(size for _, size in sizes), upload_limit_bytes()
     if total < limit:
         return
     biggest = ", ".join(f"{name} ({_mib(size)})" for name, size in sorted(sizes, key=lambda item: -item[1])[:3])
-    raise SubmitError(f"the job's working_dir would be {_mib(total)}, over Ray's limit of {_mib(limit)} on an "
-                      f"uploaded package; the biggest files: {biggest}. Put the big files on storage every node "
-                      "mounts and give their absolute path under a remote prefix (--remote-prefix; docs/cluster.md, "
-                      "Shared storage)")
+    raise SubmitError(
+        f"the job's working_dir would be {_mib(total)}, over Ray's limit of {_mib(limit)} on an "
+        f"uploaded package; the biggest files: {biggest}. Put the big files on storage every node "
+        "mounts and give their absolute path under a remote prefix (--remote-prefix; docs/cluster.md, "
+        "Shared storage)"
+    )
 
 
-def stage_working_dir(job: Job, destination: Path,
-                      remote_prefixes: Sequence[str] = DEFAULT_REMOTE_PREFIXES) -> Path:
+def stage_working_dir(job: Job, destination: Path, remote_prefixes: Sequence[str] = DEFAULT_REMOTE_PREFIXES) -> Path:
     """Copy the project's packages, the files the job names (`carried_files`) and the resolved job, naming them
     where they are now, into `destination` (the job's working_dir). SubmitError, before any file of the job is
     copied, for a file that is missing or a working_dir over Ray's upload limit."""
@@ -259,9 +275,14 @@ def stop_env(job: Job) -> dict[str, str]:
     return {"RAY_JOB_STOP_SIGNAL": "SIGINT", "RAY_JOB_STOP_WAIT_TIME_S": str(job.checkpoint.stop_grace_s)}
 
 
-def submit(job: Job, address: str, token: str | None, run_dir: str = DEFAULT_RUN_DIR,
-           submission_id: str | None = None,
-           remote_prefixes: Sequence[str] = DEFAULT_REMOTE_PREFIXES) -> Submission:
+def submit(
+    job: Job,
+    address: str,
+    token: str | None,
+    run_dir: str = DEFAULT_RUN_DIR,
+    submission_id: str | None = None,
+    remote_prefixes: Sequence[str] = DEFAULT_REMOTE_PREFIXES,
+) -> Submission:
     """Submit `job` to the cluster, with the files it names; returns at once with the submission id (the run
     keeps going there)."""
     submission_id = submission_id or f"{job.name}-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
@@ -276,9 +297,10 @@ def submit(job: Job, address: str, token: str | None, run_dir: str = DEFAULT_RUN
                 runtime_env={"working_dir": str(working_dir), "env_vars": stop_env(job)},
                 metadata={"stableasync_job": job.name, "stabilizer": job.algorithm.stabilizer.name},
             )
-        except Exception as error:  # noqa: BLE001
-            raise SubmitError(f"the cluster at {address} refused job {job.name!r}: {type(error).__name__}: "
-                              f"{error}") from None
+        except Exception as error:
+            raise SubmitError(
+                f"the cluster at {address} refused job {job.name!r}: {type(error).__name__}: {error}"
+            ) from None
     return Submission(submission_id, f"{run_dir}/{submission_id}")
 
 

@@ -36,8 +36,9 @@ class NoCheckpointRestored(StableAsyncError, RuntimeError):
     """None of a run's checkpoints loaded into the learner; the message lists each one's error."""
 
 
-def write_checkpoint(run_dir: Path, version: int, keep: int, save_learners: Callable[[str, str], None],
-                     driver_state: DriverState) -> Path:
+def write_checkpoint(
+    run_dir: Path, version: int, keep: int, save_learners: Callable[[str, str], None], driver_state: DriverState
+) -> Path:
     """Write step `version` atomically (learner ranks first, then the driver), keep the newest `keep`."""
     root = run_dir / CHECKPOINTS
     name = f"step-{version:06d}"
@@ -49,8 +50,9 @@ def write_checkpoint(run_dir: Path, version: int, keep: int, save_learners: Call
         (partial / "driver.json").write_text(json.dumps(driver_state.to_json()))
     except OSError as error:
         shutil.rmtree(partial, ignore_errors=True)  # a full disk gets its space back
-        raise CheckpointFailed(f"the checkpoint of step {version} could not be written to {root}: "
-                               f"{type(error).__name__}: {error}") from error
+        raise CheckpointFailed(
+            f"the checkpoint of step {version} could not be written to {root}: {type(error).__name__}: {error}"
+        ) from error
     if final.exists():  # a damaged one from before a resume: set aside, replace, then delete
         stale = root / f".{name}.replaced"
         shutil.rmtree(stale, ignore_errors=True)
@@ -77,8 +79,7 @@ def write_model(folder: Path, save_model: Callable[[str], None]) -> Path:
         save_model(str(partial))  # a learner's OSError comes back as one (Ray's RayTaskError)
     except OSError as error:
         shutil.rmtree(partial, ignore_errors=True)
-        raise ModelSaveFailed(f"the model could not be written to {folder}: "
-                              f"{type(error).__name__}: {error}") from error
+        raise ModelSaveFailed(f"the model could not be written to {folder}: {type(error).__name__}: {error}") from error
     if folder.exists():  # a resumed run that finished again replaces what it wrote before
         shutil.rmtree(folder)
     partial.rename(folder)
@@ -98,8 +99,11 @@ def readable_checkpoints(run_dir: Path) -> list[tuple[Path, DriverState]]:
     return usable
 
 
-def restore_learners(load: Callable[[str, str], int], candidates: list[tuple[Path, DriverState]],
-                     fatal: tuple[type[BaseException], ...] = ()) -> tuple[Path, DriverState]:
+def restore_learners(
+    load: Callable[[str, str], int],
+    candidates: list[tuple[Path, DriverState]],
+    fatal: tuple[type[BaseException], ...] = (),
+) -> tuple[Path, DriverState]:
     """Load the newest candidate the learner ranks accept; an older one when the newest fails.
 
     An error of a `fatal` type (a rank died, or the ranks' collectives fell out of step) leaves ranks that
@@ -112,8 +116,11 @@ def restore_learners(load: Callable[[str, str], int], candidates: list[tuple[Pat
             return path, state
         except fatal:
             raise
-        except Exception as error:  # noqa: BLE001 - any other failure to load means: try the next one
-            log.warning("learner state in %s did not load (%s); trying an older checkpoint", path,
-                        str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__)
+        except Exception as error:
+            log.warning(
+                "learner state in %s did not load (%s); trying an older checkpoint",
+                path,
+                str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__,
+            )
             errors.append(f"{path.name}: {type(error).__name__}")
     raise NoCheckpointRestored(f"no checkpoint could be restored ({'; '.join(errors) or 'none found'})")

@@ -16,16 +16,30 @@ from typing import Any
 import ray
 
 from actors.buffer import Ledger, keep_first_lines
-from cluster.job import (Job, JobError, JobValidationError, dump_job, environment_spec, evaluation_sets,
-                         job_task)
+from cluster.job import (
+    Job,
+    JobError,
+    JobValidationError,
+    check_sandbox,
+    dump_job,
+    environment_spec,
+    evaluation_sets,
+    job_task,
+)
 from cluster.run import runtime
-from cluster.run.checkpoints import (CHECKPOINTS, MODEL, REFERENCE, ModelSaveFailed, readable_checkpoints,
-                                     restore_learners, write_model)
+from cluster.run.checkpoints import (
+    CHECKPOINTS,
+    MODEL,
+    REFERENCE,
+    ModelSaveFailed,
+    readable_checkpoints,
+    restore_learners,
+    write_model,
+)
 from cluster.run.faults import LEARNER_GROUP_FAILURES, CannotResume, LearnerCrashed, learners_may_crash
 from cluster.run.loop import AsyncLoop
 from cluster.run.model_prep import check_tools, prepare_model, sft_samples
 from cluster.run.rewards import check_reward_models
-from cluster.job import check_sandbox
 from cluster.run.specs import generator_spec, learner_spec, reference_at_rl_start
 from cluster.run.stopping import StopRequest
 from cluster.telemetry.metrics import SAMPLES_FILE, MetricSink
@@ -63,13 +77,22 @@ def run_job(job: Job, resume_dir: Path | None = None, stop: StopRequest | None =
         except LearnerCrashed as crash:
             attempt += 1
             if attempt > job.learner.max_restarts:
-                raise CannotResume(f"{crash}; not resuming: {attempt - 1} restarts already "
-                                   f"(learner.max_restarts = {job.learner.max_restarts})") from crash
+                raise CannotResume(
+                    f"{crash}; not resuming: {attempt - 1} restarts already "
+                    f"(learner.max_restarts = {job.learner.max_restarts})"
+                ) from crash
             if not readable_checkpoints(crash.run_dir):
-                raise CannotResume(f"{crash}; not resuming: no usable checkpoint in {crash.run_dir / CHECKPOINTS} "
-                                   "(set checkpoint.every_steps)") from crash
-            log.warning("%s; resuming %s from its latest checkpoint (restart %d of %d)", crash, crash.run_dir,
-                        attempt, job.learner.max_restarts)
+                raise CannotResume(
+                    f"{crash}; not resuming: no usable checkpoint in {crash.run_dir / CHECKPOINTS} "
+                    "(set checkpoint.every_steps)"
+                ) from crash
+            log.warning(
+                "%s; resuming %s from its latest checkpoint (restart %d of %d)",
+                crash,
+                crash.run_dir,
+                attempt,
+                job.learner.max_restarts,
+            )
             resume_dir = crash.run_dir
 
 
@@ -97,10 +120,15 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     _check_shared_paths(run_dir, model_path)
     names = run_dir.name + (f"-restart{attempt}" if attempt else "")
     reference = run_dir / REFERENCE  # written after the warm-up; a resumed run's learners load it again
-    learners = runtime.LearnerGroup(learner_spec(job, model_path, reference), job.learner.num_ranks,
-                                    job.learner.cpus_per_rank, job.learner.gpus_per_rank, name_prefix=names,
-                                    placement_timeout_s=job.cluster.placement_timeout_s,
-                                    node_resource=job.cluster.learner_resource)
+    learners = runtime.LearnerGroup(
+        learner_spec(job, model_path, reference),
+        job.learner.num_ranks,
+        job.learner.cpus_per_rank,
+        job.learner.gpus_per_rank,
+        name_prefix=names,
+        placement_timeout_s=job.cluster.placement_timeout_s,
+        node_resource=job.cluster.learner_resource,
+    )
     _log_micro_batch_budgets(learners)
     start_generator = _generator_starter(job, model_path, names)
     generators = {index: start_generator(index) for index in range(job.generator.num_generators)}
@@ -111,28 +139,47 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
         state = None
         if candidates:
             with learners_may_crash("while loading a checkpoint", run_dir):
-                checkpoint, state = restore_learners(learners.load_checkpoint, candidates,
-                                                     fatal=LEARNER_GROUP_FAILURES)
+                checkpoint, state = restore_learners(learners.load_checkpoint, candidates, fatal=LEARNER_GROUP_FAILURES)
             log.info("resuming %s from %s (policy version %d)", run_dir, checkpoint.name, state.version)
             keep_first_lines(run_dir / "metrics.jsonl", state.metrics_lines)
             if state.samples_lines is not None:
                 keep_first_lines(run_dir / SAMPLES_FILE, state.samples_lines)
         ledger_path = run_dir / "ledger.jsonl"
         ledger = Ledger.resume(ledger_path, state.ledger_lines) if state else Ledger(ledger_path)
-        sink = MetricSink(run_dir, names + ("-resumed" if state else ""), job.model_dump(mode="json", by_alias=True),
-                          job.logging.wandb.mode, job.logging.wandb.project, job.logging.wandb.entity,
-                          job.logging.progress_bar, job.learner.steps, alerts=job.logging.alerts)
+        sink = MetricSink(
+            run_dir,
+            names + ("-resumed" if state else ""),
+            job.model_dump(mode="json", by_alias=True),
+            job.logging.wandb.mode,
+            job.logging.wandb.project,
+            job.logging.wandb.entity,
+            job.logging.progress_bar,
+            job.learner.steps,
+            alerts=job.logging.alerts,
+        )
         if state is None and job.model.sft_warmup.steps:
             _sft_warmup(job, task, model_path, learners, sink)
             if reference_at_rl_start(job):  # written whole (renamed when complete), then every rank loads it
                 learners.load_reference(str(write_model(reference, learners.save_model)))
-        loop = AsyncLoop(job, task, evaluation, learners, generators, ledger, sink, run_dir, start_generator,
-                         placement["generator_nodes"], stop or StopRequest())
+        loop = AsyncLoop(
+            job,
+            task,
+            evaluation,
+            learners,
+            generators,
+            ledger,
+            sink,
+            run_dir,
+            start_generator,
+            placement["generator_nodes"],
+            stop or StopRequest(),
+        )
         if state is not None:
             loop.restore(state)
         rewards = loop.run()
-        model_dir, model_error = _save_trained_model(run_dir, learners, sink) if job.checkpoint.save_model else (
-            None, None)
+        model_dir, model_error = (
+            _save_trained_model(run_dir, learners, sink) if job.checkpoint.save_model else (None, None)
+        )
     finally:
         for closing in (ledger, sink):
             if closing is not None:
@@ -142,19 +189,28 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
         for generator in {id(actor): actor for actor in [*generators.values(), *started]}.values():
             runtime.stop_generator(generator)  # each once: the loop's members include the initial generators
     counts = ledger.counts()
-    summary = {"steps": job.learner.steps, "ledger": counts, "rewards": rewards,
-               "generator_restarts": loop.schedule.generator_restarts, "learner_restarts": attempt,
-               "generated_tokens": loop.totals.tokens, "generate_s": loop.totals.generate_s,  # summed over generators
-               "weight_loads": loop.totals.weight_loads, "weight_load_s": loop.totals.weight_load_s,  # likewise
-               "generators": {"joined": loop.pool.joined, "left": loop.pool.left, **placement},  # Ray node ids
-               "model": model_dir and str(model_dir), "model_error": model_error,
-               "checkpoint_failures": loop.checkpoint_failures}
+    summary = {
+        "steps": job.learner.steps,
+        "ledger": counts,
+        "rewards": rewards,
+        "generator_restarts": loop.schedule.generator_restarts,
+        "learner_restarts": attempt,
+        "generated_tokens": loop.totals.tokens,
+        "generate_s": loop.totals.generate_s,  # summed over generators
+        "weight_loads": loop.totals.weight_loads,
+        "weight_load_s": loop.totals.weight_load_s,  # likewise
+        "generators": {"joined": loop.pool.joined, "left": loop.pool.left, **placement},  # Ray node ids
+        "model": model_dir and str(model_dir),
+        "model_error": model_error,
+        "checkpoint_failures": loop.checkpoint_failures,
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary))
     return RunResult(run_dir, job.learner.steps, counts, rewards, model_dir, model_error)
 
 
-def _save_trained_model(run_dir: Path, learners: runtime.LearnerGroup,
-                        sink: MetricSink) -> tuple[Path | None, str | None]:
+def _save_trained_model(
+    run_dir: Path, learners: runtime.LearnerGroup, sink: MetricSink
+) -> tuple[Path | None, str | None]:
     """The finished run's policy as RUN_DIR/model: what users evaluate, serve or train on from (`model.path`).
 
     A model that cannot be written (a full disk) does not undo the finished run: (None, why) with the way to
@@ -165,9 +221,12 @@ def _save_trained_model(run_dir: Path, learners: runtime.LearnerGroup,
             path = write_model(run_dir / MODEL, learners.save_model)
     except ModelSaveFailed as failure:
         usable = readable_checkpoints(run_dir)
-        recovery = (f"the newest checkpoint, {usable[0][0].name}, holds the policy of step "
-                    f"{usable[0][1].version}: stableasync export {run_dir} writes it as a model folder" if usable
-                    else "no checkpoint holds the weights (checkpoint.every_steps is 0 or none was written)")
+        recovery = (
+            f"the newest checkpoint, {usable[0][0].name}, holds the policy of step "
+            f"{usable[0][1].version}: stableasync export {run_dir} writes it as a model folder"
+            if usable
+            else "no checkpoint holds the weights (checkpoint.every_steps is 0 or none was written)"
+        )
         why = f"{failure}; {recovery}"
         sink.alert("trained model not saved", why)
         return None, why
@@ -184,7 +243,7 @@ def _sft_warmup(job: Job, task: Task, model_path: str, learners: runtime.Learner
         batch = [next(problems) for _ in range(warmup.prompts_per_step)]
         samples = sft_samples(model_path, task, batch, environment_spec(job))
         per_rank = len(samples) // ranks
-        shards = [collate(samples[r * per_rank:(r + 1) * per_rank], 0) for r in range(ranks)]
+        shards = [collate(samples[r * per_rank : (r + 1) * per_rank], 0) for r in range(ranks)]
         metrics = learners.sft_step(shards, warmup.learning_rate)
         sink.log(-warmup.steps + step, metrics)
 
@@ -196,8 +255,10 @@ def _check_lora_targets(job: Job, model_path: str) -> None:
         return
     missing = missing_target_modules(model_path, tuple(job.model.lora.target_modules))
     if missing:
-        raise JobValidationError(job.name, [JobError("model.lora.target_modules", f"{missing} name no linear layer "
-                                                     f"of the model {model_path}")])
+        raise JobValidationError(
+            job.name,
+            [JobError("model.lora.target_modules", f"{missing} name no linear layer of the model {model_path}")],
+        )
 
 
 def _generator_starter(job: Job, model_path: str, name_prefix: str) -> Callable[[int], Any]:
@@ -205,38 +266,58 @@ def _generator_starter(job: Job, model_path: str, name_prefix: str) -> Callable[
     spec, g = generator_spec(job, model_path), job.generator
     # Elastic members are not restarted in place: a dead one leaves, and a new one joins on a free unit.
     max_restarts = 0 if g.max_generators is not None else g.max_restarts
-    return functools.partial(runtime.start_generator, spec, cpus=g.cpus_per_generator, max_restarts=max_restarts,
-                             name_prefix=name_prefix, node_resource=job.cluster.generator_resource)
+    return functools.partial(
+        runtime.start_generator,
+        spec,
+        cpus=g.cpus_per_generator,
+        max_restarts=max_restarts,
+        name_prefix=name_prefix,
+        node_resource=job.cluster.generator_resource,
+    )
 
 
 def _placement(learners: runtime.LearnerGroup, generators: dict[int, Any]) -> dict[str, Any]:
     """The Ray node id of every learner rank and generator at the start (the run's summary records it)."""
-    nodes = ray.get([rank.node_id.remote() for rank in learners.ranks]
-                    + [g.node_id.remote() for g in generators.values()])
-    return {"learner_nodes": nodes[:len(learners.ranks)],
-            "generator_nodes": dict(zip(map(str, generators), nodes[len(learners.ranks):]))}
+    nodes = ray.get(
+        [rank.node_id.remote() for rank in learners.ranks] + [g.node_id.remote() for g in generators.values()]
+    )
+    return {
+        "learner_nodes": nodes[: len(learners.ranks)],
+        "generator_nodes": dict(zip(map(str, generators), nodes[len(learners.ranks) :])),
+    }
 
 
 def _log_micro_batch_budgets(learners: runtime.LearnerGroup) -> None:
     """Each rank's micro-batch budget and why, here where the user reads (an actor's info log goes nowhere)."""
-    whys = ray.get([rank.__ray_call__.remote(lambda learner: learner.micro_batch_budget.why)
-                    for rank in learners.ranks])
+    whys = ray.get(
+        [rank.__ray_call__.remote(lambda learner: learner.micro_batch_budget.why) for rank in learners.ranks]
+    )
     for index, why in enumerate(whys):
         log.info("learner rank %d: %s", index, why)
 
 
 def shared_path_errors(run_dir: Path, model_path: str, missing: dict[str, list[str]]) -> list[JobError]:
     """What a multi-node job needs every node to see at the driver's paths, and which nodes do not."""
-    fields = {str(run_dir): ("logging.run_dir", "its run directory (checkpoints, the saved model)"),
-              model_path: ("model.path", "the model every learner rank and generator loads (a prepared model is in "
-                                         "STABLEASYNC_CACHE: point it at shared storage on every node)")}
+    fields = {
+        str(run_dir): ("logging.run_dir", "its run directory (checkpoints, the saved model)"),
+        model_path: (
+            "model.path",
+            "the model every learner rank and generator loads (a prepared model is in "
+            "STABLEASYNC_CACHE: point it at shared storage on every node)",
+        ),
+    }
     errors = []
     for path, (name, what) in fields.items():
         nodes = sorted(node for node, paths in missing.items() if path in paths)
         if nodes:
-            errors.append(JobError(name, f"{path}, {what}, is not visible on node(s) {', '.join(nodes)}: a job on "
-                                          "several nodes needs it on storage every node mounts at the same path "
-                                          "(docs/cluster.md, Shared storage)"))
+            errors.append(
+                JobError(
+                    name,
+                    f"{path}, {what}, is not visible on node(s) {', '.join(nodes)}: a job on "
+                    "several nodes needs it on storage every node mounts at the same path "
+                    "(docs/cluster.md, Shared storage)",
+                )
+            )
     return errors
 
 

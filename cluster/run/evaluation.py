@@ -72,20 +72,29 @@ class Evaluator:
         """
         index = evaluation_generator(generators, busy_in_send_order)
         if index is None:
-            self.sink.alert("evaluation skipped", f"step {step}: no generator is left to answer it (every one left "
-                            "the elastic job); the next one is at its step")
+            self.sink.alert(
+                "evaluation skipped",
+                f"step {step}: no generator is left to answer it (every one left "
+                "the elastic job); the next one is at its step",
+            )
             return 0.0
         earlier = self.steps_running()
         waited_s = self.wait()
         if earlier and not self.warned_slow:
             self.warned_slow = True
-            log.warning("the evaluation of step %d was still running when step %d's was due: the loop waited %.2f s "
-                        "for it (time/eval_wait_s in each step's row). Raise eval.every_steps or lower "
-                        "eval.num_problems to keep evaluation off training's path", earlier[0], step, waited_s)
+            log.warning(
+                "the evaluation of step %d was still running when step %d's was due: the loop waited %.2f s "
+                "for it (time/eval_wait_s in each step's row). Raise eval.every_steps or lower "
+                "eval.num_problems to keep evaluation off training's path",
+                earlier[0],
+                step,
+                waited_s,
+            )
         sent = time.perf_counter()
         for name, evaluation_set in self.sets.items():
-            ref = generators[index].generate.remote(self.requests[name], evaluation_set.samples_per_problem,
-                                                    evaluation_set.temperature)
+            ref = generators[index].generate.remote(
+                self.requests[name], evaluation_set.samples_per_problem, evaluation_set.temperature
+            )
             self.running[ref] = RunningEvaluation(index, step, sent, name)
         return waited_s
 
@@ -114,8 +123,11 @@ class Evaluator:
         try:
             groups = ray.get(ref)
         except RayActorError as error:
-            self.sink.alert("evaluation skipped", f"step {evaluation.step}{_of_set(evaluation.set_name)}: generator "
-                            f"{evaluation.index} died during it ({type(error).__name__}); the next one is at its step")
+            self.sink.alert(
+                "evaluation skipped",
+                f"step {evaluation.step}{_of_set(evaluation.set_name)}: generator "
+                f"{evaluation.index} died during it ({type(error).__name__}); the next one is at its step",
+            )
             return
         self.record(evaluation, groups)
 
@@ -126,16 +138,21 @@ class Evaluator:
         where = _of_set(evaluation.set_name)
         versions = sorted({version for group in groups for version in (group.version_start, group.version_end)})
         if versions != [evaluation.step]:  # a streaming generator can load the next weights mid-answer
-            self.sink.alert("evaluation skipped", f"step {evaluation.step}{where}: generator {evaluation.index} "
-                            f"answered with the weights of step{'s' if len(versions) > 1 else ''} "
-                            f"{', '.join(map(str, versions))}")
+            self.sink.alert(
+                "evaluation skipped",
+                f"step {evaluation.step}{where}: generator {evaluation.index} "
+                f"answered with the weights of step{'s' if len(versions) > 1 else ''} "
+                f"{', '.join(map(str, versions))}",
+            )
             return
         evaluation_set = self.sets[evaluation.set_name]
-        metrics = answer_metrics(groups, score_answers(self.scorers[evaluation.set_name], evaluation_set, groups),
-                                 evaluation_set.pass_at)
+        metrics = answer_metrics(
+            groups, score_answers(self.scorers[evaluation.set_name], evaluation_set, groups), evaluation_set.pass_at
+        )
         log.info("evaluation at step %d%s: %s", evaluation.step, where, summary_line(metrics))
-        metrics.update({"eval/policy_version": groups[0].version_start,
-                        "eval/seconds": time.perf_counter() - evaluation.sent})
+        metrics.update(
+            {"eval/policy_version": groups[0].version_start, "eval/seconds": time.perf_counter() - evaluation.sent}
+        )
         self.sink.log_evaluation(evaluation.step, {evaluation_set.key(key): value for key, value in metrics.items()})
 
 
@@ -151,7 +168,8 @@ def evaluation_requests(sets: Sequence[EvaluationSet], seed: int) -> dict[str | 
     for evaluation_set in sets:
         requests[evaluation_set.name] = [
             GenerationRequest(-1 - first - i, problem.problem_id, messages, seed + i, problem)
-            for i, (problem, messages) in enumerate(evaluation_set.problems)]
+            for i, (problem, messages) in enumerate(evaluation_set.problems)
+        ]
         first += len(evaluation_set.problems)
     return requests
 
@@ -159,21 +177,27 @@ def evaluation_requests(sets: Sequence[EvaluationSet], seed: int) -> dict[str | 
 def verifier_pool(job: Job, task_name: str, task_config: Any) -> ScorePool:
     """Verifier subprocesses of a task, as the job's `scoring` and `sandbox` sections set them."""
     scoring = job.scoring
-    return ScorePool(task_name, task_config, max_workers=scoring.workers, timeout_s=scoring.timeout_s,
-                     memory_limit_mb=scoring.memory_limit_mb, startup_timeout_s=scoring.startup_timeout_s,
-                     limits=sandbox_limits(job))
+    return ScorePool(
+        task_name,
+        task_config,
+        max_workers=scoring.workers,
+        timeout_s=scoring.timeout_s,
+        memory_limit_mb=scoring.memory_limit_mb,
+        startup_timeout_s=scoring.startup_timeout_s,
+        limits=sandbox_limits(job),
+    )
 
 
-def set_scorers(sets: Sequence[EvaluationSet], job: Job,
-                scorer: ScorePool) -> tuple[dict[str | None, ScorePool], list[ScorePool]]:
+def set_scorers(
+    sets: Sequence[EvaluationSet], job: Job, scorer: ScorePool
+) -> tuple[dict[str | None, ScorePool], list[ScorePool]]:
     """The pool that scores each set: `scorer` (the job's verifiers) for the sets of the job's task, one new pool
     per other task format (a gsm8k set of an arithmetic job); and the new pools, which the caller closes."""
     own: dict[str, ScorePool] = {}
     try:
         for evaluation_set in sets:
             if evaluation_set.task_name != job.task.name and evaluation_set.task_name not in own:
-                own[evaluation_set.task_name] = verifier_pool(job, evaluation_set.task_name,
-                                                              evaluation_set.task_config)
+                own[evaluation_set.task_name] = verifier_pool(job, evaluation_set.task_name, evaluation_set.task_config)
     except BaseException:  # a worker that cannot start: the ones started are closed
         close_pools(list(own.values()))
         raise
@@ -187,19 +211,22 @@ def close_pools(pools: list[ScorePool]) -> None:
         pool.close()
 
 
-def score_answers(scorer: ScorePool, evaluation_set: EvaluationSet,
-                  groups: Sequence[GeneratedGroup]) -> list[ScoreResult]:
+def score_answers(
+    scorer: ScorePool, evaluation_set: EvaluationSet, groups: Sequence[GeneratedGroup]
+) -> list[ScoreResult]:
     """Each answer's score, in the groups' order (group i holds the answers to the set's problem i)."""
-    problems = [problem for (problem, _), group in zip(evaluation_set.problems, groups, strict=True)
-                for _ in group.completions]
+    problems = [
+        problem for (problem, _), group in zip(evaluation_set.problems, groups, strict=True) for _ in group.completions
+    ]
     return score_responses(scorer, problems, [answer for group in groups for answer in group.completions])
 
 
 PASS_AT_KEY = "eval/pass_at_K"  # with K each k of eval.pass_at
 
 
-def answer_metrics(groups: Sequence[GeneratedGroup], scores: Sequence[ScoreResult],
-                   pass_at: Sequence[int] = ()) -> dict[str, float]:
+def answer_metrics(
+    groups: Sequence[GeneratedGroup], scores: Sequence[ScoreResult], pass_at: Sequence[int] = ()
+) -> dict[str, float]:
     """One set's eval/* metrics from its answers (group i: the n answers to problem i) and their scores. An
     answer is correct when it has the full reward. eval/solved is avg@n, the mean over all answers (each
     counts alike); eval/pass_at_k the share of problems with at least one correct answer among their n;
@@ -213,17 +240,20 @@ def answer_metrics(groups: Sequence[GeneratedGroup], scores: Sequence[ScoreResul
         "eval/reward_mean": statistics.fmean(rewards),
         "eval/solved": statistics.fmean(correct),
         "eval/pass_at_k": statistics.fmean(any(marks) for marks, _ in per_problem),
-        "eval/maj_at_k": statistics.fmean(majority_correct(marks, [answer["text"] for answer in answers])
-                                          for marks, answers in per_problem),
-        "eval/response_len": statistics.fmean(len(answer["completion_ids"]) for group in groups
-                                              for answer in group.completions),
+        "eval/maj_at_k": statistics.fmean(
+            majority_correct(marks, [answer["text"] for answer in answers]) for marks, answers in per_problem
+        ),
+        "eval/response_len": statistics.fmean(
+            len(answer["completion_ids"]) for group in groups for answer in group.completions
+        ),
         "eval/score_errors": sum(score.error is not None for score in scores),
         "eval/problems": len(groups),
         "eval/answers": len(rewards),
     }
     for k in pass_at:
-        metrics[PASS_AT_KEY.replace("_K", f"_{k}")] = statistics.fmean(unbiased_pass_at(len(marks), sum(marks), k)
-                                                         for marks, _ in per_problem)
+        metrics[PASS_AT_KEY.replace("_K", f"_{k}")] = statistics.fmean(
+            unbiased_pass_at(len(marks), sum(marks), k) for marks, _ in per_problem
+        )
     return metrics
 
 
@@ -250,9 +280,11 @@ def majority_correct(correct: Sequence[bool], texts: Sequence[str]) -> bool:
 def summary_line(metrics: dict[str, float]) -> str:
     """A set's result in words, from its `answer_metrics`."""
     problems = int(metrics["eval/problems"])
-    return (f"{round(metrics['eval/pass_at_k'] * problems)} of {problems} problems solved, "
-            f"{100 * metrics['eval/solved']:.1f}% of {int(metrics['eval/answers'])} answers correct, "
-            f"mean reward {metrics['eval/reward_mean']:.3f}")
+    return (
+        f"{round(metrics['eval/pass_at_k'] * problems)} of {problems} problems solved, "
+        f"{100 * metrics['eval/solved']:.1f}% of {int(metrics['eval/answers'])} answers correct, "
+        f"mean reward {metrics['eval/reward_mean']:.3f}"
+    )
 
 
 def evaluation_generator(generators: Iterable[int], busy_in_send_order: Iterable[int]) -> int | None:
@@ -271,8 +303,13 @@ def evaluate_again_on_resume(in_flight: list[int], restored_step: int) -> bool:
     checkpoint keeps only its own step's weights."""
     for step in in_flight:
         if step != restored_step:
-            log.warning("the evaluation of step %d was in flight at the checkpoint of step %d and is lost: the "
-                        "weights of step %d are not kept", step, restored_step, step)
+            log.warning(
+                "the evaluation of step %d was in flight at the checkpoint of step %d and is lost: the "
+                "weights of step %d are not kept",
+                step,
+                restored_step,
+                step,
+            )
     if restored_step in in_flight:
         log.info("evaluating step %d again: its evaluation was in flight at the checkpoint", restored_step)
         return True
@@ -302,11 +339,14 @@ def saved_model_folder(model_or_run: Path) -> Path:
         model = model_or_run / "model"
         if (model / "config.json").is_file():
             return model
-        raise SavedModelError(f"{model_or_run} is a run directory without a saved model ({model}: the run did not "
-                              "finish, or ran with checkpoint.save_model false); write one from its newest "
-                              f"checkpoint with `stableasync export {model_or_run}` and evaluate the folder it prints")
-    raise SavedModelError(f"{model_or_run} is neither a Hugging Face model folder (no config.json) nor a run "
-                          "directory (no job.yaml)")
+        raise SavedModelError(
+            f"{model_or_run} is a run directory without a saved model ({model}: the run did not "
+            "finish, or ran with checkpoint.save_model false); write one from its newest "
+            f"checkpoint with `stableasync export {model_or_run}` and evaluate the folder it prints"
+        )
+    raise SavedModelError(
+        f"{model_or_run} is neither a Hugging Face model folder (no config.json) nor a run directory (no job.yaml)"
+    )
 
 
 def evaluate_saved_model(job: Job, model_path: Path, sets: Sequence[EvaluationSet]) -> dict[str, dict[str, Any]]:
@@ -328,13 +368,16 @@ def evaluate_saved_model(job: Job, model_path: Path, sets: Sequence[EvaluationSe
         try:
             for evaluation_set in sets:
                 started = time.perf_counter()
-                groups = generator.generate(requests[evaluation_set.name], evaluation_set.samples_per_problem,
-                                            evaluation_set.temperature)
-                metrics = answer_metrics(groups, score_answers(scorers[evaluation_set.name], evaluation_set, groups),
-                                         evaluation_set.pass_at)
+                groups = generator.generate(
+                    requests[evaluation_set.name], evaluation_set.samples_per_problem, evaluation_set.temperature
+                )
+                metrics = answer_metrics(
+                    groups, score_answers(scorers[evaluation_set.name], evaluation_set, groups), evaluation_set.pass_at
+                )
                 log.info("set %s: %s", evaluation_set.label, summary_line(metrics))
                 results[evaluation_set.label] = {
-                    "logged_as": evaluation_set.key("eval/*"), "task": evaluation_set.task_name,
+                    "logged_as": evaluation_set.key("eval/*"),
+                    "task": evaluation_set.task_name,
                     "samples_per_problem": evaluation_set.samples_per_problem,
                     "temperature": evaluation_set.temperature,
                     **{key.removeprefix("eval/"): value for key, value in metrics.items()},
@@ -347,9 +390,14 @@ def evaluate_saved_model(job: Job, model_path: Path, sets: Sequence[EvaluationSe
     return results
 
 
-RESULT_COLUMNS = (("solved (avg@k)", "solved", "{:.3f}"), ("pass@k", "pass_at_k", "{:.3f}"),
-                  ("maj@k", "maj_at_k", "{:.3f}"),
-                  ("k", "samples_per_problem", "{}"), ("problems", "problems", "{}"), ("answers", "answers", "{}"))
+RESULT_COLUMNS = (
+    ("solved (avg@k)", "solved", "{:.3f}"),
+    ("pass@k", "pass_at_k", "{:.3f}"),
+    ("maj@k", "maj_at_k", "{:.3f}"),
+    ("k", "samples_per_problem", "{}"),
+    ("problems", "problems", "{}"),
+    ("answers", "answers", "{}"),
+)
 
 
 def results_table(results: Mapping[str, Mapping[str, Any]]) -> str:
@@ -357,6 +405,7 @@ def results_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     width = max(len("set"), *(len(name) for name in results))
     lines = [f"{'set':<{width}}" + "".join(f"  {title:>14}" for title, _, _ in RESULT_COLUMNS)]
     for name, result in results.items():
-        lines.append(f"{name:<{width}}" + "".join(f"  {form.format(result[key]):>14}"
-                                                  for _, key, form in RESULT_COLUMNS))
+        lines.append(
+            f"{name:<{width}}" + "".join(f"  {form.format(result[key]):>14}" for _, key, form in RESULT_COLUMNS)
+        )
     return "\n".join(lines)

@@ -37,7 +37,8 @@ class LearnerOutOfMemory(StableAsyncError, RuntimeError):
 def _out_of_memory(error: BaseException) -> bool:
     """Ray's memory monitor killed the actor, or the step raised torch's (CUDA) out-of-memory error."""
     return isinstance(error, OutOfMemoryError) or any(
-        cls.__name__ == "OutOfMemoryError" for cls in type(getattr(error, "cause", None) or error).__mro__)
+        cls.__name__ == "OutOfMemoryError" for cls in type(getattr(error, "cause", None) or error).__mro__
+    )
 
 
 @contextmanager
@@ -57,9 +58,11 @@ def learners_may_crash(doing: str, run_dir: Path) -> Iterator[None]:
                 "one forward holds) or set learner.gradient_checkpointing: true in "
                 f"{run_dir / 'job.yaml'}, then `stableasync train --resume {run_dir}` goes on from its latest "
                 f"checkpoint; {type(error).__name__}: "
-                f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from error
-        raise LearnerCrashed(f"a learner rank died or broke the group {doing} ({type(error).__name__}: {error})",
-                             run_dir) from error
+                f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            ) from error
+        raise LearnerCrashed(
+            f"a learner rank died or broke the group {doing} ({type(error).__name__}: {error})", run_dir
+        ) from error
 
 
 class RunHalted(StableAsyncError, RuntimeError):

@@ -47,8 +47,14 @@ def generator_bundles(spec: GeneratorSpec, cpus: float, node_resource: str | Non
 _GENERATOR_PLACEMENTS: dict[str, Any] = {}
 
 
-def start_generator(spec: GeneratorSpec, index: int, cpus: float, max_restarts: int = 0,
-                    name_prefix: str | None = None, node_resource: str | None = None) -> Any:
+def start_generator(
+    spec: GeneratorSpec,
+    index: int,
+    cpus: float,
+    max_restarts: int = 0,
+    name_prefix: str | None = None,
+    node_resource: str | None = None,
+) -> Any:
     """Generator actor `{name_prefix}-generator-{index}`, placed on a node offering `node_resource` if given.
 
     Returns at once: the engine starts in the background (`ready.remote()` says when). Ray restarts a dead
@@ -60,13 +66,24 @@ def start_generator(spec: GeneratorSpec, index: int, cpus: float, max_restarts: 
     group = None
     if bundles:
         group = placement_group(bundles, strategy="STRICT_PACK")
-        placement = {"num_gpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
-    actor: Any = ray.remote(StreamingGeneratorActor if spec.streaming else GeneratorActor).options(
-        num_cpus=cpus, max_restarts=max_restarts, max_task_retries=0, **placement,
-        name=f"{name_prefix}-generator-{index}" if name_prefix else None,
-        runtime_env={"env_vars": {**actor_env(), **engine_env(spec), "OMP_NUM_THREADS": str(max(1, int(cpus)))}},
-    ).remote(spec, index)
+        placement = {
+            "num_gpus": 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+            ),
+        }
+    actor: Any = (
+        ray.remote(StreamingGeneratorActor if spec.streaming else GeneratorActor)
+        .options(
+            num_cpus=cpus,
+            max_restarts=max_restarts,
+            max_task_retries=0,
+            **placement,
+            name=f"{name_prefix}-generator-{index}" if name_prefix else None,
+            runtime_env={"env_vars": {**actor_env(), **engine_env(spec), "OMP_NUM_THREADS": str(max(1, int(cpus)))}},
+        )
+        .remote(spec, index)
+    )
     if group is not None:
         _GENERATOR_PLACEMENTS[actor._actor_id.hex()] = group
     return actor

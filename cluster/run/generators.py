@@ -46,9 +46,17 @@ class GeneratorPool:
     what their faults do to the schedule. `restore_weights(index)` sends a (re)started generator the latest
     weights and returns their version."""
 
-    def __init__(self, actors: dict[int, Any], schedule: Schedule[GenerationRequest, ray.ObjectRef],
-                 start_generator: Callable[[int], Any], restore_weights: Callable[[int], int],
-                 nodes: dict[str, str], resource: str | None, max_generators: int | None, max_restarts: int) -> None:
+    def __init__(
+        self,
+        actors: dict[int, Any],
+        schedule: Schedule[GenerationRequest, ray.ObjectRef],
+        start_generator: Callable[[int], Any],
+        restore_weights: Callable[[int], int],
+        nodes: dict[str, str],
+        resource: str | None,
+        max_generators: int | None,
+        max_restarts: int,
+    ) -> None:
         self.actors = actors
         self.schedule = schedule
         self.start_generator = start_generator
@@ -96,8 +104,11 @@ class GeneratorPool:
         if member.incarnation is not None:
             self.restarted(call.index, f"generator {call.index} was restarted between calls")
             if any(g.version_start < call.weights_version for g in groups):
-                self.schedule.reissue(call.index, call.requests,
-                                      f"generator {call.index} sampled with its initial weights after a restart")
+                self.schedule.reissue(
+                    call.index,
+                    call.requests,
+                    f"generator {call.index} sampled with its initial weights after a restart",
+                )
                 return True
         member.incarnation = groups[0].incarnation
         return False
@@ -107,10 +118,16 @@ class GeneratorPool:
         member = self.schedule.members[index]
         member.restarts += 1
         if member.restarts > self.max_restarts:
-            raise GeneratorLost(f"{reason}; it has died {member.restarts} times, more than "
-                                f"generator.max_restarts = {self.max_restarts}")
-        log.warning("%s; restart %d of %d: waiting for it, then weights version %d, then its groups again",
-                    reason, member.restarts, self.max_restarts, self.schedule.version)
+            raise GeneratorLost(
+                f"{reason}; it has died {member.restarts} times, more than generator.max_restarts = {self.max_restarts}"
+            )
+        log.warning(
+            "%s; restart %d of %d: waiting for it, then weights version %d, then its groups again",
+            reason,
+            member.restarts,
+            self.max_restarts,
+            self.schedule.version,
+        )
         self._wait_until_back(index, reason)
         member.weights_version = self.restore_weights(index)
         member.incarnation = None  # learnt again from its next result
@@ -126,8 +143,9 @@ class GeneratorPool:
                 raise GeneratorLost(f"{reason}, and Ray could not restart it: {error}") from error
             except (RayActorError, GetTimeoutError) as error:
                 if time.monotonic() > deadline:
-                    raise GeneratorLost(f"{reason}, and it was not back within {GENERATOR_RESTART_TIMEOUT_S:g} s") \
-                        from error
+                    raise GeneratorLost(
+                        f"{reason}, and it was not back within {GENERATOR_RESTART_TIMEOUT_S:g} s"
+                    ) from error
                 time.sleep(0.5)
 
     # ---- elastic membership --------------------------------------------------------------------------
@@ -150,28 +168,36 @@ class GeneratorPool:
         try:
             ray.get(ref)
         except RayActorError as error:
-            log.warning("generator %d failed to start (%s); trying again when resources are free", index,
-                        type(error).__name__)
+            log.warning(
+                "generator %d failed to start (%s); trying again when resources are free", index, type(error).__name__
+            )
             return
         self.actors[index] = actor
         self.schedule.join(index, self.restore_weights(index))
         self.nodes[str(index)] = ray.get(actor.node_id.remote())
         self.joined += 1
-        log.info("generator %d joined with weights version %d (%d generators)", index,
-                 self.schedule.members[index].weights_version, len(self.actors))
+        log.info(
+            "generator %d joined with weights version %d (%d generators)",
+            index,
+            self.schedule.members[index].weights_version,
+            len(self.actors),
+        )
 
     def leave(self, index: int, requests: list[GenerationRequest], reason: str) -> None:
         """A generator that died (its node left) stops being a member; its groups wait for another one."""
         self.actors.pop(index, None)
         self.schedule.leave(index, requests, reason)
         self.left += 1
-        log.warning("%s; %d generators left, %d of its groups issued again to others", reason, len(self.actors),
-                    len(requests))
+        log.warning(
+            "%s; %d generators left, %d of its groups issued again to others", reason, len(self.actors), len(requests)
+        )
 
     def wait_alone(self) -> None:
         """Every member left: wait for a node to come back, for a while, then give up."""
         self.alone_since = self.alone_since or time.monotonic()
         if time.monotonic() - self.alone_since > GENERATOR_RESTART_TIMEOUT_S:
-            raise GeneratorLost(f"no generator for {GENERATOR_RESTART_TIMEOUT_S:g} s: no node offers a free "
-                                f"{self.resource!r} unit (cluster.generator_resource)")
+            raise GeneratorLost(
+                f"no generator for {GENERATOR_RESTART_TIMEOUT_S:g} s: no node offers a free "
+                f"{self.resource!r} unit (cluster.generator_resource)"
+            )
         time.sleep(SCALE_CHECK_S)

@@ -56,8 +56,9 @@ class LearnerActor(LearnerRank):
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         wire = getattr(torch, dtype)
-        packed_nccl_broadcast_producer(weights, self.transfer, 0,
-                                       post_iter_func=lambda item: item[1].to(self.device, wire, copy=True))
+        packed_nccl_broadcast_producer(
+            weights, self.transfer, 0, post_iter_func=lambda item: item[1].to(self.device, wire, copy=True)
+        )
         return sum(torch.Size(s.shape).numel() * wire.itemsize for s in specs)
 
     def ready(self) -> int:
@@ -87,8 +88,9 @@ class Rendezvous:
 def _free_address() -> Rendezvous:
     with socket.socket() as sock:
         sock.bind(("", 0))
-        return Rendezvous(ray.util.get_node_ip_address(), sock.getsockname()[1],
-                          ray.get_runtime_context().get_node_id())
+        return Rendezvous(
+            ray.util.get_node_ip_address(), sock.getsockname()[1], ray.get_runtime_context().get_node_id()
+        )
 
 
 def _failed(refs: list[ray.ObjectRef]) -> list[int]:
@@ -97,7 +99,7 @@ def _failed(refs: list[ray.ObjectRef]) -> list[int]:
     for rank, ref in enumerate(refs):
         try:
             ray.get(ref, timeout=0)
-        except Exception:  # noqa: BLE001 - any error counts: the caller raises the first one
+        except Exception:
             failed.append(rank)
     return failed
 
@@ -112,11 +114,21 @@ class LearnerGroup:
 
     rank_straggle_s = 60.0  # after one rank's call fails, how long the others may still take to end theirs
 
-    def __init__(self, spec: LearnerSpec, num_ranks: int, cpus_per_rank: float, gpus_per_rank: float,
-                 name_prefix: str | None = None, placement_timeout_s: float = 600.0,
-                 node_resource: str | None = None) -> None:
-        bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {}),
-                  **({node_resource: 1.0} if node_resource else {})}
+    def __init__(
+        self,
+        spec: LearnerSpec,
+        num_ranks: int,
+        cpus_per_rank: float,
+        gpus_per_rank: float,
+        name_prefix: str | None = None,
+        placement_timeout_s: float = 600.0,
+        node_resource: str | None = None,
+    ) -> None:
+        bundle = {
+            "CPU": cpus_per_rank,
+            **({"GPU": gpus_per_rank} if gpus_per_rank else {}),
+            **({node_resource: 1.0} if node_resource else {}),
+        }
         bundles = [dict(bundle) for _ in range(num_ranks)]
         self.placement = placement_group(bundles, strategy="PACK")
         try:
@@ -135,7 +147,9 @@ class LearnerGroup:
         # (undecorated by @ray.method) have no typed `.remote`
         self.ranks: list[Any] = [
             remote_cls.options(
-                num_cpus=cpus_per_rank, num_gpus=gpus_per_rank, scheduling_strategy=self._in_bundle(rank),
+                num_cpus=cpus_per_rank,
+                num_gpus=gpus_per_rank,
+                scheduling_strategy=self._in_bundle(rank),
                 name=f"{name_prefix}-learner-{rank}" if name_prefix else None,
                 runtime_env={"env_vars": {**actor_env(), "OMP_NUM_THREADS": str(max(1, int(cpus_per_rank)))}},
             ).remote(spec, rank, num_ranks, master.host, master.port)
@@ -200,8 +214,12 @@ class LearnerGroup:
                         f"learner rank {refs.index(done)} failed in {call} ({type(error).__name__}: {error}) and "
                         f"rank(s) {stuck} had not ended theirs {self.rank_straggle_s:g} s later"
                     ) from error
-                log.warning("learner rank(s) %s failed in %s; the error of rank %d follows", _failed(refs), call,
-                            refs.index(done))
+                log.warning(
+                    "learner rank(s) %s failed in %s; the error of rank %d follows",
+                    _failed(refs),
+                    call,
+                    refs.index(done),
+                )
                 raise
         return ray.get(refs)
 

@@ -13,6 +13,7 @@ and elastic membership by the pool (`cluster/run/generators.py`); learner faults
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import random
@@ -63,6 +64,7 @@ class ScoredSinceStep:
 
     def metrics(self, algorithm: AlgorithmSection, scoring: ScoringSection | None = None) -> dict[str, float]:
         """`rollout/*` keys of the step row; those of options the job leaves off are not logged."""
+
         def mean(values: list[float]) -> float:
             return sum(values) / len(values) if values else math.nan
 
@@ -123,30 +125,57 @@ def reward_workers(job: Job) -> ScorePool:
 class AsyncLoop:
     """Generators, scorer, buffer and learner, driven by completions (`ray.wait`)."""
 
-    def __init__(self, job: Job, task: Task, evaluation: list[EvaluationSet],
-                 learners: runtime.LearnerGroup, generators: dict[int, Any],
-                 ledger: Ledger, sink: MetricSink, run_dir: Path, start_generator: Callable[[int], Any],
-                 generator_nodes: dict[str, str], stop: StopRequest) -> None:
+    def __init__(
+        self,
+        job: Job,
+        task: Task,
+        evaluation: list[EvaluationSet],
+        learners: runtime.LearnerGroup,
+        generators: dict[int, Any],
+        ledger: Ledger,
+        sink: MetricSink,
+        run_dir: Path,
+        start_generator: Callable[[int], Any],
+        generator_nodes: dict[str, str],
+        stop: StopRequest,
+    ) -> None:
         self.job, self.task, self.learners, self.sink = job, task, learners, sink
         self.stop = stop
         self.run_dir = run_dir
         self.generators = dict(generators)  # index -> actor; elastic jobs add and remove members
         sync, dtype = job.async_.weight_sync, job.model.dtype_on(gpu=job.generator.gpus_per_generator > 0)
-        self.publisher = (runtime.ObjectStorePublisher(learners, self.generators, dtype,
-                                                       wait_for_loads=job.generator.streaming)
-                          if sync == "object_store"
-                          else runtime.CollectivePublisher(learners, self.generators, sync, dtype,
-                                                           job.generator.tensor_parallel_size))
-        buffer = RolloutBuffer(job.async_.max_lag, job.learner.prompts_per_step, job.async_.stale_policy, ledger,
-                               job.algorithm.drop_uniform_groups, job.environment.train_failed_episodes)
+        self.publisher = (
+            runtime.ObjectStorePublisher(learners, self.generators, dtype, wait_for_loads=job.generator.streaming)
+            if sync == "object_store"
+            else runtime.CollectivePublisher(learners, self.generators, sync, dtype, job.generator.tensor_parallel_size)
+        )
+        buffer = RolloutBuffer(
+            job.async_.max_lag,
+            job.learner.prompts_per_step,
+            job.async_.stale_policy,
+            ledger,
+            job.algorithm.drop_uniform_groups,
+            job.environment.train_failed_episodes,
+        )
         self.schedule: Schedule[GenerationRequest, ray.ObjectRef] = Schedule(
-            buffer, job.generator.prompts_per_request, self._new_request, self._send,
-            calls_per_generator=job.generator.requests_in_flight if job.generator.streaming else 1)
+            buffer,
+            job.generator.prompts_per_request,
+            self._new_request,
+            self._send,
+            calls_per_generator=job.generator.requests_in_flight if job.generator.streaming else 1,
+        )
         for index in generators:
             self.schedule.join(index, 0)
-        self.pool = GeneratorPool(self.generators, self.schedule, start_generator, self.publisher.restore,
-                                  generator_nodes, job.cluster.generator_resource, job.generator.max_generators,
-                                  job.generator.max_restarts)
+        self.pool = GeneratorPool(
+            self.generators,
+            self.schedule,
+            start_generator,
+            self.publisher.restore,
+            generator_nodes,
+            job.cluster.generator_resource,
+            job.generator.max_generators,
+            job.generator.max_restarts,
+        )
         self.scored = ScoredSinceStep()
         self.totals = GenerationTotals()
         self.problems: Iterator[Problem] = task.problems("train", job.seed)
@@ -207,10 +236,12 @@ class AsyncLoop:
         """Checkpoint the run where it stands, which holds the groups in flight and buffered; the ledger
         ends them as dropped (a resume cuts it back to the checkpoint and picks them up again)."""
         checkpoint = self._checkpoint()
-        self.evaluator.abandon(f"the run stopped (a resume from {checkpoint.name} evaluates again what it was "
-                               "evaluating)")
-        self._end_unfinished_groups(f"run stopped by {self.stop.signal_name} at step {self.version} (resumable)",
-                                    wait_for_generation=False)
+        self.evaluator.abandon(
+            f"the run stopped (a resume from {checkpoint.name} evaluates again what it was evaluating)"
+        )
+        self._end_unfinished_groups(
+            f"run stopped by {self.stop.signal_name} at step {self.version} (resumable)", wait_for_generation=False
+        )
         signal_name = self.stop.signal_name
         assert signal_name is not None  # the loop stops here only once a stop was requested
         return JobStopped(signal_name, self.version, checkpoint, self.run_dir)
@@ -219,10 +250,8 @@ class AsyncLoop:
         """Record in the ledger that every group still generating, orphaned or buffered ends untrained."""
         for ref in self.schedule.end_unfinished(why):
             if wait_for_generation:  # let it finish before its generator is killed
-                try:
+                with contextlib.suppress(RayActorError):
                     ray.get(ref)
-                except RayActorError:
-                    pass
 
     # ---- one turn of the loop ------------------------------------------------------------------
 
@@ -233,8 +262,9 @@ class AsyncLoop:
         problem = next(self.problems)
         self.problems_drawn += 1
         self.problem_of[group_id] = problem
-        return GenerationRequest(group_id, problem.problem_id, self.task.messages(problem), self.rng.getrandbits(31),
-                                 problem)
+        return GenerationRequest(
+            group_id, problem.problem_id, self.task.messages(problem), self.rng.getrandbits(31), problem
+        )
 
     def _start_learner_step(self) -> None:
         groups = self.schedule.take_batch()
@@ -251,8 +281,9 @@ class AsyncLoop:
         if self.stop.requested:
             return ray.wait(self.learner_refs, num_returns=1)[0][0]
         # every rank's ref: a rank that raises wakes the loop even while the others wait in a collective
-        pending = (list(self.schedule.calls) + self.learner_refs + list(self.pool.starting)
-                   + list(self.evaluator.running))
+        pending = (
+            list(self.schedule.calls) + self.learner_refs + list(self.pool.starting) + list(self.evaluator.running)
+        )
         if not pending and not self.pool.elastic:
             raise SchedulerStuck("nothing to wait for: the buffer admits no generation and no batch is ready")
         if not pending:
@@ -295,7 +326,8 @@ class AsyncLoop:
         training = self.schedule.training or []
         mix = version_mix(training, self.version) if self.job.generator.streaming else {}
         lags = self.schedule.step_done(  # a skipped step did not move the weights: the ledger says so
-            f"step {self.version + 1} skipped: non-finite loss or importance weights" if skipped else None)
+            f"step {self.version + 1} skipped: non-finite loss or importance weights" if skipped else None
+        )
         sync_s = self._sync_weights()
         step_s = time.perf_counter() - self.step_started
         eval_wait_s = self._start_evaluation() if self._due(self.job.eval.every_steps) else 0.0
@@ -310,8 +342,13 @@ class AsyncLoop:
         """A few of the step's groups, from rank 0's shard (the first groups), with the learner's log-ratios."""
         settings = self.job.logging.samples
         rank0_groups = self._rank_shares(training)[0]
-        samples = rollout_samples(self.version, self.version - 1, rank0_groups[:settings.groups],
-                                  self.learners.sequence_log_ratios(), settings.max_chars)
+        samples = rollout_samples(
+            self.version,
+            self.version - 1,
+            rank0_groups[: settings.groups],
+            self.learners.sequence_log_ratios(),
+            settings.max_chars,
+        )
         self.sink.log_samples(self.version, samples)
 
     def _due(self, every_steps: int) -> bool:
@@ -336,8 +373,11 @@ class AsyncLoop:
         """Alert on every skipped step; stop with a checkpoint after too many in a row."""
         stop = self.skips.record(skipped)
         if skipped:
-            self.sink.alert("learner step skipped", f"step {self.version}: non-finite loss or importance weights on a "
-                            f"learner rank; weights unchanged ({self.skips.count} in a row)")
+            self.sink.alert(
+                "learner step skipped",
+                f"step {self.version}: non-finite loss or importance weights on a "
+                f"learner rank; weights unchanged ({self.skips.count} in a row)",
+            )
         if stop:
             path = self._checkpoint()
             raise NumericalFailure(
@@ -374,23 +414,33 @@ class AsyncLoop:
             self.checkpoint_failures += 1
             usable = readable_checkpoints(self.run_dir)
             newest = usable[0][0].name if usable else "none yet"
-            self.sink.alert("checkpoint failed", f"{failure}. Training goes on; the newest usable checkpoint is "
-                            f"{newest} (failed so far: {self.checkpoint_failures})")
+            self.sink.alert(
+                "checkpoint failed",
+                f"{failure}. Training goes on; the newest usable checkpoint is "
+                f"{newest} (failed so far: {self.checkpoint_failures})",
+            )
 
     def _checkpoint(self) -> Path:
         with learners_may_crash(f"while checkpointing step {self.version}", self.run_dir):
-            return write_checkpoint(self.run_dir, self.version, self.job.checkpoint.keep,
-                                    self.learners.save_checkpoint, self._state())
+            return write_checkpoint(
+                self.run_dir, self.version, self.job.checkpoint.keep, self.learners.save_checkpoint, self._state()
+            )
 
     def _state(self) -> DriverState:
         return DriverState(
-            version=self.version, next_group_id=self.schedule.next_group_id, problems_drawn=self.problems_drawn,
-            rng=DriverState.rng_state(self.rng), ready=list(self.buffer.ready),
+            version=self.version,
+            next_group_id=self.schedule.next_group_id,
+            problems_drawn=self.problems_drawn,
+            rng=DriverState.rng_state(self.rng),
+            ready=list(self.buffer.ready),
             in_flight=[InFlight(r, self.problem_of[r.group_id]) for r in self.schedule.in_flight()],
             rewards=self.rewards,
             restarts=sorted((index, m.restarts) for index, m in self.schedule.members.items()),
-            evaluating=self.evaluator.steps_running(), ledger_lines=self.buffer.ledger.lines,
-            metrics_lines=self.sink.lines, samples_lines=self.sink.sample_lines)
+            evaluating=self.evaluator.steps_running(),
+            ledger_lines=self.buffer.ledger.lines,
+            metrics_lines=self.sink.lines,
+            samples_lines=self.sink.sample_lines,
+        )
 
     def restore(self, state: DriverState) -> None:
         """Continue from a checkpoint's driver state (the learner is restored separately)."""
@@ -422,9 +472,15 @@ class AsyncLoop:
         them in batches, instead of the driver waiting on it group by group); a stopping run keeps their
         requests to issue again on resume."""
         problems = [self.problem_of[group.group_id] for group in groups]
-        results = None if self.stop.requested else score_responses(
-            self.scorer, [problem for problem, group in zip(problems, groups) for _ in group.completions],
-            [completion for group in groups for completion in group.completions])
+        results = (
+            None
+            if self.stop.requested
+            else score_responses(
+                self.scorer,
+                [problem for problem, group in zip(problems, groups) for _ in group.completions],
+                [completion for group in groups for completion in group.completions],
+            )
+        )
         if results is None or self.stop.requested:  # a stop during scoring may have reached the verifiers too
             self.schedule.orphans += [(request, "generated while the run was stopping") for request in requests]
             return
@@ -436,28 +492,46 @@ class AsyncLoop:
         """One scored group into the buffer, with its rewards' and episodes' statistics."""
         del self.problem_of[group.group_id]
         algorithm = self.job.algorithm
-        penalties = [overlong_penalty(len(c["completion_ids"]), self.job.generator.max_new_tokens,
-                                      algorithm.overlong_buffer_tokens, algorithm.overlong_penalty)
-                     for c in group.completions]
-        completions = [ScoredCompletion(**c, reward=r.reward + penalty, score_error=r.error)
-                       for c, r, penalty in zip(group.completions, results, penalties)]
+        penalties = [
+            overlong_penalty(
+                len(c["completion_ids"]),
+                self.job.generator.max_new_tokens,
+                algorithm.overlong_buffer_tokens,
+                algorithm.overlong_penalty,
+            )
+            for c in group.completions
+        ]
+        completions = [
+            ScoredCompletion(**c, reward=r.reward + penalty, score_error=r.error)
+            for c, r, penalty in zip(group.completions, results, penalties)
+        ]
         errors = sum(r.error is not None for r in results)
         self.scored.rewards += [c["reward"] for c in completions]
         self.scored.overlong_penalties += penalties
         for section in self.job.scoring.rewards or []:  # a component's failed samples have no score of it
             self.scored.components.setdefault(section.name, []).extend(
-                r.components[section.name] for r in results if section.name in r.components)
+                r.components[section.name] for r in results if section.name in r.components
+            )
         self.scored.truncated += sum(c["finish_reason"] == "length" for c in completions)
         self.scored.episodes.add(completions)
-        scored = ScoredGroup(group.group_id, group.problem_id, group.prompt_ids, completions, group.version_start,
-                             group.version_end, group.generator_index, problem.question, problem.answer)
+        scored = ScoredGroup(
+            group.group_id,
+            group.problem_id,
+            group.prompt_ids,
+            completions,
+            group.version_start,
+            group.version_end,
+            group.generator_index,
+            problem.question,
+            problem.answer,
+        )
         self.scored.uniform_groups_dropped += not self.buffer.add(scored, errors)
 
     def _rank_shares(self, groups: list[ScoredGroup]) -> list[list[ScoredGroup]]:
         """Whole prompt groups split over the ranks, in order (group statistics stay on one rank)."""
         ranks = self.job.learner.num_ranks
         per_rank = len(groups) // ranks
-        return [groups[r * per_rank:(r + 1) * per_rank] for r in range(ranks)]
+        return [groups[r * per_rank : (r + 1) * per_rank] for r in range(ranks)]
 
     def _shards(self, groups: list[ScoredGroup]) -> list[TrainBatch]:
         """Each rank's share of the groups as its training batch."""
@@ -471,8 +545,9 @@ class AsyncLoop:
         self.schedule.published()
         return time.perf_counter() - start
 
-    def _log_step(self, metrics: dict[str, Any], lags: list[int], publish_s: float, step_s: float,
-                  eval_wait_s: float) -> None:
+    def _log_step(
+        self, metrics: dict[str, Any], lags: list[int], publish_s: float, step_s: float, eval_wait_s: float
+    ) -> None:
         stats = lag_stats(torch.tensor(lags), self.job.async_.max_lag)
         totals = self.totals
         row = {
@@ -484,8 +559,9 @@ class AsyncLoop:
             "perf/weight_sync_s": publish_s,
             "perf/weight_load_s": totals.weight_load_s / totals.weight_loads if totals.weight_loads else math.nan,
             # one generator's mean rate over all calls so far, times the generators running now
-            "perf/gen_tokens_per_s": (totals.tokens / totals.generate_s * len(self.generators)
-                                      if totals.generate_s else math.nan),
+            "perf/gen_tokens_per_s": (
+                totals.tokens / totals.generate_s * len(self.generators) if totals.generate_s else math.nan
+            ),
             "fault/generator_restarts": self.schedule.generator_restarts,
             "async/num_generators": len(self.generators),
             "time/step_s": step_s,

@@ -34,9 +34,17 @@ def prepare_model(job: Job, task: Task) -> str:
     tiny = job.model.tiny.model_dump()
     environment = environment_spec(job)
     corpus = task_corpus(task, job.seed, environment)
-    key = hashlib.sha256(json.dumps({"tiny": tiny, "task": job.task.model_dump(), "corpus": corpus[:50],
-                                     "tools": environment and list(environment.tools)},
-                                    sort_keys=True).encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "tiny": tiny,
+                "task": job.task.model_dump(),
+                "corpus": corpus[:50],
+                "tools": environment and list(environment.tools),
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()[:12]
     out_dir = cache_root() / "models" / f"tiny-{job.task.name}-{key}"
     build_tiny_model(out_dir, corpus, **tiny)
     return str(out_dir)
@@ -81,8 +89,9 @@ def _tool_chat(model_path: str, environment: EnvironmentSpec) -> ToolChat:
     return ToolChat(_tokenizer(model_path), environment_tools(environment))
 
 
-def sft_samples(model_path: str, task: Task, problems: list[Problem],
-                environment: EnvironmentSpec | None = None) -> list[TrainingSample]:
+def sft_samples(
+    model_path: str, task: Task, problems: list[Problem], environment: EnvironmentSpec | None = None
+) -> list[TrainingSample]:
     """Training samples whose completion is the task's demonstration followed by end-of-turn; with tools, its
     demonstrated episode where it has one within `max_turns` (the tools' results masked out, as in RL)."""
     tokenizer = _tokenizer(model_path)
@@ -92,18 +101,28 @@ def sft_samples(model_path: str, task: Task, problems: list[Problem],
         messages = task.messages(problem)
         prompt = chat.prompt_ids(messages) if chat else chat_prompt_ids(tokenizer, messages)
         episode = _demonstrated_episode(task, problem, environment, chat)
-        completion = episode[0] if episode else (
-            tokenizer.encode(task.demonstration(problem), add_special_tokens=False) + [tokenizer.eos_token_id])
-        sample = TrainingSample(prompt_ids=prompt, completion_ids=completion, reward=0.0, group_id=group_id,
-                                behaviour_logprobs=[0.0] * len(completion), version=0)
+        completion = (
+            episode[0]
+            if episode
+            else ([*tokenizer.encode(task.demonstration(problem), add_special_tokens=False), tokenizer.eos_token_id])
+        )
+        sample = TrainingSample(
+            prompt_ids=prompt,
+            completion_ids=completion,
+            reward=0.0,
+            group_id=group_id,
+            behaviour_logprobs=[0.0] * len(completion),
+            version=0,
+        )
         if episode:
             sample["policy_mask"] = episode[1]
         samples.append(sample)
     return samples
 
 
-def _demonstrated_episode(task: Task, problem: Problem, environment: EnvironmentSpec | None,
-                          chat: ToolChat | None) -> tuple[list[int], list[int]] | None:
+def _demonstrated_episode(
+    task: Task, problem: Problem, environment: EnvironmentSpec | None, chat: ToolChat | None
+) -> tuple[list[int], list[int]] | None:
     """The task's demonstrated episode with the job's tools as completion ids and policy mask, or None when it has
     none or it takes more than `max_turns`."""
     if environment is None or chat is None:

@@ -3,6 +3,7 @@ broadcast from learner rank 0."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import ray
@@ -20,8 +21,9 @@ class WeightGroupClosed(StableAsyncError, RuntimeError):
 class ObjectStorePublisher:
     """The default path: rank 0 puts the weights in the object store once; every generator reads them."""
 
-    def __init__(self, learners: LearnerGroup, generators: dict[int, Any], dtype: str,
-                 wait_for_loads: bool = False) -> None:
+    def __init__(
+        self, learners: LearnerGroup, generators: dict[int, Any], dtype: str, wait_for_loads: bool = False
+    ) -> None:
         self.learners, self.generators = learners, generators  # the driver's live map: members come and go
         self.dtype = dtype  # the generators' weights
         self.latest: tuple[ray.ObjectRef, int] | None = None
@@ -47,10 +49,10 @@ class ObjectStorePublisher:
         if not self.wait_for_loads:
             return
         for load in loads:
-            try:
+            with contextlib.suppress(
+                RayActorError
+            ):  # it died: its failed generate call restarts it, `restore` loads it
                 ray.get(load)
-            except RayActorError:  # it died: its failed generate call restarts it, and `restore` loads it
-                pass
 
 
 class CollectivePublisher:
@@ -64,8 +66,14 @@ class CollectivePublisher:
     its requests in flight for the broadcast).
     """
 
-    def __init__(self, learners: LearnerGroup, generators: dict[int, Any], backend: str, dtype: str,
-                 tensor_parallel_size: int = 1) -> None:
+    def __init__(
+        self,
+        learners: LearnerGroup,
+        generators: dict[int, Any],
+        backend: str,
+        dtype: str,
+        tensor_parallel_size: int = 1,
+    ) -> None:
         self.learners, self.generators = learners, dict(generators)  # fixed membership
         rendezvous = learners.rendezvous_address()
         host, port = rendezvous.host, rendezvous.port
@@ -73,9 +81,13 @@ class CollectivePublisher:
         self.dtype = dtype
         # local shapes on rank 0: no collective
         self.update_info = TensorSpec.wire(ray.get(learners.ranks[0].publish_specs.remote(dtype)))
-        ray.get([rank.join_weight_transfer.remote(host, port, world, backend) for rank in learners.ranks]
-                + [g.join_weight_transfer.remote(host, port, 1 + i * tensor_parallel_size, world)
-                   for i, g in enumerate(self.generators.values())])
+        ray.get(
+            [rank.join_weight_transfer.remote(host, port, world, backend) for rank in learners.ranks]
+            + [
+                g.join_weight_transfer.remote(host, port, 1 + i * tensor_parallel_size, world)
+                for i, g in enumerate(self.generators.values())
+            ]
+        )
 
     def restore(self, index: int) -> int:
         raise WeightGroupClosed(

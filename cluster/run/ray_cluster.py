@@ -38,7 +38,11 @@ def connect(address: str | None, num_cpus: int | None, namespace: str) -> None:
         ray.init(address=address, namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
         return
     ray.init(  # "local": a new cluster even if another one's address file is lying around
-        address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace, runtime_env=runtime_env,
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        namespace=namespace,
+        runtime_env=runtime_env,
         _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
     )
 
@@ -58,6 +62,8 @@ def paths_missing_on_nodes(paths: list[str]) -> dict[str, list[str]]:
     nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
     if len(nodes) < 2:
         return {}
-    refs = [_missing.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(paths)
-            for node in nodes]
+    refs = [
+        _missing.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(paths)
+        for node in nodes
+    ]
     return {node: missing for node, missing in zip(nodes, ray.get(refs)) if missing}

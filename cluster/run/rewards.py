@@ -16,13 +16,23 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from cluster.job import Job, JobError, JobValidationError, RewardSection
 from tasks.base import Problem, Task
-from tasks.rewards import (CompositeScorer, FormatReward, Messages, RewardComponent, RewardModelScorer,
-                           WeightedComponent, reward_model_problem)
+from tasks.rewards import (
+    CompositeScorer,
+    FormatReward,
+    Messages,
+    RewardComponent,
+    RewardModelScorer,
+    WeightedComponent,
+    reward_model_problem,
+)
 from tasks.scoring import RewardWorkerError, ScorePool, ScoreResult
 
 # Each component's step metric: the mean of its score over the responses scored since the previous step.
-REWARD_METRICS = {"task": "rollout/reward_task_mean", "format": "rollout/reward_format_mean",
-                  "reward_model": "rollout/reward_reward_model_mean"}
+REWARD_METRICS = {
+    "task": "rollout/reward_task_mean",
+    "format": "rollout/reward_format_mean",
+    "reward_model": "rollout/reward_reward_model_mean",
+}
 
 
 class RewardModelActor:
@@ -42,8 +52,13 @@ class ActorRewardModel:
     """A reward-model component: each call goes to the actor under `timeout_s`. `start` makes an actor; the
     first is waited for up to `startup_timeout_s` (loading the model), and so is each replacement."""
 
-    def __init__(self, start: Callable[[], Any], messages: Callable[[Problem], Messages], timeout_s: float,
-                 startup_timeout_s: float) -> None:
+    def __init__(
+        self,
+        start: Callable[[], Any],
+        messages: Callable[[Problem], Messages],
+        timeout_s: float,
+        startup_timeout_s: float,
+    ) -> None:
         self._start, self.messages = start, messages
         self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
         self.actor: Any = None
@@ -58,8 +73,9 @@ class ActorRewardModel:
             ray.get(actor.ready.remote(), timeout=self.startup_timeout_s)
         except GetTimeoutError:
             ray.kill(actor)
-            raise RewardWorkerError(f"the reward model actor did not start within {self.startup_timeout_s:g} s "
-                                    "(scoring.startup_timeout_s)") from None
+            raise RewardWorkerError(
+                f"the reward model actor did not start within {self.startup_timeout_s:g} s (scoring.startup_timeout_s)"
+            ) from None
         except (RayActorError, RayTaskError) as error:
             raise RewardWorkerError(f"the reward model actor failed to start: {_cause(error)}") from None
         self.actor = actor
@@ -92,8 +108,11 @@ class ActorRewardModel:
 
 def _cause(error: Exception) -> str:
     """What raised inside the actor, without Ray's traceback: `Type: message`."""
-    task_error = error if isinstance(error, RayTaskError) else next(
-        (arg for arg in error.args if isinstance(arg, RayTaskError)), None)
+    task_error = (
+        error
+        if isinstance(error, RayTaskError)
+        else next((arg for arg in error.args if isinstance(arg, RayTaskError)), None)
+    )
     cause = getattr(task_error, "cause", None)
     if cause is not None:
         return f"{type(cause).__name__}: {cause}"[:300]
@@ -124,8 +143,9 @@ def training_scorer(job: Job, task: Task, pool: ScorePool) -> ScorePool | Compos
     components: list[WeightedComponent] = []
     try:
         for section in job.scoring.rewards:
-            components.append(WeightedComponent(section.name, section.weight,
-                                                REWARD_BUILDERS[section.name](job, task, section, pool)))
+            components.append(
+                WeightedComponent(section.name, section.weight, REWARD_BUILDERS[section.name](job, task, section, pool))
+            )
     except BaseException:
         for built in components:
             if built.component is not pool:
@@ -137,8 +157,11 @@ def training_scorer(job: Job, task: Task, pool: ScorePool) -> ScorePool | Compos
 def reward_model_errors(job: Job) -> list[JobError]:
     """Each scoring.rewards reward model that would not load (`reward_model_problem`), by its field: read from
     its files here, before any actor starts."""
-    problems = ((index, reward_model_problem(section.path or ""))
-                for index, section in enumerate(job.scoring.rewards or []) if section.name == "reward_model")
+    problems = (
+        (index, reward_model_problem(section.path or ""))
+        for index, section in enumerate(job.scoring.rewards or [])
+        if section.name == "reward_model"
+    )
     return [JobError(f"scoring.rewards.{index}.path", problem) for index, problem in problems if problem]
 
 

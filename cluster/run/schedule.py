@@ -145,7 +145,7 @@ class Schedule(Generic[R, H]):
         indices = list(self.members)
         size = self.prompts_per_request
         for n, start in enumerate(range(0, len(requests), size)):
-            chunk = requests[start:start + size]
+            chunk = requests[start : start + size]
             self.reissue(indices[n % len(indices)], chunk, reason)
 
     def in_flight(self) -> list[R]:

@@ -64,8 +64,9 @@ class DriverState:
             known = {f.name for f in fields(cls)}
             values = {key: value for key, value in data.items() if key in known}
             values["ready"] = [ScoredGroup(**group) for group in data["ready"]]
-            values["in_flight"] = [InFlight(_request(item["request"]), Problem(**item["problem"]))
-                                   for item in data["in_flight"]]
+            values["in_flight"] = [
+                InFlight(_request(item["request"]), Problem(**item["problem"])) for item in data["in_flight"]
+            ]
             values["restarts"] = [(int(index), int(count)) for index, count in data["restarts"]]
             return cls(**values)
         except (KeyError, TypeError, ValueError) as error:

@@ -51,8 +51,10 @@ class JobStopped(StableAsyncError, RuntimeError):
     """A run that stopped when asked, at a checkpoint it can continue from."""
 
     def __init__(self, signal_name: str, step: int, checkpoint: Path, run_dir: Path) -> None:
-        super().__init__(f"stopped by {signal_name} after step {step}, with a checkpoint at {checkpoint}; "
-                         f"to continue: stableasync train --resume {run_dir}")
+        super().__init__(
+            f"stopped by {signal_name} after step {step}, with a checkpoint at {checkpoint}; "
+            f"to continue: stableasync train --resume {run_dir}"
+        )
         self.exit_code = 128 + signal.Signals[signal_name].value  # what the shell reports for a signal
 
 
@@ -81,8 +83,12 @@ def stop_on_signals() -> Iterator[StopRequest]:
             restore()
             raise KeyboardInterrupt(f"{name} again: stopping at once")
         stop.request(name)
-        log.warning("%s: stopping at the next step boundary (the learner step in flight, or the end of start-up), "
-                    "with a checkpoint (%s again stops at once)", name, name)
+        log.warning(
+            "%s: stopping at the next step boundary (the learner step in flight, or the end of start-up), "
+            "with a checkpoint (%s again stops at once)",
+            name,
+            name,
+        )
 
     def take_signals() -> None:
         if not stop.requested:  # after a first signal the next one must stop at once, as the caller's would

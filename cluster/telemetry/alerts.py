@@ -68,8 +68,13 @@ class LowStreak:
         self.streak = self.streak + 1 if low else 0
         if self.streak != self.steps:
             return []
-        return [Alert(self.title, f"step {step}: {self.key} = {value:.3g}, below {self.below:g} (or NaN) for "
-                      f"{self.steps} step(s) in a row (logging.alerts.{self.setting}); {self.advice}")]
+        return [
+            Alert(
+                self.title,
+                f"step {step}: {self.key} = {value:.3g}, below {self.below:g} (or NaN) for "
+                f"{self.steps} step(s) in a row (logging.alerts.{self.setting}); {self.advice}",
+            )
+        ]
 
 
 class StabilityAlerts:
@@ -78,12 +83,23 @@ class StabilityAlerts:
     def __init__(self, thresholds: AlertThresholds) -> None:
         self.thresholds = thresholds
         self.streaks = [
-            LowStreak(ESS_KEY, thresholds.ess_ratio_below, thresholds.ess_collapse_steps, "ESS collapse",
-                      "ess_ratio_below", "the rollouts are too off-policy for the stabilizer: lower async.max_lag "
-                      "or the learning rate"),
-            LowStreak(ENTROPY_KEY, thresholds.entropy_below, thresholds.entropy_collapse_steps, "entropy collapse",
-                      "entropy_below", "the policy has stopped exploring, so rewards will stop improving: lower "
-                      "the learning rate, raise generator.temperature, or use a clip-higher stabilizer"),
+            LowStreak(
+                ESS_KEY,
+                thresholds.ess_ratio_below,
+                thresholds.ess_collapse_steps,
+                "ESS collapse",
+                "ess_ratio_below",
+                "the rollouts are too off-policy for the stabilizer: lower async.max_lag or the learning rate",
+            ),
+            LowStreak(
+                ENTROPY_KEY,
+                thresholds.entropy_below,
+                thresholds.entropy_collapse_steps,
+                "entropy collapse",
+                "entropy_below",
+                "the policy has stopped exploring, so rewards will stop improving: lower "
+                "the learning rate, raise generator.temperature, or use a clip-higher stabilizer",
+            ),
         ]
         self.spiking = False  # whether the previous step with a grad norm was a spike
         self.recent_grad_norms: deque[float] = deque(maxlen=thresholds.grad_norm_window_steps)
@@ -125,8 +141,10 @@ class StabilityAlerts:
             return None
         median = statistics.median(window)
         if median > 0 and grad_norm > factor * median:
-            return (f"{grad_norm / median:.1f} times the median {median:.4g} of the previous {len(window)} steps "
-                    f"(logging.alerts.grad_norm_spike_factor = {factor:g})")
+            return (
+                f"{grad_norm / median:.1f} times the median {median:.4g} of the previous {len(window)} steps "
+                f"(logging.alerts.grad_norm_spike_factor = {factor:g})"
+            )
         return None
 
 

@@ -5,6 +5,7 @@ Metric logging is never fatal: a W&B failure is logged once and training goes on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -103,15 +104,15 @@ KNOWN_METRICS: dict[str, str] = {
     "async/lag_mean": "mean lag of the trained samples (policy versions)",
     "async/lag_max": "largest lag among the trained samples (policy versions)",
     "async/token_lag": "streaming generators: histogram of trained tokens' lag (bin k counts tokens sampled k "
-                       "versions before the learner's)",
+    "versions before the learner's)",
     "async/mixed_version_share": "streaming generators: share of trained responses whose tokens came from more "
-                                 "than one policy version (weights loaded mid-response)",
+    "than one policy version (weights loaded mid-response)",
     "async/buffered_groups": "scored prompt groups waiting in the rollout buffer after the step",
     "async/num_generators": "generators running when the step is logged (elastic jobs gain and lose them)",
     "perf/gen_tokens_per_s": "generated tokens per second over all generators",
     "perf/learner_tokens_per_s": "tokens (prompt and completion) the learner processed per second",
     "perf/micro_batches": "token-budget micro-batches the step ran (learner.max_tokens_per_micro_batch; mean "
-                          "over ranks)",
+    "over ranks)",
     "perf/learner_passes": "forwards over the batch: 1, or 2 when the stabilizer needed a no-grad pass first; "
     "1 + learner.epochs with algorithm.proximal recompute",
     "perf/weight_sync_s": "seconds to publish the new weights to the generators",
@@ -172,6 +173,7 @@ def metric_groups() -> list[str]:
     """The prefixes (W&B sections) of the known metrics; `train` holds only the step metric itself."""
     return sorted({key.split("/")[0] for key in KNOWN_METRICS} - {STEP_KEY.split("/")[0]})
 
+
 PROGRESS_KEYS = (
     ("reward", "rollout/reward_mean", "{:.3f}"),
     ("ess", "stability/ess_ratio", "{:.2f}"),
@@ -186,9 +188,18 @@ WandbMode = Literal["online", "offline", "disabled"]  # logging.wandb.mode
 class MetricSink:
     """Writes each step's metrics to `metrics.jsonl`, W&B and a one-line progress display."""
 
-    def __init__(self, run_dir: Path, run_name: str, config: dict[str, Any], wandb_mode: WandbMode = "offline",
-                 wandb_project: str = "stableasync", wandb_entity: str | None = None, progress_bar: bool = True,
-                 total_steps: int | None = None, alerts: AlertThresholds | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        run_name: str,
+        config: dict[str, Any],
+        wandb_mode: WandbMode = "offline",
+        wandb_project: str = "stableasync",
+        wandb_entity: str | None = None,
+        progress_bar: bool = True,
+        total_steps: int | None = None,
+        alerts: AlertThresholds | None = None,
+    ) -> None:
         """`alerts` (the job's `logging.alerts`) turns on the ESS-collapse and grad-norm-spike alerts."""
         self.run_dir = run_dir
         self._alerts = StabilityAlerts(alerts) if alerts is not None else None
@@ -203,22 +214,32 @@ class MetricSink:
         if wandb_mode != "disabled":
             self._wandb = self._init_wandb(run_name, config, wandb_mode, wandb_project, wandb_entity)
 
-    def _init_wandb(self, name: str, config: dict[str, Any], mode: WandbMode, project: str,
-                    entity: str | None) -> Any:
+    def _init_wandb(self, name: str, config: dict[str, Any], mode: WandbMode, project: str, entity: str | None) -> Any:
         try:
             import wandb
 
-            run = wandb.init(project=project, entity=entity, name=name, mode=mode, dir=str(self.run_dir),
-                             config=config, reinit="finish_previous")
+            run = wandb.init(
+                project=project,
+                entity=entity,
+                name=name,
+                mode=mode,
+                dir=str(self.run_dir),
+                config=config,
+                reinit="finish_previous",
+            )
             run.define_metric(STEP_KEY)
             for group in metric_groups():  # one W&B section per group, plotted against the policy version
                 run.define_metric(f"{group}/*", step_metric=STEP_KEY)
             for key, summary in SUMMARIES.items():
                 run.define_metric(key, step_metric=STEP_KEY, summary=summary)
             return run
-        except Exception as error:  # noqa: BLE001 - W&B must never stop training
-            log.warning("W&B disabled for this run (%s: %s); metrics stay in %s", type(error).__name__, error,
-                        self.run_dir / "metrics.jsonl")
+        except Exception as error:
+            log.warning(
+                "W&B disabled for this run (%s: %s); metrics stay in %s",
+                type(error).__name__,
+                error,
+                self.run_dir / "metrics.jsonl",
+            )
             return None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -246,7 +267,7 @@ class MetricSink:
         if self._wandb is not None:
             try:
                 self._wandb.log(_for_wandb(row))
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 log.warning("W&B logging failed (%s); continuing with JSONL only", error)
                 self._wandb = None
         return row
@@ -264,17 +285,15 @@ class MetricSink:
 
             table = wandb.Table(columns=[*COLUMNS], data=[[row[name] for name in COLUMNS] for row in rows])
             self._wandb.log({STEP_KEY: step, SAMPLES_TABLE: table})
-        except Exception as error:  # noqa: BLE001 - W&B must never stop training
+        except Exception as error:
             log.warning("W&B could not log the rollout samples (%s); they are in %s", error, self._samples_path)
 
     def alert(self, title: str, text: str) -> None:
         """A log line always; a W&B alert when W&B is up."""
         log.warning("ALERT %s: %s", title, text)
         if self._wandb is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._wandb.alert(title=title, text=text, level="WARN")
-            except Exception:  # noqa: BLE001 - offline runs cannot send alerts
-                pass
 
     def close(self) -> None:
         """Close the JSONL file and the W&B run; on return the offline run file is complete on disk."""
@@ -288,7 +307,7 @@ class MetricSink:
                 import wandb
 
                 wandb.teardown()
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 log.warning("W&B finish failed: %s", error)
 
     def _print_progress(self, step: int, row: dict[str, Any]) -> None:

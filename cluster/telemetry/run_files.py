@@ -37,7 +37,8 @@ def is_evaluation_row(row: dict[str, Any]) -> bool:
     evaluated) rather than a step's: readers that count or time steps leave these out. Runs from before
     evaluations ran beside training have their `eval/*` keys in step rows, which stay step rows."""
     return any(key.startswith(EVAL_PREFIX) for key in row) and all(
-        key.startswith(EVAL_PREFIX) or key in (STEP_KEY, WALL_KEY) for key in row)
+        key.startswith(EVAL_PREFIX) or key in (STEP_KEY, WALL_KEY) for key in row
+    )
 
 
 def step_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -34,8 +34,9 @@ class RolloutSample:
 COLUMNS = [f.name for f in fields(RolloutSample)]
 
 
-def rollout_samples(step: int, trained_version: int, groups: list[ScoredGroup], log_ratios: list[float],
-                    max_chars: int) -> list[RolloutSample]:
+def rollout_samples(
+    step: int, trained_version: int, groups: list[ScoredGroup], log_ratios: list[float], max_chars: int
+) -> list[RolloutSample]:
     """The responses of `groups`, in order, paired with `log_ratios` (one per response, same order).
 
     `trained_version` is the policy version the step started from (the lag's reference)."""
@@ -47,14 +48,23 @@ def rollout_samples(step: int, trained_version: int, groups: list[ScoredGroup], 
         mask = completion.get("policy_mask")  # a tool episode's results carry no ratio: its policy's tokens count
         tokens = sum(mask) if mask is not None else len(completion["completion_ids"])
         text = completion.get("transcript") or completion["text"]
-        rows.append(RolloutSample(
-            step=step, group_id=group.group_id, problem_id=group.problem_id, question=group.question,
-            answer=group.answer, completion=text if len(text) <= max_chars else text[:max_chars] + " [...]",
-            reward=float(completion["reward"]), score_error=completion.get("score_error"),
-            finish_reason=completion["finish_reason"], completion_tokens=tokens,
-            lag=trained_version - group.version_start, log_ratio=float(log_ratio),
-            log_ratio_per_token=float(log_ratio) / max(tokens, 1),
-        ))
+        rows.append(
+            RolloutSample(
+                step=step,
+                group_id=group.group_id,
+                problem_id=group.problem_id,
+                question=group.question,
+                answer=group.answer,
+                completion=text if len(text) <= max_chars else text[:max_chars] + " [...]",
+                reward=float(completion["reward"]),
+                score_error=completion.get("score_error"),
+                finish_reason=completion["finish_reason"],
+                completion_tokens=tokens,
+                lag=trained_version - group.version_start,
+                log_ratio=float(log_ratio),
+                log_ratio_per_token=float(log_ratio) / max(tokens, 1),
+            )
+        )
     return rows
 
 

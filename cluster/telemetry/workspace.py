@@ -49,8 +49,10 @@ def load_spec(path: str | Path) -> dict[str, Any]:
 def _unknown(where: str, fields: Any, allowed: frozenset[str]) -> None:
     extra = sorted(set(fields) - allowed)
     if extra:
-        raise WorkspaceSpecError(f"{where}: {', '.join(map(repr, extra))} cannot be expressed in the workspace "
-                                 f"(allowed: {', '.join(sorted(allowed))})")
+        raise WorkspaceSpecError(
+            f"{where}: {', '.join(map(repr, extra))} cannot be expressed in the workspace "
+            f"(allowed: {', '.join(sorted(allowed))})"
+        )
 
 
 def _library() -> tuple[Any, Any]:
@@ -100,22 +102,33 @@ def build_workspace(spec: dict[str, Any], entity: str, project: str) -> Any:
         if not isinstance(name, str):
             raise WorkspaceSpecError(f"section {number}: needs a name")
         _unknown(f"section {name!r}", section, SECTION_FIELDS)
-        panels = [_panel(f"section {name!r}, panel {index} ({p.get('title') if isinstance(p, dict) else p!r})",
-                         p, x_axis)
-                  for index, p in enumerate(section.get("panels") or [], start=1)]
+        panels = [
+            _panel(f"section {name!r}, panel {index} ({p.get('title') if isinstance(p, dict) else p!r})", p, x_axis)
+            for index, p in enumerate(section.get("panels") or [], start=1)
+        ]
         sections.append(ws.Section(name=name, panels=panels, is_open=True))
     if not sections:
         raise WorkspaceSpecError("the workspace has no sections")
-    return ws.Workspace(entity=entity, project=project, name=str(spec.get("name", "StableAsync")),
-                        settings=ws.WorkspaceSettings(x_axis=x_axis), sections=sections)
+    return ws.Workspace(
+        entity=entity,
+        project=project,
+        name=str(spec.get("name", "StableAsync")),
+        settings=ws.WorkspaceSettings(x_axis=x_axis),
+        sections=sections,
+    )
 
 
 def saved_view(workspace: Any) -> dict[str, Any]:
     """What `workspace.save()` sends to W&B (the view's fields and its spec, serialised as the library does for
     the upsert), so the offline file is the dashboard, not a description of it."""
     view = workspace._to_model()  # the library's own conversion; save() calls the same
-    return {"entityName": view.entity, "projectName": view.project, "displayName": view.display_name,
-            "type": "project-view", "spec": json.loads(view.spec.model_dump_json(by_alias=True, exclude_none=True))}
+    return {
+        "entityName": view.entity,
+        "projectName": view.project,
+        "displayName": view.display_name,
+        "type": "project-view",
+        "spec": json.loads(view.spec.model_dump_json(by_alias=True, exclude_none=True)),
+    }
 
 
 def default_offline() -> bool:
@@ -144,15 +157,19 @@ def run_cli(spec_path: str, entity: str, project: str, offline: bool, out: str |
         path = Path(out or "runs/wandb-workspace.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(saved_view(workspace), indent=1) + "\n")
-        print(f"workspace {workspace.name!r} for {entity}/{project}: {len(workspace.sections)} sections, "
-              f"{sum(len(s.panels) for s in workspace.sections)} panels; the view it would save: {path}")
+        print(
+            f"workspace {workspace.name!r} for {entity}/{project}: {len(workspace.sections)} sections, "
+            f"{sum(len(s.panels) for s in workspace.sections)} panels; the view it would save: {path}"
+        )
     if offline:
         return 0
     try:
         workspace.save()
-    except Exception as error:  # noqa: BLE001 - no network, a wrong key or entity: say which, not a traceback
-        print(f"stableasync wandb-workspace: saving to {entity}/{project} failed: {type(error).__name__}: {error}",
-              file=sys.stderr)
+    except Exception as error:
+        print(
+            f"stableasync wandb-workspace: saving to {entity}/{project} failed: {type(error).__name__}: {error}",
+            file=sys.stderr,
+        )
         return 1
     print(f"saved workspace {workspace.name!r}: {workspace.url}")
     return 0

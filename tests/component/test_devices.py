@@ -18,8 +18,18 @@ import torch.multiprocessing as mp
 
 from tests.component.test_learner import _batch_samples, _free_port, _leave_group
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "reduce",
-               "all_to_all_single", "reduce_scatter", "gather", "scatter")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all_single",
+    "reduce_scatter",
+    "gather",
+    "scatter",
+)
 
 
 class WrongDevice(AssertionError):
@@ -46,8 +56,10 @@ def _guard_collectives(device: torch.device, calls: dict[str, int]) -> None:
         def guarded(*args, _name=name, _original=original, **kwargs):
             for tensor in _tensors(list(args) + list(kwargs.values())):
                 if tensor.device != device:
-                    raise WrongDevice(f"torch.distributed.{_name} got a {tuple(tensor.shape)} tensor on "
-                                      f"{tensor.device}; the rank computes on {device}")
+                    raise WrongDevice(
+                        f"torch.distributed.{_name} got a {tuple(tensor.shape)} tensor on "
+                        f"{tensor.device}; the rank computes on {device}"
+                    )
             calls[_name] = calls.get(_name, 0) + 1
             return _original(*args, **kwargs)
 
@@ -64,8 +76,14 @@ def _devices_main(rank: int, world: int, stage: int, names: list[str], model_pat
     outcomes = {}
     for name in names:
         for budget in (None, 100):  # the whole batch in one micro-batch; split in several (two passes where due)
-            spec = LearnerSpec(model_path=model_path, zero_stage=stage, learning_rate=1e-3, stabilizer_name=name,
-                               stabilizer_config=registry.build(name).config, max_tokens_per_micro_batch=budget)
+            spec = LearnerSpec(
+                model_path=model_path,
+                zero_stage=stage,
+                learning_rate=1e-3,
+                stabilizer_name=name,
+                stabilizer_config=registry.build(name).config,
+                max_tokens_per_micro_batch=budget,
+            )
             learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
             if not calls:
                 _guard_collectives(learner.device, calls)
@@ -76,11 +94,14 @@ def _devices_main(rank: int, world: int, stage: int, names: list[str], model_pat
                         learner.sft_step(share, 1e-3)
                         learner.state_dict_for_publish()
                 outcomes[f"{name}/{budget}"] = "ok"
-            except Exception as error:  # noqa: BLE001 - reported by the test, per case
+            except Exception as error:
                 import traceback
 
-                where = [f"{frame.filename}:{frame.lineno}" for frame in traceback.extract_tb(error.__traceback__)
-                         if "site-packages" not in frame.filename][-3:]
+                where = [
+                    f"{frame.filename}:{frame.lineno}"
+                    for frame in traceback.extract_tb(error.__traceback__)
+                    if "site-packages" not in frame.filename
+                ][-3:]
                 outcomes[f"{name}/{budget}"] = f"{type(error).__name__}: {str(error)[:200]} at {where}"
     with torch.device("meta"):  # the guard itself: a host-built tensor handed to a collective is refused
         try:
@@ -101,8 +122,13 @@ def test_every_tensor_of_the_step_is_on_the_ranks_device(tiny_qwen2, tmp_path, s
 
     names = names or sorted(STABILIZERS)
     out = tmp_path / "devices.json"
-    mp.start_processes(_devices_main, args=(2, stage, names, tiny_qwen2, _free_port(), str(out)), nprocs=2,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        _devices_main,
+        args=(2, stage, names, tiny_qwen2, _free_port(), str(out)),
+        nprocs=2,
+        start_method="spawn",
+        join=True,
+    )
     result = json.loads(out.read_text())
     outcomes = result.pop("outcomes") if "outcomes" in result else {}
     guard = outcomes.pop("guard")

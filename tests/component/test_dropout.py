@@ -23,18 +23,37 @@ def _main(rank: int, model_path: str, port: int, out: str) -> None:
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
 
-    spec = LearnerSpec(model_path=model_path, zero_stage=2, stabilizer_name="tis_seq",
-                       stabilizer_config=registry.build("tis_seq").config)
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        stabilizer_name="tis_seq",
+        stabilizer_config=registry.build("tis_seq").config,
+    )
     learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
-    samples = [dict(prompt_ids=[5, 6, 7], completion_ids=[8, 9, 10 + k], behaviour_logprobs=[-3.0] * 3,
-                    reward=float(k % 2), group_id=0, version=0) for k in range(4)]
+    samples = [
+        dict(
+            prompt_ids=[5, 6, 7],
+            completion_ids=[8, 9, 10 + k],
+            behaviour_logprobs=[-3.0] * 3,
+            reward=float(k % 2),
+            group_id=0,
+            version=0,
+        )
+        for k in range(4)
+    ]
     learner.train_step(collate(samples, 0))  # the step puts the model in training mode, as every step does
     module = learner.engine.module
     ids = torch.arange(2, 34).reshape(2, 16)
     with torch.no_grad():
         first, second = module(input_ids=ids).logits, module(input_ids=ids).logits
-    torch.save({"training": module.training, "same": torch.equal(first, second),
-                "rates": [m.attention_dropout for m in module.modules() if hasattr(m, "attention_dropout")]}, out)
+    torch.save(
+        {
+            "training": module.training,
+            "same": torch.equal(first, second),
+            "rates": [m.attention_dropout for m in module.modules() if hasattr(m, "attention_dropout")],
+        },
+        out,
+    )
 
 
 @pytest.mark.timeout(300)

@@ -30,13 +30,22 @@ def _episodes(garbage_tool_tokens: bool) -> list[dict]:
             if garbage_tool_tokens:  # the trailing result's tokens differ; no policy token reads them
                 tools[1] = torch.randint(3, 200, (TOOL_TOKENS,), generator=rubbish).tolist()
             logprobs = [(-2.0 + 0.3 * torch.randn(len(turn), generator=gen)).tolist() for turn in turns]
-            tool_logprobs = ([(-40.0 * torch.rand(TOOL_TOKENS, generator=rubbish)).tolist() for _ in tools]
-                             if garbage_tool_tokens else [[0.0] * TOOL_TOKENS for _ in tools])
-            samples.append(dict(
-                prompt_ids=prompt, completion_ids=turns[0] + tools[0] + turns[1] + tools[1],
-                behaviour_logprobs=logprobs[0] + tool_logprobs[0] + logprobs[1] + tool_logprobs[1],
-                policy_mask=[1] * len(turns[0]) + [0] * TOOL_TOKENS + [1] * len(turns[1]) + [0] * TOOL_TOKENS,
-                reward=float((k + group) % 3 == 0), group_id=group, version=0))
+            tool_logprobs = (
+                [(-40.0 * torch.rand(TOOL_TOKENS, generator=rubbish)).tolist() for _ in tools]
+                if garbage_tool_tokens
+                else [[0.0] * TOOL_TOKENS for _ in tools]
+            )
+            samples.append(
+                dict(
+                    prompt_ids=prompt,
+                    completion_ids=turns[0] + tools[0] + turns[1] + tools[1],
+                    behaviour_logprobs=logprobs[0] + tool_logprobs[0] + logprobs[1] + tool_logprobs[1],
+                    policy_mask=[1] * len(turns[0]) + [0] * TOOL_TOKENS + [1] * len(turns[1]) + [0] * TOOL_TOKENS,
+                    reward=float((k + group) % 3 == 0),
+                    group_id=group,
+                    version=0,
+                )
+            )
     return samples
 
 
@@ -46,13 +55,20 @@ def _rank_main(rank: int, model_path: str, port: int, out: str) -> None:
     from learner.rank import LearnerRank, LearnerSpec
 
     stabilizer = registry.build("tis_token", cap=2.0)
-    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=0.0, stabilizer_name="tis_token",
-                       stabilizer_config=stabilizer.config, loss_aggregation="token-mean")
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        learning_rate=0.0,
+        stabilizer_name="tis_token",
+        stabilizer_config=stabilizer.config,
+        loss_aggregation="token-mean",
+    )
     learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
     unmasked = [{k: v for k, v in s.items() if k != "policy_mask"} for s in _episodes(False)]
-    metrics = {name: learner.train_step(collate(samples, 0))
-               for name, samples in (("clean", _episodes(False)), ("garbage", _episodes(True)),
-                                     ("unmasked", unmasked))}
+    metrics = {
+        name: learner.train_step(collate(samples, 0))
+        for name, samples in (("clean", _episodes(False)), ("garbage", _episodes(True)), ("unmasked", unmasked))
+    }
     torch.save(metrics, out)
     _leave_group()
 
@@ -60,8 +76,7 @@ def _rank_main(rank: int, model_path: str, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def steps(tiny_qwen2, tmp_path_factory):
     out = tmp_path_factory.mktemp("masking") / "metrics.pt"
-    mp.start_processes(_rank_main, args=(tiny_qwen2, _free_port(), str(out)), nprocs=1, start_method="spawn",
-                       join=True)
+    mp.start_processes(_rank_main, args=(tiny_qwen2, _free_port(), str(out)), nprocs=1, start_method="spawn", join=True)
     return torch.load(out, weights_only=False)
 
 

@@ -14,15 +14,20 @@ pytest.importorskip("vllm")
 def generator(tiny_qwen2):
     from actors.generator import Generator, GeneratorSpec
 
-    return Generator(GeneratorSpec(model_path=tiny_qwen2, samples_per_prompt=4, max_new_tokens=12,
-                                   temperature=0.7, max_model_len=128))
+    return Generator(
+        GeneratorSpec(
+            model_path=tiny_qwen2, samples_per_prompt=4, max_new_tokens=12, temperature=0.7, max_model_len=128
+        )
+    )
 
 
 def _requests():
     from actors.generator import GenerationRequest
 
-    return [GenerationRequest(i, f"p{i}", [{"role": "user", "content": f"What is {i} + 3?"}], seed=100 + i)
-            for i in range(4)]
+    return [
+        GenerationRequest(i, f"p{i}", [{"role": "user", "content": f"What is {i} + 3?"}], seed=100 + i)
+        for i in range(4)
+    ]
 
 
 def _load(path):
@@ -61,9 +66,16 @@ def test_generator_and_learner_log_probs_agree_on_policy(generator, tiny_qwen2):
     generator.update_weights(PackedWeights.pack(_load(tiny_qwen2)), version=3)
     groups = generator.generate(_requests())
     samples = [
-        dict(prompt_ids=g.prompt_ids, completion_ids=c["completion_ids"], behaviour_logprobs=c["behaviour_logprobs"],
-             reward=0.0, group_id=g.group_id, version=g.version_start)
-        for g in groups for c in g.completions
+        dict(
+            prompt_ids=g.prompt_ids,
+            completion_ids=c["completion_ids"],
+            behaviour_logprobs=c["behaviour_logprobs"],
+            reward=0.0,
+            group_id=g.group_id,
+            version=g.version_start,
+        )
+        for g in groups
+        for c in g.completions
     ]
     batch = collate(samples, pad_token_id=0)
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
@@ -98,9 +110,14 @@ def test_a_weight_reload_logs_nothing_per_step(generator, tiny_qwen2):
     records: list[logging.LogRecord] = []
     catcher = logging.Handler()
     catcher.emit = records.append
-    loggers = [logging.getLogger(name) for name in (
-        "vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace",
-        "vllm.v1.core.block_pool")]
+    loggers = [
+        logging.getLogger(name)
+        for name in (
+            "vllm.model_executor.model_loader.reload.layerwise",
+            "vllm.model_executor.model_loader.reload.inplace",
+            "vllm.v1.core.block_pool",
+        )
+    ]
     for logger in loggers:
         logger.addHandler(catcher)
     try:

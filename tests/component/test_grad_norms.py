@@ -27,8 +27,16 @@ def _samples(pad_id: int) -> list[dict]:
         completion = torch.randint(3, 200, (2 + i,), generator=gen).tolist()
         if i == 3:
             completion[0] = pad_id  # a pad token inside a sequence: its embedding row gets no gradient
-        samples.append(dict(prompt_ids=prompt, completion_ids=completion, behaviour_logprobs=[0.0] * len(completion),
-                            reward=0.0, group_id=0, version=0))
+        samples.append(
+            dict(
+                prompt_ids=prompt,
+                completion_ids=completion,
+                behaviour_logprobs=[0.0] * len(completion),
+                reward=0.0,
+                group_id=0,
+                version=0,
+            )
+        )
     return samples
 
 
@@ -70,8 +78,11 @@ def test_ghost_norms_equal_each_samples_own_backward(model_name, request):
 
     _, fast = _ghost(model, batch)
     _, fast_from_logits = _ghost(model, batch, from_logits=True)
-    loop = per_sample_loop_norms(lambda i: _seq_logp(model, collate([samples[i]], pad_id))[0], len(samples),
-                                 [p for p in model.parameters() if p.requires_grad])
+    loop = per_sample_loop_norms(
+        lambda i: _seq_logp(model, collate([samples[i]], pad_id))[0],
+        len(samples),
+        [p for p in model.parameters() if p.requires_grad],
+    )
     alone = torch.tensor([_alone(model, s, pad_id) for s in samples], dtype=torch.float32)
 
     assert torch.allclose(fast, alone, rtol=1e-4, atol=0), (fast, alone)
@@ -97,9 +108,13 @@ def test_bookkeeping_forms_any_weighted_sum_of_sample_gradients(model_name, requ
     assert torch.allclose(sample_grads.squared_norms, ghost, rtol=1e-5, atol=0)
 
     # what opob_impl auto budgets for: the estimate is the memory book-keeping really keeps
-    kept = sum(part.numel() * part.element_size() if isinstance(part, torch.Tensor)
-               else part.left.numel() * part.left.element_size() + part.right.numel() * part.right.element_size()
-               for parts in sample_grads.parts.values() for part in parts)
+    kept = sum(
+        part.numel() * part.element_size()
+        if isinstance(part, torch.Tensor)
+        else part.left.numel() * part.left.element_size() + part.right.numel() * part.right.element_size()
+        for parts in sample_grads.parts.values()
+        for part in parts
+    )
     assert kept == batch.size * norms.kept_bytes_per_sample(batch.input_ids.shape[1])
 
     coefficients = torch.tensor([0.5, -1.0, 2.0, 0.0, -0.25])

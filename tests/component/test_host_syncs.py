@@ -80,25 +80,39 @@ def _reads_main(rank: int, model_path: str, port: int, out: str) -> None:
     from learner.rank import LearnerRank, LearnerSpec
 
     gen = torch.Generator().manual_seed(0)
-    samples = [dict(prompt_ids=torch.randint(3, 200, (16,), generator=gen).tolist(),
-                    completion_ids=torch.randint(3, 200, (16 + 4 * (i % 8),), generator=gen).tolist(),
-                    reward=float(i % 3 == 0), group_id=i // 8, version=0) for i in range(32)]
+    samples = [
+        dict(
+            prompt_ids=torch.randint(3, 200, (16,), generator=gen).tolist(),
+            completion_ids=torch.randint(3, 200, (16 + 4 * (i % 8),), generator=gen).tolist(),
+            reward=float(i % 3 == 0),
+            group_id=i // 8,
+            version=0,
+        )
+        for i in range(32)
+    ]
     for sample in samples:
         sample["behaviour_logprobs"] = (-6.0 + torch.randn(len(sample["completion_ids"]), generator=gen)).tolist()
     batch = collate(samples, 0)
     results = {}
     for name, config in CASES:
         for budget in BUDGETS[name]:
-            spec = LearnerSpec(model_path=model_path, learning_rate=1e-6, stabilizer_name=name,
-                               stabilizer_config=registry.build(name, **config).config,
-                               loss_aggregation="seq-mean-token-mean", max_tokens_per_micro_batch=budget)
+            spec = LearnerSpec(
+                model_path=model_path,
+                learning_rate=1e-6,
+                stabilizer_name=name,
+                stabilizer_config=registry.build(name, **config).config,
+                loss_aggregation="seq-mean-token-mean",
+                max_tokens_per_micro_batch=budget,
+            )
             learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
             learner.train_step(batch)  # warm-up
             with HostReads() as reads:
                 metrics = learner.train_step(batch)
             results[(name, config.get("opob_impl"), budget)] = {
-                "micro_batches": metrics["perf/micro_batches"], "reads": dict(reads.where),
-                "skipped": metrics["stability/skipped_step"]}
+                "micro_batches": metrics["perf/micro_batches"],
+                "reads": dict(reads.where),
+                "skipped": metrics["stability/skipped_step"],
+            }
     torch.save(results, out)
     _leave_group()
 
@@ -106,8 +120,9 @@ def _reads_main(rank: int, model_path: str, port: int, out: str) -> None:
 def test_the_step_reads_the_device_a_few_times_whatever_its_micro_batch_count(tiny_qwen2, tmp_path):
     """tis_seq and M2PO (one pass and two), VCPO by book-keeping and by ghost norms: all in one process."""
     out = tmp_path / "reads.pt"
-    mp.start_processes(_reads_main, args=(tiny_qwen2, _free_port(), str(out)), nprocs=1, start_method="spawn",
-                       join=True)
+    mp.start_processes(
+        _reads_main, args=(tiny_qwen2, _free_port(), str(out)), nprocs=1, start_method="spawn", join=True
+    )
     results = torch.load(out, weights_only=False)
     for name, config in CASES:
         two, four = (results[(name, config.get("opob_impl"), budget)] for budget in BUDGETS[name])

@@ -30,21 +30,42 @@ def _batch_samples():
             prompt = torch.randint(3, 200, (5 + group,), generator=gen).tolist()
             completion = torch.randint(3, 200, (3 + k,), generator=gen).tolist()
             behaviour = (-5.0 + torch.randn(len(completion), generator=gen)).tolist()
-            samples.append(dict(prompt_ids=prompt, completion_ids=completion, behaviour_logprobs=behaviour,
-                                reward=float((k + group) % 3 == 0), group_id=group, version=0))
+            samples.append(
+                dict(
+                    prompt_ids=prompt,
+                    completion_ids=completion,
+                    behaviour_logprobs=behaviour,
+                    reward=float((k + group) % 3 == 0),
+                    group_id=group,
+                    version=0,
+                )
+            )
     return samples
 
 
-def _rank_main(rank: int, world: int, stage: int, model_path: str, port: int, out: str,
-               stabilizer: tuple[str, dict] = ("tis_seq", {"cap": 2.0})) -> None:
+def _rank_main(
+    rank: int,
+    world: int,
+    stage: int,
+    model_path: str,
+    port: int,
+    out: str,
+    stabilizer: tuple[str, dict] = ("tis_seq", {"cap": 2.0}),
+) -> None:
     from algorithms import registry
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
 
     name, config = stabilizer
-    spec = LearnerSpec(model_path=model_path, zero_stage=stage, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
-                       stabilizer_name=name, stabilizer_config=registry.build(name, **config).config,
-                       loss_aggregation="token-mean")
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=stage,
+        learning_rate=LEARNING_RATE,
+        adam_eps=ADAM_EPS,
+        stabilizer_name=name,
+        stabilizer_config=registry.build(name, **config).config,
+        loss_aggregation="token-mean",
+    )
     learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
     samples = _batch_samples()
     share = [s for s in samples if s["group_id"] % world == rank]  # whole groups per rank
@@ -53,8 +74,10 @@ def _rank_main(rank: int, world: int, stage: int, model_path: str, port: int, ou
     learner.save_model(out + ".model")
     learner.save_checkpoint(out + ".checkpoint", "state")
     if rank == 0:
-        torch.save({"metrics": metrics, "weights": weights, "model_folder": out + ".model",
-                    "checkpoint": out + ".checkpoint"}, out)
+        torch.save(
+            {"metrics": metrics, "weights": weights, "model_folder": out + ".model", "checkpoint": out + ".checkpoint"},
+            out,
+        )
     _leave_group()
 
 
@@ -158,8 +181,14 @@ def _stabilizer_main(rank: int, name: str, config: dict, model_path: str, port: 
     from learner.rank import LearnerRank, LearnerSpec
 
     stabilizer = registry.build(name, **config)
-    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, stabilizer_name=name,
-                       stabilizer_config=stabilizer.config, loss_aggregation="seq-mean-token-mean")
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        learning_rate=LEARNING_RATE,
+        stabilizer_name=name,
+        stabilizer_config=stabilizer.config,
+        loss_aggregation="seq-mean-token-mean",
+    )
     learner = LearnerRank(spec, 0, 1, "127.0.0.1", port)
     torch.save(learner.train_step(collate(_batch_samples(), 0)), out)
 
@@ -169,8 +198,13 @@ def test_stabilizers_run_in_the_learner(tiny_qwen2, tmp_path, name, config):
     from algorithms.vcpo import ess_lr_scale
 
     out = tmp_path / f"{name}.pt"
-    mp.start_processes(_stabilizer_main, args=(name, config, tiny_qwen2, _free_port(), str(out)), nprocs=1,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        _stabilizer_main,
+        args=(name, config, tiny_qwen2, _free_port(), str(out)),
+        nprocs=1,
+        start_method="spawn",
+        join=True,
+    )
     metrics = torch.load(out, weights_only=True)
     assert all(v == v for v in metrics.values()), metrics  # no NaN
     assert metrics["stability/skipped_step"] == 0 and metrics["optim/grad_norm"] > 0
@@ -189,21 +223,32 @@ def _vcpo(impl: str) -> tuple[str, dict]:
 # The slow-marked cases add no code path that the default ones leave out (book-keeping on Llama is also
 # checked against autograd in test_grad_norms), so they run with -m slow only, to keep the default suite
 # inside its time budget.
-@pytest.mark.parametrize("model_name, world, stage, fast_impls",
-                         [("tiny_qwen2", 1, 2, ("bookkeeping", "ghost")),
-                          pytest.param("tiny_qwen2", 1, 3, ("ghost",), marks=pytest.mark.slow),
-                          ("tiny_qwen2", 2, 2, ("bookkeeping", "ghost")), ("tiny_qwen2", 2, 3, ("bookkeeping",)),
-                          pytest.param("tiny_llama", 1, 2, ("bookkeeping",), marks=pytest.mark.slow),
-                          pytest.param("tiny_llama", 2, 2, ("bookkeeping",), marks=pytest.mark.slow),
-                          ("tiny_llama", 2, 3, ("ghost",))])
+@pytest.mark.parametrize(
+    "model_name, world, stage, fast_impls",
+    [
+        ("tiny_qwen2", 1, 2, ("bookkeeping", "ghost")),
+        pytest.param("tiny_qwen2", 1, 3, ("ghost",), marks=pytest.mark.slow),
+        ("tiny_qwen2", 2, 2, ("bookkeeping", "ghost")),
+        ("tiny_qwen2", 2, 3, ("bookkeeping",)),
+        pytest.param("tiny_llama", 1, 2, ("bookkeeping",), marks=pytest.mark.slow),
+        pytest.param("tiny_llama", 2, 2, ("bookkeeping",), marks=pytest.mark.slow),
+        ("tiny_llama", 2, 3, ("ghost",)),
+    ],
+)
 def test_vcpo_fast_norms_give_the_per_sample_loops_update(model_name, world, stage, fast_impls, request, tmp_path):
     model = request.getfixturevalue(model_name)
     loop = _run(world, stage, model, tmp_path, _vcpo("per_sample_loop"))
     for impl in fast_impls:
         fast = _run(world, stage, model, tmp_path, _vcpo(impl))
         assert fast["metrics"]["opob/fallback_to_loop"] == 0
-        for key in ("opob/sample_grad_norm_mean", "opob/sample_grad_norm_max", "opob/baseline_mean",
-                    "opob/baseline_shift_abs", "optim/loss", "optim/grad_norm"):
+        for key in (
+            "opob/sample_grad_norm_mean",
+            "opob/sample_grad_norm_max",
+            "opob/baseline_mean",
+            "opob/baseline_shift_abs",
+            "optim/loss",
+            "optim/grad_norm",
+        ):
             assert fast["metrics"][key] == pytest.approx(loop["metrics"][key], rel=1e-4), (impl, key)
         # the baseline really moved off the group mean, so a wrong norm would change the update
         assert fast["metrics"]["opob/baseline_shift_abs"] > 1e-3
@@ -218,9 +263,15 @@ def _steps_main(rank: int, world: int, impl: str, model_path: str, port: int, ou
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
 
-    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
-                       stabilizer_name="vcpo", stabilizer_config=registry.build("vcpo", opob_impl=impl).config,
-                       loss_aggregation="token-mean")
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        learning_rate=LEARNING_RATE,
+        adam_eps=ADAM_EPS,
+        stabilizer_name="vcpo",
+        stabilizer_config=registry.build("vcpo", opob_impl=impl).config,
+        loss_aggregation="token-mean",
+    )
     learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
     share = collate([s for s in _batch_samples() if s["group_id"] % world == rank], 0)
     grad_norms = [learner.train_step(share)["optim/grad_norm"] for _ in range(steps)]
@@ -237,8 +288,9 @@ def test_bookkeeping_keeps_matching_ghost_over_several_steps(tiny_qwen2, tmp_pat
     runs = {}
     for impl in ("ghost", "bookkeeping"):
         out = tmp_path / f"steps-{impl}.pt"
-        mp.start_processes(_steps_main, args=(2, impl, tiny_qwen2, _free_port(), str(out)), nprocs=2,
-                           start_method="spawn", join=True)
+        mp.start_processes(
+            _steps_main, args=(2, impl, tiny_qwen2, _free_port(), str(out)), nprocs=2, start_method="spawn", join=True
+        )
         runs[impl] = torch.load(out, weights_only=True)
     ghost, bookkeeping = runs["ghost"], runs["bookkeeping"]
     assert bookkeeping["grad_norms"] == pytest.approx(ghost["grad_norms"], rel=1e-4)
@@ -251,22 +303,34 @@ def _nonfinite_main(rank: int, model_path: str, port: int, out: str) -> None:
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
 
-    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, stabilizer_name="tis_seq",
-                       stabilizer_config=TISConfig(cap=2.0))
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        learning_rate=LEARNING_RATE,
+        stabilizer_name="tis_seq",
+        stabilizer_config=TISConfig(cap=2.0),
+    )
     learner = LearnerRank(spec, 0, 1, "127.0.0.1", port)
     samples = _batch_samples()
     samples[5]["behaviour_logprobs"][0] = float("nan")  # a corrupt rollout from a generator
     before = learner.state_dict_for_publish()
     metrics = learner.train_step(collate(samples, 0))
     after = learner.state_dict_for_publish()
-    torch.save({"metrics": metrics, "changed": [n for n in before if not torch.equal(before[n], after[n])],
-                "version": learner.version}, out)
+    torch.save(
+        {
+            "metrics": metrics,
+            "changed": [n for n in before if not torch.equal(before[n], after[n])],
+            "version": learner.version,
+        },
+        out,
+    )
 
 
 def test_a_non_finite_rollout_skips_the_step_and_keeps_the_weights(tiny_qwen2, tmp_path):
     out = tmp_path / "nonfinite.pt"
-    mp.start_processes(_nonfinite_main, args=(tiny_qwen2, _free_port(), str(out)), nprocs=1, start_method="spawn",
-                       join=True)
+    mp.start_processes(
+        _nonfinite_main, args=(tiny_qwen2, _free_port(), str(out)), nprocs=1, start_method="spawn", join=True
+    )
     result = torch.load(out, weights_only=True)
     assert result["metrics"]["stability/skipped_step"] == 1
     assert result["changed"] == [] and result["version"] == 0
@@ -277,8 +341,14 @@ def _checkpoint_main(rank: int, world: int, model_path: str, port: int, folder: 
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
 
-    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
-                       stabilizer_name="tis_seq", stabilizer_config=TISConfig(cap=2.0))
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        learning_rate=LEARNING_RATE,
+        adam_eps=ADAM_EPS,
+        stabilizer_name="tis_seq",
+        stabilizer_config=TISConfig(cap=2.0),
+    )
     samples = _batch_samples()
     share = collate([s for s in samples if s["group_id"] % world == rank], 0)
     first = LearnerRank(spec, rank, world, "127.0.0.1", port)
@@ -292,16 +362,30 @@ def _checkpoint_main(rank: int, world: int, model_path: str, port: int, folder: 
     repeated = resumed.train_step(share)
     resumed_weights = resumed.state_dict_for_publish()
     if rank == 0:
-        torch.save({"version": version, "continued": continued, "repeated": repeated, "weights": weights,
-                    "resumed_weights": resumed_weights, "resumed_version": resumed.version}, out)
+        torch.save(
+            {
+                "version": version,
+                "continued": continued,
+                "repeated": repeated,
+                "weights": weights,
+                "resumed_weights": resumed_weights,
+                "resumed_version": resumed.version,
+            },
+            out,
+        )
     _leave_group()
 
 
 def test_a_checkpoint_resumes_the_same_trajectory(tiny_qwen2, tmp_path):
     """Two ranks: the step after loading equals the step after saving (Adam moments restored too)."""
     out = tmp_path / "checkpoint.pt"
-    mp.start_processes(_checkpoint_main, args=(2, tiny_qwen2, _free_port(), str(tmp_path / "ckpt"), str(out)),
-                       nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(
+        _checkpoint_main,
+        args=(2, tiny_qwen2, _free_port(), str(tmp_path / "ckpt"), str(out)),
+        nprocs=2,
+        start_method="spawn",
+        join=True,
+    )
     result = torch.load(out, weights_only=True)
     assert result["version"] == 1 and result["resumed_version"] == 2
     for key in ("optim/loss", "optim/grad_norm"):
@@ -314,8 +398,15 @@ def _schedule_main(rank: int, model_path: str, port: int, out: str, warmup_steps
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
 
-    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
-                       total_steps=8, lr_warmup_steps=warmup_steps, loss_aggregation="token-mean")
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        learning_rate=LEARNING_RATE,
+        adam_eps=ADAM_EPS,
+        total_steps=8,
+        lr_warmup_steps=warmup_steps,
+        loss_aggregation="token-mean",
+    )
     learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
     before = {name: tensor.clone() for name, tensor in learner.state_dict_for_publish().items()}
     metrics = learner.train_step(collate(_batch_samples(), 0))
@@ -329,8 +420,9 @@ def test_the_warm_up_scales_the_first_update(tiny_qwen2, tmp_path):
     runs = {}
     for warmup in (0, 4):
         out = tmp_path / f"warmup-{warmup}.pt"
-        mp.start_processes(_schedule_main, args=(tiny_qwen2, _free_port(), str(out), warmup), nprocs=1,
-                           start_method="spawn", join=True)
+        mp.start_processes(
+            _schedule_main, args=(tiny_qwen2, _free_port(), str(out), warmup), nprocs=1, start_method="spawn", join=True
+        )
         runs[warmup] = torch.load(out, weights_only=True)
     full, ramped = runs[0], runs[4]
     assert full["lr"] == pytest.approx(LEARNING_RATE) and ramped["lr"] == pytest.approx(LEARNING_RATE / 4)
@@ -363,6 +455,7 @@ def test_a_zero3_rank_loads_only_its_partition_of_the_model(tiny_qwen2, tmp_path
     """Under ZeRO-3 the model comes out of from_pretrained already partitioned (DeepSpeed's ZeRO-3 init):
     no rank holds the whole model before the engine starts."""
     out = str(tmp_path / "zero3-load.pt")
-    mp.start_processes(_zero3_load_main, args=(2, tiny_qwen2, _free_port(), out), nprocs=2, start_method="spawn",
-                       join=True)
+    mp.start_processes(
+        _zero3_load_main, args=(2, tiny_qwen2, _free_port(), out), nprocs=2, start_method="spawn", join=True
+    )
     assert torch.load(out, weights_only=True) == [True]

@@ -24,9 +24,15 @@ def _bf16_main(rank: int, stage: int, model_path: str, port: int, out: str) -> N
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
 
-    spec = LearnerSpec(model_path=model_path, zero_stage=stage, learning_rate=1e-7, stabilizer_name="tis_seq",
-                       stabilizer_config=registry.build("tis_seq").config, dtype="bfloat16",
-                       max_tokens_per_micro_batch=100)
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=stage,
+        learning_rate=1e-7,
+        stabilizer_name="tis_seq",
+        stabilizer_config=registry.build("tis_seq").config,
+        dtype="bfloat16",
+        max_tokens_per_micro_batch=100,
+    )
     learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
     module_dtypes = sorted({str(p.dtype) for p in learner.engine.module.parameters()})
     master_before = _master(learner.optimizer).clone()
@@ -35,17 +41,25 @@ def _bf16_main(rank: int, stage: int, model_path: str, port: int, out: str) -> N
     master_after = _master(learner.optimizer)
     weights_after = learner.state_dict_for_publish()
     changed = sum(int((weights_after[name] != tensor).sum()) for name, tensor in weights_before.items())
-    torch.save({"module_dtypes": module_dtypes, "master_dtype": str(master_after.dtype), "metrics": metrics,
-                "master_moved": float((master_after != master_before).float().mean()),
-                "weights_changed": changed / sum(t.numel() for t in weights_before.values())}, out)
+    torch.save(
+        {
+            "module_dtypes": module_dtypes,
+            "master_dtype": str(master_after.dtype),
+            "metrics": metrics,
+            "master_moved": float((master_after != master_before).float().mean()),
+            "weights_changed": changed / sum(t.numel() for t in weights_before.values()),
+        },
+        out,
+    )
     _leave_group()
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_bf16_weights_train_through_an_fp32_master_copy(tiny_qwen2, tmp_path, stage):
     out = tmp_path / "bf16.pt"
-    mp.start_processes(_bf16_main, args=(stage, tiny_qwen2, _free_port(), str(out)), nprocs=1, start_method="spawn",
-                       join=True)
+    mp.start_processes(
+        _bf16_main, args=(stage, tiny_qwen2, _free_port(), str(out)), nprocs=1, start_method="spawn", join=True
+    )
     result = torch.load(out, weights_only=False)
     assert result["module_dtypes"] == ["torch.bfloat16"] and result["master_dtype"] == "torch.float32"
     assert result["metrics"]["perf/micro_batches"] > 1 and result["metrics"]["optim/grad_norm"] > 0

@@ -13,16 +13,32 @@ from tests.component.test_learner import ADAM_EPS, LEARNING_RATE, _batch_samples
 LORA = LoraSpec(rank=8, alpha=16.0, dropout=0.0, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))
 
 
-def _rank_main(rank: int, world: int, model_path: str, port: int, out: str, stabilizer: tuple[str, dict],
-               options: dict, folder: str) -> None:
+def _rank_main(
+    rank: int,
+    world: int,
+    model_path: str,
+    port: int,
+    out: str,
+    stabilizer: tuple[str, dict],
+    options: dict,
+    folder: str,
+) -> None:
     from algorithms import registry
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
 
     name, config = stabilizer
-    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
-                       stabilizer_name=name, stabilizer_config=registry.build(name, **config).config,
-                       loss_aggregation="token-mean", lora=LORA, **options)
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        learning_rate=LEARNING_RATE,
+        adam_eps=ADAM_EPS,
+        stabilizer_name=name,
+        stabilizer_config=registry.build(name, **config).config,
+        loss_aggregation="token-mean",
+        lora=LORA,
+        **options,
+    )
     learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
     before = {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}
     share = [s for s in _batch_samples() if s["group_id"] % world == rank]
@@ -39,8 +55,13 @@ def _rank_main(rank: int, world: int, model_path: str, port: int, out: str, stab
 
 
 def _run(world: int, model_path: str, out, stabilizer=("tis_seq", {"cap": 2.0}), options=None, folder="") -> dict:
-    mp.start_processes(_rank_main, args=(world, model_path, _free_port(), str(out), stabilizer, options or {}, folder),
-                       nprocs=world, start_method="spawn", join=True)
+    mp.start_processes(
+        _rank_main,
+        args=(world, model_path, _free_port(), str(out), stabilizer, options or {}, folder),
+        nprocs=world,
+        start_method="spawn",
+        join=True,
+    )
     return torch.load(out, weights_only=True)
 
 
@@ -62,8 +83,9 @@ def test_the_learner_trains_and_publishes_only_the_adapter(tiny_qwen2, tmp_path)
     # the saved model is the merged policy, with the adapter alone beside it: both give the same logits
     ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(0))
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), dtype=torch.float32)
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32),
-                                        str(tmp_path / "model" / ADAPTER_FOLDER))
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32), str(tmp_path / "model" / ADAPTER_FOLDER)
+    )
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
     with torch.no_grad():
         merged_logits, adapted_logits, base_logits = (m(ids).logits for m in (merged, adapted, base))
@@ -109,8 +131,16 @@ def test_the_generator_samples_with_each_versions_adapter(tiny_qwen2):
     from learner.weight_sync import PackedWeights
     from tests.component.test_generator import _requests
 
-    generator = Generator(GeneratorSpec(model_path=tiny_qwen2, samples_per_prompt=2, max_new_tokens=12,
-                                        temperature=0.7, max_model_len=128, lora=LORA))
+    generator = Generator(
+        GeneratorSpec(
+            model_path=tiny_qwen2,
+            samples_per_prompt=2,
+            max_new_tokens=12,
+            temperature=0.7,
+            max_model_len=128,
+            lora=LORA,
+        )
+    )
     tokens = lambda groups: [c["completion_ids"] for g in groups for c in g.completions]  # noqa: E731
     before = generator.generate(_requests())
     tensors, adapted = _adapter(tiny_qwen2, scale=0.5)
@@ -119,8 +149,18 @@ def test_the_generator_samples_with_each_versions_adapter(tiny_qwen2):
     assert changed[0].version_start == 1 and tokens(changed) != tokens(before)
 
     # the adapter vLLM samples with is the learner's: the log-probs agree on its samples
-    samples = [dict(prompt_ids=g.prompt_ids, completion_ids=c["completion_ids"], reward=0.0, group_id=g.group_id,
-                    behaviour_logprobs=c["behaviour_logprobs"], version=1) for g in changed for c in g.completions]
+    samples = [
+        dict(
+            prompt_ids=g.prompt_ids,
+            completion_ids=c["completion_ids"],
+            reward=0.0,
+            group_id=g.group_id,
+            behaviour_logprobs=c["behaviour_logprobs"],
+            version=1,
+        )
+        for g in changed
+        for c in g.completions
+    ]
     batch = collate(samples, pad_token_id=0)
     with torch.no_grad():
         logits = adapted(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits

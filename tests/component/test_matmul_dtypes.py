@@ -65,15 +65,28 @@ def _step_main(rank: int, model_path: str, opob_impl: str, port: int, out: str) 
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
 
-    spec = LearnerSpec(model_path=model_path, learning_rate=1e-6, stabilizer_name="vcpo",
-                       stabilizer_config=registry.build("vcpo", opob_impl=opob_impl).config, dtype="bfloat16",
-                       loss_aggregation="seq-mean-token-mean", max_tokens_per_micro_batch=512)
+    spec = LearnerSpec(
+        model_path=model_path,
+        learning_rate=1e-6,
+        stabilizer_name="vcpo",
+        stabilizer_config=registry.build("vcpo", opob_impl=opob_impl).config,
+        dtype="bfloat16",
+        loss_aggregation="seq-mean-token-mean",
+        max_tokens_per_micro_batch=512,
+    )
     learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
     gen = torch.Generator().manual_seed(0)
-    samples = [dict(prompt_ids=torch.randint(3, 200, (16,), generator=gen).tolist(),
-                    completion_ids=torch.randint(3, 200, (48,), generator=gen).tolist(),
-                    behaviour_logprobs=(-6.0 + torch.randn(48, generator=gen)).tolist(),
-                    reward=float(i % 3 == 0), group_id=i // 8, version=0) for i in range(16)]
+    samples = [
+        dict(
+            prompt_ids=torch.randint(3, 200, (16,), generator=gen).tolist(),
+            completion_ids=torch.randint(3, 200, (48,), generator=gen).tolist(),
+            behaviour_logprobs=(-6.0 + torch.randn(48, generator=gen)).tolist(),
+            reward=float(i % 3 == 0),
+            group_id=i // 8,
+            version=0,
+        )
+        for i in range(16)
+    ]
     batch = collate(samples, 0)
     learner.train_step(batch)  # warm-up: the optimizer state exists
     with ProductDtypes() as mode:
@@ -85,8 +98,9 @@ def _step_main(rank: int, model_path: str, opob_impl: str, port: int, out: str) 
 @pytest.mark.parametrize("opob_impl", ["ghost", "bookkeeping"])
 def test_a_bf16_vcpo_step_runs_its_products_in_bf16(tiny_qwen2, tmp_path, opob_impl):
     out = tmp_path / "flops.pt"
-    mp.start_processes(_step_main, args=(tiny_qwen2, opob_impl, _free_port(), str(out)), nprocs=1,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        _step_main, args=(tiny_qwen2, opob_impl, _free_port(), str(out)), nprocs=1, start_method="spawn", join=True
+    )
     result = torch.load(out, weights_only=False)
     flops = result["flops"]
     total = sum(flops.values())

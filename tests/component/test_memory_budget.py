@@ -25,13 +25,26 @@ def _auto_main(rank: int, model_path: str, port: int, out: str) -> None:
     logger = logging.getLogger("stableasync.learner")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    spec = LearnerSpec(model_path=model_path, zero_stage=2, stabilizer_name="vcpo",
-                       stabilizer_config=registry.build("vcpo").config, max_tokens_per_micro_batch="auto",
-                       max_sequence_tokens=SEQUENCE_TOKENS)
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        stabilizer_name="vcpo",
+        stabilizer_config=registry.build("vcpo").config,
+        max_tokens_per_micro_batch="auto",
+        max_sequence_tokens=SEQUENCE_TOKENS,
+    )
     learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
     metrics = learner.train_step(collate(_batch_samples(), 0))
-    torch.save({"tokens": learner.micro_batch_tokens, "why": learner.micro_batch_budget.why, "log": records,
-                "metrics": metrics, "version": learner.version}, out)
+    torch.save(
+        {
+            "tokens": learner.micro_batch_tokens,
+            "why": learner.micro_batch_budget.why,
+            "log": records,
+            "metrics": metrics,
+            "version": learner.version,
+        },
+        out,
+    )
 
 
 @pytest.mark.timeout(300)
@@ -40,16 +53,18 @@ def test_an_auto_budget_resolves_to_tokens_that_the_rank_logs_and_trains_with(ti
     mp.start_processes(_auto_main, args=(tiny_qwen2, _free_port(), out), nprocs=1, start_method="spawn", join=True)
     result = torch.load(out, weights_only=False)
     assert isinstance(result["tokens"], int) and result["tokens"] >= SEQUENCE_TOKENS
-    assert result["why"].startswith(f"{result['tokens']} tokens per micro-batch (learner.max_tokens_per_micro_batch "
-                                    "auto): 50% of ")
+    assert result["why"].startswith(
+        f"{result['tokens']} tokens per micro-batch (learner.max_tokens_per_micro_batch auto): 50% of "
+    )
     assert "MiB per token" in result["why"]
     assert f"learner rank 0: {result['why']}" in result["log"]
     assert result["version"] == 1 and result["metrics"]["stability/skipped_step"] == 0
     assert result["metrics"]["perf/micro_batches"] == 1  # the tiny model's 16 rows fit a budget of this machine
 
 
-def _calibration_main(rank: int, model_path: str, port: int, out: str, name: str, tokens: int, sequences: int,
-                      checkpointing: bool) -> None:
+def _calibration_main(
+    rank: int, model_path: str, port: int, out: str, name: str, tokens: int, sequences: int, checkpointing: bool
+) -> None:
     """Two steps from a fresh rank, the peak resident-set growth over both from right after the rank is
     built (the first step creates the optimizer's moments), beside the estimate for its micro-batch."""
     from algorithms import registry
@@ -57,23 +72,41 @@ def _calibration_main(rank: int, model_path: str, port: int, out: str, name: str
     from learner import memory_budget
     from learner.rank import LearnerRank, LearnerSpec
 
-    spec = LearnerSpec(model_path=model_path, zero_stage=2, stabilizer_name=name,
-                       stabilizer_config=registry.build(name).config, max_tokens_per_micro_batch=sequences * tokens,
-                       max_sequence_tokens=tokens, gradient_checkpointing=checkpointing)
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        stabilizer_name=name,
+        stabilizer_config=registry.build(name).config,
+        max_tokens_per_micro_batch=sequences * tokens,
+        max_sequence_tokens=tokens,
+        gradient_checkpointing=checkpointing,
+    )
     learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
     module = learner.engine.module
     batch = synthetic_batch(sequences, tokens, module.config.vocab_size)
     trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
     memory = memory_budget.step_memory(
-        memory_budget.ModelShape.from_config(module.config), 4, trained, tokens,
-        gradient_checkpointing=checkpointing, per_sample_norms=learner.stabilizer.needs_grad_norms,
-        kept_gradient_cap_bytes=learner.norms.bookkeeping_budget_bytes if learner.norms and learner.norms.bookkeeping
+        memory_budget.ModelShape.from_config(module.config),
+        4,
+        trained,
+        tokens,
+        gradient_checkpointing=checkpointing,
+        per_sample_norms=learner.stabilizer.needs_grad_norms,
+        kept_gradient_cap_bytes=learner.norms.bookkeeping_budget_bytes
+        if learner.norms and learner.norms.bookkeeping
         else 0.0,
-        later_bytes=memory_budget.unallocated_adam_bytes(learner.engine, trained, 2, 1))
+        later_bytes=memory_budget.unallocated_adam_bytes(learner.engine, trained, 2, 1),
+    )
     metrics: list[dict[str, float]] = []
     peak = peak_growth(lambda: metrics.extend(learner.train_step(batch) for _ in range(2)))
-    torch.save({"peak": peak, "estimate": memory.bytes_for(sequences * tokens),
-                "micro_batches": [m["perf/micro_batches"] for m in metrics]}, out)
+    torch.save(
+        {
+            "peak": peak,
+            "estimate": memory.bytes_for(sequences * tokens),
+            "micro_batches": [m["perf/micro_batches"] for m in metrics],
+        },
+        out,
+    )
 
 
 @pytest.mark.timeout(300)
@@ -83,8 +116,13 @@ def test_the_estimate_covers_the_measured_peak_of_a_step_and_not_by_much(tiny_qw
     above it (measured 2026-11-27: 1.34x for tis_seq, 1.77x for vcpo, 1.25x with checkpointing; the bound
     leaves room for the noise of sampled resident memory; docs/performance.md, "Choosing the budget")."""
     out = str(tmp_path / "calibration.pt")
-    mp.start_processes(_calibration_main, args=(tiny_qwen2, _free_port(), out, name, SEQUENCE_TOKENS, 64,
-                                                checkpointing), nprocs=1, start_method="spawn", join=True)
+    mp.start_processes(
+        _calibration_main,
+        args=(tiny_qwen2, _free_port(), out, name, SEQUENCE_TOKENS, 64, checkpointing),
+        nprocs=1,
+        start_method="spawn",
+        join=True,
+    )
     result = torch.load(out, weights_only=True)
     assert result["micro_batches"] == [1, 1]
     assert result["peak"] <= result["estimate"] <= 2.5 * result["peak"], result

@@ -24,8 +24,14 @@ CONFIGS = {"mis_geo": {"low": 0.8, "high": 1.25}}
 # The loss sums signed terms that cancel (a group's advantages sum to 0), so its fp32 rounding is absolute:
 # about 1e-7 here, against terms of ~5 nats each. The gradient and the weights carry the relative check.
 LOSS_ABS_TOLERANCE = 1e-6
-COMPARED = ("optim/loss", "optim/grad_norm", "stability/ess_ratio", "stability/kl_k3", "stability/entropy",
-            "stability/lr_scale")
+COMPARED = (
+    "optim/loss",
+    "optim/grad_norm",
+    "stability/ess_ratio",
+    "stability/kl_k3",
+    "stability/entropy",
+    "stability/lr_scale",
+)
 
 
 def _budget_for(split: int, share: list[dict], keep_groups: bool) -> int | None:
@@ -38,8 +44,12 @@ def _budget_for(split: int, share: list[dict], keep_groups: bool) -> int | None:
     batch = collate(share, 0)
     for budget in range(int(batch.sequence_lengths.max()), batch.size * batch.input_ids.shape[1] + 1):
         # the learner packs the rows of a stabilizer without per-sample norms (keep_groups): real tokens count
-        if len(micro_batches.plan(batch.sequence_lengths, batch.group_ids, budget, keep_groups,
-                                  packed=not keep_groups)) == split:
+        if (
+            len(
+                micro_batches.plan(batch.sequence_lengths, batch.group_ids, budget, keep_groups, packed=not keep_groups)
+            )
+            == split
+        ):
             return budget
     raise AssertionError(f"no budget splits the share {split} ways")
 
@@ -63,8 +73,9 @@ def _near_policy_samples(model_path: str) -> list[dict]:
     return samples
 
 
-def _cases_main(rank: int, world: int, stage: int, model_path: str, port: int, out: str, names: list[str],
-                samples: list[dict]) -> None:
+def _cases_main(
+    rank: int, world: int, stage: int, model_path: str, port: int, out: str, names: list[str], samples: list[dict]
+) -> None:
     from algorithms import registry
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
@@ -80,10 +91,17 @@ def _cases_main(rank: int, world: int, stage: int, model_path: str, port: int, o
                 key = (name, split, stabilizer.needs_grad_norms)
                 if key not in shared_budgets:
                     shared_budgets[key] = _budget_for(split, whole_share, stabilizer.needs_grad_norms)
-                spec = LearnerSpec(model_path=model_path, zero_stage=stage, learning_rate=LEARNING_RATE,
-                                   adam_eps=ADAM_EPS, stabilizer_name=name, stabilizer_config=stabilizer.config,
-                                   loss_aggregation=aggregation, constant_tokens=CONSTANT_TOKENS,
-                                   max_tokens_per_micro_batch=shared_budgets[key])
+                spec = LearnerSpec(
+                    model_path=model_path,
+                    zero_stage=stage,
+                    learning_rate=LEARNING_RATE,
+                    adam_eps=ADAM_EPS,
+                    stabilizer_name=name,
+                    stabilizer_config=stabilizer.config,
+                    loss_aggregation=aggregation,
+                    constant_tokens=CONSTANT_TOKENS,
+                    max_tokens_per_micro_batch=shared_budgets[key],
+                )
                 learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
                 metrics = learner.train_step(collate(share, 0))
                 weights = learner.state_dict_for_publish()
@@ -93,12 +111,18 @@ def _cases_main(rank: int, world: int, stage: int, model_path: str, port: int, o
     _leave_group()
 
 
-def _run_cases(world: int, stage: int, model_path: str, tmp_path, names: list[str],
-               samples: list[dict] | None = None) -> dict:
+def _run_cases(
+    world: int, stage: int, model_path: str, tmp_path, names: list[str], samples: list[dict] | None = None
+) -> dict:
     out = str(tmp_path / f"cases-w{world}-z{stage}.pt")
     samples = samples or _near_policy_samples(model_path)
-    mp.start_processes(_cases_main, args=(world, stage, model_path, _free_port(), out, names, samples), nprocs=world,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        _cases_main,
+        args=(world, stage, model_path, _free_port(), out, names, samples),
+        nprocs=world,
+        start_method="spawn",
+        join=True,
+    )
     return torch.load(out, weights_only=False)
 
 
@@ -107,22 +131,31 @@ def _check_parity(results: dict) -> None:
     for (name, aggregation, split), result in sorted(results.items()):
         if split == 1:
             continue
-        failures += _differences(f"{name}/{aggregation}/{split} ways", result["metrics"], result["weights"],
-                                 results[(name, aggregation, 1)]["metrics"], results[(name, aggregation, 1)]["weights"],
-                                 COMPARED)
+        failures += _differences(
+            f"{name}/{aggregation}/{split} ways",
+            result["metrics"],
+            result["weights"],
+            results[(name, aggregation, 1)]["metrics"],
+            results[(name, aggregation, 1)]["weights"],
+            COMPARED,
+        )
     assert not failures, "\n".join(failures)
 
 
-def _differences(label: str, metrics: dict, weights: dict, want_metrics: dict, want_weights: dict,
-                 keys: tuple[str, ...]) -> list[str]:
+def _differences(
+    label: str, metrics: dict, weights: dict, want_metrics: dict, want_weights: dict, keys: tuple[str, ...]
+) -> list[str]:
     """What differs beyond fp32 reordering: metrics to rel 1e-5 (the loss to LOSS_ABS_TOLERANCE; NaN equals
     NaN), weights to a hundredth of an Adam step."""
     failures = []
     for key in keys:
         got, want = metrics.get(key), want_metrics.get(key)
         absolute = LOSS_ABS_TOLERANCE if key == "optim/loss" else 1e-7
-        if want is None or got is None or not (got == pytest.approx(want, rel=1e-5, abs=absolute)
-                                               or (got != got and want != want)):
+        if (
+            want is None
+            or got is None
+            or not (got == pytest.approx(want, rel=1e-5, abs=absolute) or (got != got and want != want))
+        ):
             failures.append(f"{label}: {key} {got} != {want}")
     for param, tensor in want_weights.items():
         if not torch.allclose(tensor, weights[param], rtol=0, atol=1e-4 * LEARNING_RATE):
@@ -157,6 +190,7 @@ def _reference_step(model_path: str, samples: list[dict], name: str, aggregation
     lengths = batch.loss_mask.sum(1).float()
     norms = None
     if stabilizer.needs_grad_norms:
+
         def sample_logp(i: int) -> torch.Tensor:
             row = batch.rows(torch.tensor([i]))
             return (logprobs_of(row) * row.loss_mask).sum()
@@ -186,8 +220,14 @@ def _check_against_the_definition(results: dict, model_path: str, samples: list[
         if split != 1:
             continue
         reference = _reference_step(model_path, samples, name, aggregation)
-        failures += _differences(f"{name}/{aggregation} against the definition", result["metrics"],
-                                 result["weights"], reference, reference["weights"], ("optim/grad_norm", "optim/loss"))
+        failures += _differences(
+            f"{name}/{aggregation} against the definition",
+            result["metrics"],
+            result["weights"],
+            reference,
+            reference["weights"],
+            ("optim/grad_norm", "optim/loss"),
+        )
     assert not failures, "\n".join(failures)
 
 
@@ -209,8 +249,10 @@ ZERO3_KINDS = ["tis_seq", "m2po", "vcpo"]
 
 
 @pytest.mark.timeout(300)  # a rank waiting in a collective the other never calls fails here
-@pytest.mark.parametrize("world, stage, names", [(1, 2, sorted(STABILIZERS)), (2, 2, sorted(STABILIZERS)),
-                                                 pytest.param(2, 3, ZERO3_KINDS, marks=pytest.mark.slow)])  # 37 s
+@pytest.mark.parametrize(
+    "world, stage, names",
+    [(1, 2, sorted(STABILIZERS)), (2, 2, sorted(STABILIZERS)), pytest.param(2, 3, ZERO3_KINDS, marks=pytest.mark.slow)],
+)  # 37 s
 def test_every_stabilizer_and_aggregation_gives_the_single_pass_update(tiny_qwen2, tmp_path, world, stage, names):
     samples = _near_policy_samples(tiny_qwen2)
     results = _run_cases(world, stage, tiny_qwen2, tmp_path, names, samples)
@@ -245,9 +287,15 @@ def _late_nonfinite_main(rank: int, world: int, stage: int, name: str, model_pat
     budget = _budget_for(7, clean, keep_groups=False)
 
     def learner() -> LearnerRank:
-        spec = LearnerSpec(model_path=model_path, zero_stage=stage, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
-                           stabilizer_name=name, stabilizer_config=registry.build(name).config,
-                           max_tokens_per_micro_batch=budget)
+        spec = LearnerSpec(
+            model_path=model_path,
+            zero_stage=stage,
+            learning_rate=LEARNING_RATE,
+            adam_eps=ADAM_EPS,
+            stabilizer_name=name,
+            stabilizer_config=registry.build(name).config,
+            max_tokens_per_micro_batch=budget,
+        )
         return LearnerRank(spec, rank, world, "127.0.0.1", port)
 
     poisoned = learner()
@@ -260,20 +308,37 @@ def _late_nonfinite_main(rank: int, world: int, stage: int, name: str, model_pat
     first = fresh.train_step(collate(clean, 0))
     reference = fresh.state_dict_for_publish()
     if rank == 0:
-        torch.save({"skipped": skipped, "after_skip": after_skip, "first": first, "version": poisoned.version,
-                    "changed_by_skip": [n for n in before if not torch.equal(before[n], unchanged[n])],
-                    "differs_from_fresh": [n for n in reference if not torch.allclose(
-                        reference[n], continued[n], rtol=0, atol=1e-4 * LEARNING_RATE)]}, out)
+        torch.save(
+            {
+                "skipped": skipped,
+                "after_skip": after_skip,
+                "first": first,
+                "version": poisoned.version,
+                "changed_by_skip": [n for n in before if not torch.equal(before[n], unchanged[n])],
+                "differs_from_fresh": [
+                    n
+                    for n in reference
+                    if not torch.allclose(reference[n], continued[n], rtol=0, atol=1e-4 * LEARNING_RATE)
+                ],
+            },
+            out,
+        )
     _leave_group()
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world, stage, name", [(1, 2, "tis_seq"), (2, 3, "tis_seq"), (2, 2, "m2po"), (1, 2, "vcpo")])
-def test_a_non_finite_micro_batch_drops_the_whole_step_and_nothing_it_accumulated(tiny_qwen2, tmp_path, world,
-                                                                                 stage, name):
+def test_a_non_finite_micro_batch_drops_the_whole_step_and_nothing_it_accumulated(
+    tiny_qwen2, tmp_path, world, stage, name
+):
     out = str(tmp_path / "late.pt")
-    mp.start_processes(_late_nonfinite_main, args=(world, stage, name, tiny_qwen2, _free_port(), out), nprocs=world,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        _late_nonfinite_main,
+        args=(world, stage, name, tiny_qwen2, _free_port(), out),
+        nprocs=world,
+        start_method="spawn",
+        join=True,
+    )
     result = torch.load(out, weights_only=True)
     assert result["skipped"]["stability/skipped_step"] == 1 and result["skipped"]["perf/micro_batches"] > 1
     assert result["changed_by_skip"] == []
@@ -293,9 +358,16 @@ def _checkpointing_main(rank: int, model_path: str, port: int, out: str, samples
     results = {}
     for name in ("tis_seq", "m2po", "vcpo"):
         for checkpointing in (False, True):
-            spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
-                               stabilizer_name=name, stabilizer_config=registry.build(name).config,
-                               max_tokens_per_micro_batch=budget, gradient_checkpointing=checkpointing)
+            spec = LearnerSpec(
+                model_path=model_path,
+                zero_stage=2,
+                learning_rate=LEARNING_RATE,
+                adam_eps=ADAM_EPS,
+                stabilizer_name=name,
+                stabilizer_config=registry.build(name).config,
+                max_tokens_per_micro_batch=budget,
+                gradient_checkpointing=checkpointing,
+            )
             learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
             metrics = learner.train_step(collate(samples, 0))
             results[(name, checkpointing)] = {"metrics": metrics, "weights": learner.state_dict_for_publish()}
@@ -305,13 +377,15 @@ def _checkpointing_main(rank: int, model_path: str, port: int, out: str, samples
 def test_gradient_checkpointing_gives_the_same_update(tiny_qwen2, tmp_path):
     out = str(tmp_path / "checkpointing.pt")
     samples = _near_policy_samples(tiny_qwen2)
-    mp.start_processes(_checkpointing_main, args=(tiny_qwen2, _free_port(), out, samples), nprocs=1,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        _checkpointing_main, args=(tiny_qwen2, _free_port(), out, samples), nprocs=1, start_method="spawn", join=True
+    )
     results = torch.load(out, weights_only=False)
     # the parity check compares split 2 against split 1: here "split" 1 is checkpointing off
     _check_parity({(name, "token-mean", 2 if on else 1): result for (name, on), result in results.items()})
     assert results[("vcpo", True)]["metrics"]["opob/sample_grad_norm_mean"] == pytest.approx(
-        results[("vcpo", False)]["metrics"]["opob/sample_grad_norm_mean"], rel=1e-5)
+        results[("vcpo", False)]["metrics"]["opob/sample_grad_norm_mean"], rel=1e-5
+    )
 
 
 @pytest.mark.timeout(300)
@@ -329,27 +403,46 @@ def test_vcpo_auto_keeps_per_sample_gradients_only_for_micro_batches_within_its_
     whole = collate(samples, 0)
     tokens = _budget_for(2, samples, keep_groups=True)
     norms = GhostGradNorms(AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32))
-    kept_mb = sorted(len(rows) * norms.kept_bytes_per_sample(int(whole.sequence_lengths[rows].max())) / 2**20
-                     for rows in micro_batches.plan(whole.sequence_lengths, whole.group_ids, tokens, True).rows)
+    kept_mb = sorted(
+        len(rows) * norms.kept_bytes_per_sample(int(whole.sequence_lengths[rows].max())) / 2**20
+        for rows in micro_batches.plan(whole.sequence_lengths, whole.group_ids, tokens, True).rows
+    )
     assert len(kept_mb) == 2 and kept_mb[0] < kept_mb[1], kept_mb
     out = str(tmp_path / "auto.pt")
     cases = {impl: (impl, tokens, sum(kept_mb) / 2) for impl in ("ghost", "bookkeeping", "auto")}
-    mp.start_processes(_vcpo_cases_main, args=(1, tiny_qwen2, _free_port(), out, samples, cases),
-                       nprocs=1, start_method="spawn", join=True)
+    mp.start_processes(
+        _vcpo_cases_main,
+        args=(1, tiny_qwen2, _free_port(), out, samples, cases),
+        nprocs=1,
+        start_method="spawn",
+        join=True,
+    )
     results = torch.load(out, weights_only=False)
     assert results["ghost"]["metrics"]["opob/bookkeeping_share"] == 0.0
     assert results["bookkeeping"]["metrics"]["opob/bookkeeping_share"] == 1.0
     assert 0.0 < results["auto"]["metrics"]["opob/bookkeeping_share"] < 1.0
     failures = []
     for impl in ("bookkeeping", "auto"):
-        failures += _differences(impl, results[impl]["metrics"], results[impl]["weights"],
-                                 results["ghost"]["metrics"], results["ghost"]["weights"],
-                                 COMPARED + ("opob/baseline_mean", "opob/sample_grad_norm_mean"))
+        failures += _differences(
+            impl,
+            results[impl]["metrics"],
+            results[impl]["weights"],
+            results["ghost"]["metrics"],
+            results["ghost"]["weights"],
+            (*COMPARED, "opob/baseline_mean", "opob/sample_grad_norm_mean"),
+        )
     assert not failures, "\n".join(failures)
 
 
-def _vcpo_cases_main(rank: int, world: int, model_path: str, port: int, out: str, samples: list[dict],
-                     cases: dict[str, tuple[str, int | None, float]]) -> None:
+def _vcpo_cases_main(
+    rank: int,
+    world: int,
+    model_path: str,
+    port: int,
+    out: str,
+    samples: list[dict],
+    cases: dict[str, tuple[str, int | None, float]],
+) -> None:
     """One VCPO step per case, label: (opob_impl, token budget, bookkeeping_budget_mb), ZeRO-2."""
     from algorithms import registry
     from learner.batch import collate
@@ -359,9 +452,16 @@ def _vcpo_cases_main(rank: int, world: int, model_path: str, port: int, out: str
     results = {}
     for label, (impl, tokens, budget_mb) in cases.items():
         config = registry.build("vcpo", opob_impl=impl, bookkeeping_budget_mb=budget_mb).config
-        spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
-                           stabilizer_name="vcpo", stabilizer_config=config, loss_aggregation="seq-mean-token-mean",
-                           max_tokens_per_micro_batch=tokens)
+        spec = LearnerSpec(
+            model_path=model_path,
+            zero_stage=2,
+            learning_rate=LEARNING_RATE,
+            adam_eps=ADAM_EPS,
+            stabilizer_name="vcpo",
+            stabilizer_config=config,
+            loss_aggregation="seq-mean-token-mean",
+            max_tokens_per_micro_batch=tokens,
+        )
         learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
         results[label] = {"metrics": learner.train_step(share), "weights": learner.state_dict_for_publish()}
     if rank == 0:
@@ -384,12 +484,22 @@ def test_vcpo_carries_a_group_split_across_micro_batches_in_one_pass(tiny_qwen2,
     longest = int(collate(samples, 0).sequence_lengths.max())
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
     score_buffer_mb = 4 * sum(p.numel() for p in model.parameters()) / 2**20
-    cases = {"whole": ("auto", None, 1024), "two rows": ("bookkeeping", 2 * longest, 1024),
-             "one row": ("bookkeeping", longest, 1024), "auto": ("auto", 2 * longest, 1024),
-             "ghost": ("ghost", 2 * longest, 1024), "buffer over budget": ("auto", 2 * longest, score_buffer_mb / 2)}
+    cases = {
+        "whole": ("auto", None, 1024),
+        "two rows": ("bookkeeping", 2 * longest, 1024),
+        "one row": ("bookkeeping", longest, 1024),
+        "auto": ("auto", 2 * longest, 1024),
+        "ghost": ("ghost", 2 * longest, 1024),
+        "buffer over budget": ("auto", 2 * longest, score_buffer_mb / 2),
+    }
     out = str(tmp_path / "carried.pt")
-    mp.start_processes(_vcpo_cases_main, args=(world, tiny_qwen2, _free_port(), out, samples, cases), nprocs=world,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        _vcpo_cases_main,
+        args=(world, tiny_qwen2, _free_port(), out, samples, cases),
+        nprocs=world,
+        start_method="spawn",
+        join=True,
+    )
     results = torch.load(out, weights_only=False)
     groups_per_rank = len({s["group_id"] for s in samples}) / world
     for label in ("two rows", "one row", "auto"):
@@ -400,8 +510,12 @@ def test_vcpo_carries_a_group_split_across_micro_batches_in_one_pass(tiny_qwen2,
         assert metrics["perf/learner_passes"] == 2 and metrics["opob/carried_groups"] == 0, label
     failures = []
     for label in ("two rows", "one row", "auto", "ghost", "buffer over budget"):
-        failures += _differences(label, results[label]["metrics"], results[label]["weights"],
-                                 results["whole"]["metrics"], results["whole"]["weights"],
-                                 COMPARED + ("opob/baseline_mean", "opob/baseline_shift_abs",
-                                             "opob/sample_grad_norm_mean"))
+        failures += _differences(
+            label,
+            results[label]["metrics"],
+            results[label]["weights"],
+            results["whole"]["metrics"],
+            results["whole"]["weights"],
+            (*COMPARED, "opob/baseline_mean", "opob/baseline_shift_abs", "opob/sample_grad_norm_mean"),
+        )
     assert not failures, "\n".join(failures)

@@ -26,8 +26,9 @@ def test_tiny_model_and_tokenizer_load_and_run(tmp_path, arch):
     assert tokenizer.decode(ids, skip_special_tokens=True) == "<answer>42</answer>"
     assert tokenizer.convert_ids_to_tokens(ids)[0] == "<answer>"
     assert [tokenizer.decode([i]) for i in tokenizer.encode("123", add_special_tokens=False)] == ["1", "2", "3"]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert model.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>") == tokenizer.eos_token_id
     logits = model(torch.tensor([ids])).logits
@@ -49,10 +50,10 @@ def test_rebuild_is_a_no_op_unless_the_parameters_change(tmp_path):
 
 
 def test_resolve_model_errors_name_the_path(tmp_path):
-    with pytest.raises(ModelPathError, match="model.path: no model folder at"):
+    with pytest.raises(ModelPathError, match=r"model.path: no model folder at"):
         resolve_model(str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config.json"):
         resolve_model(str(tmp_path / "empty"))
     assert resolve_model("some-org/some-model") == "some-org/some-model"
 
@@ -72,9 +73,12 @@ def test_tokenizer_without_chat_template_is_refused(tmp_path):
 def test_a_tokenizer_that_does_not_load_is_named(tmp_path):
     path = build_tiny_model(tmp_path / "m", CORPUS)
     (path / "tokenizer.json").write_text("{not json")
-    with pytest.raises(ModelPathError, match=rf"model.path: no tokenizer loads from '{path}' \(JSONDecodeError: "
-                                             r".*\); a hub id must be in .*; else give a local model folder, or "
-                                             r"one of tiny, smollm2-135m"):
+    with pytest.raises(
+        ModelPathError,
+        match=rf"model.path: no tokenizer loads from '{path}' \(JSONDecodeError: "
+        r".*\); a hub id must be in .*; else give a local model folder, or "
+        r"one of tiny, smollm2-135m",
+    ):
         check_chat_template(str(path))
 
 

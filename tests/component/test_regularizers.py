@@ -22,8 +22,9 @@ def _uniform_rewards(samples: list[dict]) -> list[dict]:
     return [dict(s, reward=1.0) for s in samples]
 
 
-def _rank_main(rank: int, world: int, model_path: str, port: int, out: str, options: dict, steps: int,
-               uniform: bool) -> None:
+def _rank_main(
+    rank: int, world: int, model_path: str, port: int, out: str, options: dict, steps: int, uniform: bool
+) -> None:
     from algorithms import registry
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
@@ -31,9 +32,17 @@ def _rank_main(rank: int, world: int, model_path: str, port: int, out: str, opti
     options = dict(options)
     stage = options.pop("zero_stage", 2)
     stabilizer = registry.build("tis_token", cap=2.0)
-    spec = LearnerSpec(model_path=model_path, zero_stage=stage, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
-                       stabilizer_name="tis_token", stabilizer_config=stabilizer.config,
-                       loss_aggregation="token-mean", temperature=TEMPERATURE, **options)
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=stage,
+        learning_rate=LEARNING_RATE,
+        adam_eps=ADAM_EPS,
+        stabilizer_name="tis_token",
+        stabilizer_config=stabilizer.config,
+        loss_aggregation="token-mean",
+        temperature=TEMPERATURE,
+        **options,
+    )
     learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
     samples = _uniform_rewards(_batch_samples()) if uniform else _batch_samples()
     share = [s for s in samples if s["group_id"] % world == rank]  # whole groups per rank
@@ -45,8 +54,13 @@ def _rank_main(rank: int, world: int, model_path: str, port: int, out: str, opti
 
 
 def _run(world: int, model_path: str, out, options: dict, steps: int = 1, uniform: bool = False) -> dict:
-    mp.start_processes(_rank_main, args=(world, model_path, _free_port(), str(out), options, steps, uniform),
-                       nprocs=world, start_method="spawn", join=True)
+    mp.start_processes(
+        _rank_main,
+        args=(world, model_path, _free_port(), str(out), options, steps, uniform),
+        nprocs=world,
+        start_method="spawn",
+        join=True,
+    )
     return torch.load(out, weights_only=True)
 
 
@@ -67,8 +81,9 @@ def test_kl_starts_at_zero_grows_and_holds_the_policy_nearer_the_reference(tiny_
 def test_the_kl_term_is_the_same_on_two_zero3_ranks(tiny_qwen2, tmp_path):
     """ZeRO-3 on 2 ranks: the reference is a partitioned engine, and every rank runs its forwards."""
     tight = _run(1, tiny_qwen2, tmp_path / "tight.pt", {"kl_coef": 5.0, "kl_estimator": "k3"}, steps=3)
-    sharded = _run(2, tiny_qwen2, tmp_path / "sharded.pt", {"kl_coef": 5.0, "kl_estimator": "k3", "zero_stage": 3},
-                   steps=3)
+    sharded = _run(
+        2, tiny_qwen2, tmp_path / "sharded.pt", {"kl_coef": 5.0, "kl_estimator": "k3", "zero_stage": 3}, steps=3
+    )
     for one, two in zip(tight["metrics"], sharded["metrics"]):
         assert two["stability/kl_ref_mean"] == pytest.approx(one["stability/kl_ref_mean"], rel=1e-3, abs=1e-9)
     for name, tensor in tight["weights"].items():
@@ -78,8 +93,13 @@ def test_the_kl_term_is_the_same_on_two_zero3_ranks(tiny_qwen2, tmp_path):
 def test_the_adaptive_coefficient_moves_towards_the_target(tiny_qwen2, tmp_path):
     from algorithms.regularizers import adapted_kl_coef
 
-    run = _run(1, tiny_qwen2, tmp_path / "adaptive.pt",
-               {"kl_coef": 0.1, "kl_estimator": "k3", "kl_target": 1.0, "kl_horizon": 16}, steps=2)
+    run = _run(
+        1,
+        tiny_qwen2,
+        tmp_path / "adaptive.pt",
+        {"kl_coef": 0.1, "kl_estimator": "k3", "kl_target": 1.0, "kl_horizon": 16},
+        steps=2,
+    )
     first, second = run["metrics"]
     assert first["stability/kl_ref_coef"] == pytest.approx(0.1)
     # the first step's KL (0) is far below the target: the coefficient falls by the controller's 20% bound
@@ -156,9 +176,16 @@ def _reference_main(rank: int, model_path: str, port: int, folder: str, out: str
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
 
-    spec = LearnerSpec(model_path=model_path, zero_stage=2, learning_rate=LEARNING_RATE, adam_eps=ADAM_EPS,
-                       stabilizer_name="tis_token", stabilizer_config=registry.build("tis_token").config,
-                       kl_coef=1e-6, kl_estimator="low_var+")
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        learning_rate=LEARNING_RATE,
+        adam_eps=ADAM_EPS,
+        stabilizer_name="tis_token",
+        stabilizer_config=registry.build("tis_token").config,
+        kl_coef=1e-6,
+        kl_estimator="low_var+",
+    )
     learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
     batch = collate(_batch_samples(), 0)
     for _ in range(3):
@@ -173,8 +200,13 @@ def _reference_main(rank: int, model_path: str, port: int, folder: str, out: str
 
 def test_the_reference_can_be_the_policy_after_the_warm_up(tiny_qwen2, tmp_path):
     out = tmp_path / "reference.pt"
-    mp.start_processes(_reference_main, args=(tiny_qwen2, _free_port(), str(tmp_path / "reference"), str(out)),
-                       nprocs=1, start_method="spawn", join=True)
+    mp.start_processes(
+        _reference_main,
+        args=(tiny_qwen2, _free_port(), str(tmp_path / "reference"), str(out)),
+        nprocs=1,
+        start_method="spawn",
+        join=True,
+    )
     result = torch.load(out, weights_only=True)
     assert result["before"] > 1e-4  # the warm-up's own distance from the loaded model
     assert result["after"] == 0.0, result  # the step starts from the reference itself

@@ -49,7 +49,7 @@ def test_a_hung_or_dead_reward_model_fails_only_that_calls_samples_and_is_replac
 
 
 def test_a_reward_model_actor_that_cannot_start_stops_the_job_with_the_reason(local_ray):
-    with pytest.raises(RewardWorkerError, match="failed to start.*CUDA out of memory while loading"):
+    with pytest.raises(RewardWorkerError, match=r"failed to start.*CUDA out of memory while loading"):
         ActorRewardModel(_misbehaving(fail_start=True), _messages, timeout_s=2.0, startup_timeout_s=60.0)
 
 
@@ -58,8 +58,7 @@ def test_the_actor_scores_as_the_scorer_does_in_process(local_ray, tiny_qwen2, t
     from tests.unit.test_composite_rewards import COMPLETIONS, build_tiny_reward_model
 
     path = build_tiny_reward_model(tiny_qwen2, tmp_path / "rm")
-    inline = RewardModelScorer(path, max_length=64, batch_size=3).score(
-        [(_messages(PROBLEM), c) for c in COMPLETIONS])
+    inline = RewardModelScorer(path, max_length=64, batch_size=3).score([(_messages(PROBLEM), c) for c in COMPLETIONS])
     start = lambda: ray.remote(RewardModelActor).options(num_cpus=1).remote(path, 64, 3, False)  # noqa: E731
     component = ActorRewardModel(start, _messages, timeout_s=60.0, startup_timeout_s=120.0)
     try:
@@ -68,4 +67,3 @@ def test_the_actor_scores_as_the_scorer_does_in_process(local_ray, tiny_qwen2, t
         component.close()
     assert [r.error for r in remote] == [None] * len(COMPLETIONS)
     assert [r.reward for r in remote] == pytest.approx([r.reward for r in inline], abs=1e-5)
-

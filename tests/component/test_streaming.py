@@ -4,6 +4,7 @@ a long response is in flight, and each token's policy version recorded."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 
 import pytest
@@ -16,8 +17,9 @@ pytest.importorskip("vllm")
 def _request(group_id: int, seed: int = 0):
     from actors.generator import GenerationRequest
 
-    return GenerationRequest(group_id, f"p{group_id}", [{"role": "user", "content": f"What is {group_id} + 3?"}],
-                             seed=seed + group_id)
+    return GenerationRequest(
+        group_id, f"p{group_id}", [{"role": "user", "content": f"What is {group_id} + 3?"}], seed=seed + group_id
+    )
 
 
 def _weights(path: str):
@@ -40,8 +42,9 @@ async def _until_tokens_are_sampled(generator, timeout_s: float = 60.0) -> None:
     """Wait until the engine has sampled some tokens of a request in flight."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     states = generator.engine.output_processor.request_states
-    while not any(state.detokenizer is not None and state.detokenizer.num_output_tokens() > 0
-                  for state in states.values()):
+    while not any(
+        state.detokenizer is not None and state.detokenizer.num_output_tokens() > 0 for state in states.values()
+    ):
         assert asyncio.get_running_loop().time() < deadline, "no token sampled"
         await asyncio.sleep(0.01)
 
@@ -54,8 +57,11 @@ def streaming(tiny_qwen2):
     loop = asyncio.new_event_loop()
 
     async def build():  # AsyncLLM starts its output handler on the running loop
-        return StreamingGenerator(GeneratorSpec(model_path=tiny_qwen2, samples_per_prompt=2, max_new_tokens=400,
-                                                temperature=1.0, max_model_len=448))
+        return StreamingGenerator(
+            GeneratorSpec(
+                model_path=tiny_qwen2, samples_per_prompt=2, max_new_tokens=400, temperature=1.0, max_model_len=448
+            )
+        )
 
     generator = loop.run_until_complete(build())
     yield generator, loop
@@ -95,7 +101,7 @@ def test_a_weight_update_lands_while_a_long_response_is_in_flight(streaming, tin
         spans = completion["version_spans"]
         assert [span[0] for span in spans] == [2, 3], spans  # sampled by version 2, finished by version 3
         assert spans[0][1] == 0 and spans[-1][2] == len(completion["completion_ids"])
-        assert all(a[2] == b[1] for a, b in zip(spans, spans[1:]))  # contiguous, every token labelled once
+        assert all(a[2] == b[1] for a, b in itertools.pairwise(spans))  # contiguous, every token labelled once
         assert len(completion["behaviour_logprobs"]) == len(completion["completion_ids"])
     assert (group.version_start, group.version_end) == (2, 3)  # lag counts from the oldest token
 
@@ -127,5 +133,6 @@ def test_groups_are_sampled_concurrently_and_each_returns_when_its_own_responses
     assert all(len(group.completions) == 2 for group in first + second)  # every sample, however they ended
     for group in first + second:
         assert (group.version_start, group.version_end) == (4, 4)
-        assert all(c["version_spans"] == [[4, 0, len(c["completion_ids"])]] for c in group.completions
-                   if c["completion_ids"])
+        assert all(
+            c["version_spans"] == [[4, 0, len(c["completion_ids"])]] for c in group.completions if c["completion_ids"]
+        )

@@ -35,14 +35,20 @@ def _member(rank: int, world: int, port: int, bucket_mb: int, out: str) -> None:
         sync.send(specs, iter(weights.values()))
     else:
         buckets_received = [[(name, tensor.clone()) for name, tensor in bucket] for bucket in sync.receive(specs)]
-        torch.save({"weights": {name: tensor for bucket in buckets_received for name, tensor in bucket},
-                    "bucket_sizes": [len(bucket) for bucket in buckets_received]}, f"{out}.{rank}")
+        torch.save(
+            {
+                "weights": {name: tensor for bucket in buckets_received for name, tensor in bucket},
+                "bucket_sizes": [len(bucket) for bucket in buckets_received],
+            },
+            f"{out}.{rank}",
+        )
 
 
 def _broadcast(world: int, bucket_mb: int, tmp_path) -> list[dict[str, torch.Tensor]]:
     out = str(tmp_path / "received")
-    mp.start_processes(_member, args=(world, _free_port(), bucket_mb, out), nprocs=world,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        _member, args=(world, _free_port(), bucket_mb, out), nprocs=world, start_method="spawn", join=True
+    )
     return [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(1, world)]
 
 

@@ -24,8 +24,13 @@ def _learner_main(rank: int, model_path: str, ports: tuple[int, int], stage: int
         specs = [TensorSpec(name, tuple(p.shape), "bfloat16") for name, p in model.named_parameters()]
         sync = CollectiveWeightSync("127.0.0.1", weight_port, 1, 2)
         buckets = list(sync.receive(specs))
-        torch.save({"weights": {name: t.clone() for bucket in buckets for name, t in bucket},
-                    "largest_bucket": max(sum(t.numel() * t.element_size() for _, t in b) for b in buckets)}, out)
+        torch.save(
+            {
+                "weights": {name: t.clone() for bucket in buckets for name, t in bucket},
+                "largest_bucket": max(sum(t.numel() * t.element_size() for _, t in b) for b in buckets),
+            },
+            out,
+        )
         return
     spec = LearnerSpec(model_path=model_path, zero_stage=stage, learning_rate=LEARNING_RATE)
     learner = LearnerActor(spec, rank, 2, "127.0.0.1", learner_port)
@@ -38,8 +43,13 @@ def _learner_main(rank: int, model_path: str, ports: tuple[int, int], stage: int
 
 def _run(model_path: str, stage: int, tmp_path) -> tuple[dict, list[int]]:
     out = str(tmp_path / f"received-z{stage}.pt")
-    mp.start_processes(_learner_main, args=(model_path, (_free_port(), _free_port()), stage, out), nprocs=3,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        _learner_main,
+        args=(model_path, (_free_port(), _free_port()), stage, out),
+        nprocs=3,
+        start_method="spawn",
+        join=True,
+    )
     return torch.load(out, weights_only=True), [torch.load(f"{out}.sent{r}", weights_only=True) for r in (0, 1)]
 
 

@@ -27,8 +27,15 @@ def _sender_main(rank: int, stage: int, model_path: str, ports: tuple[int, int],
     sent = learner.send_weights("bfloat16")
     torch.cuda.synchronize()
     largest = max(p.numel() for p in learner.engine.module.parameters()) * 4
-    torch.save({"sent": sent, "extra_peak": torch.cuda.max_memory_allocated() - base, "largest": largest,
-                "expected": sum(torch.Size(s.shape).numel() for s in learner.publish_specs("bfloat16")) * 2}, out)
+    torch.save(
+        {
+            "sent": sent,
+            "extra_peak": torch.cuda.max_memory_allocated() - base,
+            "largest": largest,
+            "expected": sum(torch.Size(s.shape).numel() for s in learner.publish_specs("bfloat16")) * 2,
+        },
+        out,
+    )
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -36,8 +43,13 @@ def test_rank_0_packs_bf16_buckets_on_the_gpu_within_two_buffers(tiny_qwen2, tmp
     pytest.importorskip("vllm")
     pytest.importorskip("ray")
     out = str(tmp_path / f"sent-z{stage}.pt")
-    mp.start_processes(_sender_main, args=(stage, tiny_qwen2, (_free_port(), _free_port()), out), nprocs=1,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        _sender_main,
+        args=(stage, tiny_qwen2, (_free_port(), _free_port()), out),
+        nprocs=1,
+        start_method="spawn",
+        join=True,
+    )
     result = torch.load(out, weights_only=True)
     assert result["sent"] == result["expected"] > 0
     # vLLM's producer keeps at most two packed buckets (of up to 1 GiB plus one tensor) in flight

@@ -30,9 +30,21 @@ MIN_REWARD_GAIN = 0.25  # last 10 steps over the first 10
 def test_the_demo_job_as_shipped_reaches_the_readmes_floor(tmp_path):
     from cluster.telemetry.run_files import is_evaluation_row, read_jsonl_rows
 
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", "train", "deploy/jobs/demo.yaml",
-                             "--set", f"logging.run_dir={tmp_path / 'runs'}"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=880)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "train",
+            "deploy/jobs/demo.yaml",
+            "--set",
+            f"logging.run_dir={tmp_path / 'runs'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from cluster.cli import main as cli_main  # noqa: E402
+from cluster.cli import main as cli_main
 
 
 def test_evaluate_answers_every_set_and_writes_each_ones_results(tmp_path, tiny_qwen2, capsys):
@@ -17,15 +17,32 @@ def test_evaluate_answers_every_set_and_writes_each_ones_results(tmp_path, tiny_
     each) beside its unnamed set of 2: one table row and one JSON entry per set. A set whose file is missing
     exits 2 naming its field, before the engine starts."""
     sums = tmp_path / "sums.jsonl"
-    sums.write_text("".join(json.dumps({"problem": f"What is {a} + {b}?", "answer": a + b}) + "\n"
-                            for a, b in ((1, 2), (3, 4), (2, 2))))
+    sums.write_text(
+        "".join(
+            json.dumps({"problem": f"What is {a} + {b}?", "answer": a + b}) + "\n" for a, b in ((1, 2), (3, 4), (2, 2))
+        )
+    )
     job = tmp_path / "job.yaml"
-    job.write_text(json.dumps({
-        "task": {"name": "arithmetic"},
-        "generator": {"max_new_tokens": 8, "max_model_len": 96},
-        "eval": {"num_problems": 2, "sets": {"sums": {"path": str(sums), "task": "dataset", "prompt_field": "problem",
-                                                      "samples_per_problem": 2, "temperature": 1.0}}},
-    }))
+    job.write_text(
+        json.dumps(
+            {
+                "task": {"name": "arithmetic"},
+                "generator": {"max_new_tokens": 8, "max_model_len": 96},
+                "eval": {
+                    "num_problems": 2,
+                    "sets": {
+                        "sums": {
+                            "path": str(sums),
+                            "task": "dataset",
+                            "prompt_field": "problem",
+                            "samples_per_problem": 2,
+                            "temperature": 1.0,
+                        }
+                    },
+                },
+            }
+        )
+    )
     out = tmp_path / "results" / "evaluation.json"
     assert cli_main(["evaluate", tiny_qwen2, "--job", str(job), "--set", "eval.sets.sums.path=gone.jsonl"]) == 2
     assert "eval.sets.sums.path: no data file at gone.jsonl" in capsys.readouterr().err
@@ -36,8 +53,12 @@ def test_evaluate_answers_every_set_and_writes_each_ones_results(tmp_path, tiny_
     results = json.loads(out.read_text())
     assert results["model"] == tiny_qwen2 and list(results["sets"]) == ["default", "sums"]
     default, named = results["sets"]["default"], results["sets"]["sums"]
-    assert (default["logged_as"], default["task"], default["problems"], default["answers"]) == ("eval/*", "arithmetic",
-                                                                                               2, 2)
+    assert (default["logged_as"], default["task"], default["problems"], default["answers"]) == (
+        "eval/*",
+        "arithmetic",
+        2,
+        2,
+    )
     assert (default["samples_per_problem"], default["temperature"]) == (1, 0.0)
     assert (named["logged_as"], named["task"], named["problems"], named["answers"]) == ("eval/sums/*", "dataset", 3, 6)
     assert (named["samples_per_problem"], named["temperature"]) == (2, 1.0)

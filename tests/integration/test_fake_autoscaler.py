@@ -22,7 +22,9 @@ import yaml
 
 pytest.importorskip("vllm")
 
-from actors.buffer import audit_ledger  # noqa: E402
+import contextlib
+
+from actors.buffer import audit_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -35,36 +37,59 @@ def _port_free(port: int) -> bool:
 
 
 def _python(code: str, env: dict[str, str]) -> str:
-    return subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True,
-                          timeout=120).stdout
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True, timeout=120
+    ).stdout
 
 
-RESOURCES = ("import ray; ray.init(address='127.0.0.1:6379', logging_level='ERROR'); "
-             "print('generator_units', ray.cluster_resources().get('generator', 0))")
-REQUEST = ("import ray; from ray.autoscaler.sdk import request_resources; ray.init(address='127.0.0.1:6379', "
-           "logging_level='ERROR'); request_resources(bundles=[{'generator': 1}] * 2)")
+RESOURCES = (
+    "import ray; ray.init(address='127.0.0.1:6379', logging_level='ERROR'); "
+    "print('generator_units', ray.cluster_resources().get('generator', 0))"
+)
+REQUEST = (
+    "import ray; from ray.autoscaler.sdk import request_resources; ray.init(address='127.0.0.1:6379', "
+    "logging_level='ERROR'); request_resources(bundles=[{'generator': 1}] * 2)"
+)
 
 
 @pytest.fixture
 def fake_cluster(tmp_path):
     if not _port_free(6379):
         pytest.skip("port 6379 is taken; the fake provider's nodes join a head there")
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "disabled",
-           "STABLEASYNC_CACHE": str(tmp_path / "cache"), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "RAY_FAKE_CLUSTER": "1",
+        "RAY_AUTH_MODE": "disabled",
+        "STABLEASYNC_CACHE": str(tmp_path / "cache"),
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+    }
     env.pop("RAY_ADDRESS", None)
     head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--port=6379", "--node-ip-address=127.0.0.1",
-         f"--autoscaling-config={ROOT / 'deploy' / 'clusters' / 'local.yaml'}", "--num-cpus=2",
-         "--resources", json.dumps({"learner": 1}), "--include-dashboard=false", "--disable-usage-stats"],
-        env=env, start_new_session=True, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT)
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--port=6379",
+            "--node-ip-address=127.0.0.1",
+            f"--autoscaling-config={ROOT / 'deploy' / 'clusters' / 'local.yaml'}",
+            "--num-cpus=2",
+            "--resources",
+            json.dumps({"learner": 1}),
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=open(tmp_path / "head.log", "w"),  # noqa: SIM115 - the process writes it until killed
+        stderr=subprocess.STDOUT,
+    )
     try:
         yield env
     finally:
         os.killpg(head.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
@@ -89,11 +114,20 @@ def test_the_autoscaler_adds_a_generator_node_and_the_running_job_uses_it(fake_c
     job["model"]["sft_warmup"]["steps"] = 5
     job["learner"]["steps"] = 400
     job["cluster"]["address"] = "127.0.0.1:6379"
-    job["logging"] = {"run_dir": str(tmp_path / "runs"), "run_name": "run", "wandb": {"mode": "disabled"},
-                      "progress_bar": False}
+    job["logging"] = {
+        "run_dir": str(tmp_path / "runs"),
+        "run_name": "run",
+        "wandb": {"mode": "disabled"},
+        "progress_bar": False,
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    driver = subprocess.Popen([sys.executable, "-m", "cluster.cli", "train", str(tmp_path / "job.yaml")], cwd=ROOT,
-                              env=env, stdout=open(tmp_path / "driver.log", "w"), stderr=subprocess.STDOUT)
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "train", str(tmp_path / "job.yaml")],
+        cwd=ROOT,
+        env=env,
+        stdout=open(tmp_path / "driver.log", "w"),  # noqa: SIM115 - the process writes it until killed
+        stderr=subprocess.STDOUT,
+    )
     metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
 
     def generators() -> int:

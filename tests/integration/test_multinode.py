@@ -32,10 +32,16 @@ def cluster(monkeypatch, tmp_path):
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("STABLEASYNC_CACHE", str(tmp_path / "cache"))
-    head = Cluster(initialize_head=True, connect=False, head_node_args={
-        "num_cpus": 1, "resources": {"learner": 1}, "object_store_memory": OBJECT_STORE_BYTES,
-        "include_dashboard": False,
-    })
+    head = Cluster(
+        initialize_head=True,
+        connect=False,
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {"learner": 1},
+            "object_store_memory": OBJECT_STORE_BYTES,
+            "include_dashboard": False,
+        },
+    )
     yield head
     head.shutdown()
 
@@ -50,8 +56,14 @@ def _job_file(tmp_path: Path, address: str, steps: int, **generator) -> tuple[Pa
         "name": "multinode",
         "model": {"path": "tiny", "sft_warmup": {"steps": 2, "prompts_per_step": 8}},
         "task": {"name": "arithmetic"},
-        "generator": {"num_generators": 1, "samples_per_prompt": 4, "prompts_per_request": 2,
-                      "max_new_tokens": 8, "max_model_len": 96, **generator},
+        "generator": {
+            "num_generators": 1,
+            "samples_per_prompt": 4,
+            "prompts_per_request": 2,
+            "max_new_tokens": 8,
+            "max_model_len": 96,
+            **generator,
+        },
         "learner": {"num_ranks": 1, "steps": steps, "prompts_per_step": 2, "learning_rate": 1e-3},
         "async": {"max_lag": 1},
         "cluster": {"address": address, "generator_resource": "generator", "learner_resource": "learner"},
@@ -63,8 +75,12 @@ def _job_file(tmp_path: Path, address: str, steps: int, **generator) -> tuple[Pa
 
 
 def _start(job_file: Path, tmp_path: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "cluster.cli", "train", str(job_file)],
-                            stdout=open(tmp_path / "driver.log", "w"), stderr=subprocess.STDOUT, env=dict(os.environ))
+    return subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "train", str(job_file)],
+        stdout=open(tmp_path / "driver.log", "w"),
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ),
+    )
 
 
 def _finish(driver: subprocess.Popen, tmp_path: Path, timeout_s: float = 400) -> None:
@@ -91,7 +107,6 @@ def _wait_for(condition, driver: subprocess.Popen, tmp_path: Path, what: str, ti
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}:\n" + (tmp_path / "driver.log").read_text()[-4000:])
         time.sleep(0.5)
-
 
 
 def test_generators_run_on_generator_nodes_and_the_learner_on_its_own(cluster, tmp_path):
@@ -142,13 +157,21 @@ def test_every_node_is_asked_which_paths_it_sees(cluster, tmp_path):
     other = _add_generator_node(cluster)
     seen, nowhere = tmp_path / "runs", tmp_path / "absent"
     seen.mkdir()
-    code = ("import json, ray; from cluster.run import runtime; "
-            f"ray.init(address={cluster.address!r}, logging_level='ERROR'); "
-            f"missing = runtime.paths_missing_on_nodes([{str(seen)!r}, {str(nowhere)!r}]); "
-            "nodes = sorted(n['NodeID'] for n in ray.nodes() if n['Alive']); "
-            "print(json.dumps({'missing': missing, 'nodes': nodes}))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
-                            capture_output=True, text=True, timeout=120, env={**os.environ})
+    code = (
+        "import json, ray; from cluster.run import runtime; "
+        f"ray.init(address={cluster.address!r}, logging_level='ERROR'); "
+        f"missing = runtime.paths_missing_on_nodes([{str(seen)!r}, {str(nowhere)!r}]); "
+        "nodes = sorted(n['NodeID'] for n in ray.nodes() if n['Alive']); "
+        "print(json.dumps({'missing': missing, 'nodes': nodes}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert other.node_id in report["nodes"] and len(report["nodes"]) == 2

@@ -25,9 +25,14 @@ def local_ray(tmp_path_factory):
     import os
 
     os.environ["STABLEASYNC_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    ray.init(address="local", num_cpus=3, include_dashboard=False, namespace="stableasync-tests",
-             _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
-             runtime_env={"env_vars": __import__("cluster.run.runtime", fromlist=["actor_env"]).actor_env()})
+    ray.init(
+        address="local",
+        num_cpus=3,
+        include_dashboard=False,
+        namespace="stableasync-tests",
+        _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
+        runtime_env={"env_vars": __import__("cluster.run.runtime", fromlist=["actor_env"]).actor_env()},
+    )
     yield
     ray.shutdown()
 
@@ -37,8 +42,13 @@ def _job(tmp_path: Path, max_lag: int, steps: int = 4, **overrides) -> dict:
         "name": f"lag{max_lag}",
         "model": {"path": "tiny", "sft_warmup": {"steps": 2, "prompts_per_step": 8}},
         "task": {"name": "arithmetic"},
-        "generator": {"num_generators": 1, "samples_per_prompt": 4, "prompts_per_request": 2,
-                      "max_new_tokens": 8, "max_model_len": 96},
+        "generator": {
+            "num_generators": 1,
+            "samples_per_prompt": 4,
+            "prompts_per_request": 2,
+            "max_new_tokens": 8,
+            "max_model_len": 96,
+        },
         "learner": {"num_ranks": 2, "zero_stage": 2, "steps": steps, "prompts_per_step": 2, "learning_rate": 1e-3},
         "algorithm": {"stabilizer": {"name": "tis_seq"}},
         "async": {"max_lag": max_lag},
@@ -70,8 +80,16 @@ def run_job_in(tmp_path, **kwargs):
 def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
     held_out = tmp_path / "held_out.jsonl"  # a named evaluation set in another task's format (eval.sets)
     held_out.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "answer": a + 2}) + "\n" for a in range(3)))
-    result = _run(tmp_path, max_lag=0, eval={"every_steps": 2, "num_problems": 5, "before_training": True,
-                                             "sets": {"held": {"path": str(held_out), "task": "dataset"}}})
+    result = _run(
+        tmp_path,
+        max_lag=0,
+        eval={
+            "every_steps": 2,
+            "num_problems": 5,
+            "before_training": True,
+            "sets": {"held": {"path": str(held_out), "task": "dataset"}},
+        },
+    )
     trained = _trained(result.run_dir)
     assert len(trained) == 4 * 2  # steps x prompts_per_step, each group exactly once
     assert {r["lag"] for r in trained} == {0}
@@ -109,9 +127,25 @@ def test_synchronous_job_trains_only_lag_zero(local_ray, tmp_path):
         assert row["eval/seconds"] > 0
     # the named set: a row of its own at each of those steps, every key under eval/held/
     held = {m["train/step"]: m for m in metrics if "eval/held/solved" in m}
-    assert sorted(held) == [0, 2, 4] and all(set(m) - {"train/step", "time/wall_s"} == {
-        f"eval/held/{key}" for key in ("reward_mean", "solved", "pass_at_k", "maj_at_k", "response_len", "score_errors",
-                                       "problems", "answers", "policy_version", "seconds")} for m in held.values())
+    assert sorted(held) == [0, 2, 4] and all(
+        set(m) - {"train/step", "time/wall_s"}
+        == {
+            f"eval/held/{key}"
+            for key in (
+                "reward_mean",
+                "solved",
+                "pass_at_k",
+                "maj_at_k",
+                "response_len",
+                "score_errors",
+                "problems",
+                "answers",
+                "policy_version",
+                "seconds",
+            )
+        }
+        for m in held.values()
+    )
     assert all(m["eval/held/policy_version"] == step and m["eval/held/problems"] == 3 for step, m in held.items())
     assert all(0.0 <= m["eval/held/solved"] <= m["eval/held/pass_at_k"] <= 1.0 for m in held.values())
     # each evaluation ends before the next step's generation (queued behind it): the loop never waited for one
@@ -165,8 +199,13 @@ def test_a_streaming_generator_runs_calls_side_by_side_and_takes_weights_while_t
     """generator.streaming: one AsyncLLM engine with two generate calls in flight; each publish loads the
     weights beside them (the driver waits for the load, then issues with the new version). Every group ends
     once, none past the lag bound, and later groups were sampled with the learner's newer weights."""
-    result = _run(tmp_path, max_lag=1, steps=4, logging={"run_name": "streaming"},
-                  generator={"streaming": True, "requests_in_flight": 2, "prompts_per_request": 1})
+    result = _run(
+        tmp_path,
+        max_lag=1,
+        steps=4,
+        logging={"run_name": "streaming"},
+        generator={"streaming": True, "requests_in_flight": 2, "prompts_per_request": 1},
+    )
     trained = _trained(result.run_dir)
     assert len(trained) == 4 * 2 and max(r["lag"] for r in trained) <= 1
     assert max(r["trained_step"] - r["lag"] for r in trained) >= 2  # sampled with the weights of step 2 or later
@@ -187,8 +226,7 @@ def test_collective_weight_sync_path(local_ray, tmp_path, streaming):
     """The NCCL publisher's code path, over gloo: learner rank 0 broadcasts to the generator, a streaming one
     receiving in its engine-core process beside its calls in flight."""
     generator = {"streaming": True, "requests_in_flight": 2, "prompts_per_request": 1} if streaming else {}
-    result = _run(tmp_path, max_lag=1, steps=3, generator=generator,
-                  **{"async": {"max_lag": 1, "weight_sync": "gloo"}})
+    result = _run(tmp_path, max_lag=1, steps=3, generator=generator, **{"async": {"max_lag": 1, "weight_sync": "gloo"}})
     trained = _trained(result.run_dir)
     assert len(trained) == 3 * 2 and max(r["lag"] for r in trained) <= 1
     # the generator tags samples with the version it received over the broadcast
@@ -201,15 +239,16 @@ def test_vcpo_job_with_the_off_policy_baseline(local_ray, tmp_path, monkeypatch)
     W&B key in the environment (passed to the actors), no file of the run contains it."""
     secret = "sa-test-key-5f0c1d2e3b4a"
     monkeypatch.setenv("WANDB_API_KEY", secret)
-    result = _run(tmp_path, max_lag=1, steps=3, algorithm={"stabilizer": {"name": "vcpo"}},
-                  learner={"zero_stage": 3})
+    result = _run(tmp_path, max_lag=1, steps=3, algorithm={"stabilizer": {"name": "vcpo"}}, learner={"zero_stage": 3})
     leaking = [p for p in result.run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert leaking == []
     metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [m for m in metrics if m["train/step"] > 0][-1]
     assert last["opob/fallback_to_loop"] == 0
-    assert (last["opob/sample_grad_norm_mean"] > 0
-            and last["opob/sample_grad_norm_max"] >= last["opob/sample_grad_norm_median"])
+    assert (
+        last["opob/sample_grad_norm_mean"] > 0
+        and last["opob/sample_grad_norm_max"] >= last["opob/sample_grad_norm_median"]
+    )
     assert 0 < last["stability/lr_scale"] <= 1
     assert len(_trained(result.run_dir)) == 3 * 2
 
@@ -230,8 +269,9 @@ def _kill_after_step(run_dir: Path, actor_name: str, killed: list[int], step: in
     pid = ray.get(generator.process_id.remote())
     metrics = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if metrics.exists() and any(json.loads(line)["train/step"] >= step
-                                    for line in metrics.read_text().splitlines()):
+        if metrics.exists() and any(
+            json.loads(line)["train/step"] >= step for line in metrics.read_text().splitlines()
+        ):
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
             return
@@ -257,13 +297,23 @@ def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path, s
     one dies with several calls in flight, all of which fail and go out again, for one restart."""
     import threading
 
-    job = _job(tmp_path, max_lag=2, steps=5, logging={"run_name": "killed-generator"},
-               generator={"max_restarts": 2, "streaming": streaming, "requests_in_flight": 2,
-                          "prompts_per_request": 1 if streaming else 2})
+    job = _job(
+        tmp_path,
+        max_lag=2,
+        steps=5,
+        logging={"run_name": "killed-generator"},
+        generator={
+            "max_restarts": 2,
+            "streaming": streaming,
+            "requests_in_flight": 2,
+            "prompts_per_request": 1 if streaming else 2,
+        },
+    )
     run_dir = tmp_path / "runs" / "killed-generator"
     killed: list[int] = []
-    killer = threading.Thread(target=_kill_after_step,
-                              args=(run_dir, "killed-generator-generator-0", killed), daemon=True)
+    killer = threading.Thread(
+        target=_kill_after_step, args=(run_dir, "killed-generator-generator-0", killed), daemon=True
+    )
     killer.start()
     from cluster.run.driver import train
 
@@ -278,8 +328,9 @@ def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path, s
 
 
 @pytest.mark.slow  # 36 s; test_killed_generator_is_restarted_and_loses_no_group restarts one in the default run
-def test_a_generator_restarted_between_calls_is_noticed_and_gets_the_latest_weights(local_ray, tmp_path, monkeypatch,
-                                                                                 caplog):
+def test_a_generator_restarted_between_calls_is_noticed_and_gets_the_latest_weights(
+    local_ray, tmp_path, monkeypatch, caplog
+):
     """With max_lag 0 the generator is idle while the learner steps. SIGKILLed then (during step 2) and
     restarted by Ray, it is noticed from its next result's incarnation: the restart is counted, it has
     the latest weights, nothing is trained off-policy, and every group still ends exactly once."""
@@ -310,8 +361,14 @@ def test_a_generator_restarted_between_calls_is_noticed_and_gets_the_latest_weig
             raise AssertionError("Ray did not restart the generator")
 
     monkeypatch.setattr(driver.AsyncLoop, "_start_learner_step", kill_while_idle)
-    job = _job(tmp_path, max_lag=0, steps=4, logging={"run_name": "idle-kill"}, generator={"max_restarts": 1},
-               eval={"every_steps": 2, "num_problems": 4})
+    job = _job(
+        tmp_path,
+        max_lag=0,
+        steps=4,
+        logging={"run_name": "idle-kill"},
+        generator={"max_restarts": 1},
+        eval={"every_steps": 2, "num_problems": 4},
+    )
     result = driver.train(validate_job(job))
     assert killed, "the generator was killed between calls"
     assert "generator 0 was restarted between calls" in caplog.text
@@ -324,8 +381,9 @@ def test_a_generator_restarted_between_calls_is_noticed_and_gets_the_latest_weig
 
 
 @pytest.mark.slow  # 50 s: a run with a generator restart
-def test_a_generator_killed_before_an_evaluation_skips_it_with_an_alert_and_the_run_goes_on(local_ray, tmp_path,
-                                                                                            monkeypatch, caplog):
+def test_a_generator_killed_before_an_evaluation_skips_it_with_an_alert_and_the_run_goes_on(
+    local_ray, tmp_path, monkeypatch, caplog
+):
     """The evaluating generator is SIGKILLed as step 1's evaluation is sent: its call fails, that evaluation
     is skipped with an alert naming the step and the generator, Ray restarts the generator, and the steps
     after it train and evaluate as usual on the weights of their step."""
@@ -344,8 +402,14 @@ def test_a_generator_killed_before_an_evaluation_skips_it_with_an_alert_and_the_
         return evaluate(self)
 
     monkeypatch.setattr(driver.AsyncLoop, "_start_evaluation", kill_then_evaluate)
-    job = _job(tmp_path, max_lag=0, steps=3, logging={"run_name": "eval-kill"}, generator={"max_restarts": 1},
-               eval={"every_steps": 1, "num_problems": 4})
+    job = _job(
+        tmp_path,
+        max_lag=0,
+        steps=3,
+        logging={"run_name": "eval-kill"},
+        generator={"max_restarts": 1},
+        eval={"every_steps": 1, "num_problems": 4},
+    )
     with caplog.at_level("WARNING", logger="stableasync"):
         result = driver.train(validate_job(job))
     assert killed, "the generator was killed at step 1's evaluation"
@@ -363,16 +427,19 @@ def test_an_evaluation_due_while_the_previous_one_runs_waits_for_it(local_ray, t
     scored and logged (one evaluation at a time), the seconds the loop waited come back for the step row's
     time/eval_wait_s, and that first wait logs a warning naming the knobs."""
     from actors.generator import GeneratorSpec
+    from cluster.job import evaluation_sets, job_task, section_config
     from cluster.run import runtime
     from cluster.run.evaluation import Evaluator
-    from cluster.job import evaluation_sets, job_task, section_config
     from cluster.telemetry.metrics import MetricSink
     from tasks.config import TASK_CONFIGS
     from tasks.scoring import ScorePool
 
     job = validate_job({"task": {"name": "arithmetic"}, "eval": {"every_steps": 1, "num_problems": 32}})
-    generator = runtime.start_generator(GeneratorSpec(model_path=tiny_qwen2, samples_per_prompt=1, max_new_tokens=8,
-                                                      temperature=0.0, max_model_len=96), 0, cpus=1)
+    generator = runtime.start_generator(
+        GeneratorSpec(model_path=tiny_qwen2, samples_per_prompt=1, max_new_tokens=8, temperature=0.0, max_model_len=96),
+        0,
+        cpus=1,
+    )
     scorer = ScorePool("arithmetic", section_config(job.task, TASK_CONFIGS))
     sink = MetricSink(tmp_path, "run", {}, "disabled", progress_bar=False)
     evaluator = Evaluator(evaluation_sets(job, job_task(job)), job, scorer, sink)
@@ -429,9 +496,15 @@ def test_a_dataset_job_trains_on_the_users_rows_with_the_users_reward(local_ray,
     rows[2]["prompt"] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 1?"}]
     rows[3]["explode"] = True
     task = _dataset_task(tmp_path, rows, DATASET_REWARD, stem="mine")
-    result = _run(tmp_path, max_lag=1, steps=3, task=task, learner={"num_ranks": 1},
-                  eval={"every_steps": 3, "num_problems": 6, "samples_per_problem": 2, "temperature": 1.0},
-                  logging={"run_name": "dataset"})
+    result = _run(
+        tmp_path,
+        max_lag=1,
+        steps=3,
+        task=task,
+        learner={"num_ranks": 1},
+        eval={"every_steps": 3, "num_problems": 6, "samples_per_problem": 2, "temperature": 1.0},
+        logging={"run_name": "dataset"},
+    )
     expected = {f"mine-{line:06d}": 0.0 if row.get("explode") else row["weight"] for line, row in enumerate(rows, 1)}
     ledger = [json.loads(line) for line in (result.run_dir / "ledger.jsonl").read_text().splitlines()]
     errors = {r["problem_id"]: r["score_errors"] for r in ledger if r["event"] == "scored"}
@@ -462,18 +535,32 @@ def test_uniform_reward_groups_are_dropped_and_replaced_so_every_step_trains_gro
     is dropped with why, and the steps fill up with the second kind."""
     rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, **({"reward": 1.0} if n % 2 else {})} for n in range(6)]
     task = _dataset_task(tmp_path, rows, SOMETIMES_UNIFORM_REWARD)
-    result = _run(tmp_path, max_lag=1, steps=3, task=task, learner={"num_ranks": 1},
-                  algorithm={"drop_uniform_groups": True}, logging={"run_name": "uniform"})
+    result = _run(
+        tmp_path,
+        max_lag=1,
+        steps=3,
+        task=task,
+        learner={"num_ranks": 1},
+        algorithm={"drop_uniform_groups": True},
+        logging={"run_name": "uniform"},
+    )
     ledger = [json.loads(line) for line in (result.run_dir / "ledger.jsonl").read_text().splitlines()]
     uniform_rows = {f"rows-{line:06d}" for line, row in enumerate(rows, 1) if "reward" in row}
     trained = [r["problem_id"] for r in ledger if r["event"] == "trained"]
     assert len(trained) == 3 * 2 and not uniform_rows & set(trained)
     dropped = [r for r in ledger if r["event"] == "dropped" and r["reason"].startswith("uniform rewards")]
     assert {r["problem_id"] for r in dropped} >= uniform_rows  # every such row was drawn, none trained
-    assert all(r["reason"] == "uniform rewards: all 4 responses scored 1, so every advantage is 0 "
-               "(algorithm.drop_uniform_groups)" for r in dropped if r["problem_id"] in uniform_rows)
-    steps = [m for m in (json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines())
-             if m["train/step"] > 0 and not is_evaluation_row(m)]
+    assert all(
+        r["reason"] == "uniform rewards: all 4 responses scored 1, so every advantage is 0 "
+        "(algorithm.drop_uniform_groups)"
+        for r in dropped
+        if r["problem_id"] in uniform_rows
+    )
+    steps = [
+        m
+        for m in (json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines())
+        if m["train/step"] > 0 and not is_evaluation_row(m)
+    ]
     assert len(steps) == 3
     # responses scored since the previous row: none between some rows (logged "nan"), so not every row has them
     assert all(0 <= m["rollout/scored_reward_mean"] <= 1 for m in steps if m["rollout/scored_reward_mean"] != "nan")
@@ -487,9 +574,16 @@ def test_overlong_shaping_lowers_the_rewards_trained_on_by_length_and_leaves_eva
     every response, at least 0.5. Evaluation scores correctness, unshaped: exactly 1."""
     rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, "reward": 1.0} for n in range(4)]
     task = _dataset_task(tmp_path, rows, SOMETIMES_UNIFORM_REWARD)
-    result = _run(tmp_path, max_lag=1, steps=3, task=task, learner={"num_ranks": 1},
-                  algorithm={"overlong_buffer_tokens": 8, "overlong_penalty": 0.5},
-                  eval={"every_steps": 3, "num_problems": 4}, logging={"run_name": "overlong"})
+    result = _run(
+        tmp_path,
+        max_lag=1,
+        steps=3,
+        task=task,
+        learner={"num_ranks": 1},
+        algorithm={"overlong_buffer_tokens": 8, "overlong_penalty": 0.5},
+        eval={"every_steps": 3, "num_problems": 4},
+        logging={"run_name": "overlong"},
+    )
     metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if m["train/step"] > 0 and not is_evaluation_row(m)]
     assert len(steps) == 3
@@ -503,14 +597,21 @@ def test_overlong_shaping_lowers_the_rewards_trained_on_by_length_and_leaves_eva
 
 
 def test_a_task_whose_groups_all_score_uniformly_halts_with_a_checkpoint_instead_of_sampling_forever(
-        local_ray, tmp_path, capsys):
+    local_ray, tmp_path, capsys
+):
     from actors.buffer import audit_ledger
 
     rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1, "reward": 0.0} for n in range(4)]
     task = _dataset_task(tmp_path, rows, SOMETIMES_UNIFORM_REWARD)
-    job = _job(tmp_path, max_lag=1, steps=3, task=task, learner={"num_ranks": 1},
-               algorithm={"drop_uniform_groups": True, "max_uniform_groups_in_a_row": 5},
-               logging={"run_name": "all-uniform"})
+    job = _job(
+        tmp_path,
+        max_lag=1,
+        steps=3,
+        task=task,
+        learner={"num_ranks": 1},
+        algorithm={"drop_uniform_groups": True, "max_uniform_groups_in_a_row": 5},
+        logging={"run_name": "all-uniform"},
+    )
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     assert cli_main(["train", str(tmp_path / "job.yaml")]) == 1
     error = capsys.readouterr().err
@@ -525,8 +626,10 @@ def test_a_task_whose_groups_all_score_uniformly_halts_with_a_checkpoint_instead
 
 def test_bad_job_file_names_the_field_and_starts_nothing(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("task: {name: arithmetic}\nlearner: {num_ranks: two}\nasync: {max_lag: -3}\n"
-                   f"logging: {{run_dir: {tmp_path / 'runs'}}}\n")
+    bad.write_text(
+        "task: {name: arithmetic}\nlearner: {num_ranks: two}\nasync: {max_lag: -3}\n"
+        f"logging: {{run_dir: {tmp_path / 'runs'}}}\n"
+    )
     was_running = ray.is_initialized()
     assert cli_main(["train", str(bad)]) == 2
     err = capsys.readouterr().err
@@ -541,9 +644,14 @@ def test_resume_from_a_checkpoint_continues_without_gap_or_duplicate(local_ray, 
     in-flight groups are issued again, and every step's groups are trained exactly once. Step 2's
     evaluation was still running at its checkpoint (its row came after the cut): the resume answers it
     again on the restored weights, so each evaluation has one row, and each step's rollout samples one set."""
-    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "resumed", "samples": {"every_steps": 1}},
-               checkpoint={"every_steps": 2},
-               eval={"every_steps": 2, "num_problems": 4})
+    job = _job(
+        tmp_path,
+        max_lag=1,
+        steps=4,
+        logging={"run_name": "resumed", "samples": {"every_steps": 1}},
+        checkpoint={"every_steps": 2},
+        eval={"every_steps": 2, "num_problems": 4},
+    )
     run_dir = tmp_path / "runs" / "resumed"
     from cluster.run.driver import train
 
@@ -575,9 +683,14 @@ def test_a_streaming_run_resumes_from_a_checkpoint_with_every_group_once(local_r
     """A streaming run's checkpoint at step 2 holds its buffered groups with their version spans and the groups
     in flight; resumed from it (step 4's damaged), every step's groups are trained once and each trained step
     logs its tokens' lags again."""
-    job = _job(tmp_path, max_lag=2, steps=4, logging={"run_name": "streaming-resumed"},
-               checkpoint={"every_steps": 2},
-               generator={"streaming": True, "requests_in_flight": 2, "prompts_per_request": 1})
+    job = _job(
+        tmp_path,
+        max_lag=2,
+        steps=4,
+        logging={"run_name": "streaming-resumed"},
+        checkpoint={"every_steps": 2},
+        generator={"streaming": True, "requests_in_flight": 2, "prompts_per_request": 1},
+    )
     run_dir = tmp_path / "runs" / "streaming-resumed"
     from cluster.run.driver import train
 
@@ -594,14 +707,14 @@ def test_a_streaming_run_resumes_from_a_checkpoint_with_every_group_once(local_r
 
 
 @pytest.mark.slow  # 60 s: a 2-step run and its resume
-def test_a_checkpoint_whose_rank_1_shard_is_damaged_resumes_both_ranks_from_the_older_one(local_ray, tmp_path,
-                                                                                         caplog):
+def test_a_checkpoint_whose_rank_1_shard_is_damaged_resumes_both_ranks_from_the_older_one(local_ray, tmp_path, caplog):
     """Only rank 1's ZeRO optimizer shard of the newest checkpoint is damaged (cut short on disk). Rank 1 fails
     to load it while rank 0 loads its own: `--resume` must not go on from two different steps, nor wait on a
     rank, but load the older checkpoint on both ranks, train step 2 again, and write a whole step 2. The log
     names the rank that failed."""
-    job = _job(tmp_path, max_lag=1, steps=2, logging={"run_name": "damaged-shard"},
-               checkpoint={"every_steps": 1, "keep": 3})
+    job = _job(
+        tmp_path, max_lag=1, steps=2, logging={"run_name": "damaged-shard"}, checkpoint={"every_steps": 1, "keep": 3}
+    )
     run_dir = tmp_path / "runs" / "damaged-shard"
     from cluster.run.driver import train
 
@@ -646,8 +759,14 @@ def _assert_the_last_checkpoint_exports_the_saved_model(run_dir: Path, capsys) -
 def test_the_kl_reference_is_the_policy_after_the_warm_up(local_ray, tmp_path):
     """algorithm.kl.reference rl_start (the default): the driver writes the warmed-up policy to RUN_DIR/reference
     and the ranks measure the KL against it, so the first RL step's KL is 0, not the warm-up's distance."""
-    result = _run(tmp_path, max_lag=0, steps=2, logging={"run_name": "reference"}, learner={"num_ranks": 1},
-                  algorithm={"kl": {"coef": 0.01}})
+    result = _run(
+        tmp_path,
+        max_lag=0,
+        steps=2,
+        logging={"run_name": "reference"},
+        learner={"num_ranks": 1},
+        algorithm={"kl": {"coef": 0.01}},
+    )
     assert (result.run_dir / "reference" / "config.json").is_file()
     metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     kl = [m["stability/kl_ref_mean"] for m in metrics if "stability/kl_ref_mean" in m]
@@ -660,15 +779,21 @@ def test_a_lora_job_with_kl_and_entropy_trains_the_adapter_and_exports_it(local_
     the run resumes from a checkpoint. The KL
     term (its reference is the base model, the adapter off: the model before the SFT warm-up) and the entropy
     bonus ride along."""
+    import torch
     from peft import PeftModel
     from safetensors.torch import load_file
-    import torch
     from transformers import AutoModelForCausalLM
 
-    job = _job(tmp_path, max_lag=0, steps=2, logging={"run_name": "lora"}, checkpoint={"every_steps": 1},
-               learner={"num_ranks": 1},
-               model={"lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}},
-               algorithm={"kl": {"coef": 0.01, "reference": "model"}, "entropy_coef": 0.001})
+    job = _job(
+        tmp_path,
+        max_lag=0,
+        steps=2,
+        logging={"run_name": "lora"},
+        checkpoint={"every_steps": 1},
+        learner={"num_ranks": 1},
+        model={"lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}},
+        algorithm={"kl": {"coef": 0.01, "reference": "model"}, "entropy_coef": 0.001},
+    )
     from cluster.run.driver import train
 
     result = train(validate_job(job))
@@ -709,12 +834,21 @@ def test_a_job_with_a_reward_model_logs_each_component(local_ray, tiny_qwen2, tm
     from tests.unit.test_composite_rewards import build_tiny_reward_model
 
     reward_model = build_tiny_reward_model(tiny_qwen2, tmp_path / "rm")
-    job = _job(tmp_path, max_lag=1, steps=2, learner={"num_ranks": 1, "prompts_per_step": 2},
-               model={"sft_warmup": {"steps": 0}},
-               scoring={"timeout_s": 60, "rewards": [  # generous: a shared CI machine may be slow, not failing
-                   {"name": "task", "weight": 1.0},
-                   {"name": "reward_model", "weight": 0.5, "path": reward_model, "max_length": 64, "timeout_s": 300},
-                   {"name": "format", "weight": 0.1}]})
+    job = _job(
+        tmp_path,
+        max_lag=1,
+        steps=2,
+        learner={"num_ranks": 1, "prompts_per_step": 2},
+        model={"sft_warmup": {"steps": 0}},
+        scoring={
+            "timeout_s": 60,
+            "rewards": [  # generous: a shared CI machine may be slow, not failing
+                {"name": "task", "weight": 1.0},
+                {"name": "reward_model", "weight": 0.5, "path": reward_model, "max_length": 64, "timeout_s": 300},
+                {"name": "format", "weight": 0.1},
+            ],
+        },
+    )
     result = train(validate_job(job))
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if row["train/step"] > 0]
@@ -734,12 +868,19 @@ def test_killed_learner_resumes_from_its_checkpoint_by_itself(local_ray, tmp_pat
 
     from cluster.run.driver import run_job
 
-    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "killed-learner"}, checkpoint={"every_steps": 1},
-               learner={"num_ranks": 1, "max_restarts": 1})
+    job = _job(
+        tmp_path,
+        max_lag=1,
+        steps=4,
+        logging={"run_name": "killed-learner"},
+        checkpoint={"every_steps": 1},
+        learner={"num_ranks": 1, "max_restarts": 1},
+    )
     run_dir = tmp_path / "runs" / "killed-learner"
     killed: list[int] = []
-    killer = threading.Thread(target=_kill_after_step, args=(run_dir, "killed-learner-learner-0", killed, 2),
-                              daemon=True)
+    killer = threading.Thread(
+        target=_kill_after_step, args=(run_dir, "killed-learner-learner-0", killed, 2), daemon=True
+    )
     killer.start()
     result = run_job(validate_job(job))
     killer.join(timeout=5)
@@ -749,8 +890,9 @@ def test_killed_learner_resumes_from_its_checkpoint_by_itself(local_ray, tmp_pat
 
 
 @pytest.mark.slow  # 90 s: a run and two learner restarts
-def test_a_learner_killed_while_publishing_and_again_while_loading_resumes_from_its_checkpoint(local_ray, tmp_path,
-                                                                                               monkeypatch, caplog):
+def test_a_learner_killed_while_publishing_and_again_while_loading_resumes_from_its_checkpoint(
+    local_ray, tmp_path, monkeypatch, caplog
+):
     """The learner rank is SIGKILLed as step 2's weights are published (step 2 trained, its row and checkpoint
     not yet written), and the restarted rank again while it loads step 1's checkpoint. Each time the job
     restarts the learners from its latest checkpoint on its own and says what they were doing; the third
@@ -780,8 +922,14 @@ def test_a_learner_killed_while_publishing_and_again_while_loading_resumes_from_
 
     monkeypatch.setattr(runtime.ObjectStorePublisher, "publish", kill_then_publish)
     monkeypatch.setattr(runtime.LearnerGroup, "load_checkpoint", kill_then_load)
-    job = _job(tmp_path, max_lag=1, steps=4, logging={"run_name": "killed-publishing"},
-               checkpoint={"every_steps": 1}, learner={"num_ranks": 1, "max_restarts": 2})
+    job = _job(
+        tmp_path,
+        max_lag=1,
+        steps=4,
+        logging={"run_name": "killed-publishing"},
+        checkpoint={"every_steps": 1},
+        learner={"num_ranks": 1, "max_restarts": 2},
+    )
     with caplog.at_level("INFO", logger="stableasync"):
         result = run_job(validate_job(job))
     assert killed == ["publishing", "loading"]
@@ -795,8 +943,9 @@ def test_a_learner_killed_while_publishing_and_again_while_loading_resumes_from_
     _assert_each_group_ends_once(result.run_dir, steps=4)
 
 
-def test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_nothing(local_ray, tmp_path,
-                                                                                     monkeypatch, caplog):
+def test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_nothing(
+    local_ray, tmp_path, monkeypatch, caplog
+):
     """Step 2's checkpoint and then the trained model meet a real filesystem error inside the learner (a file
     where DeepSpeed makes its folder, a folder where the weights file goes), as a full disk would fail them.
     The checkpoint's partial folder is removed, an alert names the step and the error, and the run trains to
@@ -819,8 +968,14 @@ def test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_no
     monkeypatch.setattr(runtime.LearnerGroup, "save_model", blocked_model)
     run_dir = tmp_path / "runs" / "full-disk"
     with caplog.at_level("WARNING", logger="stableasync"):
-        result = _run(tmp_path, max_lag=1, steps=3, logging={"run_name": "full-disk"},
-                      checkpoint={"every_steps": 1, "keep": 3}, learner={"num_ranks": 1})
+        result = _run(
+            tmp_path,
+            max_lag=1,
+            steps=3,
+            logging={"run_name": "full-disk"},
+            checkpoint={"every_steps": 1, "keep": 3},
+            learner={"num_ranks": 1},
+        )
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000001", "step-000003"]
     alerts = [r.getMessage() for r in caplog.records if "ALERT checkpoint failed" in r.getMessage()]
     assert len(alerts) == 1 and "step 2" in alerts[0] and "Error" in alerts[0], alerts
@@ -840,8 +995,9 @@ def test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_no
 
 
 @pytest.mark.slow  # 90 s: a run, a 5 s wait and a learner restart
-def test_one_rank_that_cannot_write_its_shard_restarts_the_learners_instead_of_hanging(local_ray, tmp_path,
-                                                                                       monkeypatch, caplog):
+def test_one_rank_that_cannot_write_its_shard_restarts_the_learners_instead_of_hanging(
+    local_ray, tmp_path, monkeypatch, caplog
+):
     """Rank 1's ZeRO shard of step 2's checkpoint meets a real write error (a folder where the file goes) while
     rank 0 has written its part and waits in DeepSpeed's closing barrier, which it would leave only at the
     process-group timeout (DeepSpeed's default: 10 minutes). The driver sees rank 0 still inside the call
@@ -859,11 +1015,11 @@ def test_one_rank_that_cannot_write_its_shard_restarts_the_learners_instead_of_h
         save(self, directory, tag)
 
     monkeypatch.setattr(runtime.LearnerGroup, "save_checkpoint", rank_1_blocked_once)
-    run_dir = _run_with_rank_1_failing_once(tmp_path, monkeypatch, caplog, "rank-1-full",
-                                            "learner rank 1 failed in save_checkpoint (RayTaskError(OSError)")
+    run_dir = _run_with_rank_1_failing_once(
+        tmp_path, monkeypatch, caplog, "rank-1-full", "learner rank 1 failed in save_checkpoint (RayTaskError(OSError)"
+    )
     assert blocked, "step 2's checkpoint was blocked for rank 1"
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000001", "step-000002",
-                                                                           "step-000003"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000001", "step-000002", "step-000003"]
 
 
 def _run_with_rank_1_failing_once(tmp_path, monkeypatch, caplog, run_name: str, failure: str) -> Path:
@@ -873,8 +1029,9 @@ def _run_with_rank_1_failing_once(tmp_path, monkeypatch, caplog, run_name: str, 
 
     monkeypatch.setattr(runtime.LearnerGroup, "rank_straggle_s", 5.0)
     with caplog.at_level("WARNING", logger="stableasync"):
-        result = run_job_in(tmp_path, max_lag=1, steps=3, logging={"run_name": run_name},
-                            checkpoint={"every_steps": 1, "keep": 3})
+        result = run_job_in(
+            tmp_path, max_lag=1, steps=3, logging={"run_name": run_name}, checkpoint={"every_steps": 1, "keep": 3}
+        )
     resumed = [r.getMessage() for r in caplog.records if "from its latest checkpoint" in r.getMessage()]
     assert len(resumed) == 1, resumed
     assert failure in resumed[0] and "rank(s) [0] had not ended theirs 5 s later" in resumed[0], resumed[0]
@@ -884,8 +1041,9 @@ def _run_with_rank_1_failing_once(tmp_path, monkeypatch, caplog, run_name: str, 
 
 
 @pytest.mark.slow  # 90 s: a run, a 5 s wait and a learner restart
-def test_one_rank_that_raises_in_a_step_restarts_the_learners_instead_of_hanging(local_ray, tmp_path, monkeypatch,
-                                                                                 caplog):
+def test_one_rank_that_raises_in_a_step_restarts_the_learners_instead_of_hanging(
+    local_ray, tmp_path, monkeypatch, caplog
+):
     """Rank 1 raises in step 2's forward (a batch it cannot embed, as an out-of-memory batch would fail one
     GPU) while rank 0 waits for it in the step's first all-reduce. The loop wakes on rank 1's error, sees rank
     0 still inside the step `rank_straggle_s` later, and restarts the learners from step 1's checkpoint."""
@@ -904,9 +1062,13 @@ def test_one_rank_that_raises_in_a_step_restarts_the_learners_instead_of_hanging
         return batches
 
     monkeypatch.setattr(driver.AsyncLoop, "_shards", rank_1_unembeddable_once)
-    _run_with_rank_1_failing_once(tmp_path, monkeypatch, caplog, "rank-1-raises",
-                                  "broke the group during step 2 (LearnerGroupBroken: learner rank 1 failed in "
-                                  "train_step")
+    _run_with_rank_1_failing_once(
+        tmp_path,
+        monkeypatch,
+        caplog,
+        "rank-1-raises",
+        "broke the group during step 2 (LearnerGroupBroken: learner rank 1 failed in train_step",
+    )
     assert broken, "step 2's batch was broken for rank 1"
 
 
@@ -973,7 +1135,7 @@ def _session_processes(session_id: int) -> dict[int, str]:
             text = stat.read_text()
         except OSError:
             continue
-        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        name, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
         if int(fields[3]) == session_id and fields[0] != "Z":
             processes[int(stat.parent.name)] = name
     return processes
@@ -996,18 +1158,33 @@ def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes(local_ray,
 
     steps = 12
     job_file = tmp_path / "job.yaml"
-    job_file.write_text(json.dumps(_job(tmp_path, max_lag=1, steps=steps, logging={"run_name": "interrupted"},
-                                        learner={"num_ranks": 1}, cluster={"num_cpus": 2})))
+    job_file.write_text(
+        json.dumps(
+            _job(
+                tmp_path,
+                max_lag=1,
+                steps=steps,
+                logging={"run_name": "interrupted"},
+                learner={"num_ranks": 1},
+                cluster={"num_cpus": 2},
+            )
+        )
+    )
     run_dir = tmp_path / "runs" / "interrupted"
     driver = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "train", str(job_file)], cwd=Path(__file__).parents[2],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [sys.executable, "-m", "cluster.cli", "train", str(job_file)],
+        cwd=Path(__file__).parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal starts it
     )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while not (metrics.exists() and any(json.loads(line)["train/step"] >= 2
-                                        for line in metrics.read_text().splitlines())):
+    while not (
+        metrics.exists() and any(json.loads(line)["train/step"] >= 2 for line in metrics.read_text().splitlines())
+    ):
         assert driver.poll() is None and time.monotonic() < deadline, "the job did not reach step 2"
         time.sleep(0.05)
     ray_cluster = {pid for pid, name in _session_processes(driver.pid).items() if name in ("gcs_server", "raylet")}
@@ -1018,8 +1195,9 @@ def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes(local_ray,
     else:
         os.kill(driver.pid, number)
     time.sleep(0.3)  # Ray's services block SIGINT: the stop relies on it, and takes longer than this
-    assert driver.poll() is None and ray_cluster <= set(_session_processes(driver.pid)), \
+    assert driver.poll() is None and ray_cluster <= set(_session_processes(driver.pid)), (
         "the local Ray cluster outlives the Ctrl-C while the driver stops"
+    )
     _, err = driver.communicate(timeout=120)
 
     assert driver.returncode == 128 + number, err[-3000:]
@@ -1034,8 +1212,9 @@ def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes(local_ray,
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
     assert audit_ledger(ledger) == [], "every issued group ends once, trained or dropped with the reason"
     assert any(f"stopped by {signal_name}" in (r.get("reason") or "") for r in ledger if r["event"] == "dropped")
-    assert all(r["score_errors"] == 0
-               for r in ledger if r["event"] == "scored"), "no sample scored before the stop failed"
+    assert all(r["score_errors"] == 0 for r in ledger if r["event"] == "scored"), (
+        "no sample scored before the stop failed"
+    )
     (wandb_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     kinds = [record.WhichOneof("record_type") for record in _wandb_records(wandb_file)]
     assert kinds.count("history") == 2 + stopped_at and "exit" in kinds  # SFT warm-up rows, then RL steps
@@ -1072,12 +1251,18 @@ def _tool_job(tmp_path: Path, name: str) -> dict:
     the tiny model learns to call it in the warm-up."""
     tools = tmp_path / "faulty_tools.py"
     tools.write_text(FAULTY_CALCULATOR)
-    return _job(tmp_path, max_lag=1, steps=4, model={"sft_warmup": {"steps": 60, "prompts_per_step": 16,
-                                                                    "learning_rate": 5e-3}},
-                environment={"tools": [f"{tools}:calculator"], "max_turns": 3, "tool_timeout_s": 1.0},
-                generator={"max_new_tokens": 64, "max_model_len": 400}, learner={"num_ranks": 1},
-                checkpoint={"every_steps": 2}, eval={"every_steps": 4, "num_problems": 4},
-                logging={"run_name": name, "samples": {"every_steps": 1}})
+    return _job(
+        tmp_path,
+        max_lag=1,
+        steps=4,
+        model={"sft_warmup": {"steps": 60, "prompts_per_step": 16, "learning_rate": 5e-3}},
+        environment={"tools": [f"{tools}:calculator"], "max_turns": 3, "tool_timeout_s": 1.0},
+        generator={"max_new_tokens": 64, "max_model_len": 400},
+        learner={"num_ranks": 1},
+        checkpoint={"every_steps": 2},
+        eval={"every_steps": 4, "num_problems": 4},
+        logging={"run_name": name, "samples": {"every_steps": 1}},
+    )
 
 
 def test_tool_episodes_train_with_failing_tools_failing_only_their_episode(local_ray, tmp_path):
@@ -1099,8 +1284,11 @@ def test_tool_episodes_train_with_failing_tools_failing_only_their_episode(local
     assert reasons and all(reason.startswith("episode failed: tool calculator") for reason in reasons)
     assert any(m["rollout/failed_episode_share"] > 0 for m in steps)
     # the failed episodes were left out of training, each group's ledger saying so (or dropping the group)
-    left_out = [r for r in rows if r["event"] in ("scored", "dropped")
-                and "episodes failed for their tools' sake" in (r.get("reason") or "")]
+    left_out = [
+        r
+        for r in rows
+        if r["event"] in ("scored", "dropped") and "episodes failed for their tools' sake" in (r.get("reason") or "")
+    ]
     assert left_out
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert any("<tool_call>" in s["completion"] and "\n[tool] " in s["completion"] for s in samples)
@@ -1134,5 +1322,6 @@ def test_a_tool_run_resumes_its_episodes_whole(local_ray, tmp_path):
     (run_dir / "checkpoints" / "step-000004" / "driver.json").write_text('{"version": 4, "trunc')
     assert cli_main(["train", "--resume", str(run_dir)]) == 0
     rows = _assert_each_group_ends_once(run_dir, steps=4)
-    assert any(r["event"] == "reissued" for r in rows) or all(r["trained_step"] < 2 for r in rows
-                                                              if r["event"] == "trained" and r["reissues"])
+    assert any(r["event"] == "reissued" for r in rows) or all(
+        r["trained_step"] < 2 for r in rows if r["event"] == "trained" and r["reissues"]
+    )

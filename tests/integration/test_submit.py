@@ -23,11 +23,13 @@ import yaml
 pytest.importorskip("ray.dashboard.modules.job.sdk")
 pytest.importorskip("aiohttp_cors", reason="the Jobs API needs the ray[default] extra")
 
-from actors.buffer import audit_ledger  # noqa: E402
-from cluster.cli import main as cli_main  # noqa: E402
-from cluster.job import validate_job  # noqa: E402
-from cluster.remote.submit import SubmitError, submit  # noqa: E402
-from tests.unit.test_metrics import _wandb_records  # noqa: E402
+import contextlib
+
+from actors.buffer import audit_ledger
+from cluster.cli import main as cli_main
+from cluster.job import validate_job
+from cluster.remote.submit import SubmitError, submit
+from tests.unit.test_metrics import _wandb_records
 
 
 def _free_port() -> int:
@@ -44,15 +46,36 @@ def token_head(tmp_path_factory):
     token_file = root / "auth_token"
     token_file.write_text(token)
     api, gcs_port = f"http://127.0.0.1:{_free_port()}", _free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # the job's `python` is this venv's
-           "STABLEASYNC_CACHE": str(root / "cache")}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": token,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # the job's `python` is this venv's
+        "STABLEASYNC_CACHE": str(root / "cache"),
+    }
     env.pop("RAY_ADDRESS", None)
     head = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-         f"--port={gcs_port}", "--dashboard-host", "127.0.0.1", f"--dashboard-port={api.rsplit(':', 1)[1]}",
-         "--num-cpus", "4", "--object-store-memory", str(300 << 20), "--disable-usage-stats"],
-        env=env, start_new_session=True, stdout=open(root / "head.log", "w"), stderr=subprocess.STDOUT,
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address",
+            "127.0.0.1",
+            f"--port={gcs_port}",
+            "--dashboard-host",
+            "127.0.0.1",
+            f"--dashboard-port={api.rsplit(':', 1)[1]}",
+            "--num-cpus",
+            "4",
+            "--object-store-memory",
+            str(300 << 20),
+            "--disable-usage-stats",
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=open(root / "head.log", "w"),  # noqa: SIM115 - the process writes it until killed
+        stderr=subprocess.STDOUT,
     )
     try:
         _wait_for_api(api, token, head, root / "head.log")
@@ -64,10 +87,8 @@ def token_head(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
         time.sleep(2)  # let raylet children exit before the next module starts its cluster
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         # A killed head leaves its address in Ray's "current cluster" file, where a later plain
         # ray.init() would look for a cluster to join: remove it if it is this head's.
         current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
@@ -85,7 +106,7 @@ def _wait_for_api(api: str, token: str, head: subprocess.Popen, log: Path, timeo
         try:
             client(api, token).list_jobs()
             return
-        except Exception:  # noqa: BLE001 - not up yet
+        except Exception:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the Jobs API at {api} did not come up:\n{log.read_text()[-3000:]}") from None
             time.sleep(1)
@@ -96,8 +117,13 @@ def _job(tmp_path: Path, name: str, stabilizer: dict) -> Path:
         "name": name,
         "model": {"path": "tiny", "sft_warmup": {"steps": 2, "prompts_per_step": 8}},
         "task": {"name": "arithmetic"},
-        "generator": {"num_generators": 1, "samples_per_prompt": 4, "prompts_per_request": 2,
-                      "max_new_tokens": 8, "max_model_len": 96},
+        "generator": {
+            "num_generators": 1,
+            "samples_per_prompt": 4,
+            "prompts_per_request": 2,
+            "max_new_tokens": 8,
+            "max_model_len": 96,
+        },
         "learner": {"num_ranks": 1, "steps": 3, "prompts_per_step": 2, "learning_rate": 1e-3},
         "algorithm": {"stabilizer": stabilizer},
         "async": {"max_lag": 1},
@@ -112,7 +138,7 @@ def test_a_submission_without_the_token_or_with_a_wrong_one_is_refused(token_hea
     api, token_file = token_head
     job = validate_job(yaml.safe_load(_job(tmp_path, "refused", {"name": "tis_seq"}).read_text()))
     for token in (None, "not-the-token"):
-        with pytest.raises(SubmitError, match="Authentication|Forbidden|Unauthorized"):
+        with pytest.raises(SubmitError, match=r"Authentication|Forbidden|Unauthorized"):
             submit(job, api, token, run_dir=str(tmp_path / "runs"))
     assert cli_main(["submit", str(tmp_path / "refused.yaml"), "--address", api, "--no-auth"]) == 1
     assert "Authentication" in capsys.readouterr().err
@@ -133,8 +159,12 @@ def _carried_job(tmp_path: Path) -> tuple[Path, Path]:
     mine.mkdir()
     shared.mkdir()
     for path, weight in ((mine / "mine.jsonl", 0.5), (shared / "held_out.jsonl", 0.25)):
-        path.write_text("".join(json.dumps({"prompt": f"What is {n} + 1?", "answer": n + 1, "weight": weight}) + "\n"
-                                for n in range(1, 5)))
+        path.write_text(
+            "".join(
+                json.dumps({"prompt": f"What is {n} + 1?", "answer": n + 1, "weight": weight}) + "\n"
+                for n in range(1, 5)
+            )
+        )
     (mine / "mine_reward.py").write_text("def score(completion, answer, row):\n    return row['weight']\n")
     job_file = _job(tmp_path, "carried", {"name": "tis_seq"})
     job = yaml.safe_load(job_file.read_text())
@@ -168,8 +198,23 @@ def test_a_job_runs_on_the_cluster_with_the_files_it_names_here(token_head, tmp_
     job_file, shared = _carried_job(tmp_path)
     monkeypatch.chdir(tmp_path / "mine")
     runs = tmp_path / "runs"
-    assert cli_main(["submit", str(job_file), "--address", api, "--token-file", str(token_file),
-                     "--run-dir", str(runs), "--remote-prefix", str(shared)]) == 0
+    assert (
+        cli_main(
+            [
+                "submit",
+                str(job_file),
+                "--address",
+                api,
+                "--token-file",
+                str(token_file),
+                "--run-dir",
+                str(runs),
+                "--remote-prefix",
+                str(shared),
+            ]
+        )
+        == 0
+    )
     submission_id = capsys.readouterr().out.split()[1].rstrip(";")
     token = token_file.read_text()
     status = wait(api, token, submission_id, timeout_s=400)
@@ -200,14 +245,28 @@ def test_two_jobs_at_once_each_with_its_own_stabilizer_run_dir_and_wandb_run(tok
     runs = tmp_path / "runs"
     ids = {}
     for name, stabilizer in (("tis", {"name": "tis_seq"}), ("m2po", {"name": "m2po"})):
-        assert cli_main(["submit", str(_job(tmp_path, name, stabilizer)), "--address", api,
-                         "--token-file", str(token_file), "--run-dir", str(runs)]) == 0
+        assert (
+            cli_main(
+                [
+                    "submit",
+                    str(_job(tmp_path, name, stabilizer)),
+                    "--address",
+                    api,
+                    "--token-file",
+                    str(token_file),
+                    "--run-dir",
+                    str(runs),
+                ]
+            )
+            == 0
+        )
         out = capsys.readouterr().out
         ids[name] = out.split()[1].rstrip(";")
     statuses = {name: wait(api, token, submission_id, timeout_s=540) for name, submission_id in ids.items()}
     jobs = client(api, token)
     assert statuses == {"tis": "SUCCEEDED", "m2po": "SUCCEEDED"}, {
-        name: jobs.get_job_logs(i)[-3000:] for name, i in ids.items()}
+        name: jobs.get_job_logs(i)[-3000:] for name, i in ids.items()
+    }
     for name, stabilizer in (("tis", "tis_seq"), ("m2po", "m2po")):
         run_dir = runs / ids[name]
         assert yaml.safe_load((run_dir / "job.yaml").read_text())["algorithm"]["stabilizer"]["name"] == stabilizer
@@ -240,8 +299,9 @@ def test_stop_ends_a_submitted_job_at_a_step_with_a_checkpoint(token_head, tmp_p
     submission_id = capsys.readouterr().out.split()[1].rstrip(";")
     metrics = runs / submission_id / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while not (metrics.exists() and any(json.loads(line)["train/step"] >= 2
-                                        for line in metrics.read_text().splitlines())):
+    while not (
+        metrics.exists() and any(json.loads(line)["train/step"] >= 2 for line in metrics.read_text().splitlines())
+    ):
         assert time.monotonic() < deadline, client(api, token_file.read_text()).get_job_logs(submission_id)[-3000:]
         time.sleep(0.2)
     assert cli_main(["stop", submission_id, *auth]) == 0

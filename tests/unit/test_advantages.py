@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from algorithms.advantages import ADVANTAGES, grpo_advantages, group_mean_advantages, rloo_advantages
+from algorithms.advantages import ADVANTAGES, group_mean_advantages, grpo_advantages, rloo_advantages
 
 REWARDS = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.5])
 GROUPS = torch.tensor([4, 4, 9, 4, 2, 2])  # non-contiguous and unsorted on purpose

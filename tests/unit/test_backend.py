@@ -14,8 +14,9 @@ def _parameters(function) -> list[tuple[str, object]]:
 
 
 def test_the_protocol_names_every_call_the_driver_makes():
-    calls = {name for name, value in vars(GeneratorBackend).items()
-             if inspect.isfunction(value) and not name.startswith("_")}
+    calls = {
+        name for name, value in vars(GeneratorBackend).items() if inspect.isfunction(value) and not name.startswith("_")
+    }
     assert calls == set(GENERATOR_CALLS)
 
 
@@ -24,4 +25,3 @@ def test_the_protocol_names_every_call_the_driver_makes():
 def test_each_backend_takes_each_call_with_the_protocols_parameters(backend, call):
     assert hasattr(backend, call), f"{backend.__name__} lacks {call}"
     assert _parameters(getattr(backend, call)) == _parameters(getattr(GeneratorBackend, call))
-

@@ -86,7 +86,8 @@ def test_weights_are_the_clipped_surrogate_at_the_chosen_bounds(seed, seq_advant
         reference = clipped_surrogate_weights(batch, low, high, 3.0)
         assert torch.equal(out.weights, reference.weights)
         assert out.metrics["stability/clip_frac"].item() == pytest.approx(
-            reference.metrics["stability/clip_frac"].item())
+            reference.metrics["stability/clip_frac"].item()
+        )
 
 
 def test_indices_above_finds_every_entry_above():

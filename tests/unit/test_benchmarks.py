@@ -41,24 +41,33 @@ def test_async_speedup_analyses_recorded_runs_whose_evaluations_have_their_own_r
         return SimpleNamespace(run_dir=RECORDED / f"lag{job.async_.max_lag}")
 
     monkeypatch.setattr("cluster.run.driver.train", recorded_run)
-    monkeypatch.setattr(async_speedup, "slowdown_with_both_cores_busy",
-                        lambda: {"compute (matmul 256^2)": (0.94, 0.95), "memory (16 MB pass)": (0.18, 0.30)})
+    monkeypatch.setattr(
+        async_speedup,
+        "slowdown_with_both_cores_busy",
+        lambda: {"compute (matmul 256^2)": (0.94, 0.95), "memory (16 MB pass)": (0.18, 0.30)},
+    )
     monkeypatch.chdir(ROOT)
     async_speedup.main(["--lags", ",".join(map(str, lags)), "--steps", str(RECORDED_STEPS), "--out", str(tmp_path)])
     out = capsys.readouterr().out
 
     steps = {lag: learner_rows(RECORDED / f"lag{lag}") for lag in lags}
     skip = async_speedup.SKIP_STEPS
-    wall = {lag: (rows[-1]["time/wall_s"] - rows[skip - 1]["time/wall_s"]) / (len(rows) - skip)
-            for lag, rows in steps.items()}
+    wall = {
+        lag: (rows[-1]["time/wall_s"] - rows[skip - 1]["time/wall_s"]) / (len(rows) - skip)
+        for lag, rows in steps.items()
+    }
     steady = steps[0][skip:]
     g = statistics.fmean(row["time/generator_busy_s"] for row in steady)
     t = statistics.fmean(row["time/learner_step_s"] + row["perf/weight_sync_s"] for row in steady)
     assert f"generator g (calls + weight loads) = {g:.3f} s/step, learner + sync t = {t:.3f} s/step" in out
     for lag in lags:
         speedup = wall[0] / wall[lag]
-        assert re.search(rf"^{lag:>7}{wall[lag]:>13.3f}{speedup:>9.2f}{speedup / ((g + t) / max(g, t)):>10.0%}"
-                         r"\s+(never|\d+\.\d)\s+\d+\.\d{3}\s+[+-]\d+%$", out, re.MULTILINE), out
+        assert re.search(
+            rf"^{lag:>7}{wall[lag]:>13.3f}{speedup:>9.2f}{speedup / ((g + t) / max(g, t)):>10.0%}"
+            r"\s+(never|\d+\.\d)\s+\d+\.\d{3}\s+[+-]\d+%$",
+            out,
+            re.MULTILINE,
+        ), out
     assert "slowdown x1.67" in out  # the contention measurement, printed after the tables
 
 
@@ -88,8 +97,13 @@ def test_stabilizers_benchmark_prints_a_row_per_stabilizer(capsys):
 
 def test_core_contention_prints_each_loop_alone_and_with_both_cores_busy():
     """In a fresh process, as documented: it forks, which a test process with torch's threads must not do."""
-    done = subprocess.run([sys.executable, "-m", "benchmarks.core_contention", "--repeats", "1"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.core_contention", "--repeats", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     if lines == ["core contention: not measured (fewer than two usable cores)"]:
@@ -118,8 +132,17 @@ def test_the_benchmarks_take_the_gpu_options():
     from benchmarks import learner_memory, learner_step
 
     args = learner_step.build_parser().parse_args(
-        ["--model-config", "qwen2.5-1.5b", "--dtype", "bfloat16", "--configs", "m2po,tis_seq-gc", "--profile",
-         "tis_seq,m2po"])
+        [
+            "--model-config",
+            "qwen2.5-1.5b",
+            "--dtype",
+            "bfloat16",
+            "--configs",
+            "m2po,tis_seq-gc",
+            "--profile",
+            "tis_seq,m2po",
+        ]
+    )
     assert (args.model_config, args.dtype, args.profile) == ("qwen2.5-1.5b", "bfloat16", "tis_seq,m2po")
     assert learner_step.build_parser().parse_args(["--profile"]).profile == "all"  # every measured configuration
     assert learner_step.build_parser().parse_args([]).profile is None
@@ -128,10 +151,13 @@ def test_the_benchmarks_take_the_gpu_options():
     assert learner_step.default_dtype() == "float32" and learner_step.device_name() == "cpu"  # this machine
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--configs", "tis_seq", "--profile", "vcpo-fast"], "--profile: unknown ['vcpo-fast']"),
-    (["--configs", "tis_seq", "--model-config", "qwen3-8b"], "choose from smollm2-135m, qwen2.5-1.5b, qwen2.5-7b"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--configs", "tis_seq", "--profile", "vcpo-fast"], "--profile: unknown ['vcpo-fast']"),
+        (["--configs", "tis_seq", "--model-config", "qwen3-8b"], "choose from smollm2-135m, qwen2.5-1.5b, qwen2.5-7b"),
+    ],
+)
 def test_learner_step_refuses_an_unknown_profile_or_model_config_before_building_anything(capsys, argv, message):
     from benchmarks import learner_step
 
@@ -177,7 +203,7 @@ def _bench_commands() -> list[list[str]]:
     for line in text.splitlines():
         tokens = shlex.split(line, comments=True)
         if "python3" in tokens:
-            commands.append(tokens[tokens.index("python3") + 1:])
+            commands.append(tokens[tokens.index("python3") + 1 :])
     return commands
 
 

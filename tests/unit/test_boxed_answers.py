@@ -14,22 +14,25 @@ from tasks.config import ArithmeticConfig, DatasetConfig, GSM8KConfig
 FIXTURE = __import__("pathlib").Path(__file__).resolve().parents[2] / "tasks" / "fixtures" / "gsm8k_sample.jsonl"
 
 
-@pytest.mark.parametrize("completion, content", [
-    ("so the answer is \\boxed{42}.", "42"),
-    ("\\boxed{1} first, then \\boxed{ 2 }", "2"),  # the last one, stripped
-    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # nested braces
-    ("\\boxed{\\left\\{ 1, \\sqrt{\\frac{a}{b}} \\right\\}}", "\\left\\{ 1, \\sqrt{\\frac{a}{b}} \\right\\}"),
-    ("\\boxed {7}", "7"),
-    ("\\boxed{3} but then \\boxed{\\frac{7}{", None),  # the last box never closes (cut off): no answer
-    ("so \\boxed 5.", "5"),  # a box of one token
-    ("\\boxed{4} or rather $\\boxed 5$", "5"),
-    ("\\fbox{12}", "12"),
-    ("\\boxed{1} then \\fbox{\\frac{2}{3}}", "\\frac{2}{3}"),
-    ("\\boxed{}", ""),
-    ("no box {here}", None),
-    ("\\boxed{\\frac{1}{2}", None),
-    ("boxed{5}", None),
-])
+@pytest.mark.parametrize(
+    "completion, content",
+    [
+        ("so the answer is \\boxed{42}.", "42"),
+        ("\\boxed{1} first, then \\boxed{ 2 }", "2"),  # the last one, stripped
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # nested braces
+        ("\\boxed{\\left\\{ 1, \\sqrt{\\frac{a}{b}} \\right\\}}", "\\left\\{ 1, \\sqrt{\\frac{a}{b}} \\right\\}"),
+        ("\\boxed {7}", "7"),
+        ("\\boxed{3} but then \\boxed{\\frac{7}{", None),  # the last box never closes (cut off): no answer
+        ("so \\boxed 5.", "5"),  # a box of one token
+        ("\\boxed{4} or rather $\\boxed 5$", "5"),
+        ("\\fbox{12}", "12"),
+        ("\\boxed{1} then \\fbox{\\frac{2}{3}}", "\\frac{2}{3}"),
+        ("\\boxed{}", ""),
+        ("no box {here}", None),
+        ("\\boxed{\\frac{1}{2}", None),
+        ("boxed{5}", None),
+    ],
+)
 def test_last_boxed_reads_the_last_box_and_none_when_it_never_closes(completion, content):
     assert last_boxed(completion) == content
 

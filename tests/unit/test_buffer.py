@@ -9,8 +9,10 @@ from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
 
 
 def _group(group_id, version, rewards=(1.0,)):
-    completions = [{"completion_ids": [1], "behaviour_logprobs": [-0.1], "text": "", "finish_reason": "stop",
-                    "reward": reward} for reward in rewards]
+    completions = [
+        {"completion_ids": [1], "behaviour_logprobs": [-0.1], "text": "", "finish_reason": "stop", "reward": reward}
+        for reward in rewards
+    ]
     return ScoredGroup(group_id, f"p{group_id}", [5, 6], completions, version, version, 0)
 
 
@@ -94,7 +96,8 @@ def test_uniform_reward_groups_are_dropped_on_arrival_and_free_their_slot_for_an
     assert not buffer.can_issue(0, False, 0)  # two in flight fill step 0
     assert buffer.add(_group(0, 0, [1.0, 1.0, 1.0])) is False
     assert ledger.entries[0].status == "dropped" and ledger.entries[0].reason == (
-        "uniform rewards: all 3 responses scored 1, so every advantage is 0 (algorithm.drop_uniform_groups)")
+        "uniform rewards: all 3 responses scored 1, so every advantage is 0 (algorithm.drop_uniform_groups)"
+    )
     assert buffer.can_issue(0, False, 0)  # the dropped group's slot goes to a new one
     _issue(buffer, 2, 0)
     assert buffer.add(_group(1, 0, [0.0, 1.0, 0.0])) is True
@@ -119,8 +122,11 @@ def test_uniform_reward_groups_are_kept_unless_asked():
 def _with_failed_episodes(group, failed):
     """The group with responses `failed` ended by a tool that hung: scored 0 with the episode's reason."""
     for index in failed:
-        group.completions[index].update(reward=0.0, episode_error="tool calculator timed out after 5 s",
-                                        score_error="episode failed: tool calculator timed out after 5 s")
+        group.completions[index].update(
+            reward=0.0,
+            episode_error="tool calculator timed out after 5 s",
+            score_error="episode failed: tool calculator timed out after 5 s",
+        )
     return group
 
 
@@ -136,7 +142,8 @@ def test_episodes_that_failed_for_their_tools_sake_are_left_out_of_training_with
     (trained,) = buffer.take(0)
     assert trained.rewards == [1.0, 1.0] and not any(c.get("episode_error") for c in trained.completions)
     assert ledger.entries[0].status == "scored" and ledger.entries[0].reason.startswith(
-        "1 of 3 episodes failed for their tools' sake, not the policy's")
+        "1 of 3 episodes failed for their tools' sake, not the policy's"
+    )
     assert ledger.entries[0].sample_errors == ["episode failed: tool calculator timed out after 5 s"]
     assert ledger.entries[1].status == "dropped" and "too few responses left to train" in ledger.entries[1].reason
     assert "environment.train_failed_episodes: true" in ledger.entries[1].reason
@@ -144,8 +151,9 @@ def test_episodes_that_failed_for_their_tools_sake_are_left_out_of_training_with
 
 def test_failed_episodes_train_at_reward_0_when_asked():
     ledger = Ledger()
-    buffer = RolloutBuffer(max_lag=0, prompts_per_step=1, stale_policy="wait", ledger=ledger,
-                           train_failed_episodes=True)
+    buffer = RolloutBuffer(
+        max_lag=0, prompts_per_step=1, stale_policy="wait", ledger=ledger, train_failed_episodes=True
+    )
     _issue(buffer, 0, 0)
     assert buffer.add(_with_failed_episodes(_group(0, 0, [1.0, 0.1, 1.0]), [1]), score_errors=1) is True
     assert buffer.take(0)[0].rewards == [1.0, 0.0, 1.0] and ledger.entries[0].reason is None
@@ -203,28 +211,48 @@ def test_ledger_audit_names_every_kind_of_gap():
     from actors.buffer import audit_ledger
 
     rows = [{"event": "issued", "group_id": g} for g in (1, 2, 3, 4)]
-    rows += [{"event": "trained", "group_id": 1}, {"event": "dropped", "group_id": 2, "reason": ""},
-             {"event": "trained", "group_id": 4}, {"event": "dropped", "group_id": 4, "reason": "stale"},
-             {"event": "trained", "group_id": 9}]
-    assert audit_ledger(rows) == ["group 2 dropped without a reason", "group 3 was issued but never trained or dropped",
-                                  "group 4 ended 2 times: ['trained', 'dropped']", "group 9 ended but was never issued"]
-    assert audit_ledger(rows[:5]) == ["group 2 was issued but never trained or dropped",
-                                      "group 3 was issued but never trained or dropped",
-                                      "group 4 was issued but never trained or dropped"]
+    rows += [
+        {"event": "trained", "group_id": 1},
+        {"event": "dropped", "group_id": 2, "reason": ""},
+        {"event": "trained", "group_id": 4},
+        {"event": "dropped", "group_id": 4, "reason": "stale"},
+        {"event": "trained", "group_id": 9},
+    ]
+    assert audit_ledger(rows) == [
+        "group 2 dropped without a reason",
+        "group 3 was issued but never trained or dropped",
+        "group 4 ended 2 times: ['trained', 'dropped']",
+        "group 9 ended but was never issued",
+    ]
+    assert audit_ledger(rows[:5]) == [
+        "group 2 was issued but never trained or dropped",
+        "group 3 was issued but never trained or dropped",
+        "group 4 was issued but never trained or dropped",
+    ]
 
 
 def test_the_step_row_reports_the_responses_scored_since_the_last_one_with_each_options_keys():
-    from cluster.run.loop import ScoredSinceStep
     from cluster.job import validate_job
+    from cluster.run.loop import ScoredSinceStep
 
-    scored = ScoredSinceStep(rewards=[1.0, 0.75, 0.0, 0.5], overlong_penalties=[0.0, -0.25, 0.0, -0.5], truncated=1,
-                             uniform_groups_dropped=3)
+    scored = ScoredSinceStep(
+        rewards=[1.0, 0.75, 0.0, 0.5], overlong_penalties=[0.0, -0.25, 0.0, -0.5], truncated=1, uniform_groups_dropped=3
+    )
     plain = validate_job({"task": {"name": "arithmetic"}}).algorithm
     assert scored.metrics(plain) == {"rollout/truncated_share": 0.25}
-    both = validate_job({"task": {"name": "arithmetic"}, "generator": {"max_new_tokens": 16},
-                         "algorithm": {"drop_uniform_groups": True, "overlong_buffer_tokens": 4}}).algorithm
-    assert scored.metrics(both) == {"rollout/truncated_share": 0.25, "rollout/scored_reward_mean": 0.5625,
-                                    "rollout/uniform_groups_dropped": 3, "rollout/overlong_penalty_mean": -0.1875}
+    both = validate_job(
+        {
+            "task": {"name": "arithmetic"},
+            "generator": {"max_new_tokens": 16},
+            "algorithm": {"drop_uniform_groups": True, "overlong_buffer_tokens": 4},
+        }
+    ).algorithm
+    assert scored.metrics(both) == {
+        "rollout/truncated_share": 0.25,
+        "rollout/scored_reward_mean": 0.5625,
+        "rollout/uniform_groups_dropped": 3,
+        "rollout/overlong_penalty_mean": -0.1875,
+    }
     assert math.isnan(ScoredSinceStep().metrics(both)["rollout/scored_reward_mean"])  # nothing scored: no number
 
 
@@ -232,11 +260,20 @@ def test_version_mix_counts_each_token_at_the_lag_of_the_version_that_sampled_it
     from cluster.run.loop import version_mix
 
     def completion(spans):
-        return {"completion_ids": [0] * spans[-1][2], "behaviour_logprobs": [], "text": "", "finish_reason": "stop",
-                "version_spans": spans, "reward": 0.0, "score_error": None}
+        return {
+            "completion_ids": [0] * spans[-1][2],
+            "behaviour_logprobs": [],
+            "text": "",
+            "finish_reason": "stop",
+            "version_spans": spans,
+            "reward": 0.0,
+            "score_error": None,
+        }
 
-    groups = [ScoredGroup(0, "p0", [], [completion([[3, 0, 4], [5, 4, 6]]), completion([[5, 0, 2]])], 3, 5, 0),
-              ScoredGroup(1, "p1", [], [completion([[4, 0, 3]])], 4, 4, 0)]
+    groups = [
+        ScoredGroup(0, "p0", [], [completion([[3, 0, 4], [5, 4, 6]]), completion([[5, 0, 2]])], 3, 5, 0),
+        ScoredGroup(1, "p1", [], [completion([[4, 0, 3]])], 4, 4, 0),
+    ]
     mix = version_mix(groups, learner_version=5)
     assert mix["async/token_lag"] == [2 + 2, 3, 4]  # lag 0: 2 + 2 tokens of version 5; lag 1: 3; lag 2: 4
     assert mix["async/mixed_version_share"] == 1 / 3
@@ -272,9 +309,17 @@ def test_a_calls_groups_are_scored_in_one_call_of_the_scorer():
     groups = []
     for gid in (0, 1):
         _issue(buffer, gid, 0)
-        groups.append(GeneratedGroup(gid, f"p{gid}", [5], [
-            {"completion_ids": [1], "behaviour_logprobs": [-0.1], "text": text, "finish_reason": "stop"}
-            for text in ("<answer>2</answer> 2", "<answer>3</answer> 3")]))
+        groups.append(
+            GeneratedGroup(
+                gid,
+                f"p{gid}",
+                [5],
+                [
+                    {"completion_ids": [1], "behaviour_logprobs": [-0.1], "text": text, "finish_reason": "stop"}
+                    for text in ("<answer>2</answer> 2", "<answer>3</answer> 3")
+                ],
+            )
+        )
     loop._score_and_buffer(groups, [GenerationRequest(gid, f"p{gid}", [], 0) for gid in (0, 1)])
     assert loop.scorer.calls == [4]
     assert [g.rewards for g in buffer.take(0)] == [[1.0, 0.0], [1.0, 0.0]]

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from learner.checkpoint import check_owned_by_me  # noqa: E402
+from learner.checkpoint import check_owned_by_me
 
 
 def _checkpoint(tmp_path):

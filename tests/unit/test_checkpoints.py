@@ -6,8 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from cluster.run.checkpoints import (CHECKPOINTS, MODEL, CheckpointFailed, ModelSaveFailed, readable_checkpoints,
-                                     restore_learners, write_checkpoint, write_model)
+from cluster.run.checkpoints import (
+    CHECKPOINTS,
+    MODEL,
+    CheckpointFailed,
+    ModelSaveFailed,
+    readable_checkpoints,
+    restore_learners,
+    write_checkpoint,
+    write_model,
+)
 from cluster.run.state import DriverState
 
 
@@ -16,6 +24,7 @@ def _save(files: dict[str, str]):
         Path(folder).mkdir()
         for name, text in files.items():
             (Path(folder) / name).write_text(text)
+
     return save
 
 
@@ -49,8 +58,18 @@ def test_a_checkpoint_that_cannot_be_written_leaves_nothing_and_says_which_step(
         (Path(directory) / "shard").write_text("half")
         raise OSError(28, "No space left on device")
 
-    state = DriverState(version=7, next_group_id=0, problems_drawn=0, rng=[], ready=[], in_flight=[], rewards=[],
-                        restarts=[], ledger_lines=0, metrics_lines=0)
+    state = DriverState(
+        version=7,
+        next_group_id=0,
+        problems_drawn=0,
+        rng=[],
+        ready=[],
+        in_flight=[],
+        rewards=[],
+        restarts=[],
+        ledger_lines=0,
+        metrics_lines=0,
+    )
     with pytest.raises(CheckpointFailed, match=r"step 7 could not be written .*OSError.*No space left on device"):
         write_checkpoint(tmp_path, 7, keep=2, save_learners=save_learners, driver_state=state)
     assert list((tmp_path / CHECKPOINTS).iterdir()) == []  # the partial folder is gone: its space is back
@@ -59,8 +78,8 @@ def test_a_checkpoint_that_cannot_be_written_leaves_nothing_and_says_which_step(
 
 def test_train_exits_1_when_the_finished_run_has_no_model(tmp_path, monkeypatch, capsys):
     """Every step ran but the model the user asked for is missing: not a success (exit 1), and why is said."""
-    from cluster.run import driver
     from cluster.cli import main as cli_main
+    from cluster.run import driver
 
     job = tmp_path / "job.yaml"
     job.write_text("task: {name: arithmetic}\n")
@@ -112,8 +131,9 @@ def test_a_full_disk_under_torch_save_and_safetensors_is_an_oserror(tmp_path):
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], cwd=root, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["torch.save"][0] == "RuntimeError" and seen["safetensors"][0] == "SafetensorError"
@@ -169,11 +189,23 @@ def test_the_driver_state_reads_back_what_it_wrote_and_names_what_an_old_or_dama
     # a streaming generator's response: tokens 0-2 sampled by version 2, tokens 3-4 by version 3
     response = {"reward": 1.0, "completion_ids": [7] * 5, "version_spans": [[2, 0, 3], [3, 3, 5]]}
     group = ScoredGroup(4, "p4", [1, 2], [response], 2, 3, 0, "1+1?", "2")
-    in_flight = InFlight(GenerationRequest(5, "p5", [{"role": "user", "content": "2+2?"}], 11),
-                         Problem("p5", "2+2?", "4"))
-    state = DriverState(version=3, next_group_id=6, problems_drawn=6, rng=DriverState.rng_state(rng), ready=[group],
-                        in_flight=[in_flight], rewards=[0.5], restarts=[(0, 1)], ledger_lines=9, metrics_lines=4,
-                        samples_lines=2, evaluating=[3])
+    in_flight = InFlight(
+        GenerationRequest(5, "p5", [{"role": "user", "content": "2+2?"}], 11), Problem("p5", "2+2?", "4")
+    )
+    state = DriverState(
+        version=3,
+        next_group_id=6,
+        problems_drawn=6,
+        rng=DriverState.rng_state(rng),
+        ready=[group],
+        in_flight=[in_flight],
+        rewards=[0.5],
+        restarts=[(0, 1)],
+        ledger_lines=9,
+        metrics_lines=4,
+        samples_lines=2,
+        evaluating=[3],
+    )
     back = DriverState.from_json(json.loads(json.dumps(state.to_json())))
     assert back == state
     # the resumed step counts each token's lag from the version that sampled it

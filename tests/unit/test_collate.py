@@ -16,8 +16,16 @@ def _samples(seed: int, n: int = 12) -> list[dict]:
         prompt = [rng.randrange(1, 500) for _ in range(rng.randint(1, 9))]
         completion = [rng.randrange(1, 500) for _ in range(rng.randint(0, 7))]
         logprobs = [-rng.random() * 5 for _ in completion]
-        samples.append(dict(prompt_ids=prompt, completion_ids=completion, behaviour_logprobs=logprobs,
-                            reward=rng.random(), group_id=i // 4, version=rng.randrange(5)))
+        samples.append(
+            dict(
+                prompt_ids=prompt,
+                completion_ids=completion,
+                behaviour_logprobs=logprobs,
+                reward=rng.random(),
+                group_id=i // 4,
+                version=rng.randrange(5),
+            )
+        )
     return samples
 
 
@@ -76,7 +84,7 @@ def test_a_policy_mask_keeps_tool_tokens_off_the_loss_mask():
     samples[1]["policy_mask"] = [int(m) for m in mask]
     batch = collate(samples, 0)
     start = len(samples[1]["prompt_ids"]) - 1
-    assert batch.loss_mask[1, start:start + len(completion)].tolist() == mask
+    assert batch.loss_mask[1, start : start + len(completion)].tolist() == mask
     assert batch.loss_mask[1].sum() == sum(mask) < len(completion)  # nothing else of the row is on it
     unmasked = collate([{k: v for k, v in s.items() if k != "policy_mask"} for s in samples], 0)
     assert torch.equal(batch.loss_mask[[0, 2]], unmasked.loss_mask[[0, 2]])  # the other rows as before

@@ -82,7 +82,8 @@ def test_a_chat_templated_text_is_read_with_one_bos_as_the_template_wrote_it(tin
     tokenizer.bos_token = bos
     tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.eos_token_id)])
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.eos_token_id)]
+    )
     tokenizer.save_pretrained(folder)
     scorer = RewardModelScorer(str(folder), max_length=64)
     assert scorer.tokenizer("x")["input_ids"][0] == tokenizer.eos_token_id  # the tokenizer does add one
@@ -96,12 +97,15 @@ def test_a_composite_reward_is_the_weighted_sum_of_its_components(tiny_reward_mo
     scorer = RewardModelScorer(tiny_reward_model, max_length=64, batch_size=2)
     model_scores = [r.reward for r in scorer.score([(_messages(PROBLEM), c) for c in COMPLETIONS])]
     task_scores = [1.0, 0.1, 0.0, 1.0]
-    with CompositeScorer([WeightedComponent("task", 0.7, _InlineTask()),
-                          WeightedComponent("reward_model", -0.25, InlineRewardModel(scorer, _messages)),
-                          WeightedComponent("format", 0.5, FormatReward())]) as composite:
+    with CompositeScorer(
+        [
+            WeightedComponent("task", 0.7, _InlineTask()),
+            WeightedComponent("reward_model", -0.25, InlineRewardModel(scorer, _messages)),
+            WeightedComponent("format", 0.5, FormatReward()),
+        ]
+    ) as composite:
         results = composite.score_many([PROBLEM] * len(COMPLETIONS), COMPLETIONS)
-    by_hand = [0.7 * t - 0.25 * m + 0.5 * (c != "no answer")
-               for t, m, c in zip(task_scores, model_scores, COMPLETIONS)]
+    by_hand = [0.7 * t - 0.25 * m + 0.5 * (c != "no answer") for t, m, c in zip(task_scores, model_scores, COMPLETIONS)]
     assert [r.reward for r in results] == pytest.approx(by_hand)
     assert [r.error for r in results] == [None] * 4
     assert [r.components["task"] for r in results] == task_scores
@@ -120,8 +124,12 @@ def test_a_reward_model_that_returns_nan_or_raises_fails_only_its_samples(tiny_r
         raise RuntimeError("CUDA error: device-side assert")  # the second batch
 
     monkeypatch.setattr(scorer, "_logits", flaky)
-    composite = CompositeScorer([WeightedComponent("task", 1.0, _InlineTask()),
-                                 WeightedComponent("reward_model", 2.0, InlineRewardModel(scorer, _messages))])
+    composite = CompositeScorer(
+        [
+            WeightedComponent("task", 1.0, _InlineTask()),
+            WeightedComponent("reward_model", 2.0, InlineRewardModel(scorer, _messages)),
+        ]
+    )
     results = composite.score_many([PROBLEM] * len(COMPLETIONS), COMPLETIONS)
     assert calls == [2, 2]
     assert results[0].reward == pytest.approx(1.0 + 2 * 0.5) and results[0].error is None
@@ -134,8 +142,9 @@ def test_a_reward_model_that_returns_nan_or_raises_fails_only_its_samples(tiny_r
 
 
 def test_a_failing_verifier_fails_the_sample_with_its_component_named():
-    composite = CompositeScorer([WeightedComponent("task", 1.0, _FailingTask()),
-                                 WeightedComponent("format", 1.0, FormatReward())])
+    composite = CompositeScorer(
+        [WeightedComponent("task", 1.0, _FailingTask()), WeightedComponent("format", 1.0, FormatReward())]
+    )
     results = composite.score_many([PROBLEM, PROBLEM], ["<answer>2</answer>", "RAISE"])
     assert results[0].reward == 2.0 and results[1].reward == 0.0
     assert results[1].error == "task: raised RuntimeError: verifier bug"
@@ -149,6 +158,7 @@ class _FailingTask(_InlineTask):
 
 
 # ---- the schema ---------------------------------------------------------------------------------------------
+
 
 def _errors(rewards, **sections) -> list[str]:
     from cluster.job import JobValidationError, validate_job
@@ -165,24 +175,41 @@ def test_the_schema_fills_in_a_reward_models_defaults_and_leaves_the_verifier_al
 
     from cluster.job import dump_job, validate_job
 
-    job = validate_job({"task": {"name": "arithmetic"}, "scoring": {"rewards": [
-        {"name": "task", "weight": 0.5}, {"name": "reward_model", "path": "/models/rm", "weight": 0.5}]}})
+    job = validate_job(
+        {
+            "task": {"name": "arithmetic"},
+            "scoring": {
+                "rewards": [
+                    {"name": "task", "weight": 0.5},
+                    {"name": "reward_model", "path": "/models/rm", "weight": 0.5},
+                ]
+            },
+        }
+    )
     model = job.scoring.rewards[1]
     assert (model.path, model.batch_size, model.timeout_s, model.gpus, model.max_length) == (
-        "/models/rm", 8, 60.0, 0.0, 1024)
+        "/models/rm",
+        8,
+        60.0,
+        0.0,
+        1024,
+    )
     assert validate_job({"task": {"name": "arithmetic"}}).scoring.rewards is None
     assert validate_job(yaml.safe_load(dump_job(job))) == job  # the run directory's job.yaml, read on resume
 
 
-@pytest.mark.parametrize("rewards, expected", [
-    ([{"name": "bleu"}], "scoring.rewards.0.name: Input should be 'task', 'format' or 'reward_model'"),
-    ([{"name": "task"}, {"name": "reward_model"}], "scoring.rewards.1: path: required for a 'reward_model' reward"),
-    ([{"name": "task", "path": "/m"}], "scoring.rewards.0: path: not a field of a 'task' reward"),
-    ([{"name": "reward_model", "path": "/m", "batch_size": 0}], "scoring.rewards.0.batch_size: Input should be"),
-    ([{"name": "task", "weight": ".nan"}], "scoring.rewards.0.weight:"),
-    ([{"name": "task"}, {"name": "task"}], "scoring.rewards.1.name: a second 'task' component"),
-    ([], "scoring.rewards: List should have at least 1 item"),
-])
+@pytest.mark.parametrize(
+    "rewards, expected",
+    [
+        ([{"name": "bleu"}], "scoring.rewards.0.name: Input should be 'task', 'format' or 'reward_model'"),
+        ([{"name": "task"}, {"name": "reward_model"}], "scoring.rewards.1: path: required for a 'reward_model' reward"),
+        ([{"name": "task", "path": "/m"}], "scoring.rewards.0: path: not a field of a 'task' reward"),
+        ([{"name": "reward_model", "path": "/m", "batch_size": 0}], "scoring.rewards.0.batch_size: Input should be"),
+        ([{"name": "task", "weight": ".nan"}], "scoring.rewards.0.weight:"),
+        ([{"name": "task"}, {"name": "task"}], "scoring.rewards.1.name: a second 'task' component"),
+        ([], "scoring.rewards: List should have at least 1 item"),
+    ],
+)
 def test_the_schema_refuses_bad_reward_components_by_their_field(rewards, expected):
     import yaml
 
@@ -198,10 +225,19 @@ def test_any_rewards_input_gives_a_job_or_errors_naming_scoring_fields():
     from cluster.job import Job, JobValidationError, validate_job
 
     keys = st.sampled_from(["name", "weight", "path", "batch_size", "timeout_s", "gpus", "max_length", "other", 3])
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 5), st.floats(allow_nan=True), st.text(max_size=4),
-                        st.sampled_from(["task", "format", "reward_model"]))
-    entries = st.one_of(scalars, st.lists(scalars, max_size=2), st.dictionaries(keys, st.one_of(
-        scalars, st.lists(scalars, max_size=2)), max_size=5))
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-3, 5),
+        st.floats(allow_nan=True),
+        st.text(max_size=4),
+        st.sampled_from(["task", "format", "reward_model"]),
+    )
+    entries = st.one_of(
+        scalars,
+        st.lists(scalars, max_size=2),
+        st.dictionaries(keys, st.one_of(scalars, st.lists(scalars, max_size=2)), max_size=5),
+    )
 
     @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(st.one_of(scalars, st.lists(entries, max_size=3)))
@@ -217,32 +253,48 @@ def test_any_rewards_input_gives_a_job_or_errors_naming_scoring_fields():
 def test_reward_models_must_fit_on_the_cluster_beside_the_other_actors():
     from cluster.job import cross_field_errors, validate_job
 
-    job = validate_job({"task": {"name": "arithmetic"}, "generator": {"gpus_per_generator": 1},
-                        "learner": {"gpus_per_rank": 1},
-                        "scoring": {"rewards": [{"name": "reward_model", "path": "/m", "gpus": 1}]}})
+    job = validate_job(
+        {
+            "task": {"name": "arithmetic"},
+            "generator": {"gpus_per_generator": 1},
+            "learner": {"gpus_per_rank": 1},
+            "scoring": {"rewards": [{"name": "reward_model", "path": "/m", "gpus": 1}]},
+        }
+    )
     errors = [str(e) for e in cross_field_errors(job, {"CPU": 8, "GPU": 2})]
-    assert errors == ["scoring.rewards.0.gpus: reward model actors take 1 GPUs beside the 2 of generators and "
-                      "learner ranks, but the cluster has 2"]
+    assert errors == [
+        "scoring.rewards.0.gpus: reward model actors take 1 GPUs beside the 2 of generators and "
+        "learner ranks, but the cluster has 2"
+    ]
     assert cross_field_errors(job, {"CPU": 8, "GPU": 3}) == []
     assert _errors([{"name": "reward_model", "path": "/m"}], cluster={"num_cpus": 2}) == [
         "scoring.rewards.0.name: reward model actors take 1 CPUs beside the 2 of generators and learner ranks, "
-        "but the cluster has 2"]
+        "but the cluster has 2"
+    ]
 
 
 # ---- the check before any actor starts ----------------------------------------------------------------------
+
 
 def test_a_reward_model_path_that_does_not_load_is_refused_by_its_field(tiny_reward_model, tiny_qwen2, tmp_path):
     from cluster.job import JobValidationError, validate_job
     from cluster.run.rewards import check_reward_models
 
     def job(path: str):
-        return validate_job({"task": {"name": "arithmetic"}, "scoring": {"rewards": [
-            {"name": "task"}, {"name": "reward_model", "path": path}]}})
+        return validate_job(
+            {
+                "task": {"name": "arithmetic"},
+                "scoring": {"rewards": [{"name": "task"}, {"name": "reward_model", "path": path}]},
+            }
+        )
 
     check_reward_models(job(tiny_reward_model))  # loads: no error
     (tmp_path / "empty").mkdir()
-    for path, reason in ((str(tmp_path / "missing"), "no such folder"), (str(tmp_path / "empty"), "does not load"),
-                         (tiny_qwen2, "is Qwen2ForCausalLM, not a sequence-classification model")):
+    for path, reason in (
+        (str(tmp_path / "missing"), "no such folder"),
+        (str(tmp_path / "empty"), "does not load"),
+        (tiny_qwen2, "is Qwen2ForCausalLM, not a sequence-classification model"),
+    ):
         with pytest.raises(JobValidationError) as raised:
             check_reward_models(job(path))
         assert [e.path for e in raised.value.errors] == ["scoring.rewards.1.path"]
@@ -261,13 +313,16 @@ def test_two_outputs_are_not_a_reward_model(tiny_reward_model, tmp_path):
     config = AutoConfig.from_pretrained(folder)
     config.num_labels = 2
     config.save_pretrained(folder)
-    job = validate_job({"task": {"name": "arithmetic"},
-                        "scoring": {"rewards": [{"name": "reward_model", "path": str(folder)}]}})
+    job = validate_job(
+        {"task": {"name": "arithmetic"}, "scoring": {"rewards": [{"name": "reward_model", "path": str(folder)}]}}
+    )
     assert [str(e) for e in reward_model_errors(job)] == [
-        f"scoring.rewards.0.path: {str(folder)!r} has 2 outputs; a reward model has one (num_labels 1)"]
+        f"scoring.rewards.0.path: {str(folder)!r} has 2 outputs; a reward model has one (num_labels 1)"
+    ]
 
 
 # ---- the loop's side: the verifier pool alone without rewards, each component's metric -----------------------
+
 
 def test_without_rewards_training_is_scored_by_the_verifier_pool_itself():
     from cluster.job import validate_job
@@ -283,8 +338,9 @@ def test_each_component_is_logged_as_its_mean():
     from cluster.telemetry.metrics import KNOWN_METRICS
 
     scoring = ScoringSection(rewards=[{"name": "task"}, {"name": "reward_model", "path": "/m"}, {"name": "format"}])
-    scored = ScoredSinceStep(rewards=[1.0, 0.0], components={"task": [1.0, 0.1], "reward_model": [0.5, 1.5],
-                                                             "format": []})
+    scored = ScoredSinceStep(
+        rewards=[1.0, 0.0], components={"task": [1.0, 0.1], "reward_model": [0.5, 1.5], "format": []}
+    )
     row = scored.metrics(AlgorithmSection(), scoring)
     assert row["rollout/reward_task_mean"] == pytest.approx(0.55)
     assert row["rollout/reward_reward_model_mean"] == pytest.approx(1.0)
@@ -293,4 +349,5 @@ def test_each_component_is_logged_as_its_mean():
     assert all(math.isnan(nothing_scored[f"rollout/reward_{name}_mean"]) for name in ("task", "reward_model"))
     assert not any("reward_task" in key for key in ScoredSinceStep().metrics(AlgorithmSection(), ScoringSection()))
     assert {"rollout/reward_task_mean", "rollout/reward_reward_model_mean", "rollout/reward_format_mean"} <= set(
-        KNOWN_METRICS)
+        KNOWN_METRICS
+    )

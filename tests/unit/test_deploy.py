@@ -95,11 +95,26 @@ def test_the_gpu_extra_resolves_on_its_own():
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", "-",
-         f"{ROOT}[gpu]"], capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            "-",
+            f"{ROOT}[gpu]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    resolved = {item["metadata"]["name"].lower(): item["metadata"]["version"]
-                for item in json.loads(result.stdout)["install"]}
+    resolved = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"] for item in json.loads(result.stdout)["install"]
+    }
     for name, version in _gpu_pins().items():
         assert resolved[name].split("+")[0] == version, (name, resolved[name])
 

@@ -101,8 +101,12 @@ def test_health_metrics_equal_the_masked_estimators():
 def test_health_metrics_finite_for_extreme_ratios_and_garbage_padding():
     l = torch.tensor([[1000.0, -1000.0], [0.0, 3.0]])
     batch = _batch(l, torch.ones(2, 2, dtype=torch.bool))
-    padded = PolicyBatch(batch.logprobs, torch.tensor([[-2.0, -2.0], [-2.0, -math.inf]]), batch.advantages,
-                         torch.tensor([[True, True], [True, False]]))
+    padded = PolicyBatch(
+        batch.logprobs,
+        torch.tensor([[-2.0, -2.0], [-2.0, -math.inf]]),
+        batch.advantages,
+        torch.tensor([[True, True], [True, False]]),
+    )
     for b in (batch, padded):
         metrics = d.health_metrics(b)
         assert set(metrics) >= {"stability/kl_k3", "stability/ess_ratio", "stability/m2", "stability/chi2_seq"}

@@ -68,8 +68,11 @@ def test_the_link_check_can_fail(tmp_path):
 
 def _sections(annotation: Any) -> list[type[BaseModel]]:
     """The section models a field holds: itself, its optional form, or a union's members (the tasks)."""
-    return [member for member in (annotation, *typing.get_args(annotation))
-            if isinstance(member, type) and issubclass(member, BaseModel)]
+    return [
+        member
+        for member in (annotation, *typing.get_args(annotation))
+        if isinstance(member, type) and issubclass(member, BaseModel)
+    ]
 
 
 SECTION = object()  # the default of a section: its rows are its fields

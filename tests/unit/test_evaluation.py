@@ -34,8 +34,10 @@ def test_eval_task_path_takes_the_held_out_file(tmp_path):
     held_out = tmp_path / "test.jsonl"
     rows = FIXTURE.read_text().splitlines()[:2]
     held_out.write_text("\n".join(rows) + "\n")
-    job = {"task": {"name": "gsm8k", "path": str(FIXTURE)},
-           "eval": {"every_steps": 5, "num_problems": 64, "task_path": str(held_out)}}
+    job = {
+        "task": {"name": "gsm8k", "path": str(FIXTURE)},
+        "eval": {"every_steps": 5, "num_problems": 64, "task_path": str(held_out)},
+    }
     problems = [p for p, _ in _set(job)]
     assert sorted(p.question for p in problems) == sorted(json.loads(r)["question"].strip() for r in rows)
     assert all(p.problem_id.startswith("gsm8k-test-") for p in problems)  # the file's own row ids, not training's
@@ -48,10 +50,17 @@ def _answers(problems, texts: list[list[str]], version: int):
     """One generated group per problem, with its answers (answer j of problem i is i + 1 tokens long)."""
     from actors.generator import GeneratedGroup
 
-    return [GeneratedGroup(-1 - i, problem.problem_id, [1, 2],
-                           [{"completion_ids": [7] * (i + 1), "text": text} for text in answers],
-                           version_start=version, version_end=version)
-            for i, (problem, answers) in enumerate(zip(problems, texts))]
+    return [
+        GeneratedGroup(
+            -1 - i,
+            problem.problem_id,
+            [1, 2],
+            [{"completion_ids": [7] * (i + 1), "text": text} for text in answers],
+            version_start=version,
+            version_end=version,
+        )
+        for i, (problem, answers) in enumerate(zip(problems, texts))
+    ]
 
 
 def _evaluator(tmp_path, problems, samples_per_problem: int = 1):
@@ -79,8 +88,12 @@ def test_an_evaluation_is_scored_into_its_own_row_and_answers_from_other_weights
     problems = _set({"task": {"name": "arithmetic"}, "eval": {"every_steps": 5, "num_problems": 4}})
     evaluator, scorer, sink = _evaluator(tmp_path, problems)
     gold = [problem.answer for problem, _ in problems]
-    texts = [[f"<answer>{gold[0]}</answer>"], [f"so <answer>{gold[1]}</answer>"],
-             [f"<answer>{int(gold[2]) + 1}</answer>"], ["no idea"]]
+    texts = [
+        [f"<answer>{gold[0]}</answer>"],
+        [f"so <answer>{gold[1]}</answer>"],
+        [f"<answer>{int(gold[2]) + 1}</answer>"],
+        ["no idea"],
+    ]
     try:
         with caplog.at_level("INFO", logger="stableasync"):
             evaluator.record(RunningEvaluation(index=1, step=5, sent=0.0), _answers([p for p, _ in problems], texts, 5))
@@ -122,14 +135,20 @@ def test_several_answers_per_problem_give_the_mean_over_answers_and_pass_at_k(tm
     eval/pass_at_k counts the problems with a correct one among theirs (2 of 4)."""
     from cluster.run.evaluation import RunningEvaluation
 
-    problems = _set({"task": {"name": "arithmetic"},
-                     "eval": {"every_steps": 5, "num_problems": 4, "samples_per_problem": 2, "temperature": 1.0}})
+    problems = _set(
+        {
+            "task": {"name": "arithmetic"},
+            "eval": {"every_steps": 5, "num_problems": 4, "samples_per_problem": 2, "temperature": 1.0},
+        }
+    )
     evaluator, scorer, sink = _evaluator(tmp_path, problems, samples_per_problem=2)
     gold = [int(problem.answer) for problem, _ in problems]
-    texts = [[f"<answer>{gold[0]}</answer>", f"<answer>{gold[0] + 1}</answer>"],  # one of two right
-             [f"<answer>{gold[1] + 1}</answer>", "no idea"],
-             [f"<answer>{gold[2]}</answer>", f"= <answer>{gold[2]}</answer>"],  # both right
-             ["?", "??"]]
+    texts = [
+        [f"<answer>{gold[0]}</answer>", f"<answer>{gold[0] + 1}</answer>"],  # one of two right
+        [f"<answer>{gold[1] + 1}</answer>", "no idea"],
+        [f"<answer>{gold[2]}</answer>", f"= <answer>{gold[2]}</answer>"],  # both right
+        ["?", "??"],
+    ]
     try:
         evaluator.record(RunningEvaluation(index=0, step=5, sent=0.0), _answers([p for p, _ in problems], texts, 5))
     finally:
@@ -145,8 +164,9 @@ def test_several_greedy_answers_are_refused():
 
     with pytest.raises(JobValidationError, match=r"eval.samples_per_problem.*eval.temperature > 0"):
         validate_job({"task": {"name": "arithmetic"}, "eval": {"every_steps": 5, "samples_per_problem": 4}})
-    job = validate_job({"task": {"name": "arithmetic"},
-                        "eval": {"every_steps": 5, "samples_per_problem": 4, "temperature": 0.6}})
+    job = validate_job(
+        {"task": {"name": "arithmetic"}, "eval": {"every_steps": 5, "samples_per_problem": 4, "temperature": 0.6}}
+    )
     assert job.eval.samples_per_problem == 4
 
 
@@ -177,7 +197,8 @@ def test_an_evaluation_due_when_no_generator_is_left_is_skipped_with_an_alert(tm
         sink.close()
     assert [r.getMessage() for r in caplog.records] == [
         "ALERT evaluation skipped: step 7: no generator is left to answer it (every one left the elastic job); "
-        "the next one is at its step"]
+        "the next one is at its step"
+    ]
     assert evaluator.steps_running() == [] and (tmp_path / "metrics.jsonl").read_text() == ""
 
 
@@ -192,8 +213,10 @@ def test_a_resume_answers_again_its_own_steps_evaluation_and_warns_of_an_earlier
         assert "evaluating step 4 again" in caplog.text and "lost" not in caplog.text
         caplog.clear()
         assert not evaluate_again_on_resume([3], restored_step=4)
-        assert ("the evaluation of step 3 was in flight at the checkpoint of step 4 and is lost: the weights of "
-                "step 3 are not kept") in caplog.text
+        assert (
+            "the evaluation of step 3 was in flight at the checkpoint of step 4 and is lost: the weights of "
+            "step 3 are not kept"
+        ) in caplog.text
         assert [r.levelname for r in caplog.records] == ["WARNING"]
         caplog.clear()
         assert not evaluate_again_on_resume([], restored_step=4) and not caplog.records
@@ -223,21 +246,31 @@ def test_a_bad_eval_set_is_refused_naming_its_field():
     """Every problem of every set at once, each under eval.sets.NAME: a name that cannot be a metric key or is the
     unnamed set's, an unknown field, a file format the job's task cannot give, a field the format lacks, and
     several greedy answers (from the set's own samples, or inherited from eval.samples_per_problem)."""
-    errors = _errors({"task": {"name": "arithmetic"}, "eval": {"samples_per_problem": 2, "temperature": 0.5, "sets": {
-        "a/b": {"path": "x.jsonl", "task": "gsm8k"},
-        "default": {"path": "x.jsonl", "task": "gsm8k"},
-        "typo": {"path": "x.jsonl", "task": "gsm8k", "num_problem": 5},
-        "no_task": {"path": "x.jsonl"},
-        "fields": {"path": "x.jsonl", "task": "gsm8k", "prompt_field": "problem"},
-        "greedy": {"path": "x.jsonl", "task": "dataset", "samples_per_problem": 4, "temperature": 0},
-        "inherits": {"path": "x.jsonl", "task": "dataset", "temperature": 0},
-    }}})
+    errors = _errors(
+        {
+            "task": {"name": "arithmetic"},
+            "eval": {
+                "samples_per_problem": 2,
+                "temperature": 0.5,
+                "sets": {
+                    "a/b": {"path": "x.jsonl", "task": "gsm8k"},
+                    "default": {"path": "x.jsonl", "task": "gsm8k"},
+                    "typo": {"path": "x.jsonl", "task": "gsm8k", "num_problem": 5},
+                    "no_task": {"path": "x.jsonl"},
+                    "fields": {"path": "x.jsonl", "task": "gsm8k", "prompt_field": "problem"},
+                    "greedy": {"path": "x.jsonl", "task": "dataset", "samples_per_problem": 4, "temperature": 0},
+                    "inherits": {"path": "x.jsonl", "task": "dataset", "temperature": 0},
+                },
+            },
+        }
+    )
     assert "letters, digits, _ and -" in errors["eval.sets.a/b"]
     assert "'default' names the unnamed set" in errors["eval.sets.default"]
     assert "Extra inputs are not permitted" in errors["eval.sets.typo.num_problem"]
     assert "required: the job's task 'arithmetic' reads no data file" in errors["eval.sets.no_task.task"]
-    assert errors["eval.sets.fields.prompt_field"] == ("the 'gsm8k' format has no prompt_field; only dataset sets "
-                                                       "read one")
+    assert errors["eval.sets.fields.prompt_field"] == (
+        "the 'gsm8k' format has no prompt_field; only dataset sets read one"
+    )
     assert "4 greedy answers" in errors["eval.sets.greedy.samples_per_problem"]
     assert "2 greedy answers" in errors["eval.sets.inherits.temperature"]
     assert len(errors) == 7, errors
@@ -250,13 +283,31 @@ def test_a_set_defaults_to_the_eval_section_and_every_row_of_its_file(tmp_path):
     unless the set says otherwise, the same problems at each call; a dataset set reads the fields it names."""
     from cluster.job import evaluation_sets
 
-    math = _math_file(tmp_path, [{"problem": "What is 1/2 + 1/4?", "answer": "\\frac{3}{4}"},
-                                 {"problem": "What is 2^10?", "answer": 1024}])
-    job = validate_job({"task": {"name": "arithmetic"}, "eval": {
-        "every_steps": 5, "num_problems": 3, "temperature": 0.7, "samples_per_problem": 2, "sets": {
-            "gsm8k_test": {"path": str(GSM8K_TEST), "task": "gsm8k", "num_problems": 4, "temperature": 0.0,
-                           "samples_per_problem": 1},
-            "math": {"path": math, "task": "dataset", "prompt_field": "problem"}}}})
+    math = _math_file(
+        tmp_path,
+        [{"problem": "What is 1/2 + 1/4?", "answer": "\\frac{3}{4}"}, {"problem": "What is 2^10?", "answer": 1024}],
+    )
+    job = validate_job(
+        {
+            "task": {"name": "arithmetic"},
+            "eval": {
+                "every_steps": 5,
+                "num_problems": 3,
+                "temperature": 0.7,
+                "samples_per_problem": 2,
+                "sets": {
+                    "gsm8k_test": {
+                        "path": str(GSM8K_TEST),
+                        "task": "gsm8k",
+                        "num_problems": 4,
+                        "temperature": 0.0,
+                        "samples_per_problem": 1,
+                    },
+                    "math": {"path": math, "task": "dataset", "prompt_field": "problem"},
+                },
+            },
+        }
+    )
     unnamed, gsm8k, math_set = evaluation_sets(job, job_task(job))
     assert (unnamed.name, unnamed.label, len(unnamed.problems), unnamed.task_name) == (None, "default", 3, "arithmetic")
     assert (gsm8k.label, len(gsm8k.problems), gsm8k.temperature, gsm8k.samples_per_problem) == ("gsm8k_test", 4, 0, 1)
@@ -267,8 +318,9 @@ def test_a_set_defaults_to_the_eval_section_and_every_row_of_its_file(tmp_path):
     assert all("<answer></answer>" in messages[-1]["content"] for _, messages in math_set.problems)
     assert [s.key("eval/solved") for s in (unnamed, gsm8k)] == ["eval/solved", "eval/gsm8k_test/solved"]
     rows = sum(1 for line in GSM8K_TEST.read_text().splitlines() if line.strip())
-    every_row = validate_job({"task": {"name": "arithmetic"}, "eval": {"sets": {"all": {"path": str(GSM8K_TEST),
-                                                                                        "task": "gsm8k"}}}})
+    every_row = validate_job(
+        {"task": {"name": "arithmetic"}, "eval": {"sets": {"all": {"path": str(GSM8K_TEST), "task": "gsm8k"}}}}
+    )
     assert evaluation_sets(every_row, job_task(every_row)) == []  # the job does not evaluate while training
     (answered,) = evaluation_sets(every_row, job_task(every_row), always=True, labels=["all"])
     assert len(answered.problems) == rows == 1319
@@ -280,12 +332,25 @@ def test_a_set_of_the_jobs_own_task_keeps_its_reward_but_not_its_training_only_f
     from cluster.job import evaluation_sets
 
     train = tmp_path / "train.jsonl"
-    train.write_text("".join(json.dumps({"prompt": f"{i} + 1?", "answer": i + 1, "worked": f"<answer>{i + 1}</answer>"})
-                             + "\n" for i in range(3)))
+    train.write_text(
+        "".join(
+            json.dumps({"prompt": f"{i} + 1?", "answer": i + 1, "worked": f"<answer>{i + 1}</answer>"}) + "\n"
+            for i in range(3)
+        )
+    )
     test = _math_file(tmp_path, [{"prompt": f"{i} + 2?", "answer": i + 2} for i in range(5)])
-    job = validate_job({"task": {"name": "dataset", "path": str(train), "reward": "exact", "max_rows": 2,
-                                 "demonstration_field": "worked"},
-                        "eval": {"every_steps": 1, "sets": {"held_out": {"path": test}}}})
+    job = validate_job(
+        {
+            "task": {
+                "name": "dataset",
+                "path": str(train),
+                "reward": "exact",
+                "max_rows": 2,
+                "demonstration_field": "worked",
+            },
+            "eval": {"every_steps": 1, "sets": {"held_out": {"path": test}}},
+        }
+    )
     _, held_out = evaluation_sets(job, job_task(job))
     assert held_out.task_name == "dataset" and len(held_out.problems) == 5
     assert held_out.task_config.reward == "exact" and held_out.task_config.max_rows is None
@@ -298,8 +363,10 @@ def test_a_missing_or_bad_set_file_names_the_set(tmp_path, monkeypatch, capsys):
     from cluster.job import evaluation_sets
     from tasks.base import TaskError
 
-    job = {"task": {"name": "arithmetic"},
-           "eval": {"every_steps": 1, "sets": {"gone": {"path": str(tmp_path / "nowhere.jsonl"), "task": "gsm8k"}}}}
+    job = {
+        "task": {"name": "arithmetic"},
+        "eval": {"every_steps": 1, "sets": {"gone": {"path": str(tmp_path / "nowhere.jsonl"), "task": "gsm8k"}}},
+    }
     with pytest.raises(TaskError, match=r"^eval.sets.gone.path: no data file at .*nowhere.jsonl$"):
         evaluation_sets(validate_job(job), job_task(validate_job(job)))
     bad = tmp_path / "bad.jsonl"
@@ -322,8 +389,7 @@ def test_answer_metrics_are_avg_at_k_and_pass_at_k():
     from tasks.scoring import ScoreResult
 
     rewards = [[1.0, 0.1, 0.0], [0.1, 0.1, 0.0], [1.0, 1.0, 1.0]]
-    groups = [GeneratedGroup(-1 - i, f"p{i}", [1], [{"completion_ids": [7] * 2, "text": ""}] * 3)
-              for i in range(3)]
+    groups = [GeneratedGroup(-1 - i, f"p{i}", [1], [{"completion_ids": [7] * 2, "text": ""}] * 3) for i in range(3)]
     scores = [ScoreResult(r) for row in rewards for r in row]
     scores[5] = ScoreResult(0.0, "raised ValueError")
     metrics = answer_metrics(groups, scores)
@@ -343,11 +409,15 @@ def test_pass_at_k_is_estimated_without_bias_from_more_answers_and_maj_at_k_vote
     from cluster.run.evaluation import answer_metrics, unbiased_pass_at
     from tasks.scoring import ScoreResult
 
-    texts = [["<answer>7</answer>", "<answer>7</answer>", "<answer>3</answer>", "<answer>8</answer>"],
-             ["<answer>5</answer>", "so \\boxed{5}", "<answer>6</answer>", "no answer"]]
+    texts = [
+        ["<answer>7</answer>", "<answer>7</answer>", "<answer>3</answer>", "<answer>8</answer>"],
+        ["<answer>5</answer>", "so \\boxed{5}", "<answer>6</answer>", "no answer"],
+    ]
     rewards = [[0.1, 0.1, 1.0, 0.1], [1.0, 1.0, 0.1, 0.0]]
-    groups = [GeneratedGroup(-1 - i, f"p{i}", [1], [{"completion_ids": [7], "text": text} for text in row])
-              for i, row in enumerate(texts)]
+    groups = [
+        GeneratedGroup(-1 - i, f"p{i}", [1], [{"completion_ids": [7], "text": text} for text in row])
+        for i, row in enumerate(texts)
+    ]
     scores = [ScoreResult(r) for row in rewards for r in row]
     metrics = answer_metrics(groups, scores, pass_at=(1, 2, 4))
     assert metrics["eval/pass_at_1"] == pytest.approx((1 / 4 + 2 / 4) / 2) == metrics["eval/solved"]
@@ -359,11 +429,13 @@ def test_pass_at_k_is_estimated_without_bias_from_more_answers_and_maj_at_k_vote
 
 def test_pass_at_needs_at_least_k_answers_in_every_set():
     task = {"name": "arithmetic"}
-    errors = _errors({"task": task, "eval": {"every_steps": 5, "samples_per_problem": 4, "temperature": 1.0,
-                                             "pass_at": [1, 8]}})
+    errors = _errors(
+        {"task": task, "eval": {"every_steps": 5, "samples_per_problem": 4, "temperature": 1.0, "pass_at": [1, 8]}}
+    )
     assert "eval.pass_at" in errors and "from 1 to eval.samples_per_problem (4)" in errors["eval.pass_at"]
-    job = validate_job({"task": task, "eval": {"every_steps": 5, "samples_per_problem": 4, "temperature": 1.0,
-                                               "pass_at": [1, 2]}})
+    job = validate_job(
+        {"task": task, "eval": {"every_steps": 5, "samples_per_problem": 4, "temperature": 1.0, "pass_at": [1, 2]}}
+    )
     assert job.eval.pass_at == [1, 2]
 
 
@@ -377,9 +449,24 @@ def test_each_named_set_is_scored_by_its_own_format_and_logged_under_its_own_key
     from tasks.config import TASK_CONFIGS
     from tasks.scoring import ScorePool
 
-    job = validate_job({"task": {"name": "arithmetic"}, "eval": {"every_steps": 5, "num_problems": 2, "sets": {
-        "gsm8k_test": {"path": str(GSM8K_TEST), "task": "gsm8k", "num_problems": 3, "samples_per_problem": 2,
-                       "temperature": 1.0}}}})
+    job = validate_job(
+        {
+            "task": {"name": "arithmetic"},
+            "eval": {
+                "every_steps": 5,
+                "num_problems": 2,
+                "sets": {
+                    "gsm8k_test": {
+                        "path": str(GSM8K_TEST),
+                        "task": "gsm8k",
+                        "num_problems": 3,
+                        "samples_per_problem": 2,
+                        "temperature": 1.0,
+                    }
+                },
+            },
+        }
+    )
     sets = evaluation_sets(job, job_task(job))
     scorer = ScorePool("arithmetic", section_config(job.task, TASK_CONFIGS))
     sink = MetricSink(tmp_path, "run", {}, "disabled", progress_bar=False)
@@ -390,17 +477,25 @@ def test_each_named_set_is_scored_by_its_own_format_and_logged_under_its_own_key
     ids = [r.group_id for requests in evaluator.requests.values() for r in requests]
     assert sorted(ids) == list(range(-5, 0)) and [r.seed for r in evaluator.requests["gsm8k_test"]] == [0, 1, 2]
     gold = [p.answer for p, _ in gsm8k.problems]
-    texts = [[f"so \\boxed{{{gold[0]}}}", "no idea"], [f"<answer>{gold[1]}</answer>", f"<answer>{gold[1]}</answer>"],
-             [f"\\boxed{{{int(gold[2]) + 1}}}", "?"]]
+    texts = [
+        [f"so \\boxed{{{gold[0]}}}", "no idea"],
+        [f"<answer>{gold[1]}</answer>", f"<answer>{gold[1]}</answer>"],
+        [f"\\boxed{{{int(gold[2]) + 1}}}", "?"],
+    ]
     try:
         with caplog.at_level("INFO", logger="stableasync"):
-            evaluator.record(RunningEvaluation(0, 5, 0.0), _answers([p for p, _ in unnamed.problems],
-                                                                   [[f"\\boxed{{{p.answer}}}"] for p, _ in
-                                                                    unnamed.problems], 5))
-            evaluator.record(RunningEvaluation(0, 5, 0.0, "gsm8k_test"),
-                             _answers([p for p, _ in gsm8k.problems], texts, 5))
-            evaluator.record(RunningEvaluation(0, 6, 0.0, "gsm8k_test"),
-                             _answers([p for p, _ in gsm8k.problems], texts, 4))
+            evaluator.record(
+                RunningEvaluation(0, 5, 0.0),
+                _answers(
+                    [p for p, _ in unnamed.problems], [[f"\\boxed{{{p.answer}}}"] for p, _ in unnamed.problems], 5
+                ),
+            )
+            evaluator.record(
+                RunningEvaluation(0, 5, 0.0, "gsm8k_test"), _answers([p for p, _ in gsm8k.problems], texts, 5)
+            )
+            evaluator.record(
+                RunningEvaluation(0, 6, 0.0, "gsm8k_test"), _answers([p for p, _ in gsm8k.problems], texts, 4)
+            )
     finally:
         evaluator.close()
         scorer.close()
@@ -410,9 +505,20 @@ def test_each_named_set_is_scored_by_its_own_format_and_logged_under_its_own_key
     assert first["eval/solved"] == first["eval/pass_at_k"] == 0.0 and first["eval/problems"] == 2  # no boxed here
     assert not any(key.startswith("eval/gsm8k_test/") for key in first)
     assert {key for key in second if key.startswith("eval/")} == {
-        f"eval/gsm8k_test/{name}" for name in ("reward_mean", "solved", "pass_at_k", "maj_at_k", "response_len",
-                                               "score_errors",
-                                               "problems", "answers", "policy_version", "seconds")}
+        f"eval/gsm8k_test/{name}"
+        for name in (
+            "reward_mean",
+            "solved",
+            "pass_at_k",
+            "maj_at_k",
+            "response_len",
+            "score_errors",
+            "problems",
+            "answers",
+            "policy_version",
+            "seconds",
+        )
+    }
     assert second["eval/gsm8k_test/solved"] == 3 / 6 and second["eval/gsm8k_test/pass_at_k"] == 2 / 3
     assert second["eval/gsm8k_test/reward_mean"] == pytest.approx((1 + 0 + 1 + 1 + 0.1 + 0) / 6)
     assert second["eval/gsm8k_test/answers"] == 6 and second["eval/gsm8k_test/policy_version"] == 5
@@ -428,8 +534,14 @@ def test_evaluate_refuses_bad_input_with_exit_2_before_loading_a_model(tmp_path,
     from cluster.run.evaluation import saved_model_folder
 
     job_file = tmp_path / "job.yaml"
-    job_file.write_text(json.dumps({"task": {"name": "arithmetic"}, "eval": {"sets": {
-        "held": {"path": str(tmp_path / "missing.jsonl"), "task": "gsm8k"}}}}))
+    job_file.write_text(
+        json.dumps(
+            {
+                "task": {"name": "arithmetic"},
+                "eval": {"sets": {"held": {"path": str(tmp_path / "missing.jsonl"), "task": "gsm8k"}}},
+            }
+        )
+    )
     model = tmp_path / "model-folder"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -442,14 +554,17 @@ def test_evaluate_refuses_bad_input_with_exit_2_before_loading_a_model(tmp_path,
         return capsys.readouterr().err
 
     assert "neither a Hugging Face model folder (no config.json) nor a run directory" in refused(
-        str(tmp_path / "nothing"), "--job", str(job_file))
+        str(tmp_path / "nothing"), "--job", str(job_file)
+    )
     assert f"write one from its newest checkpoint with `stableasync export {run}`" in refused(str(run))
     assert "give --job JOB.yaml" in refused(str(model))
-    assert "learner.steps: Input should be greater than 0" in refused(str(model), "--job", str(job_file),
-                                                                       "--set", "learner.steps=0")
+    assert "learner.steps: Input should be greater than 0" in refused(
+        str(model), "--job", str(job_file), "--set", "learner.steps=0"
+    )
     assert "eval.sets.held.path: no data file at" in refused(str(model), "--job", str(job_file))
     assert "--sets: no set nope in the job (its sets: default, held)" in refused(
-        str(model), "--job", str(job_file), "--sets", "default,nope")
+        str(model), "--job", str(job_file), "--sets", "default,nope"
+    )
     (run / "model").mkdir()
     (run / "model" / "config.json").write_text("{}")
     assert saved_model_folder(run) == run / "model" and saved_model_folder(model) == model
@@ -463,13 +578,24 @@ def test_submit_carries_each_sets_file_and_the_cluster_job_names_it_there(tmp_pa
     from cluster.remote.submit import stage_working_dir
 
     local = _math_file(tmp_path, [{"problem": "What is 2 + 2?", "answer": 4}])
-    job = validate_job({"task": {"name": "arithmetic"}, "eval": {"every_steps": 1, "sets": {
-        "mine": {"path": local, "task": "dataset", "prompt_field": "problem"},
-        "theirs": {"path": "/mnt/shared/math500.jsonl", "task": "dataset"}}}})
+    job = validate_job(
+        {
+            "task": {"name": "arithmetic"},
+            "eval": {
+                "every_steps": 1,
+                "sets": {
+                    "mine": {"path": local, "task": "dataset", "prompt_field": "problem"},
+                    "theirs": {"path": "/mnt/shared/math500.jsonl", "task": "dataset"},
+                },
+            },
+        }
+    )
     staged = stage_working_dir(job, tmp_path / "wd")
     sent = load_job(staged / "job.yaml")
     assert {name: spec.path for name, spec in sent.eval.sets.items()} == {
-        "mine": "user_files/math.jsonl", "theirs": "/mnt/shared/math500.jsonl"}
+        "mine": "user_files/math.jsonl",
+        "theirs": "/mnt/shared/math500.jsonl",
+    }
     assert sent.eval.sets["mine"].prompt_field == "problem"
     monkeypatch.chdir(staged)
     one_set = sent.model_copy(update={"eval": sent.eval.model_copy(update={"sets": {"mine": sent.eval.sets["mine"]}})})

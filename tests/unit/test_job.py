@@ -49,16 +49,22 @@ def test_every_deploy_job_validates(monkeypatch, capsys):
 
 
 def test_all_errors_at_once_with_field_paths():
-    errors = _errors({
-        "task": {"name": "arithmetic", "max_operand": "many"},
-        "learner": {"num_ranks": 0, "zero_stage": 5},
-        "async": {"max_lag": -1},
-        "algorithm": {"stabilizer": {"name": "tis_seq", "cap": 2.0, "capp": 3}},
-        "surprise": 1,
-    })
+    errors = _errors(
+        {
+            "task": {"name": "arithmetic", "max_operand": "many"},
+            "learner": {"num_ranks": 0, "zero_stage": 5},
+            "async": {"max_lag": -1},
+            "algorithm": {"stabilizer": {"name": "tis_seq", "cap": 2.0, "capp": 3}},
+            "surprise": 1,
+        }
+    )
     assert set(errors) >= {
-        "task.max_operand", "learner.num_ranks", "learner.zero_stage", "async.max_lag",
-        "algorithm.stabilizer.capp", "surprise",
+        "task.max_operand",
+        "learner.num_ranks",
+        "learner.zero_stage",
+        "async.max_lag",
+        "algorithm.stabilizer.capp",
+        "surprise",
     }
     assert "greater than or equal to 0" in errors["async.max_lag"]
 
@@ -78,10 +84,14 @@ def test_stabilizer_sections_carry_reference_defaults():
 def test_stabilizer_values_out_of_their_bounds_name_the_field():
     # each of these used to pass validation and fail steps into the run: log(0) for a cap of 0, a BAPO
     # bound walk with step 0 that never ends, an MIS band that masks everything
-    assert "greater than 0" in _errors({**MINIMAL, "algorithm": {"stabilizer": {"name": "tis_seq", "cap": 0}}})[
-        "algorithm.stabilizer.cap"]
-    assert "greater than 0" in _errors({**MINIMAL, "algorithm": {"stabilizer": {"name": "bapo", "step": 0}}})[
-        "algorithm.stabilizer.step"]
+    assert (
+        "greater than 0"
+        in _errors({**MINIMAL, "algorithm": {"stabilizer": {"name": "tis_seq", "cap": 0}}})["algorithm.stabilizer.cap"]
+    )
+    assert (
+        "greater than 0"
+        in _errors({**MINIMAL, "algorithm": {"stabilizer": {"name": "bapo", "step": 0}}})["algorithm.stabilizer.step"]
+    )
     swapped = _errors({**MINIMAL, "algorithm": {"stabilizer": {"name": "mis_token", "low": 2.0, "high": 0.5}}})
     assert "low (2.0) must not exceed high (0.5)" in swapped["algorithm.stabilizer"]
     assert validate_job({**MINIMAL, "algorithm": {"stabilizer": {"name": "mis_token", "low": 0.2, "high": 4}}})
@@ -105,13 +115,15 @@ def test_vcpo_book_keeping_budget_is_auto_or_mib_above_0():
 
 
 def test_cross_field_checks():
-    errors = _errors({
-        **MINIMAL,
-        "learner": {"num_ranks": 2, "prompts_per_step": 3},
-        "algorithm": {"loss_aggregation": "constant"},
-        "generator": {"max_new_tokens": 600, "max_model_len": 512},
-        "cluster": {"num_cpus": 2},
-    })
+    errors = _errors(
+        {
+            **MINIMAL,
+            "learner": {"num_ranks": 2, "prompts_per_step": 3},
+            "algorithm": {"loss_aggregation": "constant"},
+            "generator": {"max_new_tokens": 600, "max_model_len": 512},
+            "cluster": {"num_cpus": 2},
+        }
+    )
     assert "split evenly over 2 ranks" in errors["learner.prompts_per_step"]
     assert "required" in errors["algorithm.constant_tokens"]
     assert "no room for the prompt" in errors["generator.max_new_tokens"]
@@ -119,8 +131,13 @@ def test_cross_field_checks():
 
 
 def test_dropping_uniform_groups_needs_groups_of_more_than_one_response():
-    errors = _errors({**MINIMAL, "algorithm": {"drop_uniform_groups": True, "max_uniform_groups_in_a_row": 0},
-                      "generator": {"samples_per_prompt": 1}})
+    errors = _errors(
+        {
+            **MINIMAL,
+            "algorithm": {"drop_uniform_groups": True, "max_uniform_groups_in_a_row": 0},
+            "generator": {"samples_per_prompt": 1},
+        }
+    )
     assert "all would be dropped" in errors["algorithm.drop_uniform_groups"]
     assert "greater than 0" in errors["algorithm.max_uniform_groups_in_a_row"]
     job = validate_job({**MINIMAL, "algorithm": {"drop_uniform_groups": True}, "generator": {"samples_per_prompt": 2}})
@@ -132,8 +149,10 @@ def test_nucleus_sampling_is_refused_because_the_learner_cannot_mirror_its_log_p
     """vLLM renormalises a nucleus-sampled token's log-prob over the nucleus; the learner's are over the whole
     vocabulary: with top_p < 1 every ratio would be biased, so validation says so instead of training on it."""
     errors = _errors({**MINIMAL, "generator": {"top_p": 0.9}})
-    assert "renormalised over the nucleus" in errors["generator.top_p"] and "generator.temperature" in \
-        errors["generator.top_p"]
+    assert (
+        "renormalised over the nucleus" in errors["generator.top_p"]
+        and "generator.temperature" in errors["generator.top_p"]
+    )
     assert validate_job({**MINIMAL, "generator": {"top_p": 1.0}}).generator.top_p == 1.0
 
 
@@ -141,8 +160,13 @@ def test_several_updates_per_step_need_the_recomputed_proximal_policy_and_whole_
     errors = _errors({**MINIMAL, "learner": {"epochs": 2, "prompts_per_step": 8, "num_ranks": 2, "mini_batches": 3}})
     assert "6 updates per step" in errors["algorithm.proximal"] and "recompute" in errors["algorithm.proximal"]
     assert "4 prompt groups per rank cannot be split evenly into 3" in errors["learner.mini_batches"]
-    job = validate_job({**MINIMAL, "algorithm": {"proximal": "recompute"},
-                        "learner": {"epochs": 2, "prompts_per_step": 8, "num_ranks": 2, "mini_batches": 2}})
+    job = validate_job(
+        {
+            **MINIMAL,
+            "algorithm": {"proximal": "recompute"},
+            "learner": {"epochs": 2, "prompts_per_step": 8, "num_ranks": 2, "mini_batches": 2},
+        }
+    )
     assert (job.learner.mini_batches, job.learner.epochs, job.algorithm.proximal_eps_high) == (2, 2, 0.2)
     assert validate_job(MINIMAL).algorithm.proximal == "behaviour"  # one update against the behaviour policy
 
@@ -155,17 +179,20 @@ def test_the_overlong_buffer_must_fit_in_a_response():
 
 
 def test_field_and_cross_field_errors_come_in_one_pass():
-    errors = _errors({
-        "task": {"name": "countdown", "extra": 1},
-        "learner": {"num_ranks": 2, "prompts_per_step": 3},
-        "algorithm": {"stabilizer": {"name": "m2po", "tau": "small"}},
-    })
+    errors = _errors(
+        {
+            "task": {"name": "countdown", "extra": 1},
+            "learner": {"num_ranks": 2, "prompts_per_step": 3},
+            "algorithm": {"stabilizer": {"name": "m2po", "tau": "small"}},
+        }
+    )
     assert set(errors) == {"task.extra", "algorithm.stabilizer.tau", "learner.prompts_per_step"}
 
 
 def test_an_evaluation_file_is_refused_for_a_task_that_reads_none():
     assert _errors({**MINIMAL, "eval": {"every_steps": 5, "task_path": "/data/test.jsonl"}}) == {
-        "eval.task_path": "task 'arithmetic' reads no data file; leave it unset"}
+        "eval.task_path": "task 'arithmetic' reads no data file; leave it unset"
+    }
     assert validate_job({**MINIMAL, "eval": {"every_steps": 5, "num_problems": 8}}).eval.every_steps == 5
 
 
@@ -184,7 +211,6 @@ def test_dry_run_round_trips(tmp_path):
     assert load_job(path) == job
 
 
-
 def test_validate_dry_run_prints_the_resolved_job(monkeypatch, capsys, tmp_path):
     """The README's `stableasync validate deploy/jobs/demo.yaml --dry-run`: the job with every default filled,
     which loads back as the same job."""
@@ -197,6 +223,7 @@ def test_validate_dry_run_prints_the_resolved_job(monkeypatch, capsys, tmp_path)
     assert "lr_warmup_steps: 0" in resolved.read_text()  # a default the demo file leaves out
     assert load_job(resolved) == load_job(ROOT / "deploy" / "jobs" / "demo.yaml")
 
+
 def test_schema_imports_no_torch_or_ray():
     import subprocess
     import sys
@@ -207,11 +234,33 @@ def test_schema_imports_no_torch_or_ray():
 
 
 leaf = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True), st.text(max_size=8))
-job_like = st.recursive(leaf, lambda inner: st.one_of(
-    st.lists(inner, max_size=3),
-    st.dictionaries(st.sampled_from(["task", "name", "learner", "async", "max_lag", "stabilizer", "algorithm",
-                                     "cap", "num_ranks", "generator", "model", "x"]), inner, max_size=4),
-), max_leaves=12)
+job_like = st.recursive(
+    leaf,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(
+            st.sampled_from(
+                [
+                    "task",
+                    "name",
+                    "learner",
+                    "async",
+                    "max_lag",
+                    "stabilizer",
+                    "algorithm",
+                    "cap",
+                    "num_ranks",
+                    "generator",
+                    "model",
+                    "x",
+                ]
+            ),
+            inner,
+            max_size=4,
+        ),
+    ),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -230,13 +279,32 @@ def test_alert_thresholds_default_validate_and_turn_off():
     alerts = validate_job(MINIMAL).logging.alerts
     assert (alerts.ess_ratio_below, alerts.ess_collapse_steps) == (0.1, 3)
     assert (alerts.grad_norm_above, alerts.grad_norm_spike_factor, alerts.grad_norm_window_steps) == (None, 10.0, 20)
-    errors = _errors({**MINIMAL, "logging": {"alerts": {
-        "ess_ratio_below": 1.5, "ess_collapse_steps": 0, "grad_norm_above": -1, "grad_norm_spike_factor": 0.5,
-        "grad_norm_window_steps": 0, "ess_below": 0.2,
-    }}})
-    assert set(errors) == {f"logging.alerts.{name}" for name in (
-        "ess_ratio_below", "ess_collapse_steps", "grad_norm_above", "grad_norm_spike_factor", "grad_norm_window_steps",
-        "ess_below")}
+    errors = _errors(
+        {
+            **MINIMAL,
+            "logging": {
+                "alerts": {
+                    "ess_ratio_below": 1.5,
+                    "ess_collapse_steps": 0,
+                    "grad_norm_above": -1,
+                    "grad_norm_spike_factor": 0.5,
+                    "grad_norm_window_steps": 0,
+                    "ess_below": 0.2,
+                }
+            },
+        }
+    )
+    assert set(errors) == {
+        f"logging.alerts.{name}"
+        for name in (
+            "ess_ratio_below",
+            "ess_collapse_steps",
+            "grad_norm_above",
+            "grad_norm_spike_factor",
+            "grad_norm_window_steps",
+            "ess_below",
+        )
+    }
     off = validate_job({**MINIMAL, "logging": {"alerts": {"ess_ratio_below": None, "grad_norm_spike_factor": None}}})
     assert off.logging.alerts.ess_ratio_below is None and off.logging.alerts.grad_norm_spike_factor is None
     assert validate_job(yaml.safe_load(dump_job(off))) == off
@@ -256,10 +324,15 @@ def test_scoring_settings_default_validate_and_are_documented():
     scoring = validate_job(MINIMAL).scoring
     settings = (scoring.workers, scoring.timeout_s, scoring.memory_limit_mb, scoring.startup_timeout_s)
     assert settings == (1, 5.0, 4096, 120.0)
-    errors = _errors({**MINIMAL, "scoring": {"workers": 0, "timeout_s": 0, "memory_limit_mb": -1,
-                                              "startup_timeout_s": -5, "timeout": 3}})
-    assert set(errors) == {f"scoring.{name}" for name in (
-        "workers", "timeout_s", "memory_limit_mb", "startup_timeout_s", "timeout")}
+    errors = _errors(
+        {
+            **MINIMAL,
+            "scoring": {"workers": 0, "timeout_s": 0, "memory_limit_mb": -1, "startup_timeout_s": -5, "timeout": 3},
+        }
+    )
+    assert set(errors) == {
+        f"scoring.{name}" for name in ("workers", "timeout_s", "memory_limit_mb", "startup_timeout_s", "timeout")
+    }
     assert validate_job({**MINIMAL, "scoring": {"memory_limit_mb": None}}).scoring.memory_limit_mb is None
     assert all(field.description for field in ScoringSection.model_fields.values())
     jobs_doc = (ROOT / "docs" / "jobs.md").read_text()  # the job file's walkthrough, linked from the README
@@ -291,23 +364,41 @@ def test_a_hub_id_that_cannot_be_fetched_stops_train_with_its_reason_before_anyt
     runs = tmp_path / "runs"
     job = tmp_path / "job.yaml"
     job.write_text(f"model: {{path: some-org/not-a-model}}\ntask: {{name: arithmetic}}\nlogging: {{run_dir: {runs}}}\n")
-    done = subprocess.run([sys.executable, "-m", "cluster.cli", "train", str(job)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "train", str(job)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.startswith("stableasync train: model.path: no tokenizer loads from 'some-org/not-a-model' "
-                                  "(OSError: "), done.stderr[-2000:]
+    assert done.stderr.startswith(
+        "stableasync train: model.path: no tokenizer loads from 'some-org/not-a-model' (OSError: "
+    ), done.stderr[-2000:]
     assert done.stderr.rstrip().endswith("give a local model folder, or one of tiny, smollm2-135m"), done.stderr
     assert "a hub id must be in the Hugging Face cache already when there is no network (HF_HUB_OFFLINE=1)" in (
-        done.stderr)
+        done.stderr
+    )
     assert not runs.exists(), "no run directory for a job that never started"
 
 
 def test_a_micro_batch_budget_below_one_sequence_names_the_field():
-    errors = _errors({**MINIMAL, "generator": {"max_model_len": 1024, "max_new_tokens": 64},
-                      "learner": {"max_tokens_per_micro_batch": 1000}})
+    errors = _errors(
+        {
+            **MINIMAL,
+            "generator": {"max_model_len": 1024, "max_new_tokens": 64},
+            "learner": {"max_tokens_per_micro_batch": 1000},
+        }
+    )
     assert "1000 is less than one sequence may hold" in errors["learner.max_tokens_per_micro_batch"]
-    job = validate_job({**MINIMAL, "generator": {"max_model_len": 1024, "max_new_tokens": 64},
-                        "learner": {"max_tokens_per_micro_batch": 1024}})
+    job = validate_job(
+        {
+            **MINIMAL,
+            "generator": {"max_model_len": 1024, "max_new_tokens": 64},
+            "learner": {"max_tokens_per_micro_batch": 1024},
+        }
+    )
     assert job.learner.max_tokens_per_micro_batch == 1024
 
 
@@ -323,15 +414,24 @@ def test_the_micro_batch_budget_is_auto_by_default_and_any_max_model_len_passes(
 @pytest.mark.parametrize("value", ["big", "Auto", 0, -8, 1.5, True, None])
 def test_a_micro_batch_budget_neither_auto_nor_a_token_count_is_one_error_naming_the_field(value):
     errors = _errors({**MINIMAL, "learner": {"max_tokens_per_micro_batch": value}})
-    assert errors == {"learner.max_tokens_per_micro_batch":
-                      f"{value!r} is neither auto nor a whole number of tokens above 0"}
+    assert errors == {
+        "learner.max_tokens_per_micro_batch": f"{value!r} is neither auto nor a whole number of tokens above 0"
+    }
 
 
 def test_set_overrides_fields_as_yaml_and_the_schema_checks_them(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({"task": {"name": "arithmetic"}, "learner": {"steps": 5}}))
-    job = load_job(path, ["learner.steps=100", "learner.learning_rate=2e-6", "async.max_lag=3",
-                          "algorithm.stabilizer={name: vcpo, use_baseline: false}", "eval.before_training=true"])
+    job = load_job(
+        path,
+        [
+            "learner.steps=100",
+            "learner.learning_rate=2e-6",
+            "async.max_lag=3",
+            "algorithm.stabilizer={name: vcpo, use_baseline: false}",
+            "eval.before_training=true",
+        ],
+    )
     assert job.learner.steps == 100 and job.learner.learning_rate == 2e-6 and job.async_.max_lag == 3
     assert job.algorithm.stabilizer.name == "vcpo" and job.algorithm.stabilizer.use_baseline is False
     assert job.eval.before_training is True  # a section the file does not have is created
@@ -362,8 +462,16 @@ def test_the_cli_prints_an_explained_failure_without_a_traceback(monkeypatch, ca
 
 
 def test_kl_and_entropy_settings_validate_and_bad_ones_name_their_field():
-    job = validate_job({**MINIMAL, "algorithm": {"kl": {"coef": 0.01, "in": "reward", "target": 0.1},
-                                                 "advantage": "rloo", "entropy_coef": 0.001}})
+    job = validate_job(
+        {
+            **MINIMAL,
+            "algorithm": {
+                "kl": {"coef": 0.01, "in": "reward", "target": 0.1},
+                "advantage": "rloo",
+                "entropy_coef": 0.001,
+            },
+        }
+    )
     assert (job.algorithm.kl.in_, job.algorithm.kl.estimator, job.algorithm.kl.target) == ("reward", "low_var+", 0.1)
     assert validate_job(yaml.safe_load(dump_job(job))) == job  # `in` round-trips under its own name
     errors = _errors({**MINIMAL, "algorithm": {"kl": {"estimator": "k9"}, "entropy_coef": -1}})
@@ -388,19 +496,30 @@ def test_kl_in_the_reward_is_refused_before_a_std_normalisation_naming_both_fiel
     assert "algorithm.advantage (grpo)" in grpo and "dr_grpo, rloo or reinforce" in grpo
     vcpo = _errors({**MINIMAL, "algorithm": {"kl": {"in": "reward"}, "stabilizer": {"name": "vcpo"}}})
     assert "algorithm.stabilizer.norm_by_std" in vcpo["algorithm.kl.in"]
-    for fine in ({"advantage": "reinforce"}, {"stabilizer": {"name": "vcpo", "norm_by_std": False}},
-                 {"advantage": "grpo", "kl": {"in": "loss"}}):
+    for fine in (
+        {"advantage": "reinforce"},
+        {"stabilizer": {"name": "vcpo", "norm_by_std": False}},
+        {"advantage": "grpo", "kl": {"in": "loss"}},
+    ):
         assert validate_job({**MINIMAL, "algorithm": {"kl": {"in": "reward"}, **fine}})
-    errors = _errors({**MINIMAL, "algorithm": {"entropy_coef": 0.01,
-                                               "stabilizer": {"name": "vcpo", "opob_impl": "bookkeeping"}}})
+    errors = _errors(
+        {**MINIMAL, "algorithm": {"entropy_coef": 0.01, "stabilizer": {"name": "vcpo", "opob_impl": "bookkeeping"}}}
+    )
     assert "cannot carry a KL term in the loss or an entropy bonus" in errors["algorithm.stabilizer.opob_impl"]
 
 
 def test_lora_settings_outside_what_runs_name_their_field():
     lora = {"model": {"lora": {"rank": 8}}}
     assert validate_job({**MINIMAL, **lora}).model.lora.target_modules[0] == "q_proj"
-    errors = _errors({**MINIMAL, **lora, "learner": {"zero_stage": 3}, "async": {"weight_sync": "gloo"},
-                      "generator": {"streaming": True}})
+    errors = _errors(
+        {
+            **MINIMAL,
+            **lora,
+            "learner": {"zero_stage": 3},
+            "async": {"weight_sync": "gloo"},
+            "generator": {"streaming": True},
+        }
+    )
     assert {"learner.zero_stage", "async.weight_sync", "generator.streaming"} <= set(errors)
     assert "model.lora.rank" in _errors({**MINIMAL, "model": {"lora": {"rank": 0}}})
     assert "model.lora.target_modules" in _errors({**MINIMAL, "model": {"lora": {"target_modules": []}}})
@@ -409,13 +528,16 @@ def test_lora_settings_outside_what_runs_name_their_field():
 def test_a_lora_target_the_model_lacks_stops_train_before_anything_starts(tmp_path, tiny_qwen2):
     runs = tmp_path / "runs"
     job = tmp_path / "job.yaml"
-    job.write_text(f"model: {{path: {tiny_qwen2}, lora: {{target_modules: [q_proj, attn_c_proj]}}}}\n"
-                   f"task: {{name: arithmetic}}\nlogging: {{run_dir: {runs}}}\n")
+    job.write_text(
+        f"model: {{path: {tiny_qwen2}, lora: {{target_modules: [q_proj, attn_c_proj]}}}}\n"
+        f"task: {{name: arithmetic}}\nlogging: {{run_dir: {runs}}}\n"
+    )
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "cluster.cli", "train", str(job)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "train", str(job)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "model.lora.target_modules: ['attn_c_proj'] name no linear layer of the model" in done.stderr, done.stderr
     assert not runs.exists(), "no run directory for a job that never started"
@@ -425,9 +547,15 @@ def test_tool_settings_name_their_field(tmp_path):
     tools = validate_job({**MINIMAL, "environment": {"tools": ["calculator", "countdown_check"], "max_turns": 2}})
     assert tools.environment.tools == ["calculator", "countdown_check"]
     assert validate_job(MINIMAL).environment.tools == []
-    errors = _errors({**MINIMAL, "environment": {"tools": ["abacus", "calculator", "calculator",
-                                                            str(tmp_path / "missing.py") + ":lookup", "x.py:"],
-                                                  "max_turns": 0}})
+    errors = _errors(
+        {
+            **MINIMAL,
+            "environment": {
+                "tools": ["abacus", "calculator", "calculator", str(tmp_path / "missing.py") + ":lookup", "x.py:"],
+                "max_turns": 0,
+            },
+        }
+    )
     assert "unknown tool 'abacus'" in errors["environment.tools.0"] and "calculator" in errors["environment.tools.0"]
     assert "environment.tools.3" not in errors  # a file is read by validate and train: it may be on the cluster
     assert "FILE.py:NAME" in errors["environment.tools.4"]
@@ -440,8 +568,10 @@ def test_a_tool_file_that_does_not_load_stops_validate_and_train_before_anything
 
     runs = tmp_path / "runs"
     job = tmp_path / "job.yaml"
-    job.write_text(f"task: {{name: arithmetic}}\nenvironment: {{tools: [calculator, {tmp_path}/gone.py:lookup]}}\n"
-                   f"logging: {{run_dir: {runs}}}\n")
+    job.write_text(
+        f"task: {{name: arithmetic}}\nenvironment: {{tools: [calculator, {tmp_path}/gone.py:lookup]}}\n"
+        f"logging: {{run_dir: {runs}}}\n"
+    )
     assert cli_main(["validate", str(job)]) == 2
     assert f"environment.tools.1: no file {tmp_path}/gone.py" in capsys.readouterr().err
     assert cli_main(["validate", "--schema-only", str(job)]) == 0  # the file may be on the cluster only

@@ -52,8 +52,14 @@ sys.exit(130)
 
 def _start(out: Path, driver: str = DRIVER) -> subprocess.Popen:
     command = [sys.executable, "-m", "cluster.remote.job_entrypoint", sys.executable, "-c", driver, str(out), SERVICE]
-    return subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=Path(__file__).resolve().parents[2])
+    return subprocess.Popen(
+        command,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
 
 
 def _wait_for(path: Path, timeout_s: float = 30.0) -> None:
@@ -131,8 +137,10 @@ def test_a_killed_keeper_takes_the_driver_with_it_and_the_entrypoint_fails(tmp_p
         assert _gone(service_pid), "the driver's service outlived its keeper"
 
 
-@pytest.mark.parametrize(("driver", "status"), [("import sys; sys.exit(3)", 3),
-                                                ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 137)])
+@pytest.mark.parametrize(
+    ("driver", "status"),
+    [("import sys; sys.exit(3)", 3), ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 137)],
+)
 def test_the_entrypoint_exits_with_the_drivers_status(tmp_path, driver, status):
     entrypoint = _start(tmp_path, driver)
     output, _ = entrypoint.communicate(timeout=30)  # to the keeper's end: it holds the output pipe too
@@ -146,6 +154,10 @@ def test_exit_status_is_what_a_shell_reports():
 
 
 def test_no_command_is_a_usage_error():
-    result = subprocess.run([sys.executable, "-m", "cluster.remote.job_entrypoint"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[2])
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.remote.job_entrypoint"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert result.returncode == 2 and "COMMAND" in result.stderr

@@ -9,18 +9,49 @@ from hypothesis import strategies as st
 from cluster.job import Job, JobValidationError, validate_job
 
 SECTIONS = {name: field for name, field in Job.model_fields.items()}
-KEYS = sorted({alias or name for name, field in SECTIONS.items() for alias in [field.alias]}
-              | {"stabilizer", "name", "max_lag", "num_ranks", "steps", "prompts_per_step", "samples_per_prompt",
-                 "cap", "tau", "rho_on", "use_baseline", "opob_impl", "max_new_tokens", "max_model_len",
-                 "num_generators", "zero_stage", "every_steps", "weight_sync", "path", "min_operand", "unknown"})
+KEYS = sorted(
+    {alias or name for name, field in SECTIONS.items() for alias in [field.alias]}
+    | {
+        "stabilizer",
+        "name",
+        "max_lag",
+        "num_ranks",
+        "steps",
+        "prompts_per_step",
+        "samples_per_prompt",
+        "cap",
+        "tau",
+        "rho_on",
+        "use_baseline",
+        "opob_impl",
+        "max_new_tokens",
+        "max_model_len",
+        "num_generators",
+        "zero_stage",
+        "every_steps",
+        "weight_sync",
+        "path",
+        "min_operand",
+        "unknown",
+    }
+)
 TASK_NAMES = st.sampled_from(["arithmetic", "countdown", "gsm8k", "nope"])
 STABILIZER_NAMES = st.sampled_from(["none", "tis_seq", "m2po", "vcpo", "bapo", "magic"])
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True), st.text(max_size=8),
-                    TASK_NAMES, STABILIZER_NAMES)
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                       st.dictionaries(st.sampled_from(KEYS), inner, max_size=4)),
-                      max_leaves=12)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 10**6),
+    st.floats(allow_nan=True),
+    st.text(max_size=8),
+    TASK_NAMES,
+    STABILIZER_NAMES,
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(KEYS), inner, max_size=4)),
+    max_leaves=12,
+)
 jobs = st.dictionaries(st.sampled_from(KEYS), values, max_size=8).map(
     lambda d: {**d, "task": {"name": "arithmetic"}} if "task" not in d else d
 )

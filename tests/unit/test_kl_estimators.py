@@ -40,9 +40,11 @@ def _exact_gradients() -> dict[str, torch.Tensor]:
     reference = torch.log_softmax(reference_logits, dim=0)
     forward = (logprobs.exp() * (logprobs - reference)).sum()
     reverse = (reference.exp() * (reference - logprobs)).sum()
-    return {"KL(pi || ref)": torch.autograd.grad(forward, theta, retain_graph=True)[0],
-            "KL(ref || pi)": torch.autograd.grad(reverse, theta)[0],
-            "none": torch.zeros(6, dtype=torch.float64)}
+    return {
+        "KL(pi || ref)": torch.autograd.grad(forward, theta, retain_graph=True)[0],
+        "KL(ref || pi)": torch.autograd.grad(reverse, theta)[0],
+        "none": torch.zeros(6, dtype=torch.float64),
+    }
 
 
 @pytest.mark.parametrize("estimator", KL_ESTIMATORS)

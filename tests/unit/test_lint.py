@@ -1,5 +1,6 @@
-"""ruff (pyflakes and pycodestyle rules at 120 columns) over the whole project, and mypy over the parts
-pyproject.toml names: run here so that CI's one test command checks them too."""
+"""ruff's rules (pyproject.toml: pycodestyle, pyflakes, import order, bugbear, pyupgrade, simplify, ruff's own) and
+its formatter over the whole project, and mypy over every package: run here so that CI's one test command checks
+them too."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ def _run(*command: str) -> subprocess.CompletedProcess[str]:
 
 def test_ruff_finds_nothing():
     result = _run("ruff", "check", "--no-cache", ".")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_the_code_is_formatted():
+    result = _run("ruff", "format", "--check", "--no-cache", ".")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 

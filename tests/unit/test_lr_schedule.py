@@ -19,8 +19,9 @@ def test_decays_end_at_the_floor_on_the_last_step():
     linear = [lr_factor(step, 5, schedule="linear", min_ratio=0.2) for step in range(5)]
     assert linear == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
     cosine = [lr_factor(step, 5, schedule="cosine") for step in range(5)]
-    assert cosine == pytest.approx([1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5, 0.5 - 0.5 * math.cos(math.pi / 4),
-                                    0.0])
+    assert cosine == pytest.approx(
+        [1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5, 0.5 - 0.5 * math.cos(math.pi / 4), 0.0]
+    )
     after_warm_up = [lr_factor(step, 6, warmup_steps=2, schedule="linear") for step in range(6)]
     assert after_warm_up == pytest.approx([0.5, 1.0, 1.0, 2 / 3, 1 / 3, 0.0])
     assert lr_factor(7, 5, schedule="linear", min_ratio=0.1) == pytest.approx(0.1)  # past the end: the floor
@@ -35,16 +36,18 @@ def test_edge_cases():
 
 def test_the_job_checks_the_schedule_fields():
     task = {"name": "arithmetic"}
-    job = validate_job({"task": task, "learner": {"steps": 10, "lr_warmup_steps": 3, "lr_schedule": "cosine",
-                                                  "lr_min_ratio": 0.1}})
+    job = validate_job(
+        {"task": task, "learner": {"steps": 10, "lr_warmup_steps": 3, "lr_schedule": "cosine", "lr_min_ratio": 0.1}}
+    )
     assert (job.learner.lr_warmup_steps, job.learner.lr_schedule, job.learner.lr_min_ratio) == (3, "cosine", 0.1)
     from cluster.job import JobValidationError
 
     with pytest.raises(JobValidationError) as error:
-        validate_job({"task": task, "learner": {"steps": 10, "lr_warmup_steps": 11, "lr_schedule": "step",
-                                                "lr_min_ratio": 2}})
+        validate_job(
+            {"task": task, "learner": {"steps": 10, "lr_warmup_steps": 11, "lr_schedule": "step", "lr_min_ratio": 2}}
+        )
     text = str(error.value)
     for field in ("learner.lr_schedule", "learner.lr_min_ratio"):
         assert field in text, text
-    with pytest.raises(JobValidationError, match="learner.lr_warmup_steps.*11 warm-up steps is more than the 10"):
+    with pytest.raises(JobValidationError, match=r"learner.lr_warmup_steps.*11 warm-up steps is more than the 10"):
         validate_job({"task": task, "learner": {"steps": 10, "lr_warmup_steps": 11}})

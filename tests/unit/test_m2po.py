@@ -120,7 +120,7 @@ def test_top_k_search_matches_full_sort_on_large_batches(tail_share, tail_std):
     advantages = torch.randn(32, generator=gen)
     mask = torch.rand(32, 512, generator=gen) < 0.9
     keep = m2po_token_mask(log_ratio, advantages, mask, tau=0.04)
-    region = (mask & (((advantages[:, None] > 0) & (log_ratio > 0)) | ((advantages[:, None] < 0) & (log_ratio < 0))))
+    region = mask & (((advantages[:, None] > 0) & (log_ratio > 0)) | ((advantages[:, None] < 0) & (log_ratio < 0)))
     n_keep = _full_sort_keep_count(log_ratio[region] ** 2, 0.04)
     assert int((keep & region).sum()) == n_keep
     assert torch.equal(keep & ~region, mask & ~region)
@@ -163,9 +163,10 @@ def _sorted_region_values(batch):
 
 # The last case: 95% of tokens at |log r| >= 1, with a gap down to the rest: no value above tau fits
 # the budget, so the cap is the largest value within tau and every value above tau is clipped.
-@pytest.mark.parametrize("seed, tail_share, tail_std, tail_floor",
-                         [(0, 0.02, 1.5, 0.0), (1, 0.02, 1.5, 0.0), (2, 0.3, 1.0, 0.0), (3, 0.9, 3.0, 0.0),
-                          (4, 0.95, 1.0, 1.0)])
+@pytest.mark.parametrize(
+    "seed, tail_share, tail_std, tail_floor",
+    [(0, 0.02, 1.5, 0.0), (1, 0.02, 1.5, 0.0), (2, 0.3, 1.0, 0.0), (3, 0.9, 3.0, 0.0), (4, 0.95, 1.0, 1.0)],
+)
 def test_adaptive_clip_on_large_batches_matches_a_full_sort(seed, tail_share, tail_std, tail_floor):
     # Large enough for the column search, which may have to widen before the cap is found.
     gen = torch.Generator().manual_seed(seed)
@@ -182,8 +183,9 @@ def test_adaptive_clip_on_large_batches_matches_a_full_sort(seed, tail_share, ta
     capped = [float(values.clamp(max=v).sum()) for v in values[: n_above + 1]]  # + the largest within tau
     tau_c = math.sqrt(float(values[next(j for j, c in enumerate(capped) if c <= budget)]))
     assert out.metrics["stability/clip_high"].item() == pytest.approx(math.exp(tau_c), rel=1e-6)
-    assert out.metrics["stability/m2_after"].item() == pytest.approx(float(values.clamp(max=tau_c**2).sum()) / n,
-                                                                     rel=1e-5)
+    assert out.metrics["stability/m2_after"].item() == pytest.approx(
+        float(values.clamp(max=tau_c**2).sum()) / n, rel=1e-5
+    )
     # the clip, applied to the tokens the search found, is the clipped surrogate over the whole batch
     from algorithms.clipping import clipped_surrogate_weights
 
@@ -226,8 +228,11 @@ def test_the_cheap_total_is_within_its_stated_error_of_the_fp64_sum():
 
     gen = torch.Generator().manual_seed(8)
     scales = torch.tensor([1e-30, 1.0, 1e20, 0.0]).repeat(4096).view(32, 512)  # tiny, huge and zero side by side
-    for values in (torch.rand(64, 2048, generator=gen), torch.randn(64, 2048, generator=gen).exp() ** 6,
-                   torch.rand(32, 512, generator=gen) * scales):
+    for values in (
+        torch.rand(64, 2048, generator=gen),
+        torch.randn(64, 2048, generator=gen).exp() ** 6,
+        torch.rand(32, 512, generator=gen) * scales,
+    ):
         total = sum_of(values)
         exact = float(values.sum(dtype=torch.float64))
         assert abs(total.value - exact) <= total.error <= 2e-6 * exact

@@ -25,23 +25,37 @@ PARAMETERS = 134_515_008
 GIB = 2**30
 
 
-def _per_token(shape: ModelShape = SMOLLM2, dtype_bytes: int = 4, checkpointing: bool = False,
-               norms: bool = False) -> int:
-    return step_memory(shape, dtype_bytes, PARAMETERS, 512, gradient_checkpointing=checkpointing,
-                       per_sample_norms=norms).bytes_per_token
+def _per_token(
+    shape: ModelShape = SMOLLM2, dtype_bytes: int = 4, checkpointing: bool = False, norms: bool = False
+) -> int:
+    return step_memory(
+        shape, dtype_bytes, PARAMETERS, 512, gradient_checkpointing=checkpointing, per_sample_norms=norms
+    ).bytes_per_token
 
 
 def test_the_shape_comes_from_a_config_with_grouped_query_attention_and_an_implicit_head_dim():
-    config = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                             num_key_value_heads=3, vocab_size=49152)
+    config = SimpleNamespace(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+    )
     assert ModelShape.from_config(config) == SMOLLM2
     no_gqa = SimpleNamespace(**{**vars(config), "num_key_value_heads": None, "head_dim": 32})
     assert ModelShape.from_config(no_gqa).key_value_width == 9 * 32 == ModelShape.from_config(no_gqa).query_width
 
 
 def test_a_multimodal_config_is_measured_by_its_text_part():
-    text = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                           num_key_value_heads=3, vocab_size=49152)
+    text = SimpleNamespace(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+    )
     assert ModelShape.from_config(SimpleNamespace(get_text_config=lambda: text)) == SMOLLM2
 
 
@@ -70,15 +84,24 @@ def test_per_sample_norms_raise_the_cost_by_an_fp32_logits_gradient():
 
 def test_book_keeping_within_its_budget_costs_at_most_the_budget_and_forced_grows_without_bound():
     def memory(cap: float) -> StepMemory:
-        return step_memory(SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=True,
-                           kept_gradient_cap_bytes=cap)
+        return step_memory(
+            SMOLLM2,
+            4,
+            PARAMETERS,
+            512,
+            gradient_checkpointing=False,
+            per_sample_norms=True,
+            kept_gradient_cap_bytes=cap,
+        )
 
     ghost, budgeted, forced = memory(0.0), memory(GIB), memory(math.inf)
     for tokens in (1, 512, 8192, 100_000):
         assert ghost.bytes_for(tokens) < budgeted.bytes_for(tokens) <= ghost.bytes_for(tokens) + GIB
     assert budgeted.bytes_for(100_000) - ghost.bytes_for(100_000) == GIB  # the kept gradients reached the budget
-    growth = {name: memory.bytes_for(200_000) - memory.bytes_for(100_000)
-              for name, memory in (("ghost", ghost), ("budgeted", budgeted), ("forced", forced))}
+    growth = {
+        name: memory.bytes_for(200_000) - memory.bytes_for(100_000)
+        for name, memory in (("ghost", ghost), ("budgeted", budgeted), ("forced", forced))
+    }
     assert growth["budgeted"] == growth["ghost"] < growth["forced"]  # forced: kept gradients in every token
     assert forced.fixed_bytes == ghost.fixed_bytes + 4 * PARAMETERS  # and the score buffer
 
@@ -92,38 +115,52 @@ def test_capped_temporaries_stop_growing():
 
 def test_the_budget_is_the_most_tokens_that_fit_the_usable_share():
     memory = StepMemory(bytes_per_token=1000, fixed_bytes=100_000, capped=((100, 50_000.0),))
-    budget = choose_budget(memory, free_bytes=2_000_000, usable_share=0.5, sequence_tokens=128,
-                           gradient_checkpointing=False)
+    budget = choose_budget(
+        memory, free_bytes=2_000_000, usable_share=0.5, sequence_tokens=128, gradient_checkpointing=False
+    )
     assert memory.bytes_for(budget.tokens) <= 1_000_000 < memory.bytes_for(budget.tokens + 1)
     assert budget.tokens == 850  # (1e6 - 1e5 - 5e4) / 1000: the temporaries are at their cap
     assert budget.why.startswith("850 tokens per micro-batch (learner.max_tokens_per_micro_batch auto): 50% of ")
-    more = choose_budget(memory, free_bytes=4_000_000, usable_share=0.5, sequence_tokens=128,
-                         gradient_checkpointing=False)
+    more = choose_budget(
+        memory, free_bytes=4_000_000, usable_share=0.5, sequence_tokens=128, gradient_checkpointing=False
+    )
     assert more.tokens == 1850
 
 
 def test_smollm2_on_this_machine_gets_a_budget_that_holds_several_sequences():
     """The issue's job: 20 GiB free on the 24 GiB machine, VCPO under auto, rows of up to 512 tokens."""
-    memory = step_memory(SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=True,
-                         kept_gradient_cap_bytes=GIB)
-    budget = choose_budget(memory, free_bytes=20 * GIB, usable_share=0.5, sequence_tokens=512,
-                           gradient_checkpointing=False)
+    memory = step_memory(
+        SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=True, kept_gradient_cap_bytes=GIB
+    )
+    budget = choose_budget(
+        memory, free_bytes=20 * GIB, usable_share=0.5, sequence_tokens=512, gradient_checkpointing=False
+    )
     assert 2 * 512 <= budget.tokens < 8192, budget.why
 
 
 def test_an_auto_book_keeping_budget_takes_half_the_room_and_no_more_than_a_fixed_micro_batch_leaves():
     """bookkeeping_budget_mb auto on the issue's job (20 GiB free, VCPO, fp32 SmolLM2): half of what a step
     may use beyond its fixed bytes, and the token budget chosen with it still holds several sequences."""
-    without_kept = step_memory(SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=True,
-                               later_bytes=8 * PARAMETERS)
+    without_kept = step_memory(
+        SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=True, later_bytes=8 * PARAMETERS
+    )
     usable = 0.5 * 20 * GIB
     cap = kept_gradient_cap(without_kept, usable, None)
     assert cap == 0.5 * (usable - without_kept.fixed_bytes)
-    with_kept = step_memory(SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=True,
-                            kept_gradient_cap_bytes=cap, later_bytes=8 * PARAMETERS)
-    budget = choose_budget(with_kept, free_bytes=20 * GIB, usable_share=0.5, sequence_tokens=512,
-                           gradient_checkpointing=False)
-    assert 2 * 512 <= budget.tokens, budget.why
+    with_kept = step_memory(
+        SMOLLM2,
+        4,
+        PARAMETERS,
+        512,
+        gradient_checkpointing=False,
+        per_sample_norms=True,
+        kept_gradient_cap_bytes=cap,
+        later_bytes=8 * PARAMETERS,
+    )
+    budget = choose_budget(
+        with_kept, free_bytes=20 * GIB, usable_share=0.5, sequence_tokens=512, gradient_checkpointing=False
+    )
+    assert budget.tokens >= 2 * 512, budget.why
     # a fixed micro-batch of 2048 tokens leaves usable - its bytes, less than half the room here
     fixed_tokens = kept_gradient_cap(without_kept, usable, 2048)
     assert fixed_tokens == usable - without_kept.bytes_for(2048) < cap
@@ -133,16 +170,19 @@ def test_an_auto_book_keeping_budget_takes_half_the_room_and_no_more_than_a_fixe
 def test_not_even_one_sequence_is_an_error_naming_both_knobs_and_the_numbers():
     memory = step_memory(SMOLLM2, 4, PARAMETERS, 4096, gradient_checkpointing=False, per_sample_norms=False)
     with pytest.raises(MicroBatchBudgetTooSmall) as info:
-        choose_budget(memory, free_bytes=10 * GIB, usable_share=0.5, sequence_tokens=4096,
-                      gradient_checkpointing=False)
+        choose_budget(memory, free_bytes=10 * GIB, usable_share=0.5, sequence_tokens=4096, gradient_checkpointing=False)
     message = str(info.value)
     assert "learner.max_tokens_per_micro_batch" in message and "learner.gradient_checkpointing: true" in message
     assert "one sequence of 4096 tokens (generator.max_model_len)" in message
     assert "50% of the 10.00 GiB free on the rank's device is 5.00 GiB" in message
     assert f"{memory.bytes_for(4096) / GIB:.2f} GiB" in message
     checkpointed = step_memory(SMOLLM2, 4, PARAMETERS, 4096, gradient_checkpointing=True, per_sample_norms=False)
-    assert choose_budget(checkpointed, free_bytes=10 * GIB, usable_share=0.5, sequence_tokens=4096,
-                         gradient_checkpointing=True).tokens >= 4096
+    assert (
+        choose_budget(
+            checkpointed, free_bytes=10 * GIB, usable_share=0.5, sequence_tokens=4096, gradient_checkpointing=True
+        ).tokens
+        >= 4096
+    )
 
 
 def test_with_checkpointing_already_on_the_error_does_not_suggest_it():
@@ -156,13 +196,16 @@ def test_with_checkpointing_already_on_the_error_does_not_suggest_it():
 MEMINFO = "MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n"
 
 
-@pytest.mark.parametrize("limit, usage, expected_kib", [
-    (None, None, 20_000_000),  # no cgroup files
-    ("max\n", "123\n", 20_000_000),  # cgroup v2 without a limit
-    ("9223372036854771712\n", "5000\n", 20_000_000),  # v1's "no limit"
-    (f"{8 * 2**30}\n", f"{2 * 2**30}\n", 6 * 2**20),  # a limit that leaves less than the host
-    (f"{100 * 2**30}\n", f"{2 * 2**30}\n", 20_000_000),  # a limit above what the host has
-])
+@pytest.mark.parametrize(
+    "limit, usage, expected_kib",
+    [
+        (None, None, 20_000_000),  # no cgroup files
+        ("max\n", "123\n", 20_000_000),  # cgroup v2 without a limit
+        ("9223372036854771712\n", "5000\n", 20_000_000),  # v1's "no limit"
+        (f"{8 * 2**30}\n", f"{2 * 2**30}\n", 6 * 2**20),  # a limit that leaves less than the host
+        (f"{100 * 2**30}\n", f"{2 * 2**30}\n", 20_000_000),  # a limit above what the host has
+    ],
+)
 def test_host_memory_is_mem_available_or_less_under_a_cgroup_limit(limit, usage, expected_kib):
     assert host_available_bytes(MEMINFO, limit, usage) == expected_kib * 1024
 
@@ -170,8 +213,9 @@ def test_host_memory_is_mem_available_or_less_under_a_cgroup_limit(limit, usage,
 def test_memory_the_rank_takes_later_counts_as_fixed():
     """AdamW's moments appear at the first step, a KL reference copy after the budget is chosen."""
     now = step_memory(SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=False)
-    later = step_memory(SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=False,
-                        later_bytes=8 * PARAMETERS)
+    later = step_memory(
+        SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=False, later_bytes=8 * PARAMETERS
+    )
     assert later.fixed_bytes - now.fixed_bytes == 8 * PARAMETERS
     assert later.bytes_per_token == now.bytes_per_token
 
@@ -188,5 +232,7 @@ def test_a_gpu_rank_plans_on_its_share_of_the_gpu_and_a_host_rank_on_its_share_o
     assert memory_budget.read_free_bytes(gpu, 1, 1.0) == (72 * GIB, memory_budget.USABLE_SHARE_CUDA)
     assert memory_budget.read_free_bytes(gpu, 1, 0.5) == (40 * GIB, memory_budget.USABLE_SHARE_CUDA)
     monkeypatch.setattr(memory_budget, "read_host_available_bytes", lambda: 20 * GIB)
-    assert memory_budget.read_free_bytes(SimpleNamespace(type="cpu"), 4, 1.0) == (5 * GIB,
-                                                                                  memory_budget.USABLE_SHARE_HOST)
+    assert memory_budget.read_free_bytes(SimpleNamespace(type="cpu"), 4, 1.0) == (
+        5 * GIB,
+        memory_budget.USABLE_SHARE_HOST,
+    )

@@ -52,11 +52,14 @@ def test_an_evaluation_row_holds_its_metrics_only_and_readers_can_tell_it_from_a
     sink.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(row["train/step"], is_evaluation_row(row)) for row in rows] == [(1, False), (1, True)]
-    assert rows[1]["eval/solved"] == 0.5 and set(rows[1]) == {"train/step", "time/wall_s", "eval/solved",
-                                                              "eval/policy_version"}
+    assert rows[1]["eval/solved"] == 0.5 and set(rows[1]) == {
+        "train/step",
+        "time/wall_s",
+        "eval/solved",
+        "eval/policy_version",
+    }
     assert not is_evaluation_row({"train/step": 4, "time/step_s": 2.0, "eval/solved": 0.5})  # an older step row
     assert not is_evaluation_row({"train/step": 4, "time/wall_s": 9.0})
-
 
 
 def test_step_rows_are_the_learner_steps_alone_in_logged_order(tmp_path):
@@ -76,7 +79,11 @@ def test_step_rows_are_the_learner_steps_alone_in_logged_order(tmp_path):
     rows = read_jsonl_rows(tmp_path / "metrics.jsonl")
     assert len(rows) == 5
     assert [(row["train/step"], row["time/learner_step_s"]) for row in step_rows(rows)] == [
-        (1, 0.3), (2, 0.4), (3, 0.5)]
+        (1, 0.3),
+        (2, 0.4),
+        (3, 0.5),
+    ]
+
 
 # ---- the metric table, the W&B workspace file ---------------------------------------------------------
 
@@ -143,8 +150,15 @@ def test_the_workspace_plots_only_metrics_the_project_logs():
     spec = yaml.safe_load(WORKSPACE.read_text())
     assert _workspace_problems(spec) == []
     assert _plotted(spec) >= {
-        "stability/ess_ratio", "stability/lr_scale", "optim/grad_norm", "stability/kl_k3", "rollout/reward_mean",
-        "async/lag", "perf/gen_tokens_per_s", "perf/learner_tokens_per_s", "perf/weight_sync_s",
+        "stability/ess_ratio",
+        "stability/lr_scale",
+        "optim/grad_norm",
+        "stability/kl_k3",
+        "rollout/reward_mean",
+        "async/lag",
+        "perf/gen_tokens_per_s",
+        "perf/learner_tokens_per_s",
+        "perf/weight_sync_s",
     }
 
 
@@ -174,10 +188,10 @@ def _wandb_records(path: Path):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if (crc, length, kind) == (0, 0, 0):
             break
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"corrupt record at byte {pos}"
         pos += 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
@@ -215,15 +229,39 @@ def test_offline_wandb_run_holds_the_metrics_histograms_groups_and_alerts(tmp_pa
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     steps = {
-        1: {"stability/ess_ratio": 0.9, "optim/grad_norm": 1.5, "stability/kl_k3": 0.01, "rollout/reward_mean": 0.25,
-            "perf/gen_tokens_per_s": 812.0, "async/lag": [3, 5]},
-        2: {"stability/ess_ratio": 0.05, "optim/grad_norm": 2.5, "stability/kl_k3": 0.2, "rollout/reward_mean": 0.5,
-            "perf/gen_tokens_per_s": 790.0, "async/lag": [0, 6, 2]},
-        3: {"stability/ess_ratio": 0.04, "optim/grad_norm": 0.5, "stability/kl_k3": 0.3, "rollout/reward_mean": 0.75,
-            "perf/gen_tokens_per_s": 805.0, "async/lag": [8]},
+        1: {
+            "stability/ess_ratio": 0.9,
+            "optim/grad_norm": 1.5,
+            "stability/kl_k3": 0.01,
+            "rollout/reward_mean": 0.25,
+            "perf/gen_tokens_per_s": 812.0,
+            "async/lag": [3, 5],
+        },
+        2: {
+            "stability/ess_ratio": 0.05,
+            "optim/grad_norm": 2.5,
+            "stability/kl_k3": 0.2,
+            "rollout/reward_mean": 0.5,
+            "perf/gen_tokens_per_s": 790.0,
+            "async/lag": [0, 6, 2],
+        },
+        3: {
+            "stability/ess_ratio": 0.04,
+            "optim/grad_norm": 0.5,
+            "stability/kl_k3": 0.3,
+            "rollout/reward_mean": 0.75,
+            "perf/gen_tokens_per_s": 805.0,
+            "async/lag": [8],
+        },
     }
-    sink = MetricSink(tmp_path, "offline-check", {"seed": 0}, "offline", progress_bar=False,
-                      alerts=AlertsSection(ess_collapse_steps=2))
+    sink = MetricSink(
+        tmp_path,
+        "offline-check",
+        {"seed": 0},
+        "offline",
+        progress_bar=False,
+        alerts=AlertsSection(ess_collapse_steps=2),
+    )
     assert sink._wandb is not None, "offline W&B started"
     for step, metrics in steps.items():
         sink.log(step, metrics)
@@ -272,8 +310,8 @@ def test_offline_wandb_run_holds_the_metrics_histograms_groups_and_alerts(tmp_pa
 
 def _alert_steps(key: str, values: list[float], **thresholds) -> list[int]:
     """The steps (1, 2, ...) at which the rules raise an alert for this sequence of one metric."""
-    from cluster.telemetry.alerts import StabilityAlerts
     from cluster.job import AlertsSection
+    from cluster.telemetry.alerts import StabilityAlerts
 
     rules = StabilityAlerts(AlertsSection(**thresholds))
     return [step for step, value in enumerate(values, start=1) if rules.check(step, {key: value})]
@@ -282,13 +320,16 @@ def _alert_steps(key: str, values: list[float], **thresholds) -> list[int]:
 NAN = math.nan
 
 
-@pytest.mark.parametrize(("values", "expected"), [
-    ([0.5, 0.05, 0.05, 0.05, 0.05, 0.5, 0.05, 0.05, 0.05], [4, 9]),  # once per collapse, again after recovery
-    ([0.05, 0.05, 0.5, 0.05, 0.05, 0.5], []),  # never 3 in a row
-    ([NAN, NAN, NAN, NAN], [3]),  # NaN is a collapse
-    ([0.05, NAN, 0.09], [3]),
-    ([0.1, 0.1, 0.1, 0.1], []),  # at the threshold is not below it
-])
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([0.5, 0.05, 0.05, 0.05, 0.05, 0.5, 0.05, 0.05, 0.05], [4, 9]),  # once per collapse, again after recovery
+        ([0.05, 0.05, 0.5, 0.05, 0.05, 0.5], []),  # never 3 in a row
+        ([NAN, NAN, NAN, NAN], [3]),  # NaN is a collapse
+        ([0.05, NAN, 0.09], [3]),
+        ([0.1, 0.1, 0.1, 0.1], []),  # at the threshold is not below it
+    ],
+)
 def test_ess_collapse_alerts_once_per_collapse(values, expected):
     assert _alert_steps("stability/ess_ratio", values, ess_ratio_below=0.1, ess_collapse_steps=3) == expected
 
@@ -296,8 +337,8 @@ def test_ess_collapse_alerts_once_per_collapse(values, expected):
 def test_ess_collapse_rule_can_be_turned_off_and_ignores_steps_without_ess():
     assert _alert_steps("stability/ess_ratio", [0.0] * 5, ess_ratio_below=None) == []
     assert _alert_steps("stability/ess_ratio", [0.0, 0.0], ess_collapse_steps=1) == [1]
-    from cluster.telemetry.alerts import StabilityAlerts
     from cluster.job import AlertsSection
+    from cluster.telemetry.alerts import StabilityAlerts
 
     rules = StabilityAlerts(AlertsSection(ess_collapse_steps=2))
     assert rules.check(1, {"stability/ess_ratio": 0.01}) == []
@@ -310,33 +351,41 @@ def test_entropy_collapse_is_off_by_default_and_alerts_once_per_collapse():
     assert _alert_steps("stability/entropy", values) == []  # null unless the job sets a threshold
     assert _alert_steps("stability/entropy", values, entropy_below=0.1, entropy_collapse_steps=3) == [4, 8]
     assert _alert_steps("stability/entropy", values, entropy_below=0.1, entropy_collapse_steps=2) == [3, 7]
-    from cluster.telemetry.alerts import StabilityAlerts
     from cluster.job import AlertsSection
+    from cluster.telemetry.alerts import StabilityAlerts
 
     rules = StabilityAlerts(AlertsSection(entropy_below=0.2, entropy_collapse_steps=1, ess_collapse_steps=1))
     alerts = rules.check(7, {"stability/entropy": 0.03, "stability/ess_ratio": 0.01})
     assert [a.title for a in alerts] == ["ESS collapse", "entropy collapse"]  # independent streaks
-    assert alerts[1].text.startswith("step 7: stability/entropy = 0.03, below 0.2 (or NaN) for 1 step(s) in a row "
-                                     "(logging.alerts.entropy_below); the policy has stopped exploring")
+    assert alerts[1].text.startswith(
+        "step 7: stability/entropy = 0.03, below 0.2 (or NaN) for 1 step(s) in a row "
+        "(logging.alerts.entropy_below); the policy has stopped exploring"
+    )
 
 
-@pytest.mark.parametrize(("values", "expected"), [
-    ([1.0, 6.0, 7.0, 1.0, 6.0], [2, 5]),  # above the absolute limit: once, again after it came back down
-    ([1.0, NAN, NAN, 1.0, math.inf], [2, 5]),  # non-finite is a spike
-    ([5.0, 5.0, 1.0], []),  # at the limit is not above it
-])
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([1.0, 6.0, 7.0, 1.0, 6.0], [2, 5]),  # above the absolute limit: once, again after it came back down
+        ([1.0, NAN, NAN, 1.0, math.inf], [2, 5]),  # non-finite is a spike
+        ([5.0, 5.0, 1.0], []),  # at the limit is not above it
+    ],
+)
 def test_grad_norm_above_an_absolute_limit(values, expected):
     assert _alert_steps("optim/grad_norm", values, grad_norm_above=5.0, grad_norm_spike_factor=None) == expected
 
 
-@pytest.mark.parametrize(("values", "expected"), [
-    # window 3, factor 10: median of the 3 previous steps
-    ([1.0, 1.0, 1.0, 9.0, 20.0, 1.0], [5]),  # 9 < 10 x 1; 20 > 10 x median(1, 1, 9)
-    ([1.0, 1.0, 1.0, 20.0, 30.0, 40.0, 1.0, 1.0, 1.0, 500.0], [4, 10]),  # the window adapts; a later spike again
-    ([1.0, 100.0, 100.0], []),  # the relative rule waits for a full window
-    ([0.0, 0.0, 0.0, 1.0], []),  # zero-gradient steps (all-equal rewards) give no median to compare with
-    ([1.0, 1.0, 1.0, NAN, 1.0, NAN], [4, 6]),  # NaN counts while only the relative rule is on
-])
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        # window 3, factor 10: median of the 3 previous steps
+        ([1.0, 1.0, 1.0, 9.0, 20.0, 1.0], [5]),  # 9 < 10 x 1; 20 > 10 x median(1, 1, 9)
+        ([1.0, 1.0, 1.0, 20.0, 30.0, 40.0, 1.0, 1.0, 1.0, 500.0], [4, 10]),  # the window adapts; a later spike again
+        ([1.0, 100.0, 100.0], []),  # the relative rule waits for a full window
+        ([0.0, 0.0, 0.0, 1.0], []),  # zero-gradient steps (all-equal rewards) give no median to compare with
+        ([1.0, 1.0, 1.0, NAN, 1.0, NAN], [4, 6]),  # NaN counts while only the relative rule is on
+    ],
+)
 def test_grad_norm_spike_against_the_running_median(values, expected):
     got = _alert_steps("optim/grad_norm", values, grad_norm_spike_factor=10.0, grad_norm_window_steps=3)
     assert got == expected

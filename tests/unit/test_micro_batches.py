@@ -88,8 +88,17 @@ def test_a_packed_plan_keeps_groups_whole_and_splits_a_group_over_the_budget_by_
 
 
 def test_packing_lays_the_rows_end_to_end_and_puts_each_scored_position_in_its_padded_place():
-    samples = [dict(prompt_ids=[1, 2], completion_ids=list(range(10, 10 + k)), behaviour_logprobs=[-1.0] * k,
-                    reward=0.0, group_id=0, version=0) for k in (1, 5, 3)]
+    samples = [
+        dict(
+            prompt_ids=[1, 2],
+            completion_ids=list(range(10, 10 + k)),
+            behaviour_logprobs=[-1.0] * k,
+            reward=0.0,
+            group_id=0,
+            version=0,
+        )
+        for k in (1, 5, 3)
+    ]
     batch = learner_batch.collate(samples, 0)
     (micro,) = micro_batches.plan(batch.sequence_lengths, batch.group_ids, None, False, packed=True).micro_batches
     packing = micro.packing
@@ -108,8 +117,12 @@ def test_packing_lays_the_rows_end_to_end_and_puts_each_scored_position_in_its_p
 
 
 def test_trimming_drops_only_the_padding_no_row_uses():
-    samples = [dict(prompt_ids=[1, 2], completion_ids=[3] * k, behaviour_logprobs=[-1.0] * k, reward=0.0,
-                    group_id=0, version=0) for k in (2, 9)]
+    samples = [
+        dict(
+            prompt_ids=[1, 2], completion_ids=[3] * k, behaviour_logprobs=[-1.0] * k, reward=0.0, group_id=0, version=0
+        )
+        for k in (2, 9)
+    ]
     batch = learner_batch.collate(samples, 0)
     short = batch.rows(torch.tensor([0])).trimmed()
     assert short.input_ids.shape == (1, 4) and short.loss_mask.shape == (1, 3)
@@ -176,8 +189,11 @@ def test_a_stabilizer_that_decides_per_row_decides_the_same_on_any_rows(name):
     whole = stabilizer.token_weights(policy)
     assert torch.equal(whole.mask.bool(), policy.mask)
     for rows in (torch.tensor([0, 5, 7]), torch.tensor([11]), torch.arange(6, 12)):
-        part = stabilizer.token_weights(PolicyBatch(policy.logprobs[rows], policy.behaviour_logprobs[rows],
-                                                    policy.advantages[rows], policy.mask[rows]))
+        part = stabilizer.token_weights(
+            PolicyBatch(
+                policy.logprobs[rows], policy.behaviour_logprobs[rows], policy.advantages[rows], policy.mask[rows]
+            )
+        )
         assert torch.allclose(part.weights, whole.weights[rows], rtol=1e-6, atol=0), rows
         assert torch.equal(part.mask.bool(), policy.mask[rows])
 

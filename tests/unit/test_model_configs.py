@@ -15,9 +15,21 @@ PUBLISHED_PARAMETERS = {
     "qwen2.5-1.5b": (1.54e9, 1.31e9),
     "qwen2.5-7b": (7.61e9, 6.53e9),
 }
-TINY = ("llama", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True, rms_norm_eps=1e-5,
-                      max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 100000.0}))
+TINY = (
+    "llama",
+    dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    ),
+)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
@@ -55,10 +67,12 @@ def test_every_value_of_a_named_config_reaches_the_transformers_config(name):
 def test_an_unknown_name_is_refused_naming_the_known_ones(tmp_path):
     from benchmarks import model_configs
 
-    for call in (lambda: model_configs.transformers_config("qwen3-8b"),
-                 lambda: model_configs.model_folder("qwen3-8b", "bfloat16"),
-                 lambda: model_configs.model_folder(str(tmp_path), "float32")):  # a folder without config.json
-        with pytest.raises(ValueError, match="choose from smollm2-135m, qwen2.5-1.5b, qwen2.5-7b"):
+    for call in (
+        lambda: model_configs.transformers_config("qwen3-8b"),
+        lambda: model_configs.model_folder("qwen3-8b", "bfloat16"),
+        lambda: model_configs.model_folder(str(tmp_path), "float32"),
+    ):  # a folder without config.json
+        with pytest.raises(ValueError, match=r"choose from smollm2-135m, qwen2.5-1.5b, qwen2.5-7b"):
             call()
 
 

@@ -94,8 +94,9 @@ def test_m2po_takes_the_same_decisions_on_both_paths(seed, rows, tokens, tail_sh
 
 @pytest.mark.parametrize("seed, rows, tokens, tail_share, tail_std, extremes", CASES)
 @pytest.mark.parametrize("positive_share", [0.05, 0.3, 0.455, 0.5, 0.55, 0.95])
-def test_bapo_takes_the_same_decisions_on_both_paths(seed, rows, tokens, tail_share, tail_std, extremes,
-                                                     positive_share):
+def test_bapo_takes_the_same_decisions_on_both_paths(
+    seed, rows, tokens, tail_share, tail_std, extremes, positive_share
+):
     batch = _batch(seed, rows, tokens, tail_share, tail_std, extremes)
     fused, reference = _both_paths("bapo", batch, positive_share=positive_share)
     for bound in ("stability/clip_low", "stability/clip_high"):
@@ -133,8 +134,9 @@ def test_an_all_padding_batch_gives_the_same_zero_weights():
     for name, options in (("m2po", {}), ("m2po", {"mode": "adaptive_clip"}), ("bapo", {"positive_share": 0.455})):
         fused, reference = _both_paths(name, empty, **options)
         _assert_same(fused, reference)
-        assert not fused.weights.any() and math.isfinite(float(fused.metrics["stability/m2" if name == "m2po" else
-                                                                             "stability/positive_share"]))
+        assert not fused.weights.any() and math.isfinite(
+            float(fused.metrics["stability/m2" if name == "m2po" else "stability/positive_share"])
+        )
 
 
 def test_bapo_tokens_exactly_on_the_bounds_fall_in_the_same_buckets():

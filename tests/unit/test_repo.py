@@ -15,8 +15,11 @@ def _readme_test_command() -> str:
 
 
 def test_ci_runs_the_readme_test_command():
-    ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines()
-                if line and not line.startswith(("#", "set ", "cd "))]
+    ci_lines = [
+        line
+        for line in (ROOT / ".ci/run").read_text().splitlines()
+        if line and not line.startswith(("#", "set ", "cd "))
+    ]
     assert ci_lines == [_readme_test_command()]
 
 
@@ -41,11 +44,14 @@ def test_nothing_in_the_project_refers_to_files_outside_its_clone():
     only what the repository holds."""
     markers = ("../" + "shared", "DESIGN" + ".md", "redesign" + "-moves")  # in parts: this file must not match
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, check=True, capture_output=True, text=True).stdout.split()
-    outside = [f"{name}: {marker}" for name in tracked
-               if (ROOT / name).is_file() and (ROOT / name).stat().st_size < 1 << 20
-               for marker in markers if marker in (ROOT / name).read_text(errors="ignore")]
+    outside = [
+        f"{name}: {marker}"
+        for name in tracked
+        if (ROOT / name).is_file() and (ROOT / name).stat().st_size < 1 << 20
+        for marker in markers
+        if marker in (ROOT / name).read_text(errors="ignore")
+    ]
     assert not outside, f"these files refer to what a clone lacks: {outside}"
-
 
 
 def _package_modules(package: str) -> list[str]:
@@ -90,15 +96,19 @@ def _private_imports(source: str, module: str) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module != module:
-            found += [f"{node.lineno}: from {node.module} import {alias.name}" for alias in node.names
-                      if alias.name.startswith("_") and not alias.name.startswith("__")]
+            found += [
+                f"{node.lineno}: from {node.module} import {alias.name}"
+                for alias in node.names
+                if alias.name.startswith("_") and not alias.name.startswith("__")
+            ]
     return found
 
 
 def test_no_module_imports_another_modules_private_name():
     """A leading underscore says "this module's own": a name another module needs is made public instead."""
-    assert _private_imports("from tasks.countdown import _secret, evaluate\nfrom x import __version__\n",
-                            "tasks.tools") == ["1: from tasks.countdown import _secret"]  # the check can fail
+    assert _private_imports(
+        "from tasks.countdown import _secret, evaluate\nfrom x import __version__\n", "tasks.tools"
+    ) == ["1: from tasks.countdown import _secret"]  # the check can fail
     offenders = {}
     for package in PROJECT_PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
@@ -106,17 +116,22 @@ def test_no_module_imports_another_modules_private_name():
             if found := _private_imports(path.read_text(), module):
                 offenders[str(path.relative_to(ROOT))] = found
     for path in sorted((ROOT / "tests").rglob("*.py")):  # a test checks a module through its public names
-        found = [line for line in _private_imports(path.read_text(), "tests")
-                 if line.split(" import ")[0].split("from ")[1].split(".")[0] in PROJECT_PACKAGES]
+        found = [
+            line
+            for line in _private_imports(path.read_text(), "tests")
+            if line.split(" import ")[0].split("from ")[1].split(".")[0] in PROJECT_PACKAGES
+        ]
         if found:
             offenders[str(path.relative_to(ROOT))] = found
     assert not offenders, offenders
 
 
 # What each lower layer may not import: its records are its own, and its consumers import them, not the reverse.
-FORBIDDEN_IMPORTS = {"algorithms": {"tasks", "learner", "actors", "cluster"},
-                     "tasks": {"learner", "actors", "cluster"},
-                     "learner": {"tasks", "actors", "cluster"}}
+FORBIDDEN_IMPORTS = {
+    "algorithms": {"tasks", "learner", "actors", "cluster"},
+    "tasks": {"learner", "actors", "cluster"},
+    "learner": {"tasks", "actors", "cluster"},
+}
 
 
 def _imported_packages(source: str) -> set[str]:

@@ -29,20 +29,35 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def _write_run(run_dir: Path, rewards: list[float], *, stabilizer: str = "tis_seq", max_lag: int = 2,
-               alerts: dict[str, Any] | None = None, step_s: float = 2.0, seed: int | None = None,
-               **series: list[Any]) -> Path:
+def _write_run(
+    run_dir: Path,
+    rewards: list[float],
+    *,
+    stabilizer: str = "tis_seq",
+    max_lag: int = 2,
+    alerts: dict[str, Any] | None = None,
+    step_s: float = 2.0,
+    seed: int | None = None,
+    **series: list[Any],
+) -> Path:
     """A run directory as the driver leaves it: job.yaml, metrics.jsonl (SFT rows first), summary.json.
     `series` maps a metric key with "__" for "/" (e.g. stability__ess_ratio) to one value per RL step;
     None leaves the key out of that row."""
     run_dir.mkdir(parents=True)
-    job = {"name": run_dir.name, "algorithm": {"stabilizer": {"name": stabilizer}}, "async": {"max_lag": max_lag},
-           "learner": {"steps": len(rewards)}, "logging": {"alerts": alerts or {}}}
+    job = {
+        "name": run_dir.name,
+        "algorithm": {"stabilizer": {"name": stabilizer}},
+        "async": {"max_lag": max_lag},
+        "learner": {"steps": len(rewards)},
+        "logging": {"alerts": alerts or {}},
+    }
     if seed is not None:
         job["seed"] = seed
     (run_dir / "job.yaml").write_text(yaml.safe_dump(job))
-    rows = [{"train/step": -SFT_STEPS + i, "time/wall_s": 1.0 + i, "sft/loss": 2.0, "sft/grad_norm": "nan"}
-            for i in range(SFT_STEPS)]
+    rows = [
+        {"train/step": -SFT_STEPS + i, "time/wall_s": 1.0 + i, "sft/loss": 2.0, "sft/grad_norm": "nan"}
+        for i in range(SFT_STEPS)
+    ]
     for i, reward in enumerate(rewards):
         row = {"train/step": i + 1, "time/wall_s": FIRST_RL_WALL_S + step_s * i, "rollout/reward_mean": reward}
         for name, values in series.items():
@@ -61,7 +76,7 @@ def _wall_s(step: int, step_s: float = 2.0) -> float:
 
 def _first_window_reaching(rewards: list[float], target: float, window: int = 10) -> int | None:
     for end in range(window, len(rewards) + 1):
-        if sum(rewards[end - window:end]) / window >= target:
+        if sum(rewards[end - window : end]) / window >= target:
             return end  # steps are 1-based: the window ending at rewards[end - 1] is step `end`
     return None
 
@@ -78,8 +93,8 @@ def test_time_to_target_uses_full_ten_step_windows_and_final_reward_the_last_ten
     assert expected_step is not None and expected_step > 1
     assert summary.target_step == expected_step
     assert summary.target_wall_s == pytest.approx(_wall_s(expected_step))
-    assert summary.final_reward == pytest.approx(statistics.fmean(rewards[-len(rewards) // 10:]))
-    assert summary.best_reward_ma == pytest.approx(max(statistics.fmean(rewards[e - 10:e]) for e in range(10, 41)))
+    assert summary.final_reward == pytest.approx(statistics.fmean(rewards[-len(rewards) // 10 :]))
+    assert summary.best_reward_ma == pytest.approx(max(statistics.fmean(rewards[e - 10 : e]) for e in range(10, 41)))
     assert summary.steps_done == len(rewards)
     unreachable = summarise(run, target_reward=max(rewards) + 0.1)
     assert unreachable.target_step is None and unreachable.target_wall_s is None
@@ -97,9 +112,14 @@ def test_ess_below_threshold_for_n_steps_in_a_row_collapses(tmp_path):
     threshold, needed = 0.1, 3
     ess: list[Any] = [0.8, 0.05, 0.04, 0.7, 0.9, 0.05, math.nan, None, 0.02, 0.6, 0.8, 0.9]
     rewards = [0.5] * len(ess)
-    run = load_run(_write_run(tmp_path / "run", rewards, alerts={"ess_ratio_below": threshold,
-                                                               "ess_collapse_steps": needed},
-                              stability__ess_ratio=ess))
+    run = load_run(
+        _write_run(
+            tmp_path / "run",
+            rewards,
+            alerts={"ess_ratio_below": threshold, "ess_collapse_steps": needed},
+            stability__ess_ratio=ess,
+        )
+    )
     # expected: walk the logged values; NaN counts as low, a step without the key changes nothing
     streak, expected_step = 0, None
     for step, value in enumerate(ess, start=1):
@@ -123,11 +143,15 @@ def test_ess_thresholds_come_from_the_jobs_alerts(tmp_path):
     ess = [0.3] * 5
     default = summarise(load_run(_write_run(tmp_path / "a", [0.5] * 5, stability__ess_ratio=ess)))
     assert (default.ess_collapse_below, default.ess_collapse_steps, default.collapsed) == (0.1, 3, False)
-    strict = summarise(load_run(_write_run(tmp_path / "b", [0.5] * 5, alerts={"ess_ratio_below": 0.5},
-                                           stability__ess_ratio=ess)))
+    strict = summarise(
+        load_run(_write_run(tmp_path / "b", [0.5] * 5, alerts={"ess_ratio_below": 0.5}, stability__ess_ratio=ess))
+    )
     assert strict.collapsed and strict.collapse_step == 3
-    off = summarise(load_run(_write_run(tmp_path / "c", [0.5] * 5, alerts={"ess_ratio_below": None},
-                                        stability__ess_ratio=[0.0] * 5)))
+    off = summarise(
+        load_run(
+            _write_run(tmp_path / "c", [0.5] * 5, alerts={"ess_ratio_below": None}, stability__ess_ratio=[0.0] * 5)
+        )
+    )
     assert off.ess_collapse_below is None and not off.collapsed
 
 
@@ -146,8 +170,8 @@ def test_a_reward_that_falls_below_half_its_best_collapses(tmp_path):
     rise = [0.1 * min(step, 8) for step in range(1, 31)]  # up to 0.8 and holding
     fallen = rise + [0.1] * 20
     summary = summarise(load_run(_write_run(tmp_path / "fallen", fallen)))
-    final = statistics.fmean(fallen[-len(fallen) // 10:])
-    best = max(statistics.fmean(fallen[e - 10:e]) for e in range(10, len(fallen) + 1))
+    final = statistics.fmean(fallen[-len(fallen) // 10 :])
+    best = max(statistics.fmean(fallen[e - 10 : e]) for e in range(10, len(fallen) + 1))
     assert final < 0.5 * best
     assert summary.collapsed and "reward" in summary.collapse_reason
     assert summary.collapse_step > len(rise)  # after the peak, where the moving average fell below half
@@ -162,8 +186,17 @@ def test_a_healthy_run_does_not_collapse(tmp_path):
     grad_norms = [1.0 + 0.1 * (i % 3) for i in range(n)]
     kl = [0.001 * (i + 1) for i in range(n)]
     lags = [[3, 4, 1] if i % 2 else [6, 2] for i in range(n)]
-    run = load_run(_write_run(tmp_path / "run", rewards, stability__ess_ratio=ess, optim__grad_norm=grad_norms,
-                              stability__kl_k3=kl, async__lag=lags, async__lag_mean=[0.5] * n))
+    run = load_run(
+        _write_run(
+            tmp_path / "run",
+            rewards,
+            stability__ess_ratio=ess,
+            optim__grad_norm=grad_norms,
+            stability__kl_k3=kl,
+            async__lag=lags,
+            async__lag_mean=[0.5] * n,
+        )
+    )
     summary = summarise(run, target_reward=0.4)
     assert not summary.collapsed and summary.collapse_step is None and summary.collapse_reason == ""
     assert summary.ess_ratio_min == pytest.approx(min(ess))
@@ -181,9 +214,11 @@ def test_evaluation_rows_count_as_evaluations_not_steps(tmp_path):
     rewards = [0.1 * step for step in range(1, 7)]
     run_dir = _write_run(tmp_path / "run", rewards)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    late = [{"train/step": step, "time/wall_s": _wall_s(step + 1) + 0.5, "eval/solved": solved,
-             "eval/policy_version": step} for step, solved in ((2, 0.5), (4, 0.625))]
-    rows = rows[:SFT_STEPS + 3] + [late[0]] + rows[SFT_STEPS + 3:SFT_STEPS + 5] + [late[1]] + rows[SFT_STEPS + 5:]
+    late = [
+        {"train/step": step, "time/wall_s": _wall_s(step + 1) + 0.5, "eval/solved": solved, "eval/policy_version": step}
+        for step, solved in ((2, 0.5), (4, 0.625))
+    ]
+    rows = [*rows[: SFT_STEPS + 3], late[0], *rows[SFT_STEPS + 3 : SFT_STEPS + 5], late[1], *rows[SFT_STEPS + 5 :]]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     summary = summarise(load_run(run_dir), target_reward=0.3)
     assert summary.steps_done == len(rewards)
@@ -192,13 +227,27 @@ def test_evaluation_rows_count_as_evaluations_not_steps(tmp_path):
     assert summary.final_reward == pytest.approx(rewards[-1])
 
 
-
 def test_the_documented_report_command_on_recorded_runs_counts_their_steps_not_their_evaluations(tmp_path, capsys):
     """docs/report.md's command with every flag, on two real runs whose evaluations have their own rows."""
     runs = [BENCH_ASYNC / "lag0", BENCH_ASYNC / "lag1"]
     out = tmp_path / "cmp"
-    assert main(["report", *map(str, runs), "--out", str(out), "--target-reward", "0.6",
-                 "--ess-collapse-below", "0.2", "--ess-collapse-steps", "5"]) == 0
+    assert (
+        main(
+            [
+                "report",
+                *map(str, runs),
+                "--out",
+                str(out),
+                "--target-reward",
+                "0.6",
+                "--ess-collapse-below",
+                "0.2",
+                "--ess-collapse-steps",
+                "5",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     with (out / "table.csv").open() as table:
         summaries = list(csv.DictReader(table))
@@ -215,12 +264,12 @@ def test_the_documented_report_command_on_recorded_runs_counts_their_steps_not_t
     assert [summary["max_lag"] for summary in summaries] == ["0", "1"]
     assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 6
 
+
 # ---- reading ----------------------------------------------------------------------------------------
 
 
 def test_the_last_evaluation_is_reported_and_a_run_without_one_shows_none(tmp_path):
-    evaluated = _write_run(tmp_path / "evaluated", [0.1] * 6,
-                           eval__solved=[None, 0.25, None, 0.75, None, float("nan")])
+    evaluated = _write_run(tmp_path / "evaluated", [0.1] * 6, eval__solved=[None, 0.25, None, 0.75, None, float("nan")])
     assert summarise(load_run(evaluated)).eval_solved == 0.75  # the last finite one, not the NaN after it
     plain = _write_run(tmp_path / "plain", [0.1] * 6)
     assert summarise(load_run(plain)).eval_solved is None
@@ -266,21 +315,31 @@ def test_wall_time_continues_across_a_resume(tmp_path):
 def test_a_resolved_job_file_loads(tmp_path):
     from cluster.job import dump_job, validate_job
 
-    job = validate_job({"name": "m2", "task": {"name": "arithmetic"}, "algorithm": {"stabilizer": {"name": "m2po"}},
-                        "async": {"max_lag": 4}, "logging": {"alerts": {"ess_collapse_steps": 5}}})
+    job = validate_job(
+        {
+            "name": "m2",
+            "task": {"name": "arithmetic"},
+            "algorithm": {"stabilizer": {"name": "m2po"}},
+            "async": {"max_lag": 4},
+            "logging": {"alerts": {"ess_collapse_steps": 5}},
+        }
+    )
     run_dir = _write_run(tmp_path / "run", [0.5])
     (run_dir / "job.yaml").write_text(dump_job(job))
     run = load_run(run_dir)
     assert (run.name, run.label, run.ess_collapse_below, run.ess_collapse_steps) == ("m2", "m2po lag 4", 0.1, 5)
 
 
-@pytest.mark.parametrize("damage,file,also", [
-    (lambda d: (d / "job.yaml").unlink(), "job.yaml", "not found"),
-    (lambda d: (d / "metrics.jsonl").unlink(), "metrics.jsonl", "not found"),
-    (lambda d: (d / "job.yaml").write_text("name: x\nasync: {max_lag: 1\n"), "job.yaml", "not YAML"),
-    (lambda d: (d / "job.yaml").write_text("- a list\n"), "job.yaml", "mapping"),
-    (lambda d: (d / "job.yaml").write_text("async: {max_lag: two}\n"), "job.yaml", "async.max_lag"),
-])
+@pytest.mark.parametrize(
+    "damage,file,also",
+    [
+        (lambda d: (d / "job.yaml").unlink(), "job.yaml", "not found"),
+        (lambda d: (d / "metrics.jsonl").unlink(), "metrics.jsonl", "not found"),
+        (lambda d: (d / "job.yaml").write_text("name: x\nasync: {max_lag: 1\n"), "job.yaml", "not YAML"),
+        (lambda d: (d / "job.yaml").write_text("- a list\n"), "job.yaml", "mapping"),
+        (lambda d: (d / "job.yaml").write_text("async: {max_lag: two}\n"), "job.yaml", "async.max_lag"),
+    ],
+)
 def test_errors_name_the_file(tmp_path, damage, file, also):
     run_dir = _write_run(tmp_path / "run", [0.5] * 3)
     damage(run_dir)
@@ -320,22 +379,36 @@ def test_cells_aggregate_each_stabilizer_and_lag_over_its_seeds(tmp_path):
     n = 20
     ramp = [0.05 * i for i in range(n)]  # moving average reaches 0.4 at step 13
     runs = [
-        _write_run(tmp_path / "a", ramp, seed=0, stability__ess_ratio=[0.05] * n,  # ESS collapse, reward holds
-                   optim__grad_norm=[2.0] * n),
-        _write_run(tmp_path / "b", [r + 0.1 for r in ramp], seed=1, stability__ess_ratio=[0.2] * n,
-                   optim__grad_norm=[5.0] * n),
-        _write_run(tmp_path / "c", [0.8] * 10 + [0.1] * 10, seed=2,  # falls below half its best: collapsed
-                   stability__ess_ratio=[math.nan] * n, optim__grad_norm=[1.0] * n),
+        _write_run(
+            tmp_path / "a",
+            ramp,
+            seed=0,
+            stability__ess_ratio=[0.05] * n,  # ESS collapse, reward holds
+            optim__grad_norm=[2.0] * n,
+        ),
+        _write_run(
+            tmp_path / "b", [r + 0.1 for r in ramp], seed=1, stability__ess_ratio=[0.2] * n, optim__grad_norm=[5.0] * n
+        ),
+        _write_run(
+            tmp_path / "c",
+            [0.8] * 10 + [0.1] * 10,
+            seed=2,  # falls below half its best: collapsed
+            stability__ess_ratio=[math.nan] * n,
+            optim__grad_norm=[1.0] * n,
+        ),
         _write_run(tmp_path / "d", [0.3] * n, stabilizer="none", max_lag=0, seed=0),
     ]
     summaries = [summarise(load_run(run), target_reward=0.4) for run in runs]
     cells = summarise_cells(summaries)
-    assert [(c.stabilizer, c.max_lag, c.runs, c.seeds) for c in cells] == [("tis_seq", 2, 3, (0, 1, 2)),
-                                                                           ("none", 0, 1, (0,))]
+    assert [(c.stabilizer, c.max_lag, c.runs, c.seeds) for c in cells] == [
+        ("tis_seq", 2, 3, (0, 1, 2)),
+        ("none", 0, 1, (0,)),
+    ]
     tis, none = cells
     finals = [s.final_reward for s in summaries[:3]]
     assert (tis.final_reward_mean, tis.final_reward_min, tis.final_reward_max) == pytest.approx(
-        (statistics.fmean(finals), min(finals), max(finals)))
+        (statistics.fmean(finals), min(finals), max(finals))
+    )
     assert [s.collapsed for s in summaries[:3]] == [True, False, True]
     assert [s.reward_fell for s in summaries[:3]] == [False, False, True]
     assert (tis.collapsed, tis.reward_fell) == (2, 1)
@@ -349,27 +422,38 @@ def test_cells_aggregate_each_stabilizer_and_lag_over_its_seeds(tmp_path):
 
 def test_cells_list_each_stabilizers_lags_in_numeric_order(tmp_path):
     order = [("vcpo", 16), ("vcpo", 2), ("none", 8), ("vcpo", 0), ("none", 0)]  # as a shell glob lists them
-    summaries = [summarise(load_run(_write_run(tmp_path / f"{name}{lag}", [0.5], stabilizer=name, max_lag=lag)))
-                 for name, lag in order]
+    summaries = [
+        summarise(load_run(_write_run(tmp_path / f"{name}{lag}", [0.5], stabilizer=name, max_lag=lag)))
+        for name, lag in order
+    ]
     assert [(c.stabilizer, c.max_lag) for c in summarise_cells(summaries)] == [
-        ("vcpo", 0), ("vcpo", 2), ("vcpo", 16), ("none", 0), ("none", 8)]
+        ("vcpo", 0),
+        ("vcpo", 2),
+        ("vcpo", 16),
+        ("none", 0),
+        ("none", 8),
+    ]
 
 
 def test_the_report_adds_a_table_over_seeds_only_when_a_cell_repeats(tmp_path, capsys):
     n = 12
-    seeded = [_write_run(tmp_path / f"vcpo{seed}", [0.1 * seed + 0.02 * i for i in range(n)], stabilizer="vcpo",
-                         seed=seed) for seed in range(3)]
+    seeded = [
+        _write_run(tmp_path / f"vcpo{seed}", [0.1 * seed + 0.02 * i for i in range(n)], stabilizer="vcpo", seed=seed)
+        for seed in range(3)
+    ]
     other = _write_run(tmp_path / "none", [0.2] * n, stabilizer="none", seed=0)
     out = tmp_path / "out"
-    assert main(["report", *map(str, seeded + [other]), "--out", str(out), "--target-reward", "0.5"]) == 0
+    assert main(["report", *map(str, [*seeded, other]), "--out", str(out), "--target-reward", "0.5"]) == 0
     printed = capsys.readouterr().out
     assert "over seeds" in printed and "| vcpo | 2 | 0,1,2 | 0/3 | 0/3 |" in printed
     assert "| vcpo lag 2 seed 1 |" in printed
     cells = (out / "cells.md").read_text().splitlines()
     assert len(cells) == 2 + 2 and cells[2].startswith("| vcpo | 2 | 0,1,2 |")
     rows = list(csv.DictReader((out / "cells.csv").open()))
-    assert [(row["stabilizer"], row["runs"], row["seeds"]) for row in rows] == [("vcpo", "3", "0;1;2"),
-                                                                               ("none", "1", "0")]
+    assert [(row["stabilizer"], row["runs"], row["seeds"]) for row in rows] == [
+        ("vcpo", "3", "0;1;2"),
+        ("none", "1", "0"),
+    ]
     assert "Over seeds" in (out / "report.html").read_text()
     assert (out / "reward_by_cell.png").read_bytes()[:8] == PNG_SIGNATURE
 
@@ -387,12 +471,25 @@ def three_runs(tmp_path_factory) -> list[Path]:
     """A healthy run, one with a NaN grad norm and one with only rewards (no ESS, grad norm, KL or lag)."""
     root = tmp_path_factory.mktemp("runs")
     n = 15
-    healthy = _write_run(root / "healthy", [0.05 * i for i in range(n)], stabilizer="vcpo", max_lag=1,
-                         stability__ess_ratio=[0.9] * n, optim__grad_norm=[1.0 + i for i in range(n)],
-                         stability__kl_k3=[0.01] * n, async__lag=[[4, 4]] * n)
-    broken = _write_run(root / "broken", [0.3] * n, stabilizer="none", max_lag=4,
-                        stability__ess_ratio=[0.5] * 5 + [math.nan] * (n - 5),
-                        optim__grad_norm=[1.0] * 5 + [math.nan] * (n - 5), async__lag=[[1, 2, 3, 2, 0]] * n)
+    healthy = _write_run(
+        root / "healthy",
+        [0.05 * i for i in range(n)],
+        stabilizer="vcpo",
+        max_lag=1,
+        stability__ess_ratio=[0.9] * n,
+        optim__grad_norm=[1.0 + i for i in range(n)],
+        stability__kl_k3=[0.01] * n,
+        async__lag=[[4, 4]] * n,
+    )
+    broken = _write_run(
+        root / "broken",
+        [0.3] * n,
+        stabilizer="none",
+        max_lag=4,
+        stability__ess_ratio=[0.5] * 5 + [math.nan] * (n - 5),
+        optim__grad_norm=[1.0] * 5 + [math.nan] * (n - 5),
+        async__lag=[[1, 2, 3, 2, 0]] * n,
+    )
     sparse = _write_run(root / "sparse", [0.2] * n, stabilizer="m2po", max_lag=2)
     return [healthy, broken, sparse]
 
@@ -459,8 +556,23 @@ def test_cli_exits_2_naming_the_file_of_a_bad_run(tmp_path, capsys, three_runs):
 
 def test_cli_writes_the_report(tmp_path, capsys, three_runs):
     out = tmp_path / "out"
-    assert main(["report", *map(str, three_runs[:2]), "--out", str(out), "--target-reward", "0.4",
-                 "--ess-collapse-below", "0.95", "--ess-collapse-steps", "2"]) == 0
+    assert (
+        main(
+            [
+                "report",
+                *map(str, three_runs[:2]),
+                "--out",
+                str(out),
+                "--target-reward",
+                "0.4",
+                "--ess-collapse-below",
+                "0.95",
+                "--ess-collapse-steps",
+                "2",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| vcpo lag 1 |" in printed and "| none lag 4 |" in printed and "report.html" in printed
     assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 6
@@ -474,6 +586,10 @@ def test_importing_the_report_loads_no_torch_ray_or_matplotlib():
 
     code = "import sys, cluster.experiments.report; print(' '.join(sorted(sys.modules)))"
     root = Path(__file__).resolve().parents[2]
-    loaded = {name.split(".")[0] for name in subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
-                                                             capture_output=True, text=True).stdout.split()}
+    loaded = {
+        name.split(".")[0]
+        for name in subprocess.run(
+            [sys.executable, "-c", code], cwd=root, check=True, capture_output=True, text=True
+        ).stdout.split()
+    }
     assert not loaded & {"torch", "ray", "matplotlib", "vllm", "deepspeed"}

@@ -13,18 +13,34 @@ from tests.unit.test_metrics import _nested, _wandb_records
 
 def _group(group_id: int, version: int, texts: list[str], rewards: list[float]) -> ScoredGroup:
     completions = [
-        {"completion_ids": list(range(3 + i)), "behaviour_logprobs": [-0.5] * (3 + i), "text": text,
-         "finish_reason": "length" if i else "stop", "reward": reward, "score_error": "timeout" if i == 2 else None}
+        {
+            "completion_ids": list(range(3 + i)),
+            "behaviour_logprobs": [-0.5] * (3 + i),
+            "text": text,
+            "finish_reason": "length" if i else "stop",
+            "reward": reward,
+            "score_error": "timeout" if i == 2 else None,
+        }
         for i, (text, reward) in enumerate(zip(texts, rewards))
     ]
-    return ScoredGroup(group_id, f"p{group_id}", [1, 2], completions, version, version, 0,
-                       question=f"What is {group_id} + 1?", answer=str(group_id + 1))
+    return ScoredGroup(
+        group_id,
+        f"p{group_id}",
+        [1, 2],
+        completions,
+        version,
+        version,
+        0,
+        question=f"What is {group_id} + 1?",
+        answer=str(group_id + 1),
+    )
 
 
 def test_each_response_gets_its_question_reward_lag_and_log_ratio_in_order():
     groups = [_group(7, 3, ["<answer>8</answer>", "8", "x" * 50], [1.0, 0.0, 0.0]), _group(9, 5, ["ten"], [0.0])]
-    rows = rollout_samples(step=7, trained_version=6, groups=groups, log_ratios=[0.3, -0.8, 1.5, 0.0, 9.9],
-                           max_chars=10)
+    rows = rollout_samples(
+        step=7, trained_version=6, groups=groups, log_ratios=[0.3, -0.8, 1.5, 0.0, 9.9], max_chars=10
+    )
     assert [(r.group_id, r.completion_tokens, r.lag) for r in rows] == [(7, 3, 3), (7, 4, 3), (7, 5, 3), (9, 3, 1)]
     assert rows[0].question == "What is 7 + 1?" and rows[0].answer == "8" and rows[0].reward == 1.0
     assert rows[1].finish_reason == "length" and rows[2].score_error == "timeout"
@@ -56,7 +72,10 @@ def test_the_sink_appends_samples_jsonl_and_logs_a_wandb_table(tmp_path, monkeyp
 
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [(r["step"], r["completion"], r["reward"], r["log_ratio"]) for r in rows] == [
-        (2, "a", 1.0, 0.1), (2, "b", 0.0, 0.2), (4, "c", 0.5, -0.3)]
+        (2, "a", 1.0, 0.1),
+        (2, "b", 0.0, 0.2),
+        (4, "c", 0.5, -0.3),
+    ]
     assert list(rows[0]) == COLUMNS
     # a resumed run counts on
     assert MetricSink(tmp_path, "again", {}, "disabled", progress_bar=False).sample_lines == 3
@@ -65,7 +84,9 @@ def test_the_sink_appends_samples_jsonl_and_logs_a_wandb_table(tmp_path, monkeyp
     history = [_nested(r.history.item) for r in _wandb_records(run_file) if r.WhichOneof("record_type") == "history"]
     tables = [(row["train/step"], row[SAMPLES_TABLE]) for row in history if SAMPLES_TABLE in row]
     assert [(step, table["_type"], table["nrows"], table["ncols"]) for step, table in tables] == [
-        (2, "table-file", 2, len(COLUMNS)), (4, "table-file", 1, len(COLUMNS))]
+        (2, "table-file", 2, len(COLUMNS)),
+        (4, "table-file", 1, len(COLUMNS)),
+    ]
     (saved,) = run_file.parent.glob(f"files/{tables[1][1]['path']}")
     table = json.loads(saved.read_text())
     assert table["columns"] == COLUMNS and table["data"][0][COLUMNS.index("completion")] == "c"

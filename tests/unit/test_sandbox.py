@@ -112,16 +112,31 @@ def reward(completion: str, answer: str, row: dict) -> float:
     return float(said == "None listed True") if name == "secret" else 1.0
 '''
 
-TOOLS = ("fork_bomb", "orphan", "big_file", "flood", "secret", "connect", "write_outside", "close_and_hang", "nap",
-         "echo")
+TOOLS = (
+    "fork_bomb",
+    "orphan",
+    "big_file",
+    "flood",
+    "secret",
+    "connect",
+    "write_outside",
+    "close_and_hang",
+    "nap",
+    "echo",
+)
 TIMEOUT_S = 2.0
 LIMITS = dict(max_processes=16, max_file_mb=16, env=("STABLEASYNC_TEST_SHARED",))
 
 
 def _modes():
     why = namespaces_unavailable()
-    return ["none", pytest.param("namespaces", marks=pytest.mark.skipif(
-        why is not None, reason=f"namespaces cannot start on this machine: {why}"))]
+    return [
+        "none",
+        pytest.param(
+            "namespaces",
+            marks=pytest.mark.skipif(why is not None, reason=f"namespaces cannot start on this machine: {why}"),
+        ),
+    ]
 
 
 def _alive(tag: str) -> list[int]:
@@ -163,8 +178,13 @@ def attacks(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=_modes())
 def tools(request, attacks):
-    with ToolPool([f"{attacks}:{name}" for name in TOOLS], workers=2, timeout_s=TIMEOUT_S, max_output_chars=100,
-                  limits=SandboxLimits(isolation=request.param, **LIMITS)) as pool:
+    with ToolPool(
+        [f"{attacks}:{name}" for name in TOOLS],
+        workers=2,
+        timeout_s=TIMEOUT_S,
+        max_output_chars=100,
+        limits=SandboxLimits(isolation=request.param, **LIMITS),
+    ) as pool:
         yield pool
 
 
@@ -185,8 +205,12 @@ def test_a_fork_bomb_stops_at_the_process_limit(tools):
 
 
 def test_a_child_that_outlives_its_call_dies_with_it(tools):
-    hung, left, after = _run(tools, ("orphan", {"tag": "987.1", "hang": True}),
-                             ("orphan", {"tag": "987.2", "hang": False}), ("echo", {"text": "after"}))
+    hung, left, after = _run(
+        tools,
+        ("orphan", {"tag": "987.1", "hang": True}),
+        ("orphan", {"tag": "987.2", "hang": False}),
+        ("echo", {"text": "after"}),
+    )
     assert _fatal(hung, "tool orphan timed out after 2 s")
     assert left.content == "left it" and after.content == "after"
     time.sleep(0.2)
@@ -208,7 +232,7 @@ def test_a_flood_on_file_descriptor_1_is_cut_and_never_reaches_the_caller(tools,
 
 
 def test_the_environment_is_an_allowlist_and_home_is_the_private_dir(tools):
-    result, = _run(tools, ("secret", {}))
+    (result,) = _run(tools, ("secret", {}))
     assert result.content == "None listed True"
 
 
@@ -228,8 +252,12 @@ def test_namespaces_cut_the_network_and_write_only_the_private_dir(tools, tmp_pa
         server.bind(("127.0.0.1", 0))
         server.listen()
         outside = tmp_path / "outside.txt"
-        connect, write, after = _run(tools, ("connect", {"port": server.getsockname()[1]}),
-                                     ("write_outside", {"path": str(outside)}), ("echo", {"text": "after"}))
+        connect, write, after = _run(
+            tools,
+            ("connect", {"port": server.getsockname()[1]}),
+            ("write_outside", {"path": str(outside)}),
+            ("echo", {"text": "after"}),
+        )
     _fatal(connect, "tool connect raised OSError: [Errno 101] Network is unreachable")
     _fatal(write, "tool write_outside raised OSError: [Errno 30] Read-only file system")
     assert after.content == "after" and not outside.exists()
@@ -260,8 +288,13 @@ def rewards(request, attacks, tmp_path_factory):
     data.write_text(json.dumps({"prompt": "attack", "answer": "1"}) + "\n")
     config = DatasetConfig(path=str(data), reward=f"{attacks}:reward")
     problem = next(build_task("dataset", config).problems("train", 0))
-    with ScorePool("dataset", config, max_workers=2, timeout_s=TIMEOUT_S,
-                   limits=SandboxLimits(isolation=request.param, max_output_chars=100, **LIMITS)) as pool:
+    with ScorePool(
+        "dataset",
+        config,
+        max_workers=2,
+        timeout_s=TIMEOUT_S,
+        limits=SandboxLimits(isolation=request.param, max_output_chars=100, **LIMITS),
+    ) as pool:
         yield pool, problem
 
 
@@ -271,9 +304,16 @@ def _score(rewards, *attacks):
 
 
 def test_a_reward_function_s_attacks_fail_their_own_samples(rewards, capfd, tmp_path):
-    results = _score(rewards, ["fork_bomb", {}], ["orphan", {"tag": "987.4", "hang": True}],
-                     ["orphan", {"tag": "987.5", "hang": False}], ["big_file", {}], ["flood", {}],
-                     ["close_and_hang", {"tag": "987.6"}], ["echo", {"text": "fine"}])
+    results = _score(
+        rewards,
+        ["fork_bomb", {}],
+        ["orphan", {"tag": "987.4", "hang": True}],
+        ["orphan", {"tag": "987.5", "hang": False}],
+        ["big_file", {}],
+        ["flood", {}],
+        ["close_and_hang", {"tag": "987.6"}],
+        ["echo", {"text": "fine"}],
+    )
     errors = [r.error for r in results]
     assert errors[0].startswith("raised BlockingIOError: [Errno 11]"), errors[0]
     assert errors[1] == "timeout after 2 s"
@@ -289,7 +329,7 @@ def test_a_reward_function_s_attacks_fail_their_own_samples(rewards, capfd, tmp_
 
 def test_a_reward_function_reads_no_secret_and_in_namespaces_reaches_no_network_or_file(rewards, tmp_path):
     pool, _ = rewards
-    secret, = _score(rewards, ["secret", {}])
+    (secret,) = _score(rewards, ["secret", {}])
     assert (secret.reward, secret.error) == (1.0, None)  # no secret, the listed variable, HOME the private dir
     if pool.isolation != "namespaces":
         return
@@ -297,8 +337,9 @@ def test_a_reward_function_reads_no_secret_and_in_namespaces_reaches_no_network_
         server.bind(("127.0.0.1", 0))
         server.listen()
         outside = tmp_path / "outside.txt"
-        connect, write = _score(rewards, ["connect", {"port": server.getsockname()[1]}],
-                                ["write_outside", {"path": str(outside)}])
+        connect, write = _score(
+            rewards, ["connect", {"port": server.getsockname()[1]}], ["write_outside", {"path": str(outside)}]
+        )
     assert connect.error.startswith("raised OSError: [Errno 101] Network is unreachable"), connect.error
     assert write.error.startswith("raised OSError: [Errno 30] Read-only file system"), write.error
     assert not outside.exists()
@@ -321,11 +362,25 @@ MINIMAL = {"task": {"name": "arithmetic"}}
 
 def test_sandbox_limits_of_zero_or_below_are_refused_by_name():
     with pytest.raises(JobValidationError) as refused:
-        validate_job({**MINIMAL, "sandbox": {"cpu_s": 0, "max_processes": -1, "max_file_mb": 0, "max_open_files": 0,
-                                             "max_output_chars": -5, "isolation": "chroot", "env": ["A B"]}})
+        validate_job(
+            {
+                **MINIMAL,
+                "sandbox": {
+                    "cpu_s": 0,
+                    "max_processes": -1,
+                    "max_file_mb": 0,
+                    "max_open_files": 0,
+                    "max_output_chars": -5,
+                    "isolation": "chroot",
+                    "env": ["A B"],
+                },
+            }
+        )
     fields = {error.path for error in refused.value.errors}
-    assert fields == {f"sandbox.{name}" for name in ("cpu_s", "max_processes", "max_file_mb", "max_open_files",
-                                                    "max_output_chars", "isolation")} | {"sandbox.env.0"}
+    assert fields == {
+        f"sandbox.{name}"
+        for name in ("cpu_s", "max_processes", "max_file_mb", "max_open_files", "max_output_chars", "isolation")
+    } | {"sandbox.env.0"}
     assert validate_job(MINIMAL).sandbox.isolation == "auto"
 
 
@@ -335,8 +390,11 @@ def test_namespaces_that_cannot_start_are_refused_at_validate_and_by_the_pools(m
 
     monkeypatch.setattr(sandbox, "namespaces_unavailable", lambda: "unshare: write failed /proc/self/uid_map")
     job = validate_job({**MINIMAL, "sandbox": {"isolation": "namespaces"}})
-    with pytest.raises(JobValidationError, match=r"sandbox\.isolation: namespaces cannot start on this machine: "
-                                                 r"unshare: write failed"):
+    with pytest.raises(
+        JobValidationError,
+        match=r"sandbox\.isolation: namespaces cannot start on this machine: "
+        r"unshare: write failed",
+    ):
         check_sandbox(job)
     check_sandbox(validate_job({**MINIMAL, "sandbox": {"isolation": "auto"}}))  # auto falls back to none
     path = tmp_path / "job.yaml"
@@ -347,9 +405,9 @@ def test_namespaces_that_cannot_start_are_refused_at_validate_and_by_the_pools(m
     assert cli_main(["train", str(path)]) == 2
     assert "sandbox.isolation: namespaces cannot start" in capsys.readouterr().err
     assert not runs.exists(), "no run directory for a job that never started"
-    with pytest.raises(ToolWorkerError, match="sandbox.isolation: namespaces cannot start"):
+    with pytest.raises(ToolWorkerError, match=r"sandbox.isolation: namespaces cannot start"):
         ToolPool(["calculator"], limits=SandboxLimits(isolation="namespaces"))
-    with pytest.raises(RewardWorkerError, match="sandbox.isolation: namespaces cannot start"):
+    with pytest.raises(RewardWorkerError, match=r"sandbox.isolation: namespaces cannot start"):
         ScorePool("arithmetic", None, limits=SandboxLimits(isolation="namespaces"))
     with ToolPool(["calculator"], limits=SandboxLimits(isolation="auto")) as pool:
         assert pool.isolation == "none"
@@ -367,9 +425,15 @@ def test_the_sandbox_settings_are_documented():
 # ---------------------------------------------------------------- as a user who is not root
 
 NOT_ROOT = 65534  # nobody
-AS_USER = ["setpriv", f"--reuid={NOT_ROOT}", f"--regid={NOT_ROOT}", "--clear-groups", "--inh-caps=-all",
-           "--bounding-set=-all"]  # no capability left
-AS_NOT_ROOT = '''
+AS_USER = [
+    "setpriv",
+    f"--reuid={NOT_ROOT}",
+    f"--regid={NOT_ROOT}",
+    "--clear-groups",
+    "--inh-caps=-all",
+    "--bounding-set=-all",
+]  # no capability left
+AS_NOT_ROOT = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
 from tasks.sandbox import SandboxLimits, namespaces_unavailable
@@ -386,7 +450,7 @@ if report["why"] is None:
             ("echo", {"text": "after"}))])
     report["results"] = [[r.fatal, r.error, r.content] for r in results]
 print(json.dumps(report))
-'''
+"""
 
 
 def _python_for(uid: int) -> str:
@@ -400,8 +464,10 @@ def _python_for(uid: int) -> str:
     pytest.skip(f"no {version} that user {uid} may run (this one is {sys.executable})")
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
-                    reason="a test process that is not root cannot become another user (setpriv as root)")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="a test process that is not root cannot become another user (setpriv as root)",
+)
 def test_namespaces_isolate_a_worker_that_is_not_root():
     """Ray workers usually run as a user who is not root: the namespaced sandbox starts through unprivileged
     user namespaces there (where the kernel allows them; else it says why) and cuts the network, the writes
@@ -419,11 +485,26 @@ def test_namespaces_isolate_a_worker_that_is_not_root():
             server.bind(("127.0.0.1", 0))
             server.listen()
             ran = subprocess.run(
-                [*AS_USER, python, "-I", str(work / "run.py"), str(ROOT), str(work / "attacks.py"),
-                 str(server.getsockname()[1]), str(outside)],
-                env={"PATH": os.environ["PATH"], "HOME": str(work), "TMPDIR": str(work),
-                     "STABLEASYNC_TEST_SECRET": "hunter2"},
-                capture_output=True, text=True, timeout=120)
+                [
+                    *AS_USER,
+                    python,
+                    "-I",
+                    str(work / "run.py"),
+                    str(ROOT),
+                    str(work / "attacks.py"),
+                    str(server.getsockname()[1]),
+                    str(outside),
+                ],
+                env={
+                    "PATH": os.environ["PATH"],
+                    "HOME": str(work),
+                    "TMPDIR": str(work),
+                    "STABLEASYNC_TEST_SECRET": "hunter2",
+                },
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
         assert ran.returncode == 0, ran.stderr[-2000:]
         report = json.loads(ran.stdout.strip().splitlines()[-1])
         assert report["uid"] == NOT_ROOT

@@ -34,21 +34,39 @@ class FakeRun:
     """A schedule and generator pool whose generate calls are numbers; the test decides what happens next, as
     Ray would. `elastic`: a generator that dies leaves (its node went away) instead of being restarted."""
 
-    def __init__(self, generators: int, max_lag: int, prompts_per_step: int, prompts_per_request: int,
-                 stale_policy: str = "wait", elastic: bool = False, max_restarts: int = 1000,
-                 calls_per_generator: int = 1) -> None:
+    def __init__(
+        self,
+        generators: int,
+        max_lag: int,
+        prompts_per_step: int,
+        prompts_per_request: int,
+        stale_policy: str = "wait",
+        elastic: bool = False,
+        max_restarts: int = 1000,
+        calls_per_generator: int = 1,
+    ) -> None:
         self.ledger = Ledger()
         buffer = RolloutBuffer(max_lag, prompts_per_step, stale_policy, self.ledger)  # type: ignore[arg-type]
         self.handles = itertools.count()
-        self.schedule: Schedule[Request, int] = Schedule(buffer, prompts_per_request, self._new_request,
-                                                         lambda call: next(self.handles),
-                                                         calls_per_generator=calls_per_generator)
+        self.schedule: Schedule[Request, int] = Schedule(
+            buffer,
+            prompts_per_request,
+            self._new_request,
+            lambda call: next(self.handles),
+            calls_per_generator=calls_per_generator,
+        )
         for index in range(generators):
             self.schedule.join(index, 0)
-        self.pool = FakePool({index: f"actor-{index}" for index in range(generators)}, self.schedule,
-                             start_generator=lambda index: f"actor-{index}",
-                             restore_weights=lambda index: self.schedule.version, nodes={}, resource="generator",
-                             max_generators=8 if elastic else None, max_restarts=max_restarts)
+        self.pool = FakePool(
+            {index: f"actor-{index}" for index in range(generators)},
+            self.schedule,
+            start_generator=lambda index: f"actor-{index}",
+            restore_weights=lambda index: self.schedule.version,
+            nodes={},
+            resource="generator",
+            max_generators=8 if elastic else None,
+            max_restarts=max_restarts,
+        )
         self.pool.waited = []
         self.next_index = generators
         self.max_lag = max_lag
@@ -68,8 +86,17 @@ class FakeRun:
         call = self.schedule.finished(handle)
         for request in call.requests:
             completions = [{"reward": float(n)} for n in range(2)]
-            self.schedule.buffer.add(ScoredGroup(request.group_id, request.problem_id, [], completions,
-                                                 call.weights_version, call.weights_version, call.index))
+            self.schedule.buffer.add(
+                ScoredGroup(
+                    request.group_id,
+                    request.problem_id,
+                    [],
+                    completions,
+                    call.weights_version,
+                    call.weights_version,
+                    call.index,
+                )
+            )
 
     def finish_step(self) -> None:
         self.trained_lags += self.schedule.step_done()
@@ -94,8 +121,11 @@ class FakeRun:
         self.next_index += 1
 
 
-EVENTS = st.lists(st.tuples(st.sampled_from(["call", "call", "call", "step", "kill", "leave", "join"]),
-                            st.integers(0, 1000)), min_size=1, max_size=120)
+EVENTS = st.lists(
+    st.tuples(st.sampled_from(["call", "call", "call", "step", "kill", "leave", "join"]), st.integers(0, 1000)),
+    min_size=1,
+    max_size=120,
+)
 
 
 def play(run: FakeRun, events: list[tuple[str, int]]) -> None:
@@ -117,18 +147,32 @@ def play(run: FakeRun, events: list[tuple[str, int]]) -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(events=EVENTS, generators=st.integers(1, 3), max_lag=st.integers(0, 3), prompts_per_step=st.integers(1, 4),
-       prompts_per_request=st.integers(1, 3), stale_policy=st.sampled_from(["wait", "drop"]), elastic=st.booleans(),
-       calls_per_generator=st.integers(1, 3))
-def test_every_group_ends_exactly_once_and_none_trains_past_the_lag_bound(events, generators, max_lag,
-                                                                          prompts_per_step, prompts_per_request,
-                                                                          stale_policy, elastic, calls_per_generator):
+@given(
+    events=EVENTS,
+    generators=st.integers(1, 3),
+    max_lag=st.integers(0, 3),
+    prompts_per_step=st.integers(1, 4),
+    prompts_per_request=st.integers(1, 3),
+    stale_policy=st.sampled_from(["wait", "drop"]),
+    elastic=st.booleans(),
+    calls_per_generator=st.integers(1, 3),
+)
+def test_every_group_ends_exactly_once_and_none_trains_past_the_lag_bound(
+    events, generators, max_lag, prompts_per_step, prompts_per_request, stale_policy, elastic, calls_per_generator
+):
     """Streaming generators (several calls each) included."""
-    run = FakeRun(generators, max_lag, prompts_per_step, prompts_per_request, stale_policy, elastic,
-                  calls_per_generator=calls_per_generator)
+    run = FakeRun(
+        generators,
+        max_lag,
+        prompts_per_step,
+        prompts_per_request,
+        stale_policy,
+        elastic,
+        calls_per_generator=calls_per_generator,
+    )
     play(run, events)
     assert all(lag <= max_lag for lag in run.trained_lags), run.trained_lags
-    assert all(0 <= lag for lag in run.trained_lags)
+    assert all(lag >= 0 for lag in run.trained_lags)
     if run.schedule.learner_busy:  # the driver ends a run only between steps
         run.finish_step()
     run.schedule.end_unfinished("run finished")
@@ -218,7 +262,10 @@ def test_resumed_requests_go_out_a_request_at_a_time_round_the_members():
     schedule.join(1, 3)
     schedule.resume([Request(g, f"p{g}") for g in range(5)], "resumed from the checkpoint at step 3")
     assert [(c.index, [r.group_id for r in c.requests]) for c in schedule.calls.values()] == [
-        (0, [0, 1]), (1, [2, 3]), (0, [4])]
+        (0, [0, 1]),
+        (1, [2, 3]),
+        (0, [4]),
+    ]
     assert buffer.in_flight == 5
     assert all(ledger.entries[g].reissues == 1 for g in range(5))
 
@@ -241,8 +288,18 @@ def test_a_run_of_fake_generators_trains_every_step(stale_policy):
 
 
 def _groups(call: Call[Request], version: int, incarnation: str) -> list[GeneratedGroup]:
-    return [GeneratedGroup(r.group_id, r.problem_id, [], version_start=version, version_end=version,
-                           generator_index=call.index, incarnation=incarnation) for r in call.requests]
+    return [
+        GeneratedGroup(
+            r.group_id,
+            r.problem_id,
+            [],
+            version_start=version,
+            version_end=version,
+            generator_index=call.index,
+            incarnation=incarnation,
+        )
+        for r in call.requests
+    ]
 
 
 def test_a_generator_that_dies_is_waited_for_given_the_latest_weights_and_its_groups_again():
@@ -315,8 +372,15 @@ def test_a_streaming_generator_gets_calls_up_to_its_room_while_the_buffer_admits
 def test_one_death_of_a_streaming_generator_fails_all_its_calls_and_counts_once(elastic):
     """A streaming generator dies with two calls in flight: both fail. It is restarted (or leaves) once, and
     the groups of both calls go out again."""
-    run = FakeRun(generators=2, max_lag=4, prompts_per_step=8, prompts_per_request=1, elastic=elastic,
-                  max_restarts=1, calls_per_generator=2)
+    run = FakeRun(
+        generators=2,
+        max_lag=4,
+        prompts_per_step=8,
+        prompts_per_request=1,
+        elastic=elastic,
+        max_restarts=1,
+        calls_per_generator=2,
+    )
     run.turn()
     dying = [handle for handle, call in run.schedule.calls.items() if call.index == 0]
     groups = [r.group_id for handle in dying for r in run.schedule.calls[handle].requests]

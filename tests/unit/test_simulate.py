@@ -1,5 +1,6 @@
 """The async-RL simulator: closed-form cases, the lag bound, determinism, calibration and the CLI."""
 
+import itertools
 import json
 import math
 import re
@@ -11,18 +12,33 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
-from cluster.job import dump_job, validate_job
 from cluster.experiments.simulate import SimConfig, calibrate, simulate
+from cluster.job import dump_job, validate_job
 from tests.fixtures import BENCH_ASYNC, learner_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # Every response exactly `response_len_mean` tokens, so each phase has a closed form.
 FIXED = SimConfig(
-    generators=2, learners=2, max_lag=0, samples_per_prompt=4, prompts_per_request=4, prompts_per_step=8, steps=12,
-    response_len_mean=100.0, response_len_cv=0.0, max_response_len=1000, prompt_len=50.0,
-    gen_tokens_per_s=1000.0, gen_decode_step_s=0.01, gen_call_overhead_s=0.5,
-    learner_tokens_per_s=2000.0, learner_overhead_s=1.0, sync_fixed_s=0.3, weight_bytes=1e9, sync_bytes_per_s=1e9,
+    generators=2,
+    learners=2,
+    max_lag=0,
+    samples_per_prompt=4,
+    prompts_per_request=4,
+    prompts_per_step=8,
+    steps=12,
+    response_len_mean=100.0,
+    response_len_cv=0.0,
+    max_response_len=1000,
+    prompt_len=50.0,
+    gen_tokens_per_s=1000.0,
+    gen_decode_step_s=0.01,
+    gen_call_overhead_s=0.5,
+    learner_tokens_per_s=2000.0,
+    learner_overhead_s=1.0,
+    sync_fixed_s=0.3,
+    weight_bytes=1e9,
+    sync_bytes_per_s=1e9,
 )
 
 
@@ -33,7 +49,8 @@ def _phases(c: SimConfig) -> tuple[float, float, float]:
     call_s = c.gen_call_overhead_s + n * c.gen_decode_step_s + call_tokens / c.gen_tokens_per_s
     rounds = math.ceil(c.prompts_per_step / (c.prompts_per_request * c.generators))
     train_s = c.learner_overhead_s + c.prompts_per_step * c.samples_per_prompt * (c.prompt_len + n) / (
-        c.learner_tokens_per_s * c.learners)
+        c.learner_tokens_per_s * c.learners
+    )
     return rounds * call_s, train_s, c.sync_fixed_s + c.weight_bytes / c.sync_bytes_per_s
 
 
@@ -57,11 +74,24 @@ def _overlap_config(gen_s: float, train_s: float, sync_s: float, max_lag: int) -
     """One generator and one call per step, no overheads: generation and training take exactly these times."""
     samples, n, prompt = 16, 100, 25
     return SimConfig(
-        generators=1, learners=1, max_lag=max_lag, samples_per_prompt=4, prompts_per_request=4, prompts_per_step=4,
-        steps=30, response_len_mean=n, response_len_cv=0.0, max_response_len=n, prompt_len=prompt,
-        gen_tokens_per_s=samples * n / gen_s, gen_decode_step_s=0.0, gen_call_overhead_s=0.0,
-        learner_tokens_per_s=samples * (n + prompt) / train_s, learner_overhead_s=0.0,
-        sync_fixed_s=sync_s, weight_bytes=0.0,
+        generators=1,
+        learners=1,
+        max_lag=max_lag,
+        samples_per_prompt=4,
+        prompts_per_request=4,
+        prompts_per_step=4,
+        steps=30,
+        response_len_mean=n,
+        response_len_cv=0.0,
+        max_response_len=n,
+        prompt_len=prompt,
+        gen_tokens_per_s=samples * n / gen_s,
+        gen_decode_step_s=0.0,
+        gen_call_overhead_s=0.0,
+        learner_tokens_per_s=samples * (n + prompt) / train_s,
+        learner_overhead_s=0.0,
+        sync_fixed_s=sync_s,
+        weight_bytes=0.0,
     )
 
 
@@ -113,9 +143,20 @@ def test_the_end_of_step_wait_for_generators_costs_time_when_generation_bound():
 @pytest.mark.parametrize("policy", ["wait", "drop"])
 @pytest.mark.parametrize("max_lag", [0, 1, 2, 3])
 def test_lag_never_exceeds_max_lag(policy, max_lag):
-    config = SimConfig(generators=3, learners=1, max_lag=max_lag, stale_policy=policy, samples_per_prompt=4,
-                       prompts_per_request=2, prompts_per_step=6, steps=25, response_len_mean=300.0,
-                       response_len_cv=1.0, max_response_len=2000, seed=3)
+    config = SimConfig(
+        generators=3,
+        learners=1,
+        max_lag=max_lag,
+        stale_policy=policy,
+        samples_per_prompt=4,
+        prompts_per_request=2,
+        prompts_per_step=6,
+        steps=25,
+        response_len_mean=300.0,
+        response_len_cv=1.0,
+        max_response_len=2000,
+        seed=3,
+    )
     result = simulate(config)
     assert len(result.lag_counts) <= max_lag + 1
     assert sum(result.lag_counts) == config.steps * config.prompts_per_step * config.samples_per_prompt
@@ -129,10 +170,18 @@ def test_same_seed_same_prediction_other_seed_other_lengths():
     assert simulate(replace(config, seed=1)).step_s != simulate(config).step_s
 
 
-@pytest.mark.parametrize("changes", [
-    {}, {"max_lag": 0}, {"generators": 1}, {"generators": 16, "max_lag": 3}, {"learner_tokens_per_s": 500.0},
-    {"stale_policy": "drop", "max_lag": 2}, {"response_len_cv": 2.0},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"max_lag": 0},
+        {"generators": 1},
+        {"generators": 16, "max_lag": 3},
+        {"learner_tokens_per_s": 500.0},
+        {"stale_policy": "drop", "max_lag": 2},
+        {"response_len_cv": 2.0},
+    ],
+)
 def test_utilisation_is_a_fraction(changes):
     result = simulate(replace(SimConfig(), steps=15, **changes))
     assert 0.0 < result.generator_utilisation <= 1.0
@@ -145,7 +194,7 @@ def test_bad_setting_names_the_field():
     with pytest.raises(ValueError, match="divide evenly"):
         SimConfig(learners=3, prompts_per_step=8)
     # every problem at once; 0 learners used to raise ZeroDivisionError from the divisibility check
-    with pytest.raises(ValueError, match="^learners must be > 0, got 0; max_lag must be >= 0, got -1$"):
+    with pytest.raises(ValueError, match=r"^learners must be > 0, got 0; max_lag must be >= 0, got -1$"):
         SimConfig(learners=0, max_lag=-1)
 
 
@@ -159,19 +208,30 @@ def test_no_torch_ray_or_numpy():
 # ---- calibration ---------------------------------------------------------------------------------
 
 
-def _write_run(run_dir: Path, max_lag: int, gen_s: float, train_s: float, sync_s: float, overhead_s: float,
-               steps: int = 12, load_s: float | None = None) -> tuple[float, float]:
+def _write_run(
+    run_dir: Path,
+    max_lag: int,
+    gen_s: float,
+    train_s: float,
+    sync_s: float,
+    overhead_s: float,
+    steps: int = 12,
+    load_s: float | None = None,
+) -> tuple[float, float]:
     """A finished run as the driver writes it: one generator making 4 groups x 2 responses of 40 tokens per
     step, prompts of 60 tokens. Returns the mean `time/step_s` and step period it 'measured'; both carry
     `overhead_s` the model does not know about, and alternate +-3% noise. `load_s`: the generator's weight
     load before each call, logged as `perf/weight_load_s` (None: a run from before that metric)."""
     prompts, samples, response, prompt = 4, 2, 40.0, 60.0
-    job = validate_job({
-        "task": {"name": "arithmetic"}, "seed": 7,
-        "generator": {"num_generators": 1, "samples_per_prompt": samples, "prompts_per_request": prompts},
-        "learner": {"num_ranks": 1, "prompts_per_step": prompts, "steps": steps},
-        "async": {"max_lag": max_lag},
-    })
+    job = validate_job(
+        {
+            "task": {"name": "arithmetic"},
+            "seed": 7,
+            "generator": {"num_generators": 1, "samples_per_prompt": samples, "prompts_per_request": prompts},
+            "learner": {"num_ranks": 1, "prompts_per_step": prompts, "steps": steps},
+            "async": {"max_lag": max_lag},
+        }
+    )
     run_dir.mkdir()
     (run_dir / "job.yaml").write_text(dump_job(job))
     tokens = prompts * samples * response
@@ -189,15 +249,22 @@ def _write_run(run_dir: Path, max_lag: int, gen_s: float, train_s: float, sync_s
         wall_s += gap
         gaps.append(gap)
         logged.append(learner_s + sync_s + overhead_s / 2)
-        rows.append({
-            "train/step": step, "time/wall_s": round(wall_s, 3), "time/step_s": logged[-1],
-            "time/learner_step_s": learner_s,
-            "perf/learner_tokens_per_s": prompts * samples * (prompt + response) / learner_s,
-            "perf/weight_sync_s": sync_s, "perf/gen_tokens_per_s": "nan" if step == steps else tokens / gen_s,
-            "rollout/response_len": response, "async/lag_mean": float(max_lag > 0 and step > 1),
-            "async/lag": [1, 0], "stability/ess_ratio": "nan",
-            **({} if load_s is None else {"perf/weight_load_s": load_s}),
-        })
+        rows.append(
+            {
+                "train/step": step,
+                "time/wall_s": round(wall_s, 3),
+                "time/step_s": logged[-1],
+                "time/learner_step_s": learner_s,
+                "perf/learner_tokens_per_s": prompts * samples * (prompt + response) / learner_s,
+                "perf/weight_sync_s": sync_s,
+                "perf/gen_tokens_per_s": "nan" if step == steps else tokens / gen_s,
+                "rollout/response_len": response,
+                "async/lag_mean": float(max_lag > 0 and step > 1),
+                "async/lag": [1, 0],
+                "stability/ess_ratio": "nan",
+                **({} if load_s is None else {"perf/weight_load_s": load_s}),
+            }
+        )
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return sum(logged) / steps, sum(gaps[1:]) / (steps - 1)
 
@@ -222,12 +289,10 @@ def test_calibration_leaves_out_evaluation_rows(tmp_path):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     for evaluated in (5, 2):  # each written after the row of the step that follows it
         at = next(i for i, row in enumerate(rows) if row["train/step"] == evaluated + 1) + 1
-        rows.insert(at, {"train/step": evaluated, "time/wall_s": rows[at - 1]["time/wall_s"] + 0.1,
-                         "eval/solved": 0.5})
+        rows.insert(at, {"train/step": evaluated, "time/wall_s": rows[at - 1]["time/wall_s"] + 0.1, "eval/solved": 0.5})
     metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
     _, after = calibrate(tmp_path / "run")
     assert after == before and after.steps == sum(row["train/step"] > 0 for row in rows) - 2
-
 
 
 def test_the_documented_calibrate_commands_on_a_recorded_run_with_evaluation_rows(capsys):
@@ -235,7 +300,7 @@ def test_the_documented_calibrate_commands_on_a_recorded_run_with_evaluation_row
     evaluations have their own rows: the measured steps and period are those of the learner's rows."""
     run = BENCH_ASYNC / "lag1"
     steps = learner_rows(run)
-    gaps = [after["time/wall_s"] - before["time/wall_s"] for before, after in zip(steps, steps[1:])]
+    gaps = [after["time/wall_s"] - before["time/wall_s"] for before, after in itertools.pairwise(steps)]
     logged = sum(row["time/step_s"] for row in steps) / len(steps)
     assert main(["simulate", "--calibrate", str(run)]) == 0
     out = capsys.readouterr().out
@@ -245,6 +310,7 @@ def test_the_documented_calibrate_commands_on_a_recorded_run_with_evaluation_row
     assert main(["simulate", "--calibrate", str(run), "--generators", "8"]) == 0
     out = capsys.readouterr().out
     assert "what if generators=8:" in out and "setting: 8 generator GPU(s), 1 learner GPU(s), max_lag 1" in out
+
 
 @pytest.mark.parametrize("max_lag", [0, 1])
 def test_calibration_counts_the_generators_weight_load(tmp_path, max_lag):

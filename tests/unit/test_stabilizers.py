@@ -34,8 +34,23 @@ def _weights(name, batch, **config):
 
 
 def test_every_issue_stabilizer_is_registered():
-    expected = {"none", "ppo_clip", "tis_token", "tis_seq", "mis_token", "mis_seq", "mis_geo", "icepop",
-                "opsm", "topr", "m2po", "gspo", "cispo", "bapo", "vcpo"}
+    expected = {
+        "none",
+        "ppo_clip",
+        "tis_token",
+        "tis_seq",
+        "mis_token",
+        "mis_seq",
+        "mis_geo",
+        "icepop",
+        "opsm",
+        "topr",
+        "m2po",
+        "gspo",
+        "cispo",
+        "bapo",
+        "vcpo",
+    }
     assert set(registry.STABILIZERS) == expected
 
 
@@ -68,8 +83,11 @@ def test_config_values_past_their_bounds_or_out_of_order_are_refused_by_name(nam
             registry.build(name, **{first: high + 1.0, second: high + 0.5})
         registry.build(name, **{first: low, second: low})  # equal is in order
     ordered = {name for pair in config_cls.ORDERED for name in pair}
-    unchecked = [field.name for field in dataclasses.fields(config_cls)
-                 if field.type == "float" and not field.metadata.get("bounds") and field.name not in ordered]
+    unchecked = [
+        field.name
+        for field in dataclasses.fields(config_cls)
+        if field.type == "float" and not field.metadata.get("bounds") and field.name not in ordered
+    ]
     assert not unchecked, f"float fields with neither bounds nor an order: {unchecked}"
 
 
@@ -136,8 +154,11 @@ def test_opsm_masks_only_stale_negative_sequences():
 
 def test_topr_truncates_only_negative_sequences():
     # products: 3 (A > 0: weight 1, no IS), 0.5 (A < 0: 0.5), 3 (A < 0: capped at 1), 0.25 (A = 0: weight 1)
-    batch = _batch([[1.5, 2.0], [0.5, 1.0], [3.0, 1.0], [0.5, 0.5]], advantages=[1.0, -1.0, -1.0, 0.0],
-                   mask=[[1, 1], [1, 1], [1, 1], [1, 0]])
+    batch = _batch(
+        [[1.5, 2.0], [0.5, 1.0], [3.0, 1.0], [0.5, 0.5]],
+        advantages=[1.0, -1.0, -1.0, 0.0],
+        mask=[[1, 1], [1, 1], [1, 1], [1, 0]],
+    )
     out = _weights("topr", batch)
     assert torch.allclose(out.weights, torch.tensor([[1.0, 1.0], [0.5, 0.5], [1.0, 1.0], [1.0, 0.0]]))
     assert out.mask.equal(batch.mask)
@@ -181,6 +202,7 @@ def test_bapo_stops_at_the_widest_bounds():
 
 # ---- the weight form gives exactly the gradient of each published objective ----
 
+
 def _ratio(batch):
     return torch.exp(batch.logprobs - batch.behaviour_logprobs)
 
@@ -221,10 +243,20 @@ SEQ_ADVANTAGES = [-0.2, 0.5]
         ("ppo_clip", {}, "token-mean", ADVANTAGES, lambda b: _literal_ppo(b, 0.8, 1.2, 3.0)),
         ("ppo_clip", {"eps_high": 0.28}, "token-mean", ADVANTAGES, lambda b: _literal_ppo(b, 0.8, 1.28, 3.0)),
         # geometric ratios are 1.257 and 1.091: the first sequence is clipped (A > 0), the second is not
-        ("gspo", {"eps_low": 0.05, "eps_high": 0.1}, "seq-mean-token-mean", [0.3, 0.5],
-         lambda b: _literal_gspo(b, 0.95, 1.1)),
-        ("gspo", {"eps_low": 0.5, "eps_high": 0.5}, "seq-mean-token-mean", SEQ_ADVANTAGES,
-         lambda b: _literal_gspo(b, 0.5, 1.5)),
+        (
+            "gspo",
+            {"eps_low": 0.05, "eps_high": 0.1},
+            "seq-mean-token-mean",
+            [0.3, 0.5],
+            lambda b: _literal_gspo(b, 0.95, 1.1),
+        ),
+        (
+            "gspo",
+            {"eps_low": 0.5, "eps_high": 0.5},
+            "seq-mean-token-mean",
+            SEQ_ADVANTAGES,
+            lambda b: _literal_gspo(b, 0.5, 1.5),
+        ),
         ("m2po", {"mode": "adaptive_clip", "tau": 0.02}, "token-mean", ADVANTAGES, None),
     ],
 )
@@ -232,7 +264,7 @@ def test_weight_form_matches_literal_objective_gradient(name, config, mode, adva
     batch = _batch(RATIOS, advantages=advantages, requires_grad=True)
     out = registry.build(name, **config).token_weights(batch)
     ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, mode), batch)
-    assert (out.weights == 0).any() and (out.weights > 0).any() or name == "gspo" and config["eps_low"] == 0.5
+    assert ((out.weights == 0).any() and (out.weights > 0).any()) or (name == "gspo" and config["eps_low"] == 0.5)
     if literal is None:  # adaptive clip: PPO with the bounds the stabilizer reports
         low, high = out.metrics["stability/clip_low"].item(), out.metrics["stability/clip_high"].item()
         assert high < 1e4, "the test data must exceed the M2 budget"
@@ -243,8 +275,10 @@ def test_weight_form_matches_literal_objective_gradient(name, config, mode, adva
 def test_gspo_sequence_weight_scaling_by_seq_len():
     batch = _batch([[1.01, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]], advantages=[1.0, -1.0], requires_grad=True)
     out = registry.build("gspo").token_weights(batch)
-    ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask,
-                                      "seq-mean-token-mean"), batch)
+    ours = _grad(
+        policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, "seq-mean-token-mean"),
+        batch,
+    )
     assert torch.allclose(ours, _grad(_literal_gspo(batch, 1 - 3e-4, 1 + 4e-4), batch), atol=1e-7)
 
 
@@ -253,16 +287,18 @@ def test_m2po_mask_matches_paper_objective_gradient():
     out = registry.build("m2po").token_weights(batch)
     keep = out.weights > 0
     assert (~keep).any(), "the test data must exceed the M2 budget"
-    ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, "token-mean"),
-                 batch)
+    ours = _grad(
+        policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, "token-mean"), batch
+    )
     assert torch.allclose(ours, _grad(_literal_m2po_mask(batch, keep), batch), atol=1e-6)
 
 
 def test_cispo_matches_its_detached_objective():
     batch = _batch(RATIOS, advantages=ADVANTAGES, requires_grad=True)
     out = registry.build("cispo").token_weights(batch)
-    ours = _grad(policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, "token-mean"),
-                 batch)
+    ours = _grad(
+        policy_gradient_loss(batch.logprobs, out.weights, batch.token_advantages, out.mask, "token-mean"), batch
+    )
     weight = _ratio(batch).detach().clamp(0.0, 1.2)
     literal = -(weight * batch.token_advantages * batch.logprobs).sum() / batch.mask.sum()
     assert torch.allclose(ours, _grad(literal, batch), atol=1e-6)
@@ -280,6 +316,7 @@ def test_clip_active_follows_the_ppo_rule():
 
 
 # ---- the float-arithmetic implementations against the plain boolean formulas ----
+
 
 def _parity_batch(seed, seq_advantages):
     """Random log-ratios (a few at +-1000), ragged masks with an empty row, -inf behaviour on padding."""
@@ -323,8 +360,9 @@ def _reference(name, batch, config):
         weight_metrics(w, (s > LOG(config.cap))[:, None].expand_as(m))
         return w, m, metrics
     if name in ("mis_token", "mis_seq", "mis_geo", "icepop"):
-        stat = {"mis_token": l, "icepop": l, "mis_seq": s[:, None],
-                "mis_geo": (s / lengths.clamp(min=1))[:, None]}[name]
+        stat = {"mis_token": l, "icepop": l, "mis_seq": s[:, None], "mis_geo": (s / lengths.clamp(min=1))[:, None]}[
+            name
+        ]
         keep = ((stat >= LOG(config.low)) & (stat <= LOG(config.high))).expand_as(m) & m
         w = torch.exp(stat.clamp(max=LOG(config.high))) * keep
         weight_metrics(w)
@@ -355,10 +393,21 @@ def _reference(name, batch, config):
 
 
 PARITY_CASES = [
-    ("tis_token", {}), ("tis_token", {"cap": 0.8}), ("tis_seq", {}), ("vcpo", {}),
-    ("mis_token", {}), ("mis_token", {"low": 1.1, "high": 3.0}), ("mis_seq", {"low": 0.2, "high": 5.0}),
-    ("mis_geo", {"low": 0.8, "high": 1.2}), ("icepop", {}), ("icepop", {"low": 1.1, "high": 2.0}),
-    ("opsm", {}), ("cispo", {}), ("cispo", {"eps_low": 0.5}), ("ppo_clip", {}), ("ppo_clip", {"dual_clip_c": 0.9}),
+    ("tis_token", {}),
+    ("tis_token", {"cap": 0.8}),
+    ("tis_seq", {}),
+    ("vcpo", {}),
+    ("mis_token", {}),
+    ("mis_token", {"low": 1.1, "high": 3.0}),
+    ("mis_seq", {"low": 0.2, "high": 5.0}),
+    ("mis_geo", {"low": 0.8, "high": 1.2}),
+    ("icepop", {}),
+    ("icepop", {"low": 1.1, "high": 2.0}),
+    ("opsm", {}),
+    ("cispo", {}),
+    ("cispo", {"eps_low": 0.5}),
+    ("ppo_clip", {}),
+    ("ppo_clip", {"dual_clip_c": 0.9}),
 ]
 
 
@@ -377,6 +426,7 @@ def test_float_arithmetic_matches_the_boolean_formulas(name, config, seed, seq_a
 
 
 # ---- shared batch helpers ----
+
 
 def test_batch_ratio_is_the_capped_exp_on_loss_tokens_and_zero_on_padding():
     batch = _parity_batch(3, True)

@@ -6,12 +6,27 @@ import pytest
 import yaml
 
 from cluster.job import load_job, validate_job
-from cluster.remote.submit import (DEFAULT_REMOTE_PREFIXES, PACKAGES, USER_FILES, SubmitError, auth_headers,
-                                   carried_files, find_token, for_cluster, is_remote, stage_working_dir, stop_env,
-                                   upload_limit_bytes)
+from cluster.remote.submit import (
+    DEFAULT_REMOTE_PREFIXES,
+    PACKAGES,
+    USER_FILES,
+    SubmitError,
+    auth_headers,
+    carried_files,
+    find_token,
+    for_cluster,
+    is_remote,
+    stage_working_dir,
+    stop_env,
+    upload_limit_bytes,
+)
 
-JOB = {"name": "j", "task": {"name": "arithmetic"}, "cluster": {"address": "127.0.0.1:6379", "num_cpus": 2},
-       "algorithm": {"stabilizer": {"name": "m2po"}}}
+JOB = {
+    "name": "j",
+    "task": {"name": "arithmetic"},
+    "cluster": {"address": "127.0.0.1:6379", "num_cpus": 2},
+    "algorithm": {"stabilizer": {"name": "m2po"}},
+}
 
 
 def test_the_token_comes_from_the_first_place_that_has_one(tmp_path, monkeypatch):
@@ -78,14 +93,21 @@ def test_the_files_the_job_names_travel_with_it_and_the_job_names_them_there(tmp
     other = tmp_path / "other"
     other.mkdir()
     (other / "rows.jsonl").write_text('{"prompt": "What is 2 + 2?", "answer": 4}\n')  # same name, another file
-    job = validate_job({**_dataset_job(tmp_path, path=str(mine / "rows.jsonl"), reward="reward.py:score"),
-                        "eval": {"task_path": str(other / "rows.jsonl")}})
+    job = validate_job(
+        {
+            **_dataset_job(tmp_path, path=str(mine / "rows.jsonl"), reward="reward.py:score"),
+            "eval": {"task_path": str(other / "rows.jsonl")},
+        }
+    )
     before = job.model_dump()
     staged = stage_working_dir(job, tmp_path / "wd")
     assert job.model_dump() == before, "the validated job is not changed"
     sent = load_job(staged / "job.yaml")
     assert (sent.task.path, sent.task.reward, sent.eval.task_path) == (
-        "user_files/rows.jsonl", "user_files/reward.py:score", "user_files/2/rows.jsonl")
+        "user_files/rows.jsonl",
+        "user_files/reward.py:score",
+        "user_files/2/rows.jsonl",
+    )
     assert (staged / "user_files/rows.jsonl").read_text() == (mine / "rows.jsonl").read_text()
     assert (staged / "user_files/2/rows.jsonl").read_text() == (other / "rows.jsonl").read_text()
     assert (staged / "user_files/reward.py").read_text() == (mine / "reward.py").read_text()
@@ -96,14 +118,19 @@ def test_the_files_the_job_names_travel_with_it_and_the_job_names_them_there(tmp
     monkeypatch.chdir(staged)
     task = job_task(sent)
     assert next(task.problems("train", 0)).answer == "2"
-    assert evaluation_set(sent.model_copy(update={"eval": sent.eval.model_copy(update={"every_steps": 1})}),
-                          task)[0][0].answer == "4"
+    assert (
+        evaluation_set(sent.model_copy(update={"eval": sent.eval.model_copy(update={"every_steps": 1})}), task)[0][
+            0
+        ].answer
+        == "4"
+    )
 
 
 def test_one_file_named_twice_travels_once(tmp_path):
     mine = _user_files(tmp_path)
-    job = validate_job({**_dataset_job(tmp_path, path=str(mine / "rows.jsonl")),
-                        "eval": {"task_path": str(mine / "rows.jsonl")}})
+    job = validate_job(
+        {**_dataset_job(tmp_path, path=str(mine / "rows.jsonl")), "eval": {"task_path": str(mine / "rows.jsonl")}}
+    )
     (carried,) = carried_files(job)
     assert carried.fields == ("task.path", "eval.task_path") and carried.staged == "user_files/rows.jsonl"
     sent = load_job(stage_working_dir(job, tmp_path / "wd") / "job.yaml")
@@ -112,8 +139,12 @@ def test_one_file_named_twice_travels_once(tmp_path):
 
 
 def test_paths_under_a_remote_prefix_and_module_rewards_stay_as_they_are(tmp_path):
-    job = validate_job({**_dataset_job(tmp_path, path="/mnt/shared/data/rows.jsonl", reward="my_rewards:score"),
-                        "eval": {"task_path": "~/stableasync/tasks/data/gsm8k/test.jsonl"}})
+    job = validate_job(
+        {
+            **_dataset_job(tmp_path, path="/mnt/shared/data/rows.jsonl", reward="my_rewards:score"),
+            "eval": {"task_path": "~/stableasync/tasks/data/gsm8k/test.jsonl"},
+        }
+    )
     assert carried_files(job) == []
     sent = load_job(stage_working_dir(job, tmp_path / "wd") / "job.yaml")
     assert sent == job and not (tmp_path / "wd" / USER_FILES).exists()
@@ -128,8 +159,9 @@ def test_paths_under_a_remote_prefix_and_module_rewards_stay_as_they_are(tmp_pat
 
 def test_a_missing_file_is_an_error_naming_each_field_before_anything_is_staged(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    job = validate_job({**_dataset_job(tmp_path, path="nope.jsonl", reward="gone.py:score"),
-                        "eval": {"task_path": str(tmp_path)}})
+    job = validate_job(
+        {**_dataset_job(tmp_path, path="nope.jsonl", reward="gone.py:score"), "eval": {"task_path": str(tmp_path)}}
+    )
     with pytest.raises(SubmitError) as error:
         stage_working_dir(job, tmp_path / "wd")
     message = str(error.value)

@@ -6,11 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from cluster.job import validate_job
 from cluster.experiments.sweep import grid
+from cluster.job import validate_job
 
-BASE = {"name": "base", "seed": 7, "task": {"name": "arithmetic"}, "learner": {"steps": 30},
-        "algorithm": {"stabilizer": {"name": "tis_seq", "cap": 3.0}}}
+BASE = {
+    "name": "base",
+    "seed": 7,
+    "task": {"name": "arithmetic"},
+    "learner": {"steps": 30},
+    "algorithm": {"stabilizer": {"name": "tis_seq", "cap": 3.0}},
+}
 
 
 def test_cells_differ_only_in_stabilizer_and_lag(tmp_path):
@@ -28,8 +33,15 @@ def test_cells_differ_only_in_stabilizer_and_lag(tmp_path):
 def test_seeds_repeat_the_whole_grid_one_seed_after_another(tmp_path):
     cells = grid(validate_job(BASE), ["none", "m2po"], [0, 4], tmp_path, seeds=[3, 11])
     assert [(c.job.seed, c.stabilizer, c.max_lag) for c in cells] == [
-        (3, "none", 0), (3, "none", 4), (3, "m2po", 0), (3, "m2po", 4),
-        (11, "none", 0), (11, "none", 4), (11, "m2po", 0), (11, "m2po", 4)]
+        (3, "none", 0),
+        (3, "none", 4),
+        (3, "m2po", 0),
+        (3, "m2po", 4),
+        (11, "none", 0),
+        (11, "none", 4),
+        (11, "m2po", 0),
+        (11, "m2po", 4),
+    ]
     assert [c.run_name for c in cells[:2]] == ["none-lag0-seed3", "none-lag4-seed3"]
     assert [c.job.logging.run_name for c in cells] == [c.run_name for c in cells]
     assert len({c.run_name for c in cells}) == 8
@@ -51,9 +63,9 @@ def test_an_unknown_stabilizer_or_bad_lag_stops_the_sweep_before_anything_runs(t
 
 def test_a_stop_request_ends_the_sweep_while_a_failing_cell_does_not(tmp_path, monkeypatch):
     """A cell that crashes is a finding (failed.txt, the sweep goes on); a Ctrl-C stops the whole sweep."""
+    from cluster.experiments.sweep import sweep
     from cluster.run import driver
     from cluster.run.stopping import JobStopped, StopRequest
-    from cluster.experiments.sweep import sweep
 
     ran = []
 
@@ -75,13 +87,17 @@ def test_a_stop_request_ends_the_sweep_while_a_failing_cell_does_not(tmp_path, m
 def test_a_stopped_sweep_says_so_and_exits_as_the_signal_did(tmp_path, monkeypatch, capsys):
     import json
 
-    from cluster.experiments import sweep as sweep_module
     from cluster.cli import main
+    from cluster.experiments import sweep as sweep_module
     from cluster.run.stopping import JobStopped
 
     def stopped(*args, **kwargs):
-        raise JobStopped("SIGTERM", 5, tmp_path / "runs" / "none-lag0" / "checkpoints" / "step-000005",
-                         tmp_path / "runs" / "none-lag0")
+        raise JobStopped(
+            "SIGTERM",
+            5,
+            tmp_path / "runs" / "none-lag0" / "checkpoints" / "step-000005",
+            tmp_path / "runs" / "none-lag0",
+        )
 
     monkeypatch.setattr(sweep_module, "sweep", stopped)
     job = tmp_path / "job.yaml"
@@ -117,9 +133,16 @@ def _runs_without_the_driver(monkeypatch, out: Path, jobs_seen: list) -> None:
         run_dir = out / "runs" / job.logging.run_name
         run_dir.mkdir(parents=True)
         stabilizer = job.algorithm.stabilizer.name
-        (run_dir / "job.yaml").write_text(yaml.safe_dump(
-            {"name": job.name, "seed": job.seed, "algorithm": {"stabilizer": {"name": stabilizer}},
-             "async": {"max_lag": job.async_.max_lag}}))
+        (run_dir / "job.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "name": job.name,
+                    "seed": job.seed,
+                    "algorithm": {"stabilizer": {"name": stabilizer}},
+                    "async": {"max_lag": job.async_.max_lag},
+                }
+            )
+        )
         reward = 0.1 * job.seed + (0.5 if stabilizer == "m2po" else 0.0)
         rows = [{"train/step": step, "time/wall_s": float(step), "rollout/reward_mean": reward} for step in range(1, 4)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -136,14 +159,48 @@ def test_sweep_set_options_change_every_cell_through_the_job_schema(tmp_path, mo
     _runs_without_the_driver(monkeypatch, tmp_path / "out", seen)
     job = tmp_path / "job.yaml"
     job.write_text(json.dumps(BASE))
-    assert main(["sweep", str(job), "--stabilizers", "vcpo", "--max-lag", "0,2", "--set", "learner.steps=7",
-                 "--set", "learner.learning_rate=0.002", "--set", "algorithm.loss_aggregation=seq-mean-token-mean",
-                 "--out", str(tmp_path / "out")]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                str(job),
+                "--stabilizers",
+                "vcpo",
+                "--max-lag",
+                "0,2",
+                "--set",
+                "learner.steps=7",
+                "--set",
+                "learner.learning_rate=0.002",
+                "--set",
+                "algorithm.loss_aggregation=seq-mean-token-mean",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
     assert [(j.learner.steps, j.learner.learning_rate, j.algorithm.loss_aggregation) for j in seen] == [
-        (7, 0.002, "seq-mean-token-mean")] * 2
+        (7, 0.002, "seq-mean-token-mean")
+    ] * 2
     assert seen[0].algorithm.stabilizer.name == "vcpo" and seen[0].algorithm.stabilizer.cap == 8.0
-    assert main(["sweep", str(job), "--stabilizers", "vcpo", "--max-lag", "0", "--set", "learner.stepz=7",
-                 "--out", str(tmp_path / "bad")]) == 2  # a field the schema does not know: refused, nothing runs
+    assert (
+        main(
+            [
+                "sweep",
+                str(job),
+                "--stabilizers",
+                "vcpo",
+                "--max-lag",
+                "0",
+                "--set",
+                "learner.stepz=7",
+                "--out",
+                str(tmp_path / "bad"),
+            ]
+        )
+        == 2
+    )  # a field the schema does not know: refused, nothing runs
     assert "learner.stepz" in capsys.readouterr().err and len(seen) == 2
 
 
@@ -156,8 +213,23 @@ def test_a_sweep_with_seeds_prints_a_row_per_cell_over_its_seeds(tmp_path, monke
     _runs_without_the_driver(monkeypatch, tmp_path / "out", [])
     job = tmp_path / "job.yaml"
     job.write_text(json.dumps(BASE))
-    assert main(["sweep", str(job), "--stabilizers", "none,m2po", "--max-lag", "0,2", "--seeds", "1,3",
-                 "--out", str(tmp_path / "out")]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                str(job),
+                "--stabilizers",
+                "none,m2po",
+                "--max-lag",
+                "0,2",
+                "--seeds",
+                "1,3",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| none lag 0 seed 1 |" in printed and "| m2po lag 2 seed 3 |" in printed
     cells = printed.split("over seeds")[1]

@@ -36,7 +36,7 @@ def test_arithmetic_precedence_and_config_errors():
     task = build_task("arithmetic", ArithmeticConfig(operations=("*", "+", "-"), num_operands=3))
     for problem in islice(task.problems("train", 1), 200):
         expression = problem.question.removeprefix("What is ").removesuffix("?")
-        assert int(problem.answer) == eval(expression)  # noqa: S307 - test oracle on our own digits
+        assert int(problem.answer) == eval(expression)
     with pytest.raises(ValueError, match="min_operand"):
         build_task("arithmetic", ArithmeticConfig(min_operand=5, max_operand=1))
 
@@ -90,12 +90,15 @@ def test_gsm8k_fixture_rows_and_scores():
     assert task.score(sara, "It is 1250") == 0.0
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"question": "q"}', "field 'answer'"),
-    ('{"question": "q", "answer": "no gold"}', "no '#### <gold>' line"),
-    ('{"question": "q", "answer": "x #### many"}', "is not a number"),
-    ("not json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"question": "q"}', "field 'answer'"),
+        ('{"question": "q", "answer": "no gold"}', "no '#### <gold>' line"),
+        ('{"question": "q", "answer": "x #### many"}', "is not a number"),
+        ("not json", "not valid JSON"),
+    ],
+)
 def test_gsm8k_bad_rows_name_file_and_line(tmp_path, line, message):
     path = tmp_path / "data.jsonl"
     path.write_text('{"question": "ok", "answer": "#### 1"}\n' + line + "\n")
@@ -104,7 +107,7 @@ def test_gsm8k_bad_rows_name_file_and_line(tmp_path, line, message):
 
 
 def test_gsm8k_missing_file_and_unknown_task():
-    with pytest.raises(TaskError, match="task.path: no data file"):
+    with pytest.raises(TaskError, match=r"task.path: no data file"):
         build_task("gsm8k", GSM8KConfig(path="/nonexistent/gsm8k.jsonl"))
     with pytest.raises(KeyError, match="registered: arithmetic"):
         build_task("chess", None)
@@ -132,7 +135,8 @@ def test_dataset_prompts_become_chat_messages():
     task = _dataset(system_prompt="Think step by step.")
     assert task.messages(_by_line(task, 1)) == [
         {"role": "system", "content": "Think step by step."},
-        {"role": "user", "content": f"What is 3 + 4? {ANSWER_FORMAT}"}]
+        {"role": "user", "content": f"What is 3 + 4? {ANSWER_FORMAT}"},
+    ]
     own_system = task.messages(_by_line(task, 3))  # a row's own system message is kept, not doubled
     assert [m["role"] for m in own_system] == ["system", "user"]
     assert own_system[0]["content"] == "You are a careful tutor."
@@ -147,8 +151,9 @@ def test_dataset_built_in_rewards():
     math, exact = _dataset(), _dataset(reward="exact")
     seven = _by_line(math, 1)
     assert seven.answer == "7"  # a number in the file is compared as text
-    assert [math.score(seven, c) for c in ("<answer>7</answer>", "<answer>7.0</answer>", "<answer>8</answer>", "7")] \
-        == [1.0, 1.0, 0.1, 0.0]
+    assert [
+        math.score(seven, c) for c in ("<answer>7</answer>", "<answer>7.0</answer>", "<answer>8</answer>", "7")
+    ] == [1.0, 1.0, 0.1, 0.0]
     assert exact.score(_by_line(exact, 1), "<answer>7.0</answer>") == 0.1
     assert math.score(_by_line(math, 2), "<answer> Paris </answer>") == 1.0  # text golds count when equal
     assert math.score(_by_line(math, 3), "<answer>0.75</answer>") == 1.0
@@ -172,24 +177,30 @@ def test_dataset_training_and_warm_up_cycle_evaluation_is_one_pass():
     assert len(list(islice(task.problems("sft", 0), 10))) == 10  # a warm-up longer than the file
     once = list(islice(task.problems("eval", 0), 10))
     assert sorted(p.problem_id for p in once) == sorted(p.problem_id for p in task.rows)
-    assert [p.problem_id for p in islice(task.problems("train", 1), 4)] == \
-        [p.problem_id for p in islice(task.problems("train", 1), 4)]
+    assert [p.problem_id for p in islice(task.problems("train", 1), 4)] == [
+        p.problem_id for p in islice(task.problems("train", 1), 4)
+    ]
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"answer": 1}, "field 'prompt' must be text or a non-empty list"),
-    ({"prompt": "  ", "answer": 1}, "field 'prompt' is empty"),
-    ({"prompt": [], "answer": 1}, "must be text or a non-empty list"),
-    ({"prompt": [{"role": "robot", "content": "hi"}], "answer": 1}, r"field 'prompt'\[0\] must be \{role"),
-    ({"prompt": [{"role": "user", "content": 3}], "answer": 1}, r"field 'prompt'\[0\]"),
-    ({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "answer": 1},
-     "must end with a user message"),
-    ({"prompt": "q"}, "field 'answer' \\(task.answer_field\\) is missing"),
-    ({"prompt": "q", "answer": True}, "must be non-empty text or a number"),
-    ({"prompt": "q", "answer": ["a"]}, "must be non-empty text or a number"),
-    ({"prompt": "q", "answer": " "}, "must be non-empty text or a number"),
-    ([1, 2], "a row must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"answer": 1}, "field 'prompt' must be text or a non-empty list"),
+        ({"prompt": "  ", "answer": 1}, "field 'prompt' is empty"),
+        ({"prompt": [], "answer": 1}, "must be text or a non-empty list"),
+        ({"prompt": [{"role": "robot", "content": "hi"}], "answer": 1}, r"field 'prompt'\[0\] must be \{role"),
+        ({"prompt": [{"role": "user", "content": 3}], "answer": 1}, r"field 'prompt'\[0\]"),
+        (
+            {"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "answer": 1},
+            "must end with a user message",
+        ),
+        ({"prompt": "q"}, "field 'answer' \\(task.answer_field\\) is missing"),
+        ({"prompt": "q", "answer": True}, "must be non-empty text or a number"),
+        ({"prompt": "q", "answer": ["a"]}, "must be non-empty text or a number"),
+        ({"prompt": "q", "answer": " "}, "must be non-empty text or a number"),
+        ([1, 2], "a row must be a JSON object"),
+    ],
+)
 def test_dataset_bad_rows_name_file_line_and_field(tmp_path, row, message):
     path = tmp_path / "mine.jsonl"
     path.write_text(json.dumps({"prompt": "ok", "answer": 1}) + "\n\n" + json.dumps(row) + "\n")
@@ -198,9 +209,9 @@ def test_dataset_bad_rows_name_file_line_and_field(tmp_path, row, message):
 
 
 def test_dataset_file_errors():
-    with pytest.raises(TaskError, match="task.path: the dataset task needs"):
+    with pytest.raises(TaskError, match=r"task.path: the dataset task needs"):
         build_task("dataset", DatasetConfig())
-    with pytest.raises(TaskError, match="task.path: no data file at /nonexistent"):
+    with pytest.raises(TaskError, match=r"task.path: no data file at /nonexistent"):
         _dataset(path="/nonexistent/data.jsonl")
 
 
@@ -220,8 +231,11 @@ not_a_function = 3
 
 
 def _reward_data(tmp_path) -> Path:
-    rows = [{"prompt": "a", "answer": 7, "weight": 0.4}, {"prompt": "b", "answer": {"tests": [1]}, "weight": 1.0},
-            {"prompt": "c", "answer": 1, "weight": 1.0, "explode": True}]
+    rows = [
+        {"prompt": "a", "answer": 7, "weight": 0.4},
+        {"prompt": "b", "answer": {"tests": [1]}, "weight": 1.0},
+        {"prompt": "c", "answer": 1, "weight": 1.0, "explode": True},
+    ]
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
@@ -242,15 +256,21 @@ def test_dataset_custom_reward_from_a_file_or_a_module(tmp_path, monkeypatch):
     assert _dataset(path=str(data), reward="my_rewards:score").score(first, "7") == pytest.approx(0.4)
 
 
-@pytest.mark.parametrize("reward, message", [
-    ("my_rewards.py:missing", "'my_rewards.py' has no function 'missing'"),
-    ("my_rewards.py:not_a_function", "has no function 'not_a_function'"),
-    ("my_rewards.py:two_arguments", r"two_arguments\(completion, answer\) cannot be called as "
-                                    r"two_arguments\(completion, answer, row\)"),
-    ("elsewhere.py:score", "task.reward: no file .*elsewhere.py"),
-    ("no_such_module_here:score", "importing 'no_such_module_here' failed: ModuleNotFoundError"),
-    ("math-verify", "neither a built-in \\(math, exact\\) nor 'FILE.py:NAME' or 'module:NAME'"),
-])
+@pytest.mark.parametrize(
+    "reward, message",
+    [
+        ("my_rewards.py:missing", "'my_rewards.py' has no function 'missing'"),
+        ("my_rewards.py:not_a_function", "has no function 'not_a_function'"),
+        (
+            "my_rewards.py:two_arguments",
+            r"two_arguments\(completion, answer\) cannot be called as "
+            r"two_arguments\(completion, answer, row\)",
+        ),
+        ("elsewhere.py:score", "task.reward: no file .*elsewhere.py"),
+        ("no_such_module_here:score", "importing 'no_such_module_here' failed: ModuleNotFoundError"),
+        ("math-verify", "neither a built-in \\(math, exact\\) nor 'FILE.py:NAME' or 'module:NAME'"),
+    ],
+)
 def test_dataset_reward_function_errors_name_the_field(tmp_path, monkeypatch, reward, message):
     data = _reward_data(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -284,7 +304,7 @@ def test_validate_names_a_task_setting_out_of_range_instead_of_raising(tmp_path,
     assert cli_main(["validate", str(job)]) == 2
     err = capsys.readouterr().err
     assert "task.min_numbers: Input should be greater than or equal to 2" in err and "Traceback" not in err
-    with pytest.raises(ValueError, match="min_target .* must not exceed max_target"):
+    with pytest.raises(ValueError, match=r"min_target .* must not exceed max_target"):
         CountdownConfig(min_target=50, max_target=20)
 
 
@@ -294,13 +314,17 @@ def test_validate_checks_the_data_and_the_reward_function(tmp_path, capsys):
     job.write_text(f"task: {{name: dataset, path: {data}, reward: '{tmp_path}/my_rewards.py:missing'}}\n")
     assert cli_main(["validate", str(job)]) == 2
     assert f"job.yaml: task.reward: '{tmp_path}/my_rewards.py' has no function 'missing'" in capsys.readouterr().err
-    job.write_text(f"task: {{name: dataset, path: {data}, reward: '{tmp_path}/my_rewards.py:score'}}\n"
-                   f"eval: {{every_steps: 5, task_path: {tmp_path}/held_out.jsonl}}\n")
+    job.write_text(
+        f"task: {{name: dataset, path: {data}, reward: '{tmp_path}/my_rewards.py:score'}}\n"
+        f"eval: {{every_steps: 5, task_path: {tmp_path}/held_out.jsonl}}\n"
+    )
     assert cli_main(["validate", str(job)]) == 2
     assert f"eval.task_path: task.path: no data file at {tmp_path}/held_out.jsonl" in capsys.readouterr().err
     runs = tmp_path / "runs"
-    job.write_text(f"task: {{name: dataset, path: {data}, reward: '{tmp_path}/my_rewards.py:missing'}}\n"
-                   f"logging: {{run_dir: {runs}}}\n")
+    job.write_text(
+        f"task: {{name: dataset, path: {data}, reward: '{tmp_path}/my_rewards.py:missing'}}\n"
+        f"logging: {{run_dir: {runs}}}\n"
+    )
     assert cli_main(["train", str(job)]) == 2  # train finds it before anything starts
     assert capsys.readouterr().err.startswith("stableasync train: task.reward: ")
     assert not runs.exists(), "no run directory for a job that never started"

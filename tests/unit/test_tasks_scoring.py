@@ -14,8 +14,9 @@ PROBLEM = Problem("p", "What is 1 + 1?", "2")
 def test_pool_survives_every_kind_of_verifier_failure():
     completions = ["<answer>2</answer>", "RAISE", "<answer>3</answer>", "NAN", "HANG", "HOG", "<answer>2</answer>"]
     start = time.monotonic()
-    with ScorePool("faulty-arithmetic", ArithmeticConfig(), timeout_s=1.0, memory_limit_mb=1024,
-                   extra_modules=("tasks.testing",)) as pool:
+    with ScorePool(
+        "faulty-arithmetic", ArithmeticConfig(), timeout_s=1.0, memory_limit_mb=1024, extra_modules=("tasks.testing",)
+    ) as pool:
         results = pool.score_many([PROBLEM] * len(completions), completions)
         again = pool.score_many([PROBLEM], ["<answer>2</answer>"])  # the rebuilt worker still scores
     assert [r.reward for r in results] == [1.0, 0.0, 0.1, 0.0, 0.0, 0.0, 1.0]
@@ -33,8 +34,7 @@ def test_the_timeout_holds_per_completion_and_a_dead_worker_fails_only_its_item(
     # One batch holds all eight: four slow answers take longer together than the timeout, yet each is
     # within it; the worker that dies fails its own item, and the items queued behind it still score.
     completions = ["SLOW <answer>2</answer>"] * 4 + ["DIE", "<answer>2</answer>", "HANG", "<answer>2</answer>"]
-    with ScorePool("faulty-arithmetic", ArithmeticConfig(), timeout_s=1.0,
-                   extra_modules=("tasks.testing",)) as pool:
+    with ScorePool("faulty-arithmetic", ArithmeticConfig(), timeout_s=1.0, extra_modules=("tasks.testing",)) as pool:
         results = pool.score_many([PROBLEM] * len(completions), completions)
     assert [r.reward for r in results] == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
     assert "worker died" in results[4].error and "timeout after 1 s" in results[6].error
@@ -46,8 +46,9 @@ def test_a_worker_that_is_slow_to_start_fails_no_completion():
     # Building the task takes 1.5 s, the per-completion timeout is 0.5 s: the clock starts once the
     # worker is up, so neither the first worker nor the one replacing the dead one fails anything.
     completions = ["<answer>2</answer>", "DIE", "<answer>2</answer>", "<answer>3</answer>"]
-    with ScorePool("slow-start-arithmetic", ArithmeticConfig(), timeout_s=0.5,
-                   extra_modules=("tasks.testing",)) as pool:
+    with ScorePool(
+        "slow-start-arithmetic", ArithmeticConfig(), timeout_s=0.5, extra_modules=("tasks.testing",)
+    ) as pool:
         results = pool.score_many([PROBLEM] * len(completions), completions)
     assert [r.error for r in results] == [None, "worker died (killed or out of memory)", None, None]
     assert [r.reward for r in results] == [1.0, 0.0, 1.0, 0.1]
@@ -61,10 +62,13 @@ def test_a_worker_that_cannot_start_raises_with_the_task_and_the_reason():
 
 
 def test_a_worker_that_does_not_start_in_time_raises():
-    with ScorePool("slow-start-arithmetic", ArithmeticConfig(), startup_timeout_s=0.3,
-                   extra_modules=("tasks.testing",)) as pool:
-        with pytest.raises(RewardWorkerError, match="did not start within 0.3 s"):
-            pool.score_many([PROBLEM], ["<answer>2</answer>"])
+    with (
+        ScorePool(
+            "slow-start-arithmetic", ArithmeticConfig(), startup_timeout_s=0.3, extra_modules=("tasks.testing",)
+        ) as pool,
+        pytest.raises(RewardWorkerError, match=r"did not start within 0.3 s"),
+    ):
+        pool.score_many([PROBLEM], ["<answer>2</answer>"])
 
 
 def test_parallel_workers_keep_the_order():
@@ -95,11 +99,12 @@ def _address_space_peak(pid: int) -> int:
 
 
 def test_the_job_scoring_section_sets_the_reward_workers():
-    from cluster.run.loop import reward_workers
     from cluster.job import validate_job
+    from cluster.run.loop import reward_workers
 
-    job = validate_job({"task": {"name": "arithmetic"},
-                        "scoring": {"workers": 2, "timeout_s": 2.5, "memory_limit_mb": 768}})
+    job = validate_job(
+        {"task": {"name": "arithmetic"}, "scoring": {"workers": 2, "timeout_s": 2.5, "memory_limit_mb": 768}}
+    )
     with reward_workers(job) as pool:
         results = pool.score_many([PROBLEM] * 3, ["<answer>2</answer>", "<answer>3</answer>", "no answer"])
         pids = [worker.worker_pid for worker in pool._workers]  # its Python process, under unshare with namespaces

@@ -81,13 +81,22 @@ def test_the_builder_expresses_exactly_the_panel_fields_the_file_is_checked_agai
     assert PANEL_FIELDS == test_metrics.PANEL_FIELDS
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"kind": "bar"}, r"section 'Optimization', panel 2 \('Policy loss'\): kind 'bar' is not one of line, histogram"),
-    ({"smoothing": 0.5}, r"section 'Optimization', panel 2 \('Policy loss'\): 'smoothing' cannot be expressed"),
-    ({"y": []}, r"section 'Optimization', panel 2 \('Policy loss'\): y must be a non-empty list"),
-    ({"range_y": [0]}, r"section 'Optimization', panel 2 \('Policy loss'\): range_y must be \[low, high\]"),
-    ({"log_y": "very"}, r"section 'Optimization', panel 2 \('Policy loss'\): log_y: Input should be a valid boolean"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"kind": "bar"},
+            r"section 'Optimization', panel 2 \('Policy loss'\): kind 'bar' is not one of line, histogram",
+        ),
+        ({"smoothing": 0.5}, r"section 'Optimization', panel 2 \('Policy loss'\): 'smoothing' cannot be expressed"),
+        ({"y": []}, r"section 'Optimization', panel 2 \('Policy loss'\): y must be a non-empty list"),
+        ({"range_y": [0]}, r"section 'Optimization', panel 2 \('Policy loss'\): range_y must be \[low, high\]"),
+        (
+            {"log_y": "very"},
+            r"section 'Optimization', panel 2 \('Policy loss'\): log_y: Input should be a valid boolean",
+        ),
+    ],
+)
 def test_a_panel_the_library_cannot_express_is_refused_naming_its_section_and_panel(change, message):
     from cluster.telemetry.workspace import WorkspaceSpecError, build_workspace
 
@@ -101,9 +110,25 @@ def test_a_panel_the_library_cannot_express_is_refused_naming_its_section_and_pa
 
 def test_the_command_writes_the_view_offline_and_a_bad_file_exits_2(tmp_path):
     out = tmp_path / "view.json"
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", "wandb-workspace", "--entity", "my-team",
-                             "--project", "stableasync", "--offline", "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "wandb-workspace",
+            "--entity",
+            "my-team",
+            "--project",
+            "stableasync",
+            "--offline",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert str(out) in result.stdout and f"{len(_file()['sections'])} sections" in result.stdout
     _check_view_matches_file(json.loads(out.read_text()), _file())
@@ -113,8 +138,23 @@ def test_the_command_writes_the_view_offline_and_a_bad_file_exits_2(tmp_path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
     from cluster.cli import main
 
-    assert main(["wandb-workspace", "--spec", str(tmp_path / "bad.yaml"), "--entity", "e", "--project", "p",
-                 "--offline", "--out", str(tmp_path / "bad.json")]) == 2
+    assert (
+        main(
+            [
+                "wandb-workspace",
+                "--spec",
+                str(tmp_path / "bad.yaml"),
+                "--entity",
+                "e",
+                "--project",
+                "p",
+                "--offline",
+                "--out",
+                str(tmp_path / "bad.json"),
+            ]
+        )
+        == 2
+    )
     assert not (tmp_path / "bad.json").exists()
 
 
