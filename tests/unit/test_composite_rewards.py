@@ -351,3 +351,14 @@ def test_each_component_is_logged_as_its_mean():
     assert {"rollout/reward_task_mean", "rollout/reward_reward_model_mean", "rollout/reward_format_mean"} <= set(
         KNOWN_METRICS
     )
+
+
+def test_every_reward_kind_has_a_builder_a_metric_and_a_known_key():
+    """A reward component lives in four places (CONTRIBUTING's checklist): one left out breaks a job only when
+    it names that kind, so the four are checked together here."""
+    from cluster.job.task_sections import REWARD_KINDS
+    from cluster.run.rewards import REWARD_BUILDERS, REWARD_METRICS
+    from cluster.telemetry.metrics import KNOWN_METRICS
+
+    assert set(REWARD_BUILDERS) == set(REWARD_KINDS) == set(REWARD_METRICS)
+    assert all(REWARD_METRICS[kind] == f"rollout/reward_{kind}_mean" in KNOWN_METRICS for kind in REWARD_KINDS)
