@@ -7,13 +7,7 @@ from types import MappingProxyType
 from typing import Any
 
 # Importing the implementation modules registers them.
-from algorithms import (  # noqa: F401
-    bapo,
-    clipping,
-    importance,
-    m2po,
-    vcpo,
-)
+from algorithms import bapo, clipping, importance, m2po, vcpo  # noqa: F401
 from algorithms.config import STABILIZER_CONFIGS
 from algorithms.stabilizer import REGISTRY, Stabilizer
 

@@ -30,53 +30,36 @@ class SimConfig(CheckedConfig):
 
     generators: int = config_field("G: generator GPUs, one engine each (generator.num_generators)", 4, gt=0)
     learners: int = config_field(
-        "L: learner GPUs (learner.num_ranks); a step's tokens are split evenly over them",
-        2,
-        gt=0,
+        "L: learner GPUs (learner.num_ranks); a step's tokens are split evenly over them", 2, gt=0
     )
     max_lag: int = config_field(
-        "async.max_lag: learner version minus rollout version allowed at train time; 0 is synchronous",
-        1,
-        ge=0,
+        "async.max_lag: learner version minus rollout version allowed at train time; 0 is synchronous", 1, ge=0
     )
     stale_policy: Literal["wait", "drop"] = config_field(
-        "async.stale_policy: throttle generation (wait) or drop stale groups",
-        "wait",
+        "async.stale_policy: throttle generation (wait) or drop stale groups", "wait"
     )
     samples_per_prompt: int = config_field("responses per prompt group (generator.samples_per_prompt)", 8, gt=0)
     prompts_per_request: int = config_field(
-        "prompt groups one generate call samples (generator.prompts_per_request)",
-        16,
-        gt=0,
+        "prompt groups one generate call samples (generator.prompts_per_request)", 16, gt=0
     )
     prompts_per_step: int = config_field(
-        "prompt groups one learner step trains on (learner.prompts_per_step)",
-        64,
-        gt=0,
+        "prompt groups one learner step trains on (learner.prompts_per_step)", 64, gt=0
     )
     steps: int = config_field("learner steps to simulate", 200, gt=0)
     response_len_mean: float = config_field("mean response length, tokens (before the cap)", 1024.0, gt=0)
     response_len_cv: float = config_field(
-        "coefficient of variation of the log-normal response length; 0: every response is the mean",
-        0.6,
-        ge=0,
+        "coefficient of variation of the log-normal response length; 0: every response is the mean", 0.6, ge=0
     )
     max_response_len: int = config_field("cap on a response, tokens (generator.max_new_tokens)", 4096, gt=0)
     prompt_len: float = config_field("prompt tokens per sample; costs the learner only", 256.0, ge=0)
     gen_tokens_per_s: float = config_field(
-        "generation throughput of one generator GPU, generated tokens per second",
-        6000.0,
-        gt=0,
+        "generation throughput of one generator GPU, generated tokens per second", 6000.0, gt=0
     )
     gen_decode_step_s: float = config_field(
-        "seconds per decode step of a call's longest response (the straggler tail)",
-        0.006,
-        ge=0,
+        "seconds per decode step of a call's longest response (the straggler tail)", 0.006, ge=0
     )
     gen_call_overhead_s: float = config_field(
-        "fixed seconds per generate call (scheduling, prefill, transfer)",
-        0.5,
-        ge=0,
+        "fixed seconds per generate call (scheduling, prefill, transfer)", 0.5, ge=0
     )
     gen_weight_load_s: float = config_field(
         "seconds a generator spends loading each new weight version into its engine, before its next call "
@@ -85,20 +68,14 @@ class SimConfig(CheckedConfig):
         ge=0,
     )
     learner_tokens_per_s: float = config_field(
-        "training throughput of one learner GPU, prompt + response tokens per second",
-        12000.0,
-        gt=0,
+        "training throughput of one learner GPU, prompt + response tokens per second", 12000.0, gt=0
     )
     learner_overhead_s: float = config_field(
-        "fixed seconds per learner step (optimizer step, collectives, dispatch)",
-        1.0,
-        ge=0,
+        "fixed seconds per learner step (optimizer step, collectives, dispatch)", 1.0, ge=0
     )
     sync_fixed_s: float = config_field("fixed seconds per weight publish", 0.5, ge=0)
     weight_bytes: float = config_field(
-        "bytes of weights published per step (1.5B parameters in bf16: 3.1e9)",
-        3.1e9,
-        ge=0,
+        "bytes of weights published per step (1.5B parameters in bf16: 3.1e9)", 3.1e9, ge=0
     )
     sync_bytes_per_s: float = config_field("weight publish bandwidth, bytes per second", 10e9, gt=0)
     sync_waits_for_generation: bool = config_field(

@@ -13,10 +13,7 @@ from algorithms import native
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 # Environment every actor of a job gets: a shared cache of built ops, no noise (a generator adds its engine's).
-ACTOR_ENV = {
-    "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONPATH": str(PROJECT_ROOT),
-}
+ACTOR_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(PROJECT_ROOT)}
 
 
 def actor_env() -> dict[str, str]:

@@ -9,11 +9,7 @@ MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]]).bool()
 
 @pytest.mark.parametrize(
     "mode, expected",
-    [
-        ("token-mean", (1 + 2 + 3 + 4) / 4),
-        ("seq-mean-token-mean", (2 + 4) / 2),
-        ("seq-mean-token-sum", (6 + 4) / 2),
-    ],
+    [("token-mean", (1 + 2 + 3 + 4) / 4), ("seq-mean-token-mean", (2 + 4) / 2), ("seq-mean-token-sum", (6 + 4) / 2)],
 )
 def test_modes_by_hand(mode, expected):
     assert aggregate_token_loss(LOSS, MASK, mode).item() == pytest.approx(expected)
