@@ -312,7 +312,7 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
 def _environment_errors(job: Job) -> list[JobError]:
     """Tools the policy may call: a built-in name, or a user's 'FILE.py:NAME' (the file is read by `validate` and
     `train`, not here: it may be on the cluster only)."""
-    from tasks.tools import BUILTIN_TOOLS  # standard library only
+    from tasks.builtin_tools import BUILTIN_TOOLS  # standard library only
 
     errors = []
     for index, name in enumerate(job.environment.tools):

@@ -1230,7 +1230,7 @@ def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes(local_ray,
 FAULTY_CALCULATOR = '''
 import time
 
-from tasks.tools import calculator as exact
+from tasks.builtin_tools import calculator as exact
 
 
 def calculator(expression: str) -> str:

@@ -8,17 +8,14 @@ from typing import Literal
 import pytest
 
 from tasks.base import Problem, TaskError
+from tasks.builtin_tools import BUILTIN_TOOLS, ToolError, calculator, countdown_check
 from tasks.config import CountdownConfig
 from tasks.countdown import Countdown
 from tasks.tools import (
-    BUILTIN_TOOLS,
     ToolCall,
-    ToolError,
     ToolPool,
     ToolRunner,
     ToolWorkerError,
-    calculator,
-    countdown_check,
     load_tools,
     parse_tool_calls,
     tool_schemas,
