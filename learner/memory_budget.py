@@ -25,7 +25,7 @@ from typing import Any
 
 from algorithms.errors import StableAsyncError
 from learner.batch import CHUNK_LOGIT_ELEMENTS
-from learner.grad_norms import CHUNK_ELEMENTS
+from learner.grad_products import CHUNK_ELEMENTS
 
 log = logging.getLogger("stableasync.learner")
 

@@ -1,0 +1,161 @@
+"""The per-sample gradient algebra behind VCPO's norms (`learner/grad_norms.py` collects the pieces): a
+parameter's per-sample gradient as factors sum_t a_t (x) b_t or dense, its squared norm through Gram matrices
+or the dense form, whichever costs fewer FLOPs, cross terms of tied weights, and weighted sums over samples.
+Every product is a GEMM in the model's dtype (tensor cores on a GPU); only reductions run in fp32."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from torch import Tensor
+
+# Samples per Gram-matrix chunk: bounds the [chunk, T, T] and [chunk, out, in] temporaries.
+CHUNK_ELEMENTS = 1 << 25
+
+
+@dataclass
+class Factors:
+    """A per-sample gradient sum_t left_t (x) right_t; `left` is dense [B,T,m] or token ids [B,T]
+    (one-hot rows of a table with `rows` rows)."""
+
+    left: Tensor
+    right: Tensor
+    rows: int = 0
+
+    @property
+    def dense_is_smaller(self) -> bool:
+        """Whether the dense per-sample gradient [B, m, n] holds fewer numbers than its factors: what
+        book-keeping keeps of it."""
+        steps, cols = self.right.shape[1], self.right.shape[-1]
+        if self.indexed:
+            return self.rows * cols <= steps * steps
+        rows = self.left.shape[-1]
+        return rows * cols <= steps * (rows + cols)
+
+    @property
+    def dense_is_cheaper(self) -> bool:
+        """Whether the squared norm costs fewer FLOPs through the dense per-sample gradient (form it, then
+        its squared sum) than through the two Gram matrices (two [T, T] products, then their inner product)."""
+        steps, cols = self.right.shape[1], self.right.shape[-1]
+        if self.indexed:  # dense: a scatter of the T rows and the squared sum; Gram: a compare and one product
+            return steps * cols + 2 * self.rows * cols <= 2 * steps * steps * cols + 3 * steps * steps
+        rows = self.left.shape[-1]
+        return 2 * steps * rows * cols + 2 * rows * cols <= 2 * steps * steps * (rows + cols) + 2 * steps * steps
+
+    def dense(self) -> Tensor:
+        """The per-sample gradient [B, m, n] itself."""
+        if not self.indexed:
+            return torch.bmm(self.left.transpose(1, 2), self.right)
+        cols = self.right.shape[-1]
+        index = self.left.unsqueeze(-1).expand(-1, -1, cols)
+        return self.right.new_zeros(self.right.shape[0], self.rows, cols).scatter_add_(1, index, self.right)
+
+    @property
+    def indexed(self) -> bool:
+        return self.left.dim() == 2
+
+
+def _left_gram(p: Factors, q: Factors) -> Tensor:
+    """[B, T_p, T_q] inner products of the left factors (one-hot rows become gathers)."""
+    if p.indexed and q.indexed:
+        return (p.left[:, :, None] == q.left[:, None, :]).to(p.right.dtype)
+    if p.indexed:
+        return _left_gram(q, p).transpose(1, 2)
+    if q.indexed:  # dense a_t . onehot(id_s) = a_t[id_s]
+        index = q.left[:, None, :].expand(-1, p.left.shape[1], -1)
+        return torch.gather(p.left, 2, index)
+    return torch.bmm(p.left, q.left.transpose(1, 2))
+
+
+def factor_inner(p: Factors, q: Factors) -> Tensor:
+    """Per-sample <G_p, G_q>, [B] fp32, in chunks of samples; materialises G when that costs fewer FLOPs."""
+    batch, steps = p.right.shape[:2]
+    if p is q and p.dense_is_cheaper:
+        per_sample = (p.rows if p.indexed else p.left.shape[-1]) * p.right.shape[-1]
+        return torch.cat(
+            [
+                _self_dot(Factors(p.left[i : i + n], p.right[i : i + n], p.rows).dense())
+                for i, n in _chunks(batch, per_sample)
+            ]
+        )
+    per_sample = steps * q.right.shape[1]
+    return torch.cat(
+        [
+            (
+                _left_gram(
+                    Factors(p.left[i : i + n], p.right[i : i + n]), Factors(q.left[i : i + n], q.right[i : i + n])
+                )
+                * torch.bmm(p.right[i : i + n], q.right[i : i + n].transpose(1, 2))
+            ).sum((1, 2), dtype=torch.float32)
+            for i, n in _chunks(batch, per_sample)
+        ]
+    )
+
+
+def _self_dot(dense: Tensor) -> Tensor:
+    """Per-sample squared norm of [B, ...], [B] fp32: a reduction that accumulates in fp32, without an
+    fp32 copy (a batched [1, n] x [n, 1] product would run as matrix-vector kernels)."""
+    return torch.linalg.vector_norm(dense.flatten(1), dim=1, dtype=torch.float32).square()
+
+
+def _chunks(batch: int, elements_per_sample: int) -> Iterator[tuple[int, int]]:
+    size = max(1, CHUNK_ELEMENTS // max(1, elements_per_sample))
+    for start in range(0, batch, size):
+        yield start, min(size, batch - start)
+
+
+Contribution = Factors | Tensor
+"""A per-sample gradient of one parameter in one call: factors, or dense [B, *parameter shape]."""
+
+
+def _dense_inner(dense: Tensor, other: Contribution) -> Tensor:
+    """Per-sample <G, H>, [B] fp32, for a dense G [B, ...] against a dense or factored H."""
+    if other is dense:
+        return _self_dot(dense)
+    if isinstance(other, Tensor):
+        return (dense * other).flatten(1).sum(1, dtype=torch.float32)
+    if other.indexed:  # G [B, V, d] against sum_t onehot(id_t) (x) right_t: rows of G at the ids
+        rows = torch.gather(dense, 1, other.left.unsqueeze(-1).expand(-1, -1, dense.shape[-1]))
+        return (rows * other.right).sum((1, 2), dtype=torch.float32)
+    return (torch.bmm(other.left, dense) * other.right).sum((1, 2), dtype=torch.float32)  # sum_t a_t^T G b_t
+
+
+def _pair_inner(p: Contribution, q: Contribution) -> Tensor:
+    if isinstance(p, Tensor):
+        return _dense_inner(p, q)
+    if isinstance(q, Tensor):
+        return _dense_inner(q, p)
+    return factor_inner(p, q)
+
+
+def squared_norm(parts: list[Contribution]) -> Tensor:
+    """||sum of parts||^2 per sample: each part's own norm plus twice every cross term (tied weights)."""
+    # the sums are of non-empty lists (of dense parts where there is one, of the parts a parameter has): tensors
+    dense = [part for part in parts if isinstance(part, Tensor)]
+    parts = ([cast(Tensor, sum(dense))] if dense else []) + [part for part in parts if not isinstance(part, Tensor)]
+    total = cast(Tensor, sum(_pair_inner(p, p) for p in parts))
+    for j, p in enumerate(parts):
+        for q in parts[j + 1 :]:
+            total = total + 2 * _pair_inner(p, q)
+    return total
+
+
+def weighted_sum(part: Contribution, coefficients: Tensor, shape: torch.Size) -> Tensor:
+    """sum_i c_i G_i for one part, in the part's dtype: the parameter gradient of sum_i c_i log pi(tau_i),
+    one weight-gradient GEMM for factors."""
+    if isinstance(part, Tensor):
+        return torch.tensordot(coefficients.to(part.dtype), part, dims=1)
+    scaled = part.right * coefficients.to(part.right.dtype).view(-1, 1, 1)
+    if part.indexed:  # embedding rows: scatter each token's scaled output gradient into its row
+        return scaled.new_zeros(shape).index_add_(0, part.left.reshape(-1), scaled.flatten(0, 1))
+    return part.left.flatten(0, 1).T @ scaled.flatten(0, 1)
+
+
+def compact(part: Contribution) -> Contribution:
+    """Factors as the dense per-sample gradient when that holds fewer numbers."""
+    if isinstance(part, Tensor) or not part.dense_is_smaller:
+        return part
+    return part.dense()
