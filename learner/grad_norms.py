@@ -28,7 +28,7 @@ to per-sample norms run in fp32. A bf16 norm is therefore exact to bf16 rounding
 carries a relative error of about 2^-8, and the errors of the many terms of a norm are independent, so the
 norm agrees with the per-sample loop (whose gradients are bf16 too) to about 1%.
 
-A packed forward (the rows of a micro-batch laid end to end, `learner/packing.py`) passes its `PackedRows`:
+A packed forward (the rows of a micro-batch laid end to end, `learner/packing.py`) passes its `Packing`:
 each layer's input and output gradient, [1, N, ...], is laid back into its rows, [B, T, ...] with zeros where a
 row is shorter, before its norms are formed; the zeros add nothing to any product.
 
@@ -42,13 +42,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from algorithms.errors import StableAsyncError
 from learner.grad_products import Contribution, Factors, compact, squared_norm, weighted_sum
+
+if TYPE_CHECKING:
+    from learner.micro_batches import Packing
 
 
 class UncoveredParameters(StableAsyncError, RuntimeError):
@@ -77,21 +80,6 @@ def _covered_parameters(module: nn.Module) -> list[nn.Parameter]:
 def _trained_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The covered parameters that train (a LoRA model freezes its base layers: their norms do not count)."""
     return [p for p in _covered_parameters(module) if p.requires_grad]
-
-
-@dataclass(frozen=True)
-class PackedRows:
-    """Where a packed forward's N positions sit in its micro-batch's [rows, width] layout."""
-
-    tokens: Tensor  # [N] long: each packed position's flat index into [rows, width]
-    rows: int
-    width: int
-
-    def unpack(self, packed: Tensor) -> Tensor:
-        """A layer's [1, N, ...] input or output gradient as [rows, width, ...], zero where a row is shorter."""
-        flat = packed.flatten(0, 1)
-        out = flat.new_zeros(self.rows * self.width, *flat.shape[1:])
-        return out.index_copy_(0, self.tokens, flat).view(self.rows, self.width, *flat.shape[1:])
 
 
 @dataclass
@@ -205,7 +193,7 @@ class GhostGradNorms:
             handle.remove()
         self._records, self._grad_hooks, self._consumer = [], [], None
 
-    def squared_norms(self, logits_grad: Tensor, from_logits: bool = False, packed: PackedRows | None = None) -> Tensor:
+    def squared_norms(self, logits_grad: Tensor, from_logits: bool = False, packed: Packing | None = None) -> Tensor:
         """||grad_theta log pi(tau_i)||^2 for each sample, [B] fp32, given d(sum_i log pi(tau_i))/d logits
         ([B, L, V], e.g. `sequence_logprob_grad`).
 
@@ -217,7 +205,7 @@ class GhostGradNorms:
         """
         return self._backward(logits_grad, from_logits, keep=False, packed=packed).squared_norms
 
-    def sample_gradients(self, logits_grad: Tensor, packed: PackedRows | None = None) -> SampleGradients:
+    def sample_gradients(self, logits_grad: Tensor, packed: Packing | None = None) -> SampleGradients:
         """Book-keeping: the norms and every per-sample gradient from one backward, which frees the graph.
 
         The caller forms its update with `SampleGradients.weighted_sum` once it knows each sample's
@@ -225,9 +213,7 @@ class GhostGradNorms:
         """
         return self._backward(logits_grad, from_logits=False, keep=True, packed=packed)
 
-    def _backward(
-        self, logits_grad: Tensor, from_logits: bool, keep: bool, packed: PackedRows | None
-    ) -> SampleGradients:
+    def _backward(self, logits_grad: Tensor, from_logits: bool, keep: bool, packed: Packing | None) -> SampleGradients:
         records = self._records
         try:
             with _tensor_core_products(logits_grad.device):
@@ -237,12 +223,7 @@ class GhostGradNorms:
             self._release()
 
     def _run_backward(
-        self,
-        records: list[_Record | None],
-        logits_grad: Tensor,
-        from_logits: bool,
-        keep: bool,
-        packed: PackedRows | None,
+        self, records: list[_Record | None], logits_grad: Tensor, from_logits: bool, keep: bool, packed: Packing | None
     ) -> SampleGradients:
         heads = [i for i, r in enumerate(records) if r is not None and r.module is self.output_layer]
         if len(heads) != 1 or heads[0] == 0:
@@ -261,7 +242,7 @@ class GhostGradNorms:
         else:
             weight = self.output_layer.weight  # head.module is the output layer
             start, start_grad = head.input, (logits_grad.to(weight.dtype) @ weight).to(head.input.dtype)
-        batch = logits_grad.shape[0] if packed is None else packed.rows
+        batch = logits_grad.shape[0] if packed is None else len(packed.lengths)
         calls = [r.module for r in records if r is not None] + [head.module]
         uses = Counter(id(p) for module in calls for p in _trained_parameters(module))
         total = torch.zeros(batch, dtype=torch.float32, device=logits_grad.device)

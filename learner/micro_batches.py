@@ -35,6 +35,13 @@ class Packing:
     def max_length(self) -> int:
         return max(self.lengths)
 
+    def unpack(self, packed: Tensor) -> Tensor:
+        """A packed forward's [1, N, ...] tensor (a layer's input or output gradient) as [rows, width, ...], zero
+        where a row is shorter than the width."""
+        flat = packed.flatten(0, 1)
+        out = flat.new_zeros(len(self.lengths) * self.width, *flat.shape[1:])
+        return out.index_copy_(0, self.tokens, flat).view(len(self.lengths), self.width, *flat.shape[1:])
+
     @classmethod
     def of(cls, lengths: list[int], width: int, device: torch.device) -> Packing:
         """Formed on the host (numpy: no tensor read the step's host-read count would see) and copied to

@@ -29,7 +29,6 @@ from torch import Tensor
 
 from learner.batch import TrainBatch, token_logprobs, token_logprobs_and_entropy
 from learner.fused_head import FusedHead, fused_token_logprobs
-from learner.grad_norms import PackedRows
 from learner.micro_batches import Packing
 
 PACKED = "stableasync_packed_"  # + the model's own attention implementation: its packed wrapper's name
@@ -166,20 +165,23 @@ def packed_token_logprobs(
     """The micro-batch's next-token log-probs [b, width - 1] fp32 (and, `with_entropy`, the entropy at each
     position) from one packed forward: through the fused output layer `head` when given, else from `model`'s
     logits (an engine or module). Padding positions hold 0, the rows' real positions their padded forward's values."""
+    if head is None:
+        return packed_logits_logprobs(packed_logits(model, micro, packing), micro, packing, temperature, with_entropy)
     ids = packed_ids(micro, packing)
-    kwargs = _attention_kwargs(packing)
-    if head is not None:
-        hidden = head.decoder(input_ids=ids, **kwargs).last_hidden_state
-        logprobs, entropy = fused_token_logprobs(hidden, head.head.weight, ids, temperature, with_entropy)
-    else:
-        logits = model(input_ids=ids, **kwargs).logits
-        if with_entropy:
-            logprobs, entropy = token_logprobs_and_entropy(logits, ids, temperature)
-        else:
-            logprobs, entropy = token_logprobs(logits, ids, temperature), logits.new_zeros(0)
-    shape = micro.loss_mask.shape
-    logprobs = _unpacked(logprobs[0, packing.scored], packing, shape)
-    return logprobs, _unpacked(entropy[0, packing.scored], packing, shape) if with_entropy else None
+    hidden = head.decoder(input_ids=ids, **_attention_kwargs(packing)).last_hidden_state
+    logprobs, entropy = fused_token_logprobs(hidden, head.head.weight, ids, temperature, with_entropy)
+    return _in_rows(logprobs, micro, packing), _in_rows(entropy, micro, packing) if with_entropy else None
+
+
+def packed_logits_logprobs(
+    logits: Tensor, micro: TrainBatch, packing: Packing, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """`packed_token_logprobs` from a packed forward's [1, N, V] logits (VCPO's norms need the logits too)."""
+    ids = packed_ids(micro, packing)
+    if not with_entropy:
+        return _in_rows(token_logprobs(logits, ids, temperature), micro, packing), None
+    logprobs, entropy = token_logprobs_and_entropy(logits, ids, temperature)
+    return _in_rows(logprobs, micro, packing), _in_rows(entropy, micro, packing)
 
 
 def packed_ids(micro: TrainBatch, packing: Packing) -> Tensor:
@@ -198,17 +200,9 @@ def packed_loss_mask(micro: TrainBatch, packing: Packing) -> Tensor:
     return mask.index_put((packing.scored,), micro.loss_mask.reshape(-1)[packing.targets_at])[None]
 
 
-def unpacked_rows(values: Tensor, packing: Packing, shape: torch.Size) -> Tensor:
-    """Per-position values of a packed forward, [1, N - 1], in the micro-batch's [b, width - 1] (0 at padding)."""
-    return _unpacked(values[0, packing.scored], packing, shape)
-
-
-def packed_rows(packing: Packing) -> PackedRows:
-    """Where the packed positions sit in the micro-batch's rows: what the per-sample norms lay them back into."""
-    return PackedRows(packing.tokens, len(packing.lengths), packing.width)
-
-
-def _unpacked(values: Tensor, packing: Packing, shape: torch.Size) -> Tensor:
-    """[M] values of the scored packed positions into a zero [b, width - 1] (differentiable)."""
+def _in_rows(values: Tensor, micro: TrainBatch, packing: Packing) -> Tensor:
+    """Per-position values of a packed forward, [1, N - 1], in the micro-batch's [b, width - 1] (0 at padding;
+    differentiable)."""
+    shape = micro.loss_mask.shape
     flat = values.new_zeros(shape.numel())
-    return flat.index_put((packing.targets_at,), values).view(shape)
+    return flat.index_put((packing.targets_at,), values[0, packing.scored]).view(shape)

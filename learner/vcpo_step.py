@@ -22,7 +22,7 @@ from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs, tok
 from learner.collectives import Collectives
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
 from learner.micro_batches import MicroBatchPlan, Packing
-from learner.packing import packed_ids, packed_loss_mask, packed_rows, unpacked_rows
+from learner.packing import packed_ids, packed_logits_logprobs, packed_loss_mask
 from learner.policy import PolicyForwards
 from learner.spec import LearnerSpec
 from learner.step import CarriedGroup, StepValues, device_scalar, sequence_coefficients, step_advantages, sub_batch
@@ -134,9 +134,9 @@ class PerSampleNorms:
         """[b, L-1] log-probs and entropy from [b, L, V] logits or, packed, from [1, N, V]."""
         if packing is None:
             return token_logprobs_and_entropy(logits, micro.input_ids, self.spec.temperature)
-        logprobs, entropy = token_logprobs_and_entropy(logits, packed_ids(micro, packing), self.spec.temperature)
-        shape = micro.loss_mask.shape
-        return unpacked_rows(logprobs, packing, shape), unpacked_rows(entropy, packing, shape)
+        logprobs, entropy = packed_logits_logprobs(logits, micro, packing, self.spec.temperature, with_entropy=True)
+        assert entropy is not None, "asked for with the log-probs"
+        return logprobs, entropy
 
     def _logits_grad(self, micro: TrainBatch, logits: Tensor, packing: Packing | None) -> Tensor:
         """d(sum_i log pi(tau_i))/d logits, in the logits' layout (padded rows, or packed)."""
@@ -155,10 +155,9 @@ class PerSampleNorms:
             return SampleGradients(self.norms_forward(batch, packing)[2])
         if self.ghost is not None:
             logits_grad = self._logits_grad(batch, logits, packing)
-            rows = None if packing is None else packed_rows(packing)
             if bookkeeping:
-                return self.ghost.sample_gradients(logits_grad, packed=rows)
-            return SampleGradients(self.ghost.squared_norms(logits_grad, packed=rows))
+                return self.ghost.sample_gradients(logits_grad, packed=packing)
+            return SampleGradients(self.ghost.squared_norms(logits_grad, packed=packing))
         return SampleGradients(self._per_sample_loop_norms(batch))
 
     def _per_sample_loop_norms(self, batch: TrainBatch) -> Tensor:
@@ -184,8 +183,7 @@ class PerSampleNorms:
         with self.ghost.recording():
             logits = self.forwards.logits(batch, plain=True, packing=packing)
         logits_grad = self._logits_grad(batch, logits, packing)
-        rows = None if packing is None else packed_rows(packing)
-        squared_norms = self.ghost.squared_norms(logits_grad, from_logits=True, packed=rows)
+        squared_norms = self.ghost.squared_norms(logits_grad, from_logits=True, packed=packing)
         del logits_grad
         logprobs, entropy = self._logprobs_and_entropy(batch, logits.detach(), packing)
         return logprobs, entropy, squared_norms
