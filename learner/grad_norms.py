@@ -29,8 +29,9 @@ carries a relative error of about 2^-8, and the errors of the many terms of a no
 norm agrees with the per-sample loop (whose gradients are bf16 too) to about 1%.
 
 A packed forward (the rows of a micro-batch laid end to end, `learner/packing.py`) passes its `Packing`:
-each layer's input and output gradient, [1, N, ...], is laid back into its rows, [B, T, ...] with zeros where a
-row is shorter, before its norms are formed; the zeros add nothing to any product.
+each layer's input and output gradient, [1, N, ...], is laid back into rows, one [b, T_k, ...] per bucket of rows
+of similar length (`Packing.buckets`) with zeros where a row is shorter, before its norms are formed. The zeros
+add nothing to any product, and the buckets keep the Gram products' cost near the rows' own lengths squared.
 
 Reference (`per_sample_loop`): one backward per trajectory, as the official VCPO code does.
 """
@@ -51,7 +52,7 @@ from algorithms.errors import StableAsyncError
 from learner.grad_products import Contribution, Factors, compact, squared_norm, weighted_sum
 
 if TYPE_CHECKING:
-    from learner.micro_batches import Packing
+    from learner.micro_batches import Packing, RowBucket
 
 
 class UncoveredParameters(StableAsyncError, RuntimeError):
@@ -97,20 +98,24 @@ class SampleGradients:
     themselves (dense or factored, per parameter) so that any per-sample weighting forms the update."""
 
     squared_norms: Tensor
-    parts: dict[nn.Parameter, list[Contribution]] | None = None
+    # per row bucket (one for right-padded rows; a packed micro-batch's `Packing.buckets`), each parameter's
+    # per-sample gradients of that bucket's rows
+    parts: list[dict[nn.Parameter, list[Contribution]]] | None = None
+    bucket_rows: list[Tensor] | None = None  # each bucket's rows in the micro-batch; None: one bucket of all
 
     def weighted_sum(self, coefficients: Tensor, fp32: bool = False) -> dict[nn.Parameter, Tensor]:
         """Each parameter's sum_i c_i grad log pi(tau_i), in the parameter's dtype (or fp32, to accumulate)."""
         if self.parts is None:
             raise RuntimeError("these sample gradients kept norms only (ghost or per-sample loop), not the gradients")
         coefficients = coefficients.float()
-        # every parameter kept has at least one part, so each sum is a tensor
-        return {
-            param: cast(Tensor, sum(weighted_sum(part, coefficients, param.shape) for part in parts)).to(
-                torch.float32 if fp32 else param.dtype
-            )
-            for param, parts in self.parts.items()
-        }
+        sums: dict[nn.Parameter, Tensor] = {}
+        for k, bucket in enumerate(self.parts):
+            scale = coefficients if self.bucket_rows is None else coefficients[self.bucket_rows[k]]
+            for param, parts in bucket.items():
+                for part in parts:
+                    term = weighted_sum(part, scale, param.shape)
+                    sums[param] = term if param not in sums else sums[param] + term
+        return {param: total.to(torch.float32 if fp32 else param.dtype) for param, total in sums.items()}
 
 
 class GhostGradNorms:
@@ -246,22 +251,26 @@ class GhostGradNorms:
         calls = [r.module for r in records if r is not None] + [head.module]
         uses = Counter(id(p) for module in calls for p in _trained_parameters(module))
         total = torch.zeros(batch, dtype=torch.float32, device=logits_grad.device)
-        kept: dict[nn.Parameter, list[Contribution]] = {}
+        # packed rows are laid out bucket by bucket (rows of similar length, `Packing.buckets`): the Gram
+        # products cost each bucket's width squared, not the longest row's
+        buckets = [None] if packed is None else list(packed.buckets)
+        kept: list[dict[nn.Parameter, list[Contribution]]] = [{} for _ in buckets]
 
         def consume(module: nn.Module, x: Tensor, grad: Tensor) -> None:
             """Add a call's norm now unless its parameter is shared, and keep what the caller needs."""
             x = x.detach()
-            if packed is not None:
-                x, grad = packed.unpack(x), packed.unpack(grad)
-            for param, contribution in self._contributions(module, x, grad, batch):
-                if not param.requires_grad:  # a frozen output layer
-                    continue
-                if keep:
-                    contribution = compact(contribution)
-                if uses[id(param)] == 1:
-                    total.add_(squared_norm([contribution]))
-                if keep or uses[id(param)] > 1:
-                    kept.setdefault(param, []).append(contribution)
+            for bucket, bucket_kept in zip(buckets, kept, strict=True):
+                rows_x, rows_grad = (x, grad) if bucket is None else (bucket.unpack(x), bucket.unpack(grad))
+                rows = batch if bucket is None else len(bucket.rows)
+                for param, contribution in self._contributions(module, rows_x, rows_grad, rows):
+                    if not param.requires_grad:  # a frozen output layer
+                        continue
+                    if keep:
+                        contribution = compact(contribution)
+                    if uses[id(param)] == 1:
+                        _add_rows(total, bucket, squared_norm([contribution]))
+                    if keep or uses[id(param)] > 1:
+                        bucket_kept.setdefault(param, []).append(contribution)
 
         def on_grad(index: int, grad: Tensor) -> None:
             record, records[index] = records[index], None  # its input is not needed after this
@@ -282,10 +291,13 @@ class GhostGradNorms:
         missed = [type(r.module).__name__ for r in records if r is not None]
         if missed:
             raise UncoveredParameters(f"no gradient reached the outputs of {missed[:5]} on the way to the first layer")
-        for param, parts in kept.items():
-            if uses[id(param)] > 1:
-                total.add_(squared_norm(parts))
-        return SampleGradients(total, kept if keep else None)
+        for bucket, bucket_kept in zip(buckets, kept, strict=True):
+            for param, parts in bucket_kept.items():
+                if uses[id(param)] > 1:
+                    _add_rows(total, bucket, squared_norm(parts))
+        if not keep:
+            return SampleGradients(total)
+        return SampleGradients(total, kept, None if packed is None else [bucket.rows for bucket in packed.buckets])
 
     @staticmethod
     def _contributions(
@@ -313,6 +325,14 @@ class GhostGradNorms:
         inverse_rms = torch.rsqrt(mean_square.div_(hidden.shape[-1]).add_(module.variance_epsilon))
         normalised = hidden * inverse_rms.to(hidden.dtype)
         return [(cast(nn.Parameter, module.weight), (grad.to(hidden.dtype) * normalised).sum(1, dtype=torch.float32))]
+
+
+def _add_rows(total: Tensor, bucket: RowBucket | None, norms: Tensor) -> None:
+    """Add a bucket's per-row norms to the micro-batch's (all rows when there are no buckets)."""
+    if bucket is None:
+        total.add_(norms)
+    else:
+        total.index_add_(0, bucket.rows, norms)
 
 
 @contextmanager

@@ -16,6 +16,62 @@ import numpy as np
 import torch
 from torch import Tensor
 
+# At most this many row buckets for a packed micro-batch's per-sample products: each one adds a set of
+# kernels per layer to the norms pass, and past a few the padding they save is small.
+MAX_ROW_BUCKETS = 4
+
+
+@dataclass(frozen=True)
+class RowBucket:
+    """Rows of a packed micro-batch of similar length, laid out as [rows, width] for the per-sample products
+    (VCPO's norms), whose Gram matrices cost the width squared: one bucket per micro-batch would pad every
+    row to the longest."""
+
+    rows: Tensor  # [b] long: the bucket's rows, as indices into the micro-batch's rows
+    width: int  # its longest row
+    source: Tensor  # [n] long: the packed positions of the bucket's tokens
+    target: Tensor  # [n] long: where each goes in the bucket's [b, width], flattened
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        """A packed forward's [1, N, ...] tensor (a layer's input or output gradient) as this bucket's
+        [b, width, ...], zero where a row is shorter than the width."""
+        flat = packed.flatten(0, 1)
+        rows = len(self.rows)
+        out = flat.new_zeros(rows * self.width, *flat.shape[1:])
+        out.index_copy_(0, self.target, flat.index_select(0, self.source))
+        return out.view(rows, self.width, *flat.shape[1:])
+
+
+def row_buckets(lengths: list[int], max_buckets: int = MAX_ROW_BUCKETS, slack: float = 0.1) -> list[list[int]]:
+    """Rows grouped by length so that the sum over buckets of rows x width^2 (the Gram products' cost) is
+    within `slack` of its least over at most `max_buckets` buckets, in as few buckets as that allows: equal
+    lengths stay one bucket. Each bucket is a run of the rows sorted by length (a dynamic programme)."""
+    order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
+    square = np.asarray(lengths, dtype=np.float64)[order] ** 2
+    n = len(order)
+    starts = np.arange(n + 1, dtype=np.float64)
+    # least[j]: least cost of the first j sorted rows in the buckets so far; cuts[k][j]: where the k-th
+    # bucket of that best split starts (the last one ends at j, its width the j-th row's)
+    least = np.full(n + 1, np.inf)
+    least[0] = 0.0
+    totals, cuts = [], []
+    for _ in range(max(1, min(max_buckets, n))):
+        step, cut = np.full(n + 1, np.inf), np.zeros(n + 1, dtype=np.int64)
+        for j in range(1, n + 1):
+            values = least[:j] + (j - starts[:j]) * square[j - 1]
+            cut[j] = int(np.argmin(values))
+            step[j] = values[cut[j]]
+        least = step
+        totals.append(step[n])
+        cuts.append(cut)
+    buckets = next(k for k, total in enumerate(totals) if total <= min(totals) * (1 + slack)) + 1
+    groups, stop = [], n
+    for k in range(buckets - 1, -1, -1):
+        start = int(cuts[k][stop])
+        groups.append([int(i) for i in order[start:stop]])
+        stop = start
+    return groups[::-1]
+
 
 @dataclass(frozen=True)
 class Packing:
@@ -30,17 +86,11 @@ class Packing:
     scored: Tensor  # [M] long: the packed positions whose next token is in their row (all but each row's last)
     targets_at: Tensor  # [M] long: where their log-probs go in the micro-batch's [b, width - 1], flattened
     cu_seqlens: Tensor  # [b + 1] int32: where each row starts in the packed sequence, and N (varlen attention)
+    buckets: tuple[RowBucket, ...]  # the rows by length, for the per-sample products
 
     @property
     def max_length(self) -> int:
         return max(self.lengths)
-
-    def unpack(self, packed: Tensor) -> Tensor:
-        """A packed forward's [1, N, ...] tensor (a layer's input or output gradient) as [rows, width, ...], zero
-        where a row is shorter than the width."""
-        flat = packed.flatten(0, 1)
-        out = flat.new_zeros(len(self.lengths) * self.width, *flat.shape[1:])
-        return out.index_copy_(0, self.tokens, flat).view(len(self.lengths), self.width, *flat.shape[1:])
 
     @classmethod
     def of(cls, lengths: list[int], width: int, device: torch.device) -> Packing:
@@ -51,14 +101,23 @@ class Packing:
         row = np.repeat(np.arange(len(sizes)), sizes)  # [N] each packed token's row
         position = np.arange(int(ends[-1])) - (ends - sizes)[row]
         scored = np.flatnonzero(position < sizes[row] - 1)
+        groups = row_buckets(lengths)
+        bucket_parts: list[np.ndarray] = []
+        for members in groups:
+            source = np.concatenate([np.arange(ends[r] - sizes[r], ends[r]) for r in members])
+            slot = np.repeat(np.arange(len(members)), sizes[members])
+            bucket_parts += [np.asarray(members), source, slot * int(sizes[members].max()) + position[source]]
         indices = np.concatenate(
-            [row * width + position, position, scored, row[scored] * (width - 1) + position[scored]]
+            [row * width + position, position, scored, row[scored] * (width - 1) + position[scored], *bucket_parts]
         )
-        tokens, position_ids, scored_at, targets_at = (
-            torch.from_numpy(indices).to(device).split([len(row), len(row), len(scored), len(scored)])
-        )
+        split = [len(row), len(row), len(scored), len(scored)] + [len(part) for part in bucket_parts]
+        tokens, position_ids, scored_at, targets_at, *on_device = torch.from_numpy(indices).to(device).split(split)
         cu_seqlens = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)).to(device)
-        return cls(tuple(lengths), width, tokens, position_ids[None], scored_at, targets_at, cu_seqlens)
+        buckets = tuple(
+            RowBucket(on_device[3 * k], int(sizes[members].max()), on_device[3 * k + 1], on_device[3 * k + 2])
+            for k, members in enumerate(groups)
+        )
+        return cls(tuple(lengths), width, tokens, position_ids[None], scored_at, targets_at, cu_seqlens, buckets)
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,9 @@ class LearnerStep:
             group_rows = run.group_rows if norms is not None else None
             if group_rows is not None and carried is None:  # the first piece of a split group
                 carried = CarriedGroup.start(self.stabilizer, batch, group_rows)
-            bookkeeping = group_rows is not None or (norms is not None and norms.keeps_sample_gradients(micro))
+            bookkeeping = group_rows is not None or (
+                norms is not None and norms.keeps_sample_gradients(micro, run.packing)
+            )
             step.bookkept_micro_batches += bookkeeping
             sample_grads: SampleGradients | None = None
             entropy: Tensor | None

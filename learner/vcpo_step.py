@@ -99,11 +99,16 @@ class PerSampleNorms:
 
     # ---- which path a micro-batch takes ----------------------------------------------------------
 
-    def keeps_sample_gradients(self, micro: TrainBatch, extra_bytes: int = 0) -> bool:
-        """Whether this micro-batch's update is formed by book-keeping (its kept gradients fit the budget)."""
+    def keeps_sample_gradients(self, micro: TrainBatch, packing: Packing | None = None, extra_bytes: int = 0) -> bool:
+        """Whether this micro-batch's update is formed by book-keeping (its kept gradients fit the budget).
+        Packed rows keep what their row buckets' widths need, padded ones what the micro-batch's width does."""
         if not self.bookkeeping or self.ghost is None:
             return False
-        kept = micro.size * self.ghost.kept_bytes_per_sample(micro.input_ids.shape[1])
+        per_sample = self.ghost.kept_bytes_per_sample
+        if packing is None:
+            kept = micro.size * per_sample(micro.input_ids.shape[1])
+        else:
+            kept = sum(len(bucket.rows) * per_sample(bucket.width) for bucket in packing.buckets)
         return kept + extra_bytes <= self.bookkeeping_budget_bytes
 
     def carries_every_split_group(self, batch: TrainBatch, plan: MicroBatchPlan) -> bool:
@@ -111,7 +116,9 @@ class PerSampleNorms:
         if not self.carries_split_groups:
             return False
         pieces = [run for run in plan.micro_batches if run.group_rows is not None]
-        return all(self.keeps_sample_gradients(sub_batch(batch, run), self.score_buffer_bytes) for run in pieces)
+        return all(
+            self.keeps_sample_gradients(sub_batch(batch, run), run.packing, self.score_buffer_bytes) for run in pieces
+        )
 
     # ---- forwards with the norms -----------------------------------------------------------------
 

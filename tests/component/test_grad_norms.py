@@ -112,7 +112,8 @@ def test_bookkeeping_forms_any_weighted_sum_of_sample_gradients(model_name, requ
         part.numel() * part.element_size()
         if isinstance(part, torch.Tensor)
         else part.left.numel() * part.left.element_size() + part.right.numel() * part.right.element_size()
-        for parts in sample_grads.parts.values()
+        for bucket in sample_grads.parts
+        for parts in bucket.values()
         for part in parts
     )
     assert kept == batch.size * norms.kept_bytes_per_sample(batch.input_ids.shape[1])
@@ -122,6 +123,63 @@ def test_bookkeeping_forms_any_weighted_sum_of_sample_gradients(model_name, requ
     expected = torch.autograd.grad((coefficients * _seq_logp(model, batch)).sum(), params)
     formed = sample_grads.weighted_sum(coefficients)
     assert set(map(id, formed)) == set(map(id, params))
+    for param, want in zip(params, expected):
+        assert torch.allclose(formed[param], want, rtol=1e-4, atol=1e-6 * want.abs().max()), param.shape
+
+
+def test_packed_rows_in_length_buckets_give_the_padded_norms_and_gradients(tiny_qwen2_tied):
+    """A packed forward's norms and book-kept gradients, formed bucket by bucket of rows of similar length,
+    equal the padded rows' (the tied output layer's cross term included), and book-keeping keeps what its
+    budget check counts: each bucket's rows at the bucket's width, not the longest row's."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.micro_batches import Packing
+    from learner.packing import packed_ids, packed_logits, packed_loss_mask, packing_support
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_tied, dtype=torch.float32)
+    assert packing_support(model)[0]
+    pad_id = model.config.pad_token_id
+    gen = torch.Generator().manual_seed(2)
+    samples = [
+        dict(
+            prompt_ids=torch.randint(3, 200, (4,), generator=gen).tolist(),
+            completion_ids=torch.randint(3, 200, (length,), generator=gen).tolist(),
+            behaviour_logprobs=[0.0] * length,
+            reward=0.0,
+            group_id=0,
+            version=0,
+        )
+        for length in (2, 40, 5, 33, 3, 18, 60, 4)
+    ]
+    batch = collate(samples, pad_id)
+    packing = Packing.of(batch.attention_mask.sum(1).tolist(), batch.input_ids.shape[1], torch.device("cpu"))
+    assert len(packing.buckets) > 1
+
+    norms = GhostGradNorms(model)
+    with norms.recording():
+        logits = packed_logits(model, batch, packing)
+    logits_grad = sequence_logprob_grad(
+        logits, packed_ids(batch, packing), packed_loss_mask(batch, packing), TEMPERATURE
+    )
+    sample_grads = norms.sample_gradients(logits_grad, packed=packing)
+    _, padded = _ghost(model, batch)
+    assert torch.allclose(sample_grads.squared_norms, padded, rtol=1e-4, atol=0), (sample_grads.squared_norms, padded)
+
+    kept = sum(
+        part.numel() * part.element_size()
+        if isinstance(part, torch.Tensor)
+        else part.left.numel() * part.left.element_size() + part.right.numel() * part.right.element_size()
+        for bucket in sample_grads.parts
+        for parts in bucket.values()
+        for part in parts
+    )
+    assert kept == sum(len(b.rows) * norms.kept_bytes_per_sample(b.width) for b in packing.buckets)
+    assert kept < batch.size * norms.kept_bytes_per_sample(batch.input_ids.shape[1])
+
+    coefficients = torch.linspace(-1.0, 2.0, batch.size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = torch.autograd.grad((coefficients * _seq_logp(model, batch)).sum(), params)
+    formed = sample_grads.weighted_sum(coefficients)
     for param, want in zip(params, expected):
         assert torch.allclose(formed[param], want, rtol=1e-4, atol=1e-6 * want.abs().max()), param.shape
 

@@ -403,9 +403,11 @@ def test_vcpo_auto_keeps_per_sample_gradients_only_for_micro_batches_within_its_
     whole = collate(samples, 0)
     tokens = _budget_for(2, samples, keep_groups=True)
     norms = GhostGradNorms(AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32))
+    # what each micro-batch keeps as the learner runs it: packed, each row bucket at its own width
+    plan = micro_batches.plan(whole.sequence_lengths, whole.group_ids, tokens, True, packed=True)
     kept_mb = sorted(
-        len(rows) * norms.kept_bytes_per_sample(int(whole.sequence_lengths[rows].max())) / 2**20
-        for rows in micro_batches.plan(whole.sequence_lengths, whole.group_ids, tokens, True).rows
+        sum(len(bucket.rows) * norms.kept_bytes_per_sample(bucket.width) for bucket in run.packing.buckets) / 2**20
+        for run in plan.micro_batches
     )
     assert len(kept_mb) == 2 and kept_mb[0] < kept_mb[1], kept_mb
     out = str(tmp_path / "auto.pt")

@@ -116,6 +116,58 @@ def test_packing_lays_the_rows_end_to_end_and_puts_each_scored_position_in_its_p
     assert torch.equal(covered.view(3, 6)[batch.loss_mask], torch.ones(int(batch.loss_mask.sum()), dtype=torch.bool))
 
 
+def _gram_cost(lengths, groups):
+    return sum(len(group) * max(lengths[i] for i in group) ** 2 for group in groups)
+
+
+def _best_gram_cost(lengths, buckets):
+    """Brute force: every split of the rows sorted by length into at most `buckets` runs."""
+    import itertools
+
+    ordered = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    best = None
+    for count in range(1, buckets + 1):
+        for cuts in itertools.combinations(range(1, len(ordered)), count - 1):
+            bounds = [0, *cuts, len(ordered)]
+            groups = [ordered[a:b] for a, b in itertools.pairwise(bounds)]
+            cost = _gram_cost(lengths, groups)
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+def test_row_buckets_keep_equal_rows_together_and_spread_rows_near_the_least_gram_cost():
+    assert micro_batches.row_buckets([30] * 8) == [list(range(8))]
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(5):
+        lengths = torch.randint(2, 300, (10,), generator=gen).tolist()
+        groups = micro_batches.row_buckets(lengths)
+        assert sorted(i for group in groups for i in group) == list(range(10)), trial
+        assert len(groups) <= micro_batches.MAX_ROW_BUCKETS
+        cost, best = _gram_cost(lengths, groups), _best_gram_cost(lengths, micro_batches.MAX_ROW_BUCKETS)
+        assert best <= cost <= 1.1 * best, (trial, lengths, groups)
+        assert cost < _gram_cost(lengths, [list(range(10))]), trial  # one bucket of all would pad to the longest
+
+
+def test_a_row_bucket_unpacks_its_own_rows_from_the_packed_sequence():
+    lengths = [2, 60, 7, 25, 40, 3, 13, 55]
+    packing = micro_batches.Packing.of(lengths, max(lengths), torch.device("cpu"))
+    assert len(packing.buckets) > 1
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    packed = torch.arange(1.0, sum(lengths) + 1).view(1, -1, 1).expand(1, -1, 3)  # [1, N, 3], no zero token
+    seen = []
+    for bucket in packing.buckets:
+        rows = bucket.rows.tolist()
+        assert bucket.width == max(lengths[r] for r in rows)
+        laid = bucket.unpack(packed)
+        assert laid.shape == (len(rows), bucket.width, 3)
+        for slot, row in enumerate(rows):
+            want = torch.arange(starts[row] + 1.0, starts[row] + lengths[row] + 1)
+            assert torch.equal(laid[slot, : lengths[row], 0], want), row
+            assert not laid[slot, lengths[row] :].any(), row  # zeros past the row's end
+        seen += rows
+    assert sorted(seen) == list(range(len(lengths)))
+
+
 def test_trimming_drops_only_the_padding_no_row_uses():
     samples = [
         dict(
