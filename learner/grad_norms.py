@@ -55,6 +55,18 @@ if TYPE_CHECKING:
     from learner.micro_batches import Packing, RowBucket
 
 
+# A row bucket's fixed cost (`learner.micro_batches.row_buckets`), per module whose per-sample products it
+# runs: the operations a bucket adds (two unpacks, the products, their reductions: about 16) at a device's
+# time per operation, in GEMM FLOPs at the rate the Gram products reach. From an H200 (bf16) with up to 4
+# buckets chosen by Gram cost alone: a SmolLM2-135M VCPO step took 1.27 s against 0.82 s in one bucket (about
+# 0.2 ms per bucket and module, the host launching kernels), and Qwen2.5-1.5B's Gram products on rows padded to
+# the longest took about 0.75 s a micro-batch for 7.6e13 FLOPs (1e14 FLOP/s: widths like 1039 fit tensor-core
+# tiles badly).
+BUCKET_OPERATIONS_PER_MODULE = 16
+OPERATION_SECONDS = {"cuda": 15e-6, "cpu": 20e-6}
+GRAM_FLOPS_PER_SECOND = {"cuda": 1e14, "cpu": 5e10}
+
+
 class UncoveredParameters(StableAsyncError, RuntimeError):
     """Trainable parameters that the ghost-norm path cannot account for."""
 
@@ -157,6 +169,19 @@ class GhostGradNorms:
             else:  # RMSNorm (its weight a Parameter, _is_rms_norm checked): its per-sample gradient is an fp32 vector
                 fp32_numbers += cast(nn.Parameter, module.weight).numel()
         return self.element_bytes * numbers + 4 * fp32_numbers
+
+    def bucket_cost(self, device: torch.device) -> float:
+        """A row bucket's fixed cost in the Gram products' unit, tokens^2 (`row_buckets`): its operations'
+        time on `device`, as Gram-product FLOPs, over the FLOPs of the Gram products per token^2 of a row."""
+        gram_flops = 0
+        for module in self.modules:
+            if isinstance(module, nn.Linear):
+                gram_flops += 2 * (module.in_features + module.out_features)
+            elif isinstance(module, nn.Embedding):
+                gram_flops += 2 * module.embedding_dim
+        kind = "cuda" if device.type == "cuda" else "cpu"
+        fixed = len(self.modules) * BUCKET_OPERATIONS_PER_MODULE * OPERATION_SECONDS[kind] * GRAM_FLOPS_PER_SECOND[kind]
+        return fixed / max(1, gram_flops)
 
     @property
     def element_bytes(self) -> int:

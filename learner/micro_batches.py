@@ -9,6 +9,7 @@ no model: the learner asks it once per step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -42,27 +43,32 @@ class RowBucket:
         return out.view(rows, self.width, *flat.shape[1:])
 
 
-def row_buckets(lengths: list[int], max_buckets: int = MAX_ROW_BUCKETS, slack: float = 0.1) -> list[list[int]]:
-    """Rows grouped by length so that the sum over buckets of rows x width^2 (the Gram products' cost) is
-    within `slack` of its least over at most `max_buckets` buckets, in as few buckets as that allows: equal
-    lengths stay one bucket. Each bucket is a run of the rows sorted by length (a dynamic programme)."""
+def row_buckets(
+    lengths: list[int], bucket_cost: float = 0.0, max_buckets: int = MAX_ROW_BUCKETS, slack: float = 0.1
+) -> list[list[int]]:
+    """Rows grouped by length, each bucket a run of the rows sorted by length (a dynamic programme), for the
+    least of sum over buckets of rows x width^2 (the Gram products' cost, in tokens^2) plus `bucket_cost` for
+    each bucket (its fixed cost in the same unit: kernels launched per layer), within `slack` in as few
+    buckets as that allows: equal lengths, or an infinite `bucket_cost`, stay one bucket."""
+    n = len(lengths)
+    if n == 0 or math.isinf(bucket_cost):
+        return [list(range(n))]
     order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
     square = np.asarray(lengths, dtype=np.float64)[order] ** 2
-    n = len(order)
     starts = np.arange(n + 1, dtype=np.float64)
     # least[j]: least cost of the first j sorted rows in the buckets so far; cuts[k][j]: where the k-th
     # bucket of that best split starts (the last one ends at j, its width the j-th row's)
     least = np.full(n + 1, np.inf)
     least[0] = 0.0
     totals, cuts = [], []
-    for _ in range(max(1, min(max_buckets, n))):
+    for count in range(1, min(max_buckets, n) + 1):
         step, cut = np.full(n + 1, np.inf), np.zeros(n + 1, dtype=np.int64)
         for j in range(1, n + 1):
             values = least[:j] + (j - starts[:j]) * square[j - 1]
             cut[j] = int(np.argmin(values))
             step[j] = values[cut[j]]
         least = step
-        totals.append(step[n])
+        totals.append(step[n] + count * bucket_cost)
         cuts.append(cut)
     buckets = next(k for k, total in enumerate(totals) if total <= min(totals) * (1 + slack)) + 1
     groups, stop = [], n
@@ -93,15 +99,16 @@ class Packing:
         return max(self.lengths)
 
     @classmethod
-    def of(cls, lengths: list[int], width: int, device: torch.device) -> Packing:
+    def of(cls, lengths: list[int], width: int, device: torch.device, bucket_cost: float = math.inf) -> Packing:
         """Formed on the host (numpy: no tensor read the step's host-read count would see) and copied to
-        `device` at once, before the step's loop."""
+        `device` at once, before the step's loop. `bucket_cost`: see `row_buckets` (infinite: one bucket, for
+        a step without per-sample products)."""
         sizes = np.asarray(lengths, dtype=np.int64)
         ends = np.cumsum(sizes)
         row = np.repeat(np.arange(len(sizes)), sizes)  # [N] each packed token's row
         position = np.arange(int(ends[-1])) - (ends - sizes)[row]
         scored = np.flatnonzero(position < sizes[row] - 1)
-        groups = row_buckets(lengths)
+        groups = row_buckets(lengths, bucket_cost)
         bucket_parts: list[np.ndarray] = []
         for members in groups:
             source = np.concatenate([np.arange(ends[r] - sizes[r], ends[r]) for r in members])
@@ -153,14 +160,20 @@ class MicroBatchPlan:
 
 
 def plan(
-    sequence_lengths: Tensor, group_ids: Tensor, max_tokens: int | None, keep_groups: bool, packed: bool = False
+    sequence_lengths: Tensor,
+    group_ids: Tensor,
+    max_tokens: int | None,
+    keep_groups: bool,
+    packed: bool = False,
+    bucket_cost: float = math.inf,
 ) -> MicroBatchPlan:
     """Micro-batches of at most `max_tokens` padded tokens (None: one micro-batch of every row); `packed`: of at
-    most `max_tokens` real tokens, each micro-batch's rows packed into one sequence (its `packing`).
+        most `max_tokens` real tokens, each micro-batch's rows packed into one sequence (its `packing`, whose row
+    buckets for per-sample products weigh `bucket_cost`, `row_buckets`).
 
-    With `keep_groups`, whole prompt groups are packed, so that anything computed per group (VCPO's
-    baseline) sees the group at once; a group longer than the budget on its own is split into pieces of
-    its own rows that run one after another (no other group between them), and the plan says so.
+        With `keep_groups`, whole prompt groups are packed, so that anything computed per group (VCPO's
+        baseline) sees the group at once; a group longer than the budget on its own is split into pieces of
+        its own rows that run one after another (no other group between them), and the plan says so.
     """
     size = int(sequence_lengths.shape[0])
     device = sequence_lengths.device
@@ -178,7 +191,9 @@ def plan(
 
     def micro_batch(k: int, rows: list[int]) -> MicroBatch:
         width = max([2, *(lengths[r] for r in rows)])
-        packing = Packing.of([lengths[r] for r in sorted(rows)], width, device) if packed and rows else None
+        packing = (
+            Packing.of([lengths[r] for r in sorted(rows)], width, device, bucket_cost) if packed and rows else None
+        )
         return MicroBatch(indices(rows), width, indices(split_groups[k]) if k in split_groups else None, packing)
 
     return MicroBatchPlan([micro_batch(k, rows) for k, rows in enumerate(batches)], groups_whole)

@@ -103,7 +103,12 @@ class LearnerStep:
         batch = batch.to(self.device)
         needs_norms = self.norms is not None
         plan = micro_batches.plan(
-            batch.sequence_lengths, batch.group_ids, self.micro_batch_tokens, keep_groups=needs_norms, packed=self.packs
+            batch.sequence_lengths,
+            batch.group_ids,
+            self.micro_batch_tokens,
+            keep_groups=needs_norms,
+            packed=self.packs,
+            bucket_cost=math.inf if self.norms is None else self.norms.bucket_cost,
         )
         one_pass = self.stabilizer.decides_per_row and (
             plan.groups_whole or self.norms is None or self.norms.carries_every_split_group(batch, plan)

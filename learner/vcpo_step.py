@@ -55,6 +55,8 @@ class PerSampleNorms:
         self.advantage_estimator = ADVANTAGES[spec.advantage]
         opob_impl = getattr(stabilizer.config, "opob_impl", "ghost")
         self.ghost, self.fallback_to_loop = self._ghost_norms(opob_impl)
+        # packed rows' buckets of similar length for the norms' products (`micro_batches.row_buckets`)
+        self.bucket_cost = math.inf if self.ghost is None else self.ghost.bucket_cost(self.device)
         self.bookkeeping = self._uses_bookkeeping(opob_impl)
         # auto: book-keeping only for a micro-batch whose kept gradients fit the budget; bookkeeping: always
         self.bookkeeping_budget_bytes = kept_gradient_bytes if opob_impl == "auto" else math.inf

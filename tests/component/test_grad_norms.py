@@ -152,10 +152,11 @@ def test_packed_rows_in_length_buckets_give_the_padded_norms_and_gradients(tiny_
         for length in (2, 40, 5, 33, 3, 18, 60, 4)
     ]
     batch = collate(samples, pad_id)
-    packing = Packing.of(batch.attention_mask.sum(1).tolist(), batch.input_ids.shape[1], torch.device("cpu"))
+    norms = GhostGradNorms(model)
+    lengths = batch.attention_mask.sum(1).tolist()
+    packing = Packing.of(lengths, batch.input_ids.shape[1], torch.device("cpu"), bucket_cost=0.0)
     assert len(packing.buckets) > 1
 
-    norms = GhostGradNorms(model)
     with norms.recording():
         logits = packed_logits(model, batch, packing)
     logits_grad = sequence_logprob_grad(
@@ -308,3 +309,26 @@ def test_embedding_norms_agree_on_both_routes(rows):
             explicit[b, ids[b, t]] += right[b, t]
     assert torch.allclose(factors.dense(), explicit, atol=1e-6)
     assert torch.allclose(factor_inner(factors, factors), explicit.square().sum((1, 2)), rtol=1e-5)
+
+
+def test_a_row_bucket_costs_fewer_tokens_squared_against_wider_layers_and_more_on_a_gpu():
+    """A bucket's fixed cost is its operations per module; its unit is the Gram products' cost per token^2 of a
+    row, which grows with the layers' widths: wide models split packed rows into more buckets, and a GPU,
+    where the products are fast and the host launching them is not, into fewer than a CPU."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    def bucket_cost(hidden: int, device: str) -> float:
+        config = Qwen2Config(
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+        )
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return GhostGradNorms(model).bucket_cost(torch.device(device))
+
+    assert bucket_cost(512, "cpu") < bucket_cost(64, "cpu")
+    assert bucket_cost(64, "cpu") < bucket_cost(64, "cuda")

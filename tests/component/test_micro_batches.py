@@ -404,7 +404,8 @@ def test_vcpo_auto_keeps_per_sample_gradients_only_for_micro_batches_within_its_
     tokens = _budget_for(2, samples, keep_groups=True)
     norms = GhostGradNorms(AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32))
     # what each micro-batch keeps as the learner runs it: packed, each row bucket at its own width
-    plan = micro_batches.plan(whole.sequence_lengths, whole.group_ids, tokens, True, packed=True)
+    cost = norms.bucket_cost(torch.device("cpu"))
+    plan = micro_batches.plan(whole.sequence_lengths, whole.group_ids, tokens, True, packed=True, bucket_cost=cost)
     kept_mb = sorted(
         sum(len(bucket.rows) * norms.kept_bytes_per_sample(bucket.width) for bucket in run.packing.buckets) / 2**20
         for run in plan.micro_batches

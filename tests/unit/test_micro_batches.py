@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -120,8 +122,9 @@ def _gram_cost(lengths, groups):
     return sum(len(group) * max(lengths[i] for i in group) ** 2 for group in groups)
 
 
-def _best_gram_cost(lengths, buckets):
-    """Brute force: every split of the rows sorted by length into at most `buckets` runs."""
+def _best_gram_cost(lengths, buckets, bucket_cost=0.0):
+    """Brute force: every split of the rows sorted by length into at most `buckets` runs, each costing
+    `bucket_cost` besides its Gram cost."""
     import itertools
 
     ordered = sorted(range(len(lengths)), key=lambda i: lengths[i])
@@ -130,7 +133,7 @@ def _best_gram_cost(lengths, buckets):
         for cuts in itertools.combinations(range(1, len(ordered)), count - 1):
             bounds = [0, *cuts, len(ordered)]
             groups = [ordered[a:b] for a, b in itertools.pairwise(bounds)]
-            cost = _gram_cost(lengths, groups)
+            cost = _gram_cost(lengths, groups) + count * bucket_cost
             best = cost if best is None else min(best, cost)
     return best
 
@@ -148,9 +151,22 @@ def test_row_buckets_keep_equal_rows_together_and_spread_rows_near_the_least_gra
         assert cost < _gram_cost(lengths, [list(range(10))]), trial  # one bucket of all would pad to the longest
 
 
+def test_a_bucket_that_costs_more_than_its_padding_saves_is_not_made():
+    lengths = [10, 12, 300, 310, 600, 620]
+    assert len(micro_batches.row_buckets(lengths, bucket_cost=0.0)) == 3
+    for bucket_cost in (1e5, 4e5, 1e6):  # each bucket's fixed cost counts: the least total, within the slack
+        groups = micro_batches.row_buckets(lengths, bucket_cost=bucket_cost)
+        best = _best_gram_cost(lengths, micro_batches.MAX_ROW_BUCKETS, bucket_cost)
+        assert best <= _gram_cost(lengths, groups) + len(groups) * bucket_cost <= 1.1 * best, bucket_cost
+    assert micro_batches.row_buckets(lengths, bucket_cost=1e7) == [list(range(6))]  # more than any split saves
+    assert micro_batches.row_buckets(lengths, bucket_cost=math.inf) == [list(range(6))]
+    packing = micro_batches.Packing.of(lengths, 620, torch.device("cpu"))  # no per-sample products: one bucket
+    assert len(packing.buckets) == 1 and packing.buckets[0].width == 620
+
+
 def test_a_row_bucket_unpacks_its_own_rows_from_the_packed_sequence():
     lengths = [2, 60, 7, 25, 40, 3, 13, 55]
-    packing = micro_batches.Packing.of(lengths, max(lengths), torch.device("cpu"))
+    packing = micro_batches.Packing.of(lengths, max(lengths), torch.device("cpu"), bucket_cost=0.0)
     assert len(packing.buckets) > 1
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     packed = torch.arange(1.0, sum(lengths) + 1).view(1, -1, 1).expand(1, -1, 3)  # [1, N, 3], no zero token
