@@ -19,102 +19,34 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 from ray.exceptions import RayActorError
 
 from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
 from actors.generator import GeneratedGroup, GenerationRequest
-from algorithms.diagnostics import lag_stats
 from algorithms.rewards import overlong_penalty
-from cluster.job import AlgorithmSection, EvaluationSet, Job, ScoringSection, section_config
+from cluster.job import EvaluationSet, Job, section_config
 from cluster.run import runtime
 from cluster.run.checkpoints import CheckpointFailed, readable_checkpoints, write_checkpoint
 from cluster.run.evaluation import Evaluator, evaluate_again_on_resume, verifier_pool
 from cluster.run.faults import NumericalFailure, SkipStreak, UniformRewards, learners_may_crash
 from cluster.run.generators import SCALE_CHECK_S, GeneratorPool
-from cluster.run.rewards import REWARD_METRICS, training_scorer
+from cluster.run.rewards import training_scorer
 from cluster.run.schedule import Call, Schedule, SchedulerStuck
 from cluster.run.state import DriverState, InFlight
+from cluster.run.step_rows import GenerationTotals, ScoredSinceStep, lag_metrics, version_mix
 from cluster.run.stopping import JobStopped, StopRequest
 from cluster.telemetry.metrics import MetricSink
 from cluster.telemetry.samples import rollout_samples
 from learner.batch import TrainBatch, collate
 from tasks.base import Problem, Task
 from tasks.config import TASK_CONFIGS
-from tasks.environment import EpisodeStats, score_responses
+from tasks.environment import score_responses
 from tasks.records import ScoredCompletion
 from tasks.scoring import ScorePool, ScoreResult
-
-
-@dataclass
-class ScoredSinceStep:
-    """The responses scored since the last step row, trained or not: that row reports them, then they start over."""
-
-    rewards: list[float] = field(default_factory=list)  # as trained on: the verifier's, plus any overlong penalty
-    overlong_penalties: list[float] = field(default_factory=list)
-    truncated: int = 0  # responses the generator cut off at max_new_tokens
-    uniform_groups_dropped: int = 0  # by algorithm.drop_uniform_groups
-    components: dict[str, list[float]] = field(default_factory=dict)  # scoring.rewards: each kind's scores
-    episodes: EpisodeStats = field(default_factory=EpisodeStats)  # tool episodes (environment.tools)
-
-    def metrics(self, algorithm: AlgorithmSection, scoring: ScoringSection | None = None) -> dict[str, float]:
-        """`rollout/*` keys of the step row; those of options the job leaves off are not logged."""
-
-        def mean(values: list[float]) -> float:
-            return sum(values) / len(values) if values else math.nan
-
-        row = {"rollout/truncated_share": self.truncated / len(self.rewards) if self.rewards else math.nan}
-        if algorithm.drop_uniform_groups:
-            row["rollout/scored_reward_mean"] = mean(self.rewards)
-            row["rollout/uniform_groups_dropped"] = self.uniform_groups_dropped
-        if algorithm.overlong_buffer_tokens:
-            row["rollout/overlong_penalty_mean"] = mean(self.overlong_penalties)
-        for section in (scoring.rewards if scoring else None) or []:  # NaN: nothing scored since, or all failed
-            row[REWARD_METRICS[section.name]] = mean(self.components.get(section.name, []))
-        return row | self.episodes.metrics()
-
-
-@dataclass
-class GenerationTotals:
-    """What the generators reported with their calls, over the run and since the last step row."""
-
-    tokens: int = 0  # over every generate call of this run
-    generate_s: float = 0.0  # seconds with a call running, summed over generators
-    weight_loads: int = 0  # generators' own weight loads
-    weight_load_s: float = 0.0
-    busy_s_since_step: float = 0.0  # seconds with a call or a weight load running, reported since the last step row
-
-    def add(self, groups: list[GeneratedGroup]) -> None:
-        """A call's groups carry the call's own timing in the first one."""
-        if not groups:
-            return
-        self.generate_s += groups[0].generate_s
-        self.weight_loads += groups[0].weight_loads
-        self.weight_load_s += groups[0].weight_load_s
-        self.busy_s_since_step += groups[0].busy_s
-        self.tokens += sum(len(c["completion_ids"]) for g in groups for c in g.completions)
-
-
-def version_mix(groups: list[ScoredGroup], learner_version: int) -> dict[str, float | list[int]]:
-    """`async/token_lag` (trained tokens per lag: learner version minus the version that sampled the token)
-    and `async/mixed_version_share` (responses sampled by more than one version: weights changed mid-way)."""
-    counts: list[int] = []
-    mixed = responses = 0
-    for group in groups:
-        for completion in group.completions:
-            spans = completion["version_spans"]
-            responses += 1
-            mixed += len({span[0] for span in spans}) > 1
-            for version, start, end in spans:
-                lag = learner_version - version
-                counts.extend([0] * (lag + 1 - len(counts)))
-                counts[lag] += end - start
-    return {"async/token_lag": counts, "async/mixed_version_share": mixed / responses if responses else math.nan}
 
 
 def reward_workers(job: Job) -> ScorePool:
@@ -548,24 +480,16 @@ class AsyncLoop:
     def _log_step(
         self, metrics: dict[str, Any], lags: list[int], publish_s: float, step_s: float, eval_wait_s: float
     ) -> None:
-        stats = lag_stats(torch.tensor(lags), self.job.async_.max_lag)
         totals = self.totals
         row = {
             **metrics,
-            "async/lag_mean": float(stats["lag_mean"]),
-            "async/lag_max": float(stats["lag_max"]),
-            "async/lag": [int(c) for c in stats["lag_hist"].tolist()],
+            **lag_metrics(lags, self.job.async_.max_lag),
+            **totals.metrics(len(self.generators)),
             "async/buffered_groups": len(self.buffer.ready),
             "perf/weight_sync_s": publish_s,
-            "perf/weight_load_s": totals.weight_load_s / totals.weight_loads if totals.weight_loads else math.nan,
-            # one generator's mean rate over all calls so far, times the generators running now
-            "perf/gen_tokens_per_s": (
-                totals.tokens / totals.generate_s * len(self.generators) if totals.generate_s else math.nan
-            ),
             "fault/generator_restarts": self.schedule.generator_restarts,
             "async/num_generators": len(self.generators),
             "time/step_s": step_s,
-            "time/generator_busy_s": totals.busy_s_since_step,
             "time/eval_wait_s": eval_wait_s,  # the loop held up by the previous evaluation
         }
         row.update(self.scored.metrics(self.job.algorithm, self.job.scoring))

@@ -233,7 +233,7 @@ def test_ledger_audit_names_every_kind_of_gap():
 
 def test_the_step_row_reports_the_responses_scored_since_the_last_one_with_each_options_keys():
     from cluster.job import validate_job
-    from cluster.run.loop import ScoredSinceStep
+    from cluster.run.step_rows import ScoredSinceStep
 
     scored = ScoredSinceStep(
         rewards=[1.0, 0.75, 0.0, 0.5], overlong_penalties=[0.0, -0.25, 0.0, -0.5], truncated=1, uniform_groups_dropped=3
@@ -257,7 +257,7 @@ def test_the_step_row_reports_the_responses_scored_since_the_last_one_with_each_
 
 
 def test_version_mix_counts_each_token_at_the_lag_of_the_version_that_sampled_it():
-    from cluster.run.loop import version_mix
+    from cluster.run.step_rows import version_mix
 
     def completion(spans):
         return {
@@ -286,7 +286,8 @@ def test_a_calls_groups_are_scored_in_one_call_of_the_scorer():
 
     from actors.generator import GeneratedGroup, GenerationRequest
     from cluster.job import validate_job
-    from cluster.run.loop import AsyncLoop, ScoredSinceStep
+    from cluster.run.loop import AsyncLoop
+    from cluster.run.step_rows import ScoredSinceStep
     from cluster.run.stopping import StopRequest
     from tasks.base import Problem
     from tasks.scoring import ScoreResult

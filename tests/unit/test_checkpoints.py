@@ -180,8 +180,8 @@ def test_the_driver_state_reads_back_what_it_wrote_and_names_what_an_old_or_dama
 
     from actors.buffer import ScoredGroup
     from actors.generator import GenerationRequest
-    from cluster.run.loop import version_mix
     from cluster.run.state import InFlight, UnreadableState
+    from cluster.run.step_rows import version_mix
     from tasks.base import Problem
 
     rng = random.Random(3)

@@ -334,7 +334,7 @@ def test_without_rewards_training_is_scored_by_the_verifier_pool_itself():
 
 def test_each_component_is_logged_as_its_mean():
     from cluster.job import AlgorithmSection, ScoringSection
-    from cluster.run.loop import ScoredSinceStep
+    from cluster.run.step_rows import ScoredSinceStep
     from cluster.telemetry.metrics import KNOWN_METRICS
 
     scoring = ScoringSection(rewards=[{"name": "task"}, {"name": "reward_model", "path": "/m"}, {"name": "format"}])
