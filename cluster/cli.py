@@ -13,21 +13,13 @@ import sys
 from pathlib import Path
 
 from algorithms.errors import StableAsyncError
-from cluster.job import Job, JobValidationError, dump_job, load_job
-
-
-def _load(path: str, overrides: list[str] | None = None) -> Job | None:
-    """The validated job with `--set` overrides over it, or None after printing every error (the caller exits 2,
-    nothing started)."""
-    try:
-        return load_job(path, overrides or ())
-    except JobValidationError as error:
-        print(error, file=sys.stderr)
-        return None
+from cluster import cli_outputs
+from cluster.cli_outputs import load_or_print
+from cluster.job import JobValidationError, dump_job
 
 
 def _validate(args: argparse.Namespace) -> int:
-    job = _load(args.job, args.set)
+    job = load_or_print(args.job, args.set)
     if job is None:
         return 2
     from cluster.job import check_sandbox, evaluation_sets, job_task
@@ -69,7 +61,7 @@ def _train(args: argparse.Namespace) -> int:
         print("--set changes a job file before it starts; a resumed run keeps its own job.yaml", file=sys.stderr)
         return 2
     resume_dir = Path(args.resume) if args.resume else None
-    job = _load(str(resume_dir / "job.yaml") if resume_dir else args.job, args.set)
+    job = load_or_print(str(resume_dir / "job.yaml") if resume_dir else args.job, args.set)
     if job is None:
         return 2
     from cluster.run.driver import run_job
@@ -101,7 +93,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    job = _load(args.job, args.set)
+    job = load_or_print(args.job, args.set)
     if job is None:
         return 2
     from cluster.experiments.soak import soak
@@ -127,7 +119,7 @@ def _jobs_api(args: argparse.Namespace) -> tuple[str, str | None] | None:
 def _submit(args: argparse.Namespace) -> int:
     from cluster.remote.submit import DEFAULT_REMOTE_PREFIXES, SubmitError, submit, wait
 
-    job = _load(args.job, args.set)
+    job = load_or_print(args.job, args.set)
     api = _jobs_api(args) if job is not None else None
     if job is None or api is None:
         return 2
@@ -189,164 +181,6 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
         help="the cluster's auth token (default: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)",
     )
     parser.add_argument("--no-auth", action="store_true", help="for a cluster without token authentication")
-
-
-def _simulate(args: argparse.Namespace) -> int:
-    from cluster.experiments import simulate
-
-    if args.calibrate and args.paper:
-        print("give --calibrate RUN_DIR or --paper, not both", file=sys.stderr)
-        return 2
-    overrides = {
-        name: value for name, value in vars(args).items() if name in simulate.CONFIG_FIELDS and value is not None
-    }
-    return simulate.run_cli(args.calibrate, args.paper, overrides)
-
-
-def _report(args: argparse.Namespace) -> int:
-    from cluster.experiments import report
-
-    return report.run_cli(args.run_dirs, args.out, args.target_reward, args.ess_collapse_below, args.ess_collapse_steps)
-
-
-def _wandb_workspace(args: argparse.Namespace) -> int:
-    from cluster.telemetry import workspace
-
-    return workspace.run_cli(args.spec, args.entity, args.project, args.offline, args.out)
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    """Comma-separated integers, or a ValueError naming the flag and the item."""
-    try:
-        return [int(item) for item in text.split(",")]
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers, not {text!r}") from None
-
-
-def _sweep(args: argparse.Namespace) -> int:
-    from cluster.experiments.report import ReportError, print_tables
-    from cluster.experiments.sweep import sweep
-    from cluster.run.stopping import JobStopped, stop_on_signals
-
-    job = _load(args.job, args.set)  # --set fields apply to every cell
-    if job is None:
-        return 2
-    with stop_on_signals() as stop:
-        try:
-            summaries = sweep(
-                job,
-                args.stabilizers.split(","),
-                _int_list(args.max_lag, "--max-lag"),
-                Path(args.out),
-                None,
-                args.target_reward,
-                stop,
-                None if args.seeds is None else _int_list(args.seeds, "--seeds"),
-            )
-        except (ValueError, FileExistsError, ReportError) as error:
-            print(f"stableasync sweep: {error}", file=sys.stderr)
-            return 2
-        except JobStopped as stopped:
-            print(f"stableasync sweep: the cell running {stopped}; the cells after it did not run", file=sys.stderr)
-            return stopped.exit_code
-    print_tables(summaries)
-    print(f"\nruns in {Path(args.out) / 'runs'}; report: {Path(args.out) / 'report.html'}")
-    return 0
-
-
-def _export(args: argparse.Namespace) -> int:
-    from cluster.job import job_task
-    from cluster.run.checkpoints import LEARNER, TAG, ModelSaveFailed, readable_checkpoints, write_model
-    from cluster.run.model_prep import prepare_model
-    from cluster.run.specs import lora_spec
-    from learner.export import save_checkpoint_model
-
-    run_dir = Path(args.run_dir)
-    job = _load(str(run_dir / "job.yaml"))
-    if job is None:
-        return 2
-    usable = {path.name: path for path, _ in readable_checkpoints(run_dir)}
-    if not usable:
-        print(f"stableasync export: no usable checkpoint in {run_dir / 'checkpoints'}", file=sys.stderr)
-        return 2
-    name = args.checkpoint or max(usable)
-    if name not in usable:
-        print(
-            f"stableasync export: no usable checkpoint {name!r} in {run_dir / 'checkpoints'}; there are: "
-            f"{', '.join(sorted(usable))}",
-            file=sys.stderr,
-        )
-        return 2
-    base_model = prepare_model(job, job_task(job))
-    out = Path(args.out) if args.out else run_dir / f"model-{name}"
-    try:
-        write_model(
-            out, lambda folder: save_checkpoint_model(usable[name] / LEARNER, TAG, base_model, folder, lora_spec(job))
-        )
-    except ModelSaveFailed as failure:
-        print(f"stableasync export: {failure}", file=sys.stderr)
-        return 1
-    print(f"model of {name}: {out}")
-    return 0
-
-
-def _evaluate(args: argparse.Namespace) -> int:
-    """The job's evaluation sets answered by a saved model: a table per set, and the results as JSON."""
-    import json
-
-    from cluster.job import DEFAULT_EVAL_SET, evaluation_sets, job_task
-    from cluster.run.evaluation import SavedModelError, evaluate_saved_model, results_table, saved_model_folder
-    from tasks.base import TaskError
-
-    try:
-        model = saved_model_folder(Path(args.model_or_run))
-    except SavedModelError as error:
-        print(f"stableasync evaluate: {error}", file=sys.stderr)
-        return 2
-    run_job_file = Path(args.model_or_run) / "job.yaml"
-    if args.job is None and not run_job_file.is_file():
-        print(
-            "stableasync evaluate: give --job JOB.yaml, the job whose task and eval section say what to answer "
-            "(a run directory's own job.yaml is the default)",
-            file=sys.stderr,
-        )
-        return 2
-    job = _load(args.job or str(run_job_file), args.set)
-    if job is None:
-        return 2
-    known = [DEFAULT_EVAL_SET, *job.eval.sets]
-    labels = known if args.sets is None else [label.strip() for label in args.sets.split(",")]
-    unknown = [label for label in labels if label not in known]
-    if unknown:
-        print(
-            f"stableasync evaluate: --sets: no set {', '.join(unknown)} in the job (its sets: {', '.join(known)})",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        sets = evaluation_sets(job, job_task(job), always=True, labels=labels)
-    except TaskError as error:
-        print(f"stableasync evaluate: {error}", file=sys.stderr)
-        return 2
-    results = evaluate_saved_model(job, model, sets)
-    print(results_table(results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps({"model": str(model), "job": args.job or str(run_job_file), "sets": results}, indent=2) + "\n"
-    )
-    print(f"results: {out}")
-    return 0
-
-
-def _prepare_model(args: argparse.Namespace) -> int:
-    from learner.models import KNOWN_MODELS
-
-    if args.name not in KNOWN_MODELS:
-        print(f"unknown model {args.name!r}; known: {', '.join(sorted(KNOWN_MODELS))}", file=sys.stderr)
-        return 2
-    print(KNOWN_MODELS[args.name]())
-    return 0
 
 
 def _add_set_option(command: argparse.ArgumentParser) -> None:
@@ -450,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("seed", int, "seed of the response lengths"),
     ):
         simulate.add_argument(f"--{flag}", type=kind, help=text)
-    simulate.set_defaults(run=_simulate)
+    simulate.set_defaults(run=cli_outputs.simulate)
     sweep = commands.add_parser("sweep", help="run a job over a grid of stabilizers and lag bounds, then report")
     sweep.add_argument("job")
     sweep.add_argument("--stabilizers", default="none,tis_seq,mis_seq,m2po,vcpo", help="comma-separated names")
@@ -463,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--out", default="runs/sweep", help="folder for the runs and the report")
     _add_set_option(sweep)
     sweep.add_argument("--target-reward", type=float, help="report the time each cell takes to reach this reward")
-    sweep.set_defaults(run=_sweep)
+    sweep.set_defaults(run=cli_outputs.sweep)
     report = commands.add_parser(
         "report", help="compare finished runs: a table, plots and a self-contained report.html (no Ray, no GPU)"
     )
@@ -489,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="consecutive low-ESS steps that make a collapse "
         "(default: each run's logging.alerts.ess_collapse_steps, 3 unless set)",
     )
-    report.set_defaults(run=_report)
+    report.set_defaults(run=cli_outputs.report)
     wandb_workspace = commands.add_parser(
         "wandb-workspace",
         help="build the W&B workspace of a workspace file "
@@ -506,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     wandb_workspace.add_argument(
         "--out", help="where the view is written (default: runs/wandb-workspace.json; online, also written when given)"
     )
-    wandb_workspace.set_defaults(run=_wandb_workspace)
+    wandb_workspace.set_defaults(run=cli_outputs.wandb_workspace)
     export = commands.add_parser(
         "export",
         help="write a run checkpoint's policy as a Hugging Face model folder "
@@ -515,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", metavar="RUN_DIR")
     export.add_argument("--checkpoint", metavar="step-NNNNNN", help="which checkpoint (default: the newest usable)")
     export.add_argument("--out", help="the model folder (default: RUN_DIR/model-step-NNNNNN)")
-    export.set_defaults(run=_export)
+    export.set_defaults(run=cli_outputs.export)
     evaluate = commands.add_parser(
         "evaluate",
         help="answer a job's evaluation sets with a saved model (one "
@@ -538,10 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer only these sets ('default': the unnamed set of eval.num_problems; default: every set)",
     )
     evaluate.add_argument("--out", default="evaluation.json", help="where the results are written as JSON")
-    evaluate.set_defaults(run=_evaluate)
+    evaluate.set_defaults(run=cli_outputs.evaluate)
     prepare = commands.add_parser("prepare-model", help="build a known model offline into the cache")
     prepare.add_argument("name")
-    prepare.set_defaults(run=_prepare_model)
+    prepare.set_defaults(run=cli_outputs.prepare_model)
     return parser
 
 

@@ -1,0 +1,178 @@
+"""The `stableasync` commands that work on a job's outputs or its model rather than run it: simulate, report,
+wandb-workspace, sweep, export, evaluate and prepare-model (`cluster/cli.py` parses their arguments)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cluster.job import Job, JobValidationError, load_job
+
+
+def load_or_print(path: str, overrides: list[str] | None = None) -> Job | None:
+    """The validated job with `--set` overrides over it, or None after printing every error (the caller exits 2,
+    nothing started)."""
+    try:
+        return load_job(path, overrides or ())
+    except JobValidationError as error:
+        print(error, file=sys.stderr)
+        return None
+
+
+def simulate(args: argparse.Namespace) -> int:
+    from cluster.experiments import simulate
+
+    if args.calibrate and args.paper:
+        print("give --calibrate RUN_DIR or --paper, not both", file=sys.stderr)
+        return 2
+    overrides = {
+        name: value for name, value in vars(args).items() if name in simulate.CONFIG_FIELDS and value is not None
+    }
+    return simulate.run_cli(args.calibrate, args.paper, overrides)
+
+
+def report(args: argparse.Namespace) -> int:
+    from cluster.experiments import report
+
+    return report.run_cli(args.run_dirs, args.out, args.target_reward, args.ess_collapse_below, args.ess_collapse_steps)
+
+
+def wandb_workspace(args: argparse.Namespace) -> int:
+    from cluster.telemetry import workspace
+
+    return workspace.run_cli(args.spec, args.entity, args.project, args.offline, args.out)
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """Comma-separated integers, or a ValueError naming the flag and the item."""
+    try:
+        return [int(item) for item in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, not {text!r}") from None
+
+
+def sweep(args: argparse.Namespace) -> int:
+    from cluster.experiments.report import ReportError, print_tables
+    from cluster.experiments.sweep import sweep
+    from cluster.run.stopping import JobStopped, stop_on_signals
+
+    job = load_or_print(args.job, args.set)  # --set fields apply to every cell
+    if job is None:
+        return 2
+    with stop_on_signals() as stop:
+        try:
+            summaries = sweep(
+                job,
+                args.stabilizers.split(","),
+                int_list(args.max_lag, "--max-lag"),
+                Path(args.out),
+                None,
+                args.target_reward,
+                stop,
+                None if args.seeds is None else int_list(args.seeds, "--seeds"),
+            )
+        except (ValueError, FileExistsError, ReportError) as error:
+            print(f"stableasync sweep: {error}", file=sys.stderr)
+            return 2
+        except JobStopped as stopped:
+            print(f"stableasync sweep: the cell running {stopped}; the cells after it did not run", file=sys.stderr)
+            return stopped.exit_code
+    print_tables(summaries)
+    print(f"\nruns in {Path(args.out) / 'runs'}; report: {Path(args.out) / 'report.html'}")
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    from cluster.job import job_task
+    from cluster.run.checkpoints import LEARNER, TAG, ModelSaveFailed, readable_checkpoints, write_model
+    from cluster.run.model_prep import prepare_model
+    from cluster.run.specs import lora_spec
+    from learner.export import save_checkpoint_model
+
+    run_dir = Path(args.run_dir)
+    job = load_or_print(str(run_dir / "job.yaml"))
+    if job is None:
+        return 2
+    usable = {path.name: path for path, _ in readable_checkpoints(run_dir)}
+    if not usable:
+        print(f"stableasync export: no usable checkpoint in {run_dir / 'checkpoints'}", file=sys.stderr)
+        return 2
+    name = args.checkpoint or max(usable)
+    if name not in usable:
+        print(
+            f"stableasync export: no usable checkpoint {name!r} in {run_dir / 'checkpoints'}; there are: "
+            f"{', '.join(sorted(usable))}",
+            file=sys.stderr,
+        )
+        return 2
+    base_model = prepare_model(job, job_task(job))
+    out = Path(args.out) if args.out else run_dir / f"model-{name}"
+    try:
+        write_model(
+            out, lambda folder: save_checkpoint_model(usable[name] / LEARNER, TAG, base_model, folder, lora_spec(job))
+        )
+    except ModelSaveFailed as failure:
+        print(f"stableasync export: {failure}", file=sys.stderr)
+        return 1
+    print(f"model of {name}: {out}")
+    return 0
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """The job's evaluation sets answered by a saved model: a table per set, and the results as JSON."""
+    import json
+
+    from cluster.job import DEFAULT_EVAL_SET, evaluation_sets, job_task
+    from cluster.run.evaluation import SavedModelError, evaluate_saved_model, results_table, saved_model_folder
+    from tasks.base import TaskError
+
+    try:
+        model = saved_model_folder(Path(args.model_or_run))
+    except SavedModelError as error:
+        print(f"stableasync evaluate: {error}", file=sys.stderr)
+        return 2
+    run_job_file = Path(args.model_or_run) / "job.yaml"
+    if args.job is None and not run_job_file.is_file():
+        print(
+            "stableasync evaluate: give --job JOB.yaml, the job whose task and eval section say what to answer "
+            "(a run directory's own job.yaml is the default)",
+            file=sys.stderr,
+        )
+        return 2
+    job = load_or_print(args.job or str(run_job_file), args.set)
+    if job is None:
+        return 2
+    known = [DEFAULT_EVAL_SET, *job.eval.sets]
+    labels = known if args.sets is None else [label.strip() for label in args.sets.split(",")]
+    unknown = [label for label in labels if label not in known]
+    if unknown:
+        print(
+            f"stableasync evaluate: --sets: no set {', '.join(unknown)} in the job (its sets: {', '.join(known)})",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        sets = evaluation_sets(job, job_task(job), always=True, labels=labels)
+    except TaskError as error:
+        print(f"stableasync evaluate: {error}", file=sys.stderr)
+        return 2
+    results = evaluate_saved_model(job, model, sets)
+    print(results_table(results))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps({"model": str(model), "job": args.job or str(run_job_file), "sets": results}, indent=2) + "\n"
+    )
+    print(f"results: {out}")
+    return 0
+
+
+def prepare_model(args: argparse.Namespace) -> int:
+    from learner.models import KNOWN_MODELS
+
+    if args.name not in KNOWN_MODELS:
+        print(f"unknown model {args.name!r}; known: {', '.join(sorted(KNOWN_MODELS))}", file=sys.stderr)
+        return 2
+    print(KNOWN_MODELS[args.name]())
+    return 0
