@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from cluster.experiments.report_html import render_html
 from cluster.experiments.report_plots import CURVES, plot_cells, plot_runs
 from cluster.experiments.report_reading import ReportError, load_run, unique_labels
 from cluster.experiments.report_tables import (
@@ -19,7 +20,6 @@ from cluster.experiments.report_tables import (
     cells_markdown_table,
     has_repeats,
     markdown_table,
-    render_html,
     summarise,
     summarise_cells,
     write_cells_csv,
