@@ -5,7 +5,7 @@ sent one by one, each in a process of its own forked from the worker (`tasks/san
 
 - process groups: the worker starts in a session of its own and each item in a process group of its own; when
   the item returns, its group is killed (a child it left behind dies with it), and when it hangs past the
-  timeout the pool stops and kills the worker's whole process tree (`_kill_tree`) and starts another;
+  timeout the pool stops and kills the worker's whole process tree (`tasks/process_tree.py`) and starts another;
 - environment: an allowlist (`PATH`, `LANG`, `HOME` and `TMPDIR` in the worker's private directory, and the
   variables `SandboxLimits.env` names), never the caller's;
 - limits (`SandboxLimits`): address space over the start-up footprint, CPU seconds per item, processes, file
@@ -48,6 +48,7 @@ from multiprocessing.connection import Pipe, wait
 from typing import Any, Generic, Self, TypeVar
 
 from algorithms.errors import StableAsyncError
+from tasks.process_tree import descendants, executable, kill_tree
 from tasks.sandbox_worker import (
     ISOLATIONS,
     STARTED,
@@ -200,55 +201,6 @@ _BOOT = (
 # ---------------------------------------------------------------- the caller's side
 
 
-def _children() -> dict[int, list[int]]:
-    """Parent pid -> its children's pids, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    return children
-
-
-def _descendants(pid: int) -> set[int]:
-    tree = _children()
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _signal(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
-
-
-def _kill_tree(pid: int) -> None:
-    """Kill `pid` and every process under it, whatever group or session it moved to: stop them all first (a
-    stopped process forks no more), until no new one appears, then kill them."""
-    stopped: set[int] = set()
-    for _ in range(50):
-        tree = _descendants(pid) - stopped
-        if not tree:
-            break
-        for child in tree:
-            _signal(child, signal.SIGSTOP)
-        stopped |= tree
-    for child in stopped:
-        _signal(child, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    _signal(pid, signal.SIGKILL)
-
-
 def sandbox_env(names: Sequence[str], home: str) -> dict[str, str]:
     """A worker's environment: PATH and LANG, HOME and TMPDIR in its private directory, and the variables named."""
     env = {
@@ -289,8 +241,8 @@ class _Worker:
     @property
     def worker_pid(self) -> int:
         """The pid of the worker's Python process (under unshare, unshare's child's child)."""
-        tree = _descendants(self.process.pid)
-        pythons = [pid for pid in sorted(tree) if _exe(pid) == os.path.realpath(sys.executable)]
+        tree = descendants(self.process.pid)
+        pythons = [pid for pid in sorted(tree) if executable(pid) == os.path.realpath(sys.executable)]
         return pythons[0] if pythons else self.process.pid
 
     def output(self) -> str:
@@ -314,18 +266,11 @@ class _Worker:
         self.kill()
 
     def kill(self) -> None:
-        _kill_tree(self.process.pid)
+        kill_tree(self.process.pid)
         self.process.wait()
         self.conn.close()
         self.log.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def _exe(pid: int) -> str | None:
-    try:
-        return os.path.realpath(f"/proc/{pid}/exe")
-    except OSError:
-        return None
 
 
 class WorkerPool(Generic[Result]):
