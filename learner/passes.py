@@ -5,7 +5,8 @@ the whole batch's learner log-probs from a no-grad pass (`two_passes`; docs/stab
 batch"). Either way the gradient is the single-pass step's, accumulated one micro-batch at a time. With
 `proximal: recompute` the first pass is always a no-grad one, and its log-probs are the proximal policy of the
 step's updates (`decoupled_updates`). The forwards come from `learner/policy.py`, the per-sample norms' paths
-from `learner/vcpo_step.py`, the records and pure helpers from `learner/step.py`.
+from `learner/vcpo_step.py`, the records and pure helpers from `learner/step.py`, the KL and entropy terms
+from `learner/loss_terms.py`.
 """
 
 from __future__ import annotations
@@ -13,23 +14,23 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from algorithms.advantages import ADVANTAGES
-from algorithms.aggregation import aggregate_token_loss, loss_denominator, policy_loss
+from algorithms.aggregation import loss_denominator, policy_loss
 from algorithms.batch import PolicyBatch, TokenWeights
 from algorithms.diagnostics import health_metrics
 from algorithms.proximal import trust_region_weights
-from algorithms.regularizers import adapted_kl_coef, kl_penalty, sequence_kl
+from algorithms.regularizers import adapted_kl_coef
 from algorithms.stabilizer import Stabilizer
 from learner import micro_batches
 from learner.batch import TrainBatch
 from learner.collectives import Collectives, nonfinite_count
 from learner.grad_norms import SampleGradients
+from learner.loss_terms import kl_in_reward, kl_metrics, step_loss
 from learner.lr_schedule import lr_factor
 from learner.micro_batches import MicroBatch
 from learner.packing import packing_support
@@ -116,7 +117,7 @@ class LearnerStep:
         runs, one_pass = self.collectives.agreed_runs(plan, one_pass)
         reference = None if self.reference is None else self.reference.logprobs(batch, runs)
         task_rewards = batch.rewards
-        batch, reward_metrics = self._kl_in_reward(batch, reference)
+        batch, reward_metrics = kl_in_reward(self.spec, self.kl_coef, batch, reference)
         decoupled = self.spec.proximal == "recompute"
         if decoupled:
             step = self.decide_on_whole_batch(batch, runs, reference)
@@ -131,7 +132,7 @@ class LearnerStep:
             **decision.metrics,
             **(self.norms.baseline_metrics(batch, step) if self.norms is not None else {}),
             **reward_metrics,
-            **self._kl_metrics(batch, step.logprobs, reference),
+            **kl_metrics(self.spec, self.kl_coef, batch, step.logprobs, reference),
             "rollout/reward_mean": task_rewards.mean(),
         }
         self.last_sequence_log_ratios = policy.seq_log_ratio
@@ -221,7 +222,9 @@ class LearnerStep:
             policy = PolicyBatch(logprobs, micro.behaviour_logprobs, advantages, micro.loss_mask)
             decision = self.stabilizer.token_weights(policy)
             denominator = mask_denominator if mask_denominator is not None else self._global_denominator(decision.mask)
-            loss = self.loss(policy, decision, denominator, entropy, rows_of(reference, rows, logprobs))
+            loss = step_loss(
+                self.spec, self.kl_coef, policy, decision, denominator, entropy, rows_of(reference, rows, logprobs)
+            )
             slope = (
                 None
                 if carried is None
@@ -289,7 +292,9 @@ class LearnerStep:
         policy = PolicyBatch(step.logprobs, batch.behaviour_logprobs, step.advantages, batch.loss_mask)
         step.decision = self.stabilizer.token_weights(policy)
         denominator = self._global_denominator(step.decision.mask)
-        step.loss = self.loss(policy, step.decision, denominator, step.entropy, reference).detach()
+        step.loss = step_loss(
+            self.spec, self.kl_coef, policy, step.decision, denominator, step.entropy, reference
+        ).detach()
         if not self.collectives.all_finite(step.decision.weights, step.loss):
             step.skipped = True
             self.engine.zero_grad()
@@ -336,8 +341,14 @@ class LearnerStep:
                 weights = weights * trust
                 clipped_tokens += float(clipped.sum())
             share = PolicyBatch(logprobs, micro.behaviour_logprobs, micro_advantages, micro.loss_mask)
-            loss = self.loss(
-                share, TokenWeights(weights, mask, {}), denominator, entropy, rows_of(reference, rows, logprobs)
+            loss = step_loss(
+                self.spec,
+                self.kl_coef,
+                share,
+                TokenWeights(weights, mask, {}),
+                denominator,
+                entropy,
+                rows_of(reference, rows, logprobs),
             )
             if proximal_logprobs is not None and not self.collectives.all_finite(loss):
                 if index:  # poisons what the earlier micro-batches accumulated
@@ -396,56 +407,10 @@ class LearnerStep:
         }
         return (max(norms) if norms else math.nan), metrics
 
-    def loss(
-        self,
-        policy: PolicyBatch,
-        decision: TokenWeights,
-        denominator: Tensor,
-        entropy: Tensor | None,
-        reference: Tensor | None,
-    ) -> Tensor:
-        """The policy-gradient loss, plus the KL term to the reference and minus the entropy bonus when the job
-        has them: all three aggregated over the decision's mask with one denominator. Every pass calls it."""
-        loss = policy_loss(policy, decision, self.spec.loss_aggregation, denominator, self.spec.constant_tokens)
-        mask = policy.mask_float if decision.mask is policy.mask else decision.mask
-        terms: list[Tensor] = []
-        if reference is not None and self.spec.kl_in == "loss":
-            terms.append(self.kl_coef * kl_penalty(policy.logprobs, reference, self.spec.kl_estimator, mask))
-        if self.spec.entropy_coef:
-            assert entropy is not None, "an entropy bonus is formed from the entropy"
-            terms.append(-self.spec.entropy_coef * entropy)
-        if not terms:
-            return loss
-        return loss + aggregate_token_loss(
-            sum(terms[1:], terms[0]), mask, self.spec.loss_aggregation, denominator, self.spec.constant_tokens
-        )
-
     def _advantages(
         self, batch: TrainBatch, logprobs: Tensor, sample_grads: SampleGradients | None
     ) -> tuple[Tensor, Tensor | None]:
         return step_advantages(self.stabilizer, self.advantage_estimator, batch, logprobs, sample_grads)
-
-    def _kl_in_reward(self, batch: TrainBatch, reference: Tensor | None) -> tuple[TrainBatch, dict[str, Tensor]]:
-        """With `kl in: reward`, the batch whose rewards lose coef x the sampled response's summed KL to the
-        reference, from the behaviour log-probs the sampler recorded (known before the step, as verl's
-        in-reward penalty uses the rollout's); otherwise the batch as it is."""
-        if reference is None or self.spec.kl_in != "reward":
-            return batch, {}
-        penalty = self.kl_coef * sequence_kl(
-            batch.behaviour_logprobs, reference, batch.loss_mask, self.spec.kl_estimator
-        )
-        shaped = replace(batch, rewards=batch.rewards - penalty)
-        return shaped, {"rollout/kl_ref_penalty_mean": penalty.mean()}
-
-    def _kl_metrics(self, batch: TrainBatch, logprobs: Tensor, reference: Tensor | None) -> dict[str, Tensor]:
-        """The KL per loss token of the learner at the step's start to the reference, and the coefficient."""
-        if reference is None:
-            return {}
-        tokens = kl_penalty(logprobs, reference, self.spec.kl_estimator, batch.loss_mask)
-        return {
-            "stability/kl_ref_mean": tokens.sum() / batch.loss_mask.sum().clamp(min=1),
-            "stability/kl_ref_coef": self._scalar(self.kl_coef),
-        }
 
     # ---- the supervised warm-up --------------------------------------------------------------
 

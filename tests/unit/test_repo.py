@@ -157,3 +157,17 @@ def test_no_layer_imports_upwards():
             if bad := _imported_packages(path.read_text()) & forbidden:
                 offenders[str(path.relative_to(ROOT))] = sorted(bad)
     assert not offenders, offenders
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_of_the_project_is_over_500_lines():
+    """A module past 500 lines does several things: split it where its parts meet (CONTRIBUTING.md)."""
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for package in PROJECT_PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
