@@ -91,6 +91,19 @@ def test_ghost_norms_equal_each_samples_own_backward(model_name, request):
     assert len(set(alone.tolist())) == len(samples)  # distinct norms: a mixed-up sample would show
 
 
+def _kept_bytes(sample_grads: SampleGradients) -> int:
+    """What book-keeping kept: every part's factors or dense gradient, in every row bucket."""
+    assert sample_grads.parts is not None
+    return sum(
+        part.numel() * part.element_size()
+        if isinstance(part, torch.Tensor)
+        else part.left.numel() * part.left.element_size() + part.right.numel() * part.right.element_size()
+        for bucket in sample_grads.parts
+        for parts in bucket.values()
+        for part in parts
+    )
+
+
 @pytest.mark.parametrize("model_name", ["tiny_qwen2", "tiny_llama", "tiny_qwen2_tied"])
 def test_bookkeeping_forms_any_weighted_sum_of_sample_gradients(model_name, request):
     """One backward gives the norms and, for coefficients chosen afterwards, autograd's gradient of
@@ -108,14 +121,7 @@ def test_bookkeeping_forms_any_weighted_sum_of_sample_gradients(model_name, requ
     assert torch.allclose(sample_grads.squared_norms, ghost, rtol=1e-5, atol=0)
 
     # what opob_impl auto budgets for: the estimate is the memory book-keeping really keeps
-    kept = sum(
-        part.numel() * part.element_size()
-        if isinstance(part, torch.Tensor)
-        else part.left.numel() * part.left.element_size() + part.right.numel() * part.right.element_size()
-        for bucket in sample_grads.parts
-        for parts in bucket.values()
-        for part in parts
-    )
+    kept = _kept_bytes(sample_grads)
     assert kept == batch.size * norms.kept_bytes_per_sample(batch.input_ids.shape[1])
 
     coefficients = torch.tensor([0.5, -1.0, 2.0, 0.0, -0.25])
@@ -166,14 +172,7 @@ def test_packed_rows_in_length_buckets_give_the_padded_norms_and_gradients(tiny_
     _, padded = _ghost(model, batch)
     assert torch.allclose(sample_grads.squared_norms, padded, rtol=1e-4, atol=0), (sample_grads.squared_norms, padded)
 
-    kept = sum(
-        part.numel() * part.element_size()
-        if isinstance(part, torch.Tensor)
-        else part.left.numel() * part.left.element_size() + part.right.numel() * part.right.element_size()
-        for bucket in sample_grads.parts
-        for parts in bucket.values()
-        for part in parts
-    )
+    kept = _kept_bytes(sample_grads)
     assert kept == sum(len(b.rows) * norms.kept_bytes_per_sample(b.width) for b in packing.buckets)
     assert kept < batch.size * norms.kept_bytes_per_sample(batch.input_ids.shape[1])
 
