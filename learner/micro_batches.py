@@ -32,12 +32,17 @@ class RowBucket:
     width: int  # its longest row
     source: Tensor  # [n] long: the packed positions of the bucket's tokens
     target: Tensor  # [n] long: where each goes in the bucket's [b, width], flattened
+    # its rows are the micro-batch's, in order, each `width` long: the packed sequence is [b, width] already
+    whole: bool = False
 
     def unpack(self, packed: Tensor) -> Tensor:
         """A packed forward's [1, N, ...] tensor (a layer's input or output gradient) as this bucket's
-        [b, width, ...], zero where a row is shorter than the width."""
+        [b, width, ...], zero where a row is shorter than the width (a view of `packed` for a `whole` bucket:
+        no copy, and no kernel)."""
         flat = packed.flatten(0, 1)
         rows = len(self.rows)
+        if self.whole:
+            return flat.view(rows, self.width, *flat.shape[1:])
         out = flat.new_zeros(rows * self.width, *flat.shape[1:])
         out.index_copy_(0, self.target, flat.index_select(0, self.source))
         return out.view(rows, self.width, *flat.shape[1:])
@@ -120,8 +125,15 @@ class Packing:
         split = [len(row), len(row), len(scored), len(scored)] + [len(part) for part in bucket_parts]
         tokens, position_ids, scored_at, targets_at, *on_device = torch.from_numpy(indices).to(device).split(split)
         cu_seqlens = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)).to(device)
+        equal = bool((sizes == sizes[0]).all())  # one bucket then, its rows in order (a stable sort)
         buckets = tuple(
-            RowBucket(on_device[3 * k], int(sizes[members].max()), on_device[3 * k + 1], on_device[3 * k + 2])
+            RowBucket(
+                on_device[3 * k],
+                int(sizes[members].max()),
+                on_device[3 * k + 1],
+                on_device[3 * k + 2],
+                whole=equal and members == list(range(len(sizes))),
+            )
             for k, members in enumerate(groups)
         )
         return cls(tuple(lengths), width, tokens, position_ids[None], scored_at, targets_at, cu_seqlens, buckets)

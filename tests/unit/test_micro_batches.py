@@ -270,3 +270,15 @@ def test_the_rules_that_take_a_no_grad_pass_are_the_whole_batch_and_denominator_
     """M2PO's trust region and BAPO's bounds depend on every token of the batch; the MIS rules drop tokens
     from the loss denominator, which must be known before the first backward."""
     assert set(registry.STABILIZERS) - set(PER_ROW) == {"m2po", "bapo", "mis_token", "mis_seq", "mis_geo"}
+
+
+def test_rows_of_equal_length_unpack_as_a_view_of_the_packed_tensor():
+    """Equal rows are already [b, width] end to end: no zeros, no copy (no kernels on a GPU)."""
+    packing = micro_batches.Packing.of([4, 4, 4], 4, torch.device("cpu"), bucket_cost=0.0)
+    (bucket,) = packing.buckets
+    packed = torch.randn(1, 12, 3)
+    laid = bucket.unpack(packed)
+    assert bucket.whole and laid.data_ptr() == packed.data_ptr()
+    assert torch.equal(laid, packed.view(3, 4, 3))
+    other = micro_batches.Packing.of([4, 3, 4], 4, torch.device("cpu"), bucket_cost=1e12).buckets[0]
+    assert not other.whole and other.unpack(packed[:, :11]).data_ptr() != packed.data_ptr()
