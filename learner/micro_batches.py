@@ -116,9 +116,14 @@ class Packing:
         groups = row_buckets(lengths, bucket_cost)
         bucket_parts: list[np.ndarray] = []
         for members in groups:
-            source = np.concatenate([np.arange(ends[r] - sizes[r], ends[r]) for r in members])
-            slot = np.repeat(np.arange(len(members)), sizes[members])
-            bucket_parts += [np.asarray(members), source, slot * int(sizes[members].max()) + position[source]]
+            slot = np.full(len(sizes), -1)  # each row's place in the bucket, -1 outside it
+            slot[members] = np.arange(len(members))
+            source = np.flatnonzero(slot[row] >= 0)  # the bucket's packed positions
+            bucket_parts += [
+                np.asarray(members),
+                source,
+                slot[row[source]] * int(sizes[members].max()) + position[source],
+            ]
         indices = np.concatenate(
             [row * width + position, position, scored, row[scored] * (width - 1) + position[scored], *bucket_parts]
         )
@@ -180,12 +185,12 @@ def plan(
     bucket_cost: float = math.inf,
 ) -> MicroBatchPlan:
     """Micro-batches of at most `max_tokens` padded tokens (None: one micro-batch of every row); `packed`: of at
-        most `max_tokens` real tokens, each micro-batch's rows packed into one sequence (its `packing`, whose row
+    most `max_tokens` real tokens, each micro-batch's rows packed into one sequence (its `packing`, whose row
     buckets for per-sample products weigh `bucket_cost`, `row_buckets`).
 
-        With `keep_groups`, whole prompt groups are packed, so that anything computed per group (VCPO's
-        baseline) sees the group at once; a group longer than the budget on its own is split into pieces of
-        its own rows that run one after another (no other group between them), and the plan says so.
+    With `keep_groups`, whole prompt groups are packed, so that anything computed per group (VCPO's
+    baseline) sees the group at once; a group longer than the budget on its own is split into pieces of
+    its own rows that run one after another (no other group between them), and the plan says so.
     """
     size = int(sequence_lengths.shape[0])
     device = sequence_lengths.device
