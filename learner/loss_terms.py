@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 from torch import Tensor
 
 from algorithms.aggregation import aggregate_token_loss, policy_loss
@@ -15,6 +14,7 @@ from algorithms.batch import PolicyBatch, TokenWeights
 from algorithms.regularizers import kl_penalty, sequence_kl
 from learner.batch import TrainBatch
 from learner.spec import LearnerSpec
+from learner.step import device_scalar
 
 
 def step_loss(
@@ -65,5 +65,5 @@ def kl_metrics(
     tokens = kl_penalty(logprobs, reference, spec.kl_estimator, batch.loss_mask)
     return {
         "stability/kl_ref_mean": tokens.sum() / batch.loss_mask.sum().clamp(min=1),
-        "stability/kl_ref_coef": torch.tensor(float(kl_coef), device=logprobs.device),
+        "stability/kl_ref_coef": device_scalar(kl_coef, logprobs.device),
     }
