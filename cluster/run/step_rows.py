@@ -1,5 +1,6 @@
 """What the loop counts between step rows and how it reports it: the responses scored, the generators' calls,
-the versions and lags of the trained tokens. Plain records, no Ray."""
+the versions and lags of the trained tokens. Plain records and functions (they start no actor and call no Ray
+API), tested without a cluster."""
 
 from __future__ import annotations
 
