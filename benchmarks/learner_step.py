@@ -252,7 +252,8 @@ def top_by_time(timed: list[tuple[str, float]], count: int) -> list[tuple[str, f
 
 def profile_step(step: Callable[[], Any]) -> dict[str, Any]:
     """One `step()` under torch.profiler: its wall time, on a GPU the time some kernel was running and the top
-    kernels by device time; on the CPU the top operators by self CPU time (busy_s None)."""
+    kernels by device time; on the CPU the top operators by self CPU time (busy_s None). `host_top`, the top
+    operators by self CPU time, shows where a GPU step that leaves the card idle spends its host time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -260,31 +261,55 @@ def profile_step(step: Callable[[], Any]) -> dict[str, Any]:
     with profile(activities=activities) as profiler:
         wall_s = timed_seconds(step)
     events = profiler.events()
+    host_timed = [
+        (event.name, event.self_cpu_time_total)
+        for event in events
+        if event.device_type == DeviceType.CPU and not event.is_async
+    ]
+    host_top = top_by_time(host_timed, PROFILE_TOP_KERNELS)
+    # what a step asks of the device one call at a time: on a GPU whose kernels run for less time than the host
+    # takes to launch them, the step's time follows this count
+    operators = sum(1 for event in events if _is_outer_operator(event))
     if on_cuda():
         kernels = [event for event in events if event.device_type == DeviceType.CUDA]
         busy_s: float | None = covered_us([(k.time_range.start, k.time_range.end) for k in kernels]) / 1e6
         timed = [(kernel.name, kernel.time_range.elapsed_us()) for kernel in kernels]
     else:
-        busy_s = None
-        timed = [
-            (event.name, event.self_cpu_time_total)
-            for event in events
-            if event.device_type == DeviceType.CPU and not event.is_async
-        ]
-    return {"wall_s": wall_s, "busy_s": busy_s, "top": top_by_time(timed, PROFILE_TOP_KERNELS)}
+        busy_s, timed = None, host_timed
+    return {
+        "wall_s": wall_s,
+        "busy_s": busy_s,
+        "top": top_by_time(timed, PROFILE_TOP_KERNELS),
+        "host_top": host_top,
+        "operators": operators,
+    }
+
+
+def _is_outer_operator(event: Any) -> bool:
+    """An aten operator called from outside any other (its own calls inside are not counted again)."""
+    parent = event.cpu_parent
+    return event.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::"))
 
 
 def print_profile(label: str, profile: dict[str, Any]) -> None:
     wall_s, busy_s = profile["wall_s"], profile["busy_s"]
     if busy_s is None:
-        print(f"  profile of {label}: {wall_s:.3f} s step under the profiler; top operators by self CPU time:")
+        print(
+            f"  profile of {label}: {wall_s:.3f} s step under the profiler, {profile['operators']} operator calls;"
+            " top operators by self CPU time:"
+        )
     else:
         print(
             f"  profile of {label}: {wall_s:.3f} s step under the profiler, a GPU kernel running "
-            f"{busy_s:.3f} s of it ({busy_s / wall_s:.0%}); top kernels by device time:"
+            f"{busy_s:.3f} s of it ({busy_s / wall_s:.0%}), {profile['operators']} operator calls; top kernels by"
+            " device time:"
         )
     for name, us, calls in profile["top"]:
         print(f"    {us / 1e3:>9.1f} ms {us / 1e6 / wall_s:>6.1%} {calls:>6}x  {name[:PROFILE_NAME_CHARS]}")
+    if busy_s is not None:
+        print("  top host operators by self CPU time:")
+        for name, us, calls in profile["host_top"]:
+            print(f"    {us / 1e3:>9.1f} ms {us / 1e6 / wall_s:>6.1%} {calls:>6}x  {name[:PROFILE_NAME_CHARS]}")
 
 
 def _configuration_child(args: argparse.Namespace, label: str) -> None:
