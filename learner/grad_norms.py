@@ -30,8 +30,13 @@ norm agrees with the per-sample loop (whose gradients are bf16 too) to about 1%.
 
 A packed forward (the rows of a micro-batch laid end to end, `learner/packing.py`) passes its `Packing`:
 each layer's input and output gradient, [1, N, ...], is laid back into rows, one [b, T_k, ...] per bucket of rows
-of similar length (`Packing.buckets`) with zeros where a row is shorter, before its norms are formed. The zeros
-add nothing to any product, and the buckets keep the Gram products' cost near the rows' own lengths squared.
+of similar length (`Packing.buckets`), before its norms are formed. The output gradient has zeros where a row is
+shorter, so the input's places there (its row's first token) add nothing to any product; layers that share their
+input (q, k and v; gate and up) lay it out once. The buckets keep the Gram products' cost near the rows' own
+lengths squared.
+
+On a GPU a small model's step is bound by the host launching kernels, not by the kernels: the norms pass keeps
+its operator calls few (each call's norms summed once per bucket at the end, not added one call at a time).
 
 Reference (`per_sample_loop`): one backward per trajectory, as the official VCPO code does.
 """
@@ -56,7 +61,7 @@ if TYPE_CHECKING:
 
 
 # A row bucket's fixed cost (`learner.micro_batches.row_buckets`), per module whose per-sample products it
-# runs: the operations a bucket adds (two unpacks, the products, their reductions: about 16) at a device's
+# runs: the operations a bucket adds (the unpacks, the products, their reductions: at most about 16) at a device's
 # time per operation, in GEMM FLOPs at the rate the Gram products reach. From an H200 (bf16) with up to 4
 # buckets chosen by Gram cost alone: a SmolLM2-135M VCPO step took 1.27 s against 0.82 s in one bucket (about
 # 0.2 ms per bucket and module, the host launching kernels), and Qwen2.5-1.5B's Gram products on rows padded to
@@ -123,10 +128,13 @@ class SampleGradients:
         sums: dict[nn.Parameter, Tensor] = {}
         for k, bucket in enumerate(self.parts):
             scale = coefficients if self.bucket_rows is None else coefficients[self.bucket_rows[k]]
+            scales: dict[torch.dtype, Tensor] = {}  # the bucket's coefficients in each dtype its parts have, once
             for param, parts in bucket.items():
                 for part in parts:
-                    term = weighted_sum(part, scale, param.shape)
-                    sums[param] = term if param not in sums else sums[param] + term
+                    dtype = part.dtype if isinstance(part, Tensor) else part.right.dtype
+                    if dtype not in scales:
+                        scales[dtype] = scale.to(dtype)
+                    sums[param] = weighted_sum(part, scales[dtype], param.shape, sums.get(param))
         return {param: total.to(torch.float32 if fp32 else param.dtype) for param, total in sums.items()}
 
 
@@ -280,12 +288,25 @@ class GhostGradNorms:
         # products cost each bucket's width squared, not the longest row's
         buckets = [None] if packed is None else list(packed.buckets)
         kept: list[dict[nn.Parameter, list[Contribution]]] = [{} for _ in buckets]
+        # each bucket's per-row norms of each call, summed once at the end: one kernel per bucket, not per call
+        bucket_norms: list[list[Tensor]] = [[] for _ in buckets]
+        # the last input laid out in buckets: calls that share their input (q, k and v; gate and up) lay it out
+        # once. Only the output gradient needs zeros past a row's end (`RowBucket.unpack`).
+        laid_for: Tensor | None = None
+        laid: list[Tensor] = []
+
+        def unpacked_input(x: Tensor) -> list[Tensor]:
+            nonlocal laid_for, laid
+            if packed is None:
+                return [x.detach()]
+            if laid_for is not x:
+                laid_for, laid = x, [bucket.unpack(x.detach(), zero_padding=False) for bucket in packed.buckets]
+            return laid
 
         def consume(module: nn.Module, x: Tensor, grad: Tensor) -> None:
             """Add a call's norm now unless its parameter is shared, and keep what the caller needs."""
-            x = x.detach()
-            for bucket, bucket_kept in zip(buckets, kept, strict=True):
-                rows_x, rows_grad = (x, grad) if bucket is None else (bucket.unpack(x), bucket.unpack(grad))
+            for bucket, rows_x, bucket_kept, norms in zip(buckets, unpacked_input(x), kept, bucket_norms, strict=True):
+                rows_grad = grad if bucket is None else bucket.unpack(grad)
                 rows = batch if bucket is None else len(bucket.rows)
                 for param, contribution in self._contributions(module, rows_x, rows_grad, rows):
                     if not param.requires_grad:  # a frozen output layer
@@ -293,7 +314,7 @@ class GhostGradNorms:
                     if keep:
                         contribution = compact(contribution)
                     if uses[id(param)] == 1:
-                        _add_rows(total, bucket, squared_norm([contribution]))
+                        norms.append(squared_norm([contribution]))
                     if keep or uses[id(param)] > 1:
                         bucket_kept.setdefault(param, []).append(contribution)
 
@@ -316,10 +337,11 @@ class GhostGradNorms:
         missed = [type(r.module).__name__ for r in records if r is not None]
         if missed:
             raise UncoveredParameters(f"no gradient reached the outputs of {missed[:5]} on the way to the first layer")
-        for bucket, bucket_kept in zip(buckets, kept, strict=True):
-            for param, parts in bucket_kept.items():
-                if uses[id(param)] > 1:
-                    _add_rows(total, bucket, squared_norm(parts))
+        laid_for, laid = None, []
+        for bucket, bucket_kept, norms in zip(buckets, kept, bucket_norms, strict=True):
+            norms += [squared_norm(parts) for param, parts in bucket_kept.items() if uses[id(param)] > 1]
+            if norms:
+                _add_rows(total, bucket, torch.stack(norms).sum(0))
         if not keep:
             return SampleGradients(total)
         return SampleGradients(total, kept, None if packed is None else [bucket.rows for bucket in packed.buckets])
@@ -339,7 +361,7 @@ class GhostGradNorms:
         grad = grad.reshape(batch, -1, grad.shape[-1])
         if isinstance(module, nn.Linear):
             out: list[tuple[nn.Parameter, Contribution]] = [
-                (cast(nn.Parameter, module.weight), Factors(grad, x.reshape(batch, -1, x.shape[-1]).to(grad.dtype)))
+                (cast(nn.Parameter, module.weight), Factors(grad, _as_dtype(x.reshape(batch, -1, x.shape[-1]), grad)))
             ]
             if module.bias is not None:
                 out.append((cast(nn.Parameter, module.bias), grad.sum(1, dtype=torch.float32)))
@@ -350,6 +372,11 @@ class GhostGradNorms:
         inverse_rms = torch.rsqrt(mean_square.div_(hidden.shape[-1]).add_(module.variance_epsilon))
         normalised = hidden * inverse_rms.to(hidden.dtype)
         return [(cast(nn.Parameter, module.weight), (grad.to(hidden.dtype) * normalised).sum(1, dtype=torch.float32))]
+
+
+def _as_dtype(x: Tensor, like: Tensor) -> Tensor:
+    """`x` in `like`'s dtype (no operator call where it is already: the norms pass makes thousands)."""
+    return x if x.dtype == like.dtype else x.to(like.dtype)
 
 
 def _add_rows(total: Tensor, bucket: RowBucket | None, norms: Tensor) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 from torch import Tensor
@@ -75,24 +74,26 @@ def factor_inner(p: Factors, q: Factors) -> Tensor:
     batch, steps = p.right.shape[:2]
     if p is q and p.dense_is_cheaper:
         per_sample = (p.rows if p.indexed else p.left.shape[-1]) * p.right.shape[-1]
-        return torch.cat(
-            [
-                _self_dot(Factors(p.left[i : i + n], p.right[i : i + n], p.rows).dense())
-                for i, n in _chunks(batch, per_sample)
-            ]
-        )
+        return _joined([_self_dot(_sliced(p, i, n).dense()) for i, n in _chunks(batch, per_sample)])
     per_sample = steps * q.right.shape[1]
-    return torch.cat(
-        [
-            (
-                _left_gram(
-                    Factors(p.left[i : i + n], p.right[i : i + n]), Factors(q.left[i : i + n], q.right[i : i + n])
-                )
-                * torch.bmm(p.right[i : i + n], q.right[i : i + n].transpose(1, 2))
-            ).sum((1, 2), dtype=torch.float32)
-            for i, n in _chunks(batch, per_sample)
-        ]
-    )
+    return _joined([_gram_inner(_sliced(p, i, n), _sliced(q, i, n)) for i, n in _chunks(batch, per_sample)])
+
+
+def _gram_inner(p: Factors, q: Factors) -> Tensor:
+    """Per-sample sum_{t,s} <p.left_t, q.left_s> <p.right_t, q.right_s>: the two Gram matrices' inner product."""
+    return (_left_gram(p, q) * torch.bmm(p.right, q.right.transpose(1, 2))).sum((1, 2), dtype=torch.float32)
+
+
+def _sliced(p: Factors, start: int, count: int) -> Factors:
+    """Samples start .. start + count of p (p itself when that is all of them: no view to make)."""
+    if start == 0 and count == p.right.shape[0]:
+        return p
+    return Factors(p.left[start : start + count], p.right[start : start + count], p.rows)
+
+
+def _joined(chunks: list[Tensor]) -> Tensor:
+    """The chunks' per-sample values end to end (one chunk as it is: no copy kernel)."""
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def _self_dot(dense: Tensor) -> Tensor:
@@ -135,23 +136,33 @@ def squared_norm(parts: list[Contribution]) -> Tensor:
     """||sum of parts||^2 per sample: each part's own norm plus twice every cross term (tied weights)."""
     # the sums are of non-empty lists (of dense parts where there is one, of the parts a parameter has): tensors
     dense = [part for part in parts if isinstance(part, Tensor)]
-    parts = ([cast(Tensor, sum(dense))] if dense else []) + [part for part in parts if not isinstance(part, Tensor)]
-    total = cast(Tensor, sum(_pair_inner(p, p) for p in parts))
-    for j, p in enumerate(parts):
-        for q in parts[j + 1 :]:
-            total = total + 2 * _pair_inner(p, q)
+    parts = ([_added(dense)] if dense else []) + [part for part in parts if not isinstance(part, Tensor)]
+    terms = [_pair_inner(p, p) for p in parts]
+    terms += [2 * _pair_inner(p, q) for j, p in enumerate(parts) for q in parts[j + 1 :]]
+    return _added(terms)
+
+
+def _added(terms: list[Tensor]) -> Tensor:
+    """The sum of a non-empty list, with no kernel for a single term (Python's sum adds it to 0 first)."""
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
     return total
 
 
-def weighted_sum(part: Contribution, coefficients: Tensor, shape: torch.Size) -> Tensor:
-    """sum_i c_i G_i for one part, in the part's dtype: the parameter gradient of sum_i c_i log pi(tau_i),
-    one weight-gradient GEMM for factors."""
+def weighted_sum(part: Contribution, coefficients: Tensor, shape: torch.Size, total: Tensor | None = None) -> Tensor:
+    """sum_i c_i G_i for one part, the coefficients [B] in the part's dtype: the parameter gradient of
+    sum_i c_i log pi(tau_i), one weight-gradient GEMM for factors. Added in place into `total` when given
+    (another part's or bucket's sum, formed here: the addition rides in the same kernel)."""
     if isinstance(part, Tensor):
-        return torch.tensordot(coefficients.to(part.dtype), part, dims=1)
-    scaled = part.right * coefficients.to(part.right.dtype).view(-1, 1, 1)
+        term = torch.tensordot(coefficients, part, dims=1)
+        return term if total is None else total.add_(term)
+    scaled = part.right * coefficients.view(-1, 1, 1)
     if part.indexed:  # embedding rows: scatter each token's scaled output gradient into its row
-        return scaled.new_zeros(shape).index_add_(0, part.left.reshape(-1), scaled.flatten(0, 1))
-    return part.left.flatten(0, 1).T @ scaled.flatten(0, 1)
+        into = scaled.new_zeros(shape) if total is None else total
+        return into.index_add_(0, part.left.reshape(-1), scaled.flatten(0, 1))
+    left, right = part.left.flatten(0, 1).T, scaled.flatten(0, 1)
+    return left @ right if total is None else total.addmm_(left, right)
 
 
 def compact(part: Contribution) -> Contribution:

@@ -30,22 +30,26 @@ class RowBucket:
 
     rows: Tensor  # [b] long: the bucket's rows, as indices into the micro-batch's rows
     width: int  # its longest row
-    source: Tensor  # [n] long: the packed positions of the bucket's tokens
-    target: Tensor  # [n] long: where each goes in the bucket's [b, width], flattened
+    # [b * width] long: the packed position each place of the bucket's [b, width] takes its value from; a place
+    # past its row's end takes its own row's first token, so a non-finite token reaches no other row's norm
+    source: Tensor
+    padding: Tensor  # [p] long: the places past their row's end, flattened (empty when the rows are equal)
     # its rows are the micro-batch's, in order, each `width` long: the packed sequence is [b, width] already
     whole: bool = False
 
-    def unpack(self, packed: Tensor) -> Tensor:
+    def unpack(self, packed: Tensor, zero_padding: bool = True) -> Tensor:
         """A packed forward's [1, N, ...] tensor (a layer's input or output gradient) as this bucket's
-        [b, width, ...], zero where a row is shorter than the width (a view of `packed` for a `whole` bucket:
-        no copy, and no kernel)."""
-        flat = packed.flatten(0, 1)
-        rows = len(self.rows)
+        [b, width, ...]: one gather, and zeros past each row's end. A per-sample product of a layer's input and
+        its output gradient needs zeros in one of them only: `zero_padding=False` leaves the input's places
+        past a row's end holding that row's first token, one kernel fewer. A `whole` bucket is a view of
+        `packed`: no copy, and no kernel."""
+        shape = (len(self.rows), self.width, *packed.shape[2:])
         if self.whole:
-            return flat.view(rows, self.width, *flat.shape[1:])
-        out = flat.new_zeros(rows * self.width, *flat.shape[1:])
-        out.index_copy_(0, self.target, flat.index_select(0, self.source))
-        return out.view(rows, self.width, *flat.shape[1:])
+            return packed.view(shape)
+        out = packed.index_select(1, self.source)
+        if zero_padding and len(self.padding):
+            out.index_fill_(1, self.padding, 0)
+        return out.view(shape)
 
 
 def row_buckets(
@@ -114,15 +118,16 @@ class Packing:
         position = np.arange(int(ends[-1])) - (ends - sizes)[row]
         scored = np.flatnonzero(position < sizes[row] - 1)
         groups = row_buckets(lengths, bucket_cost)
+        starts = ends - sizes
         bucket_parts: list[np.ndarray] = []
         for members in groups:
-            slot = np.full(len(sizes), -1)  # each row's place in the bucket, -1 outside it
-            slot[members] = np.arange(len(members))
-            source = np.flatnonzero(slot[row] >= 0)  # the bucket's packed positions
+            width_k = int(sizes[members].max())
+            place = np.arange(width_k)[None, :]
+            inside = place < sizes[members][:, None]  # [b, width_k]
             bucket_parts += [
                 np.asarray(members),
-                source,
-                slot[row[source]] * int(sizes[members].max()) + position[source],
+                (starts[members][:, None] + np.where(inside, place, 0)).reshape(-1),
+                np.flatnonzero(~inside.reshape(-1)),
             ]
         indices = np.concatenate(
             [row * width + position, position, scored, row[scored] * (width - 1) + position[scored], *bucket_parts]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from learner.batch import collate, sequence_logprob_grad, token_logprobs
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
@@ -186,6 +189,64 @@ def test_packed_rows_in_length_buckets_give_the_padded_norms_and_gradients(tiny_
     formed = sample_grads.weighted_sum(coefficients)
     for param, want in zip(params, expected):
         assert torch.allclose(formed[param], want, rtol=1e-4, atol=1e-6 * want.abs().max()), param.shape
+
+
+class _OperatorCounts(TorchDispatchMode):
+    """How many times each aten operator runs (below autograd: what a GPU would launch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_packed_norms_pass_lays_out_a_shared_input_once_and_adds_each_buckets_norms_once(
+    tiny_qwen2_tied, monkeypatch
+):
+    """On a GPU a small model's norms pass is bound by the host launching kernels: layers that share their
+    input (q, k, v; gate, up) lay it out in buckets once, only output gradients get zeros past a row's end,
+    and each bucket's per-row norms reach the micro-batch's in one index_add, not one per layer."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.micro_batches import Packing, RowBucket
+    from learner.packing import packed_ids, packed_logits, packed_loss_mask, packing_support
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_tied, dtype=torch.float32)
+    assert packing_support(model)[0]  # attention within each row
+    samples = _samples(model.config.pad_token_id)
+    batch = collate(samples, model.config.pad_token_id)
+    packing = Packing.of(batch.attention_mask.sum(1).tolist(), batch.input_ids.shape[1], torch.device("cpu"), 0.0)
+    buckets = len(packing.buckets)
+    assert buckets > 1 and not any(bucket.whole for bucket in packing.buckets)
+    norms = GhostGradNorms(model)
+    inputs: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, args, _out: inputs.append(args[0])) for m in norms.modules]
+    with norms.recording():
+        logits = packed_logits(model, batch, packing)
+    for hook in hooks:
+        hook.remove()
+    calls, distinct = len(inputs), len({id(x) for x in inputs})
+    assert distinct < calls  # the model has layers that share their input
+    unpacked = Counter()
+    unpack = RowBucket.unpack
+
+    def counted(bucket, packed, zero_padding=True):
+        unpacked[zero_padding] += 1
+        return unpack(bucket, packed, zero_padding)
+
+    monkeypatch.setattr(RowBucket, "unpack", counted)
+    logits_grad = sequence_logprob_grad(
+        logits, packed_ids(batch, packing), packed_loss_mask(batch, packing), TEMPERATURE
+    )
+    with _OperatorCounts() as operators:
+        squared = norms.squared_norms(logits_grad, packed=packing)
+    assert unpacked == {True: buckets * calls, False: buckets * distinct}, (unpacked, calls, distinct)
+    assert operators.counts[torch.ops.aten.index_add_] == buckets
+    _, padded = _ghost(model, batch)
+    assert torch.allclose(squared, padded, rtol=1e-4, atol=0)
 
 
 # bf16 keeps 8 bits of mantissa: each product and each term of a norm is rounded by up to 2^-8 of itself. The

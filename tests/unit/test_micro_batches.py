@@ -175,11 +175,15 @@ def test_a_row_bucket_unpacks_its_own_rows_from_the_packed_sequence():
         rows = bucket.rows.tolist()
         assert bucket.width == max(lengths[r] for r in rows)
         laid = bucket.unpack(packed)
-        assert laid.shape == (len(rows), bucket.width, 3)
+        unzeroed = bucket.unpack(packed, zero_padding=False)
+        assert laid.shape == unzeroed.shape == (len(rows), bucket.width, 3)
         for slot, row in enumerate(rows):
             want = torch.arange(starts[row] + 1.0, starts[row] + lengths[row] + 1)
             assert torch.equal(laid[slot, : lengths[row], 0], want), row
+            assert torch.equal(unzeroed[slot, : lengths[row], 0], want), row
             assert not laid[slot, lengths[row] :].any(), row  # zeros past the row's end
+            # or, unzeroed, the row's own first token: a bad value in one row reaches no other row's products
+            assert (unzeroed[slot, lengths[row] :] == starts[row] + 1.0).all(), row
         seen += rows
     assert sorted(seen) == list(range(len(lengths)))
 
