@@ -263,8 +263,9 @@ class PerSampleNorms:
         return sequence_coefficients(token_coefficients, loss_mask)
 
     def _backward_gradients(self, grads: dict[torch.nn.Parameter, Tensor]) -> None:
-        """The engine's backward of <theta, grads>: hands `grads` to ZeRO's reduction without a model pass."""
-        self.engine.backward(sum((param * grad).sum() for param, grad in grads.items()))
+        """The engine's backward of a scalar whose gradient is `grads`: hands them to ZeRO's reduction without
+        a model pass, through one autograd node (not a product and a sum per parameter)."""
+        self.engine.backward(GivenGradients.apply(list(grads.values()), *grads))
 
     def baseline_metrics(self, batch: TrainBatch, step: StepValues) -> dict[str, Tensor]:
         """How far VCPO's baseline moved from the group mean, and the per-sample gradient norms (all ranks')."""
@@ -283,3 +284,18 @@ class PerSampleNorms:
             "opob/sample_grad_norm_max": norms.max(),
             "opob/fallback_to_loop": device_scalar(self.fallback_to_loop, self.device),
         }
+
+
+class GivenGradients(torch.autograd.Function):
+    """A zero scalar whose gradient with respect to each parameter is the one given, times the gradient the
+    scalar receives (the engine's 1 / accumulation steps and loss scale): one multiply over all of them."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: list[Tensor], *params: Tensor) -> Tensor:
+        ctx.grads = grads
+        return torch.zeros((), dtype=torch.float32, device=grads[0].device)
+
+    @staticmethod
+    def backward(ctx: Any, scale: Tensor) -> tuple[Tensor | None, ...]:
+        grads, ctx.grads = ctx.grads, None
+        return (None, *torch._foreach_mul(grads, scale))
