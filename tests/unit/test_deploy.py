@@ -86,6 +86,7 @@ def test_cloud_nodes_run_the_image_of_the_gpu_extras_vllm(name):
     assert f"FROM {image}" in dockerfile and "./install.sh gpu" in dockerfile
 
 
+@pytest.mark.slow  # 55 s in CI, asking the package index: run with -m slow when the pins change
 def test_the_gpu_extra_resolves_on_its_own():
     """pip resolves the gpu extra from the package index (metadata only; nothing is installed) to exactly
     its pins: they work together without the cpu extra beside them. A local build tag counts as its
