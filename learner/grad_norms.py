@@ -54,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from algorithms.errors import StableAsyncError
-from learner.grad_products import Contribution, Factors, compact, squared_norm, weighted_sum
+from learner.grad_products import Contribution, Factors, InputGramSum, compact, squared_norm, weighted_sum
 
 if TYPE_CHECKING:
     from learner.micro_batches import Packing, RowBucket
@@ -291,21 +291,35 @@ class GhostGradNorms:
         # each bucket's per-row norms of each call, summed once at the end: one kernel per bucket, not per call
         bucket_norms: list[list[Tensor]] = [[] for _ in buckets]
         # the last input laid out in buckets: calls that share their input (q, k and v; gate and up) lay it out
-        # once. Only the output gradient needs zeros past a row's end (`RowBucket.unpack`).
+        # once, and form its Gram once (`InputGramSum`). Only the output gradient needs zeros past a row's end
+        # (`RowBucket.unpack`).
         laid_for: Tensor | None = None
         laid: list[Tensor] = []
+        input_grams: list[InputGramSum] = [InputGramSum(len(buckets)) for _ in buckets]
+
+        def finish_input() -> None:
+            for norms, grams in zip(bucket_norms, input_grams, strict=True):
+                shared = grams.squared_norms()
+                if shared is not None:
+                    norms.append(shared)
 
         def unpacked_input(x: Tensor) -> list[Tensor]:
-            nonlocal laid_for, laid
-            if packed is None:
-                return [x.detach()]
+            nonlocal laid_for, laid, input_grams
             if laid_for is not x:
-                laid_for, laid = x, [bucket.unpack(x.detach(), zero_padding=False) for bucket in packed.buckets]
+                finish_input()
+                detached = x.detach()
+                laid_for, input_grams = x, [InputGramSum(len(buckets)) for _ in buckets]
+                laid = (
+                    [detached] if packed is None else [b.unpack(detached, zero_padding=False) for b in packed.buckets]
+                )
             return laid
 
         def consume(module: nn.Module, x: Tensor, grad: Tensor) -> None:
             """Add a call's norm now unless its parameter is shared, and keep what the caller needs."""
-            for bucket, rows_x, bucket_kept, norms in zip(buckets, unpacked_input(x), kept, bucket_norms, strict=True):
+            rows_xs = unpacked_input(x)
+            for bucket, rows_x, bucket_kept, norms, grams in zip(
+                buckets, rows_xs, kept, bucket_norms, input_grams, strict=True
+            ):
                 rows_grad = grad if bucket is None else bucket.unpack(grad)
                 rows = batch if bucket is None else len(bucket.rows)
                 for param, contribution in self._contributions(module, rows_x, rows_grad, rows):
@@ -313,7 +327,7 @@ class GhostGradNorms:
                         continue
                     if keep:
                         contribution = compact(contribution)
-                    if uses[id(param)] == 1:
+                    if uses[id(param)] == 1 and not grams.add(contribution):
                         norms.append(squared_norm([contribution]))
                     if keep or uses[id(param)] > 1:
                         bucket_kept.setdefault(param, []).append(contribution)
@@ -337,7 +351,8 @@ class GhostGradNorms:
         missed = [type(r.module).__name__ for r in records if r is not None]
         if missed:
             raise UncoveredParameters(f"no gradient reached the outputs of {missed[:5]} on the way to the first layer")
-        laid_for, laid = None, []
+        finish_input()
+        laid_for, laid, input_grams = None, [], []
         for bucket, bucket_kept, norms in zip(buckets, kept, bucket_norms, strict=True):
             norms += [squared_norm(parts) for param, parts in bucket_kept.items() if uses[id(param)] > 1]
             if norms:

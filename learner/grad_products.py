@@ -84,6 +84,43 @@ def _gram_inner(p: Factors, q: Factors) -> Tensor:
     return (_left_gram(p, q) * torch.bmm(p.right, q.right.transpose(1, 2))).sum((1, 2), dtype=torch.float32)
 
 
+class InputGramSum:
+    """Squared norms of the weight gradients of calls that share one input X (q, k and v; gate and up), per
+    sample: sum_j ||G_j^T X||^2 = <X X^T, sum_j G_j G_j^T>. The output gradients' Grams are summed as they come
+    (one accumulating product each) and the input's Gram is formed once for them all: one product and one
+    reduction for the group instead of one each per call. Calls whose own route is dense, or whose [B, T, T]
+    Grams are too large to hold (`alive`), are not taken (`add` says so) and go through `squared_norm`."""
+
+    def __init__(self, alive: int = 1) -> None:
+        """`alive`: how many sums are held at once (one per row bucket). Together they stay within half a Gram
+        chunk, so that with the input's Gram and their product formed at the end the norms pass stays within
+        the Gram chunks the memory model counts (`learner.memory_budget.LIVE_CHUNKS`)."""
+        self.max_elements = CHUNK_ELEMENTS // (2 * alive)
+        self.right: Tensor | None = None
+        self.left_gram: Tensor | None = None
+
+    def add(self, part: Contribution) -> bool:
+        """Take a call's factors (its left factor the output gradient, its right the shared input)."""
+        if isinstance(part, Tensor) or part.indexed or part.dense_is_cheaper:
+            return False
+        batch, steps = part.left.shape[:2]
+        if batch * steps * steps > self.max_elements:
+            return False
+        left_t = part.left.transpose(1, 2)
+        if self.left_gram is None:
+            self.right, self.left_gram = part.right, torch.bmm(part.left, left_t)
+        else:
+            self.left_gram.baddbmm_(part.left, left_t)
+        return True
+
+    def squared_norms(self) -> Tensor | None:
+        """[B] fp32, the sum over the calls taken; None when none was."""
+        if self.left_gram is None or self.right is None:
+            return None
+        right_gram = torch.bmm(self.right, self.right.transpose(1, 2))
+        return (self.left_gram * right_gram).sum((1, 2), dtype=torch.float32)
+
+
 def _sliced(p: Factors, start: int, count: int) -> Factors:
     """Samples start .. start + count of p (p itself when that is all of them: no view to make)."""
     if start == 0 and count == p.right.shape[0]:

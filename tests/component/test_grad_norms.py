@@ -203,12 +203,13 @@ class _OperatorCounts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_packed_norms_pass_lays_out_a_shared_input_once_and_adds_each_buckets_norms_once(
+def test_the_packed_norms_pass_lays_out_and_multiplies_a_shared_input_once_and_adds_each_buckets_norms_once(
     tiny_qwen2_tied, monkeypatch
 ):
     """On a GPU a small model's norms pass is bound by the host launching kernels: layers that share their
-    input (q, k, v; gate, up) lay it out in buckets once, only output gradients get zeros past a row's end,
-    and each bucket's per-row norms reach the micro-batch's in one index_add, not one per layer."""
+    input (q, k, v; gate, up) lay it out in buckets once and form its Gram once, only output gradients get
+    zeros past a row's end, and each bucket's per-row norms reach the micro-batch's in one index_add, not one
+    per layer."""
     from transformers import AutoModelForCausalLM
 
     from learner.micro_batches import Packing, RowBucket
@@ -245,6 +246,10 @@ def test_the_packed_norms_pass_lays_out_a_shared_input_once_and_adds_each_bucket
         squared = norms.squared_norms(logits_grad, packed=packing)
     assert unpacked == {True: buckets * calls, False: buckets * distinct}, (unpacked, calls, distinct)
     assert operators.counts[torch.ops.aten.index_add_] == buckets
+    # each layer's q, k and v, and its gate and up, add their output gradients' Grams into one (the first of
+    # a group forms it): the input's Gram is formed once per group
+    layers = model.config.num_hidden_layers
+    assert operators.counts[torch.ops.aten.baddbmm_] == buckets * layers * (2 + 1), operators.counts
     _, padded = _ghost(model, batch)
     assert torch.allclose(squared, padded, rtol=1e-4, atol=0)
 
