@@ -142,10 +142,24 @@ def packing_support(model: Any) -> tuple[bool, str]:
     return True, f"packed micro-batches (attention: {implementation} within each row)"
 
 
-def _attention_kwargs(packing: Packing) -> dict[str, Any]:
+class UnpackedAttention(RuntimeError):
+    """A packed forward of a model whose attention `packing_support` did not switch: its own attention would
+    take the placeholder mask as attend-everywhere, and every row would see the others."""
+
+
+def _attention_kwargs(model: Any, packing: Packing) -> dict[str, Any]:
     """The model's keyword arguments for a packed forward: position ids, the rows for the attention function,
     and a placeholder 4D mask, which transformers passes on as it is instead of building one (and reading the
-    position ids on the host to find the rows, as `find_packed_sequence_indices` does)."""
+    position ids on the host to find the rows, as `find_packed_sequence_indices` does). `model` (a DeepSpeed
+    engine, a peft or transformers model) must run the packed attention wrapper."""
+    inner = getattr(model, "module", model)  # a DeepSpeed engine's model
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft: the adapted model
+    implementation = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    if not (isinstance(implementation, str) and implementation.startswith(PACKED)):
+        raise UnpackedAttention(
+            f"a packed forward of {type(base).__name__}, whose attention is {implementation!r}, would attend across "
+            "rows: learner.packing.packing_support(model) switches it to the packed wrapper (or run padded rows)"
+        )
     device = packing.position_ids.device
     return {
         "position_ids": packing.position_ids,
@@ -168,7 +182,7 @@ def packed_token_logprobs(
     if head is None:
         return packed_logits_logprobs(packed_logits(model, micro, packing), micro, packing, temperature, with_entropy)
     ids = packed_ids(micro, packing)
-    hidden = head.decoder(input_ids=ids, **_attention_kwargs(packing)).last_hidden_state
+    hidden = head.decoder(input_ids=ids, **_attention_kwargs(head.decoder, packing)).last_hidden_state
     logprobs, entropy = fused_token_logprobs(hidden, head.head.weight, ids, temperature, with_entropy)
     return _in_rows(logprobs, micro, packing), _in_rows(entropy, micro, packing) if with_entropy else None
 
@@ -191,7 +205,7 @@ def packed_ids(micro: TrainBatch, packing: Packing) -> Tensor:
 
 def packed_logits(model: Any, micro: TrainBatch, packing: Packing) -> Tensor:
     """[1, N, V] logits of one packed forward of the micro-batch's rows (VCPO's norms start from their gradient)."""
-    return model(input_ids=packed_ids(micro, packing), **_attention_kwargs(packing)).logits
+    return model(input_ids=packed_ids(micro, packing), **_attention_kwargs(model, packing)).logits
 
 
 def packed_loss_mask(micro: TrainBatch, packing: Packing) -> Tensor:

@@ -114,6 +114,23 @@ def test_a_model_without_a_varlen_attention_keeps_padded_rows(tiny_qwen2):
     assert not supported and "eager" in why
 
 
+def test_a_packed_forward_of_a_model_whose_attention_was_not_switched_is_refused(tiny_qwen2):
+    """Its own SDPA would take the placeholder mask as attend-everywhere: each row's log-probs would depend on
+    the other rows. The error names what switches it."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.micro_batches import Packing
+    from learner.packing import UnpackedAttention, packed_logits, packing_support
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    micro = _batch(model.config.vocab_size)
+    packing = Packing.of(micro.attention_mask.sum(1).tolist(), micro.input_ids.shape[1], torch.device("cpu"))
+    with pytest.raises(UnpackedAttention, match="packing_support"):
+        packed_logits(model, micro, packing)
+    assert packing_support(model)[0]
+    assert packed_logits(model, micro, packing).shape[1] == sum(packing.lengths)
+
+
 CASES = {  # label -> LearnerSpec options (and the stabilizer's config): one pass with a reference and an entropy
     # bonus, two passes, decoupled; VCPO's norms by ghost (a second backward), book-keeping (groups split over
     # padded micro-batches carried in the score buffer) and ZeRO-3's norms forward of its own
