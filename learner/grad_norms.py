@@ -280,6 +280,8 @@ class GhostGradNorms:
         else:
             weight = self.output_layer.weight  # head.module is the output layer
             start, start_grad = head.input, (logits_grad.to(weight.dtype) @ weight).to(head.input.dtype)
+        if packed is not None and not packed.buckets:
+            raise ValueError("the packed micro-batch has no row buckets: plan it with the norms' bucket_cost")
         batch = logits_grad.shape[0] if packed is None else len(packed.lengths)
         calls = [r.module for r in records if r is not None] + [head.module]
         uses = Counter(id(p) for module in calls for p in _trained_parameters(module))

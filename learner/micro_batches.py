@@ -101,7 +101,7 @@ class Packing:
     scored: Tensor  # [M] long: the packed positions whose next token is in their row (all but each row's last)
     targets_at: Tensor  # [M] long: where their log-probs go in the micro-batch's [b, width - 1], flattened
     cu_seqlens: Tensor  # [b + 1] int32: where each row starts in the packed sequence, and N (varlen attention)
-    buckets: tuple[RowBucket, ...]  # the rows by length, for the per-sample products
+    buckets: tuple[RowBucket, ...]  # the rows by length, for the per-sample products (none for a step without)
 
     @property
     def max_length(self) -> int:
@@ -110,14 +110,14 @@ class Packing:
     @classmethod
     def of(cls, lengths: list[int], width: int, device: torch.device, bucket_cost: float = math.inf) -> Packing:
         """Formed on the host (numpy: no tensor read the step's host-read count would see) and copied to
-        `device` at once, before the step's loop. `bucket_cost`: see `row_buckets` (infinite: one bucket, for
-        a step without per-sample products)."""
+        `device` at once, before the step's loop. `bucket_cost`: see `row_buckets`; infinite for a step without
+        per-sample products, which then gets no buckets (their indices would be a transfer for nothing)."""
         sizes = np.asarray(lengths, dtype=np.int64)
         ends = np.cumsum(sizes)
         row = np.repeat(np.arange(len(sizes)), sizes)  # [N] each packed token's row
         position = np.arange(int(ends[-1])) - (ends - sizes)[row]
         scored = np.flatnonzero(position < sizes[row] - 1)
-        groups = row_buckets(lengths, bucket_cost)
+        groups = [] if math.isinf(bucket_cost) else row_buckets(lengths, bucket_cost)
         starts = ends - sizes
         bucket_parts: list[np.ndarray] = []
         for members in groups:

@@ -254,6 +254,28 @@ def test_the_packed_norms_pass_lays_out_and_multiplies_a_shared_input_once_and_a
     assert torch.allclose(squared, padded, rtol=1e-4, atol=0)
 
 
+def test_norms_of_a_packing_planned_without_row_buckets_are_refused(tiny_qwen2_tied):
+    """A step without per-sample products plans no buckets; norms over it would be zeros, not an error."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.micro_batches import Packing
+    from learner.packing import packed_ids, packed_logits, packed_loss_mask, packing_support
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_tied, dtype=torch.float32)
+    assert packing_support(model)[0]
+    batch = collate(_samples(model.config.pad_token_id), model.config.pad_token_id)
+    packing = Packing.of(batch.attention_mask.sum(1).tolist(), batch.input_ids.shape[1], torch.device("cpu"))
+    assert packing.buckets == ()
+    norms = GhostGradNorms(model)
+    with norms.recording():
+        logits = packed_logits(model, batch, packing)
+    logits_grad = sequence_logprob_grad(
+        logits, packed_ids(batch, packing), packed_loss_mask(batch, packing), TEMPERATURE
+    )
+    with pytest.raises(ValueError, match="bucket_cost"):
+        norms.squared_norms(logits_grad, packed=packing)
+
+
 # bf16 keeps 8 bits of mantissa: each product and each term of a norm is rounded by up to 2^-8 of itself. The
 # norms' rounding errors are independent across their many terms, so two roundings bound them: 2^-7.
 BF16_NORM_RTOL = 2**-7

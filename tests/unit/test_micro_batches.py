@@ -160,8 +160,8 @@ def test_a_bucket_that_costs_more_than_its_padding_saves_is_not_made():
         assert best <= _gram_cost(lengths, groups) + len(groups) * bucket_cost <= 1.1 * best, bucket_cost
     assert micro_batches.row_buckets(lengths, bucket_cost=1e7) == [list(range(6))]  # more than any split saves
     assert micro_batches.row_buckets(lengths, bucket_cost=math.inf) == [list(range(6))]
-    packing = micro_batches.Packing.of(lengths, 620, torch.device("cpu"))  # no per-sample products: one bucket
-    assert len(packing.buckets) == 1 and packing.buckets[0].width == 620
+    packing = micro_batches.Packing.of(lengths, 620, torch.device("cpu"))  # no per-sample products: no buckets
+    assert packing.buckets == ()
 
 
 def test_a_row_bucket_unpacks_its_own_rows_from_the_packed_sequence():
