@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from algorithms.errors import StableAsyncError
 from learner.batch import TrainBatch, token_logprobs, token_logprobs_and_entropy
 from learner.fused_head import FusedHead, fused_token_logprobs
 from learner.micro_batches import Packing
@@ -142,7 +143,7 @@ def packing_support(model: Any) -> tuple[bool, str]:
     return True, f"packed micro-batches (attention: {implementation} within each row)"
 
 
-class UnpackedAttention(RuntimeError):
+class UnpackedAttention(StableAsyncError, RuntimeError):
     """A packed forward of a model whose attention `packing_support` did not switch: its own attention would
     take the placeholder mask as attend-everywhere, and every row would see the others."""
 
