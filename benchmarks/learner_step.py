@@ -24,6 +24,7 @@ names) under torch.profiler and prints the share of it some GPU kernel was runni
 a 4x spread (the 90th percentile 4 times the 10th), clipped to [32, MAX] tokens. A configuration named
 `-padded` runs its stabilizer with learner.packed_micro_batches off (right-padded rows, a budget of rows x
 longest row); the table then gives each one's real tokens per second and, for each pair, packed over padded.
+`-logits`: learner.fused_output_layer off, the model's own [tokens, vocabulary] logits (VCPO's norms from them).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import torch
 
 from learner.lora import LoraSpec
 
+EVERY_LINEAR_LAYER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # label -> (stabilizer, its config, LearnerSpec options)
 CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "none": ("none", {}, {}),
@@ -58,6 +60,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "tis_seq-padded": ("tis_seq", {}, {"packed_micro_batches": False}),
     "m2po-padded": ("m2po", {}, {"packed_micro_batches": False}),
     "vcpo-auto-padded": ("vcpo", {"opob_impl": "auto"}, {"packed_micro_batches": False}),
+    "tis_seq-logits": ("tis_seq", {}, {"fused_output_layer": False}),  # the model's own [N, V] logits
+    "vcpo-auto-logits": ("vcpo", {"opob_impl": "auto"}, {"fused_output_layer": False}),
     # learner.gradient_checkpointing: activations recomputed layer by layer in the backward
     "tis_seq-gc": ("tis_seq", {}, {"gradient_checkpointing": True}),
     # algorithm.proximal: recompute, with one update and with learner.mini_batches 2 x learner.epochs 2
@@ -67,15 +71,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "tis_seq-kl": ("tis_seq", {}, {"kl_coef": 1e-3}),
     "tis_seq-entropy": ("tis_seq", {}, {"entropy_coef": 1e-3}),
     # model.lora rank 16 on every linear layer: adapter gradients and optimizer state only
-    "tis_seq-lora": (
-        "tis_seq",
-        {},
-        {
-            "lora": LoraSpec(
-                16, 32.0, 0.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-            )
-        },
-    ),
+    "tis_seq-lora": ("tis_seq", {}, {"lora": LoraSpec(16, 32.0, 0.0, EVERY_LINEAR_LAYER)}),
 }
 REFERENCE = "tis_seq"
 GROUP_SIZE = 8

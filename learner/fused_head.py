@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from learner.batch import chunk_logits_gradient, position_chunks, token_logprobs
+from learner.head_norms import HeadGradient
 
 
 class _FusedTargetLogprobs(torch.autograd.Function):
@@ -26,7 +27,9 @@ class _FusedTargetLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool
-    ) -> tuple[Tensor, Tensor]:  # hidden [N, d], weight [V, d], targets [N]
+    ) -> tuple[Tensor, Tensor, Tensor]:  # hidden [N, d], weight [V, d], targets [N]
+        """The log-probs [N], the entropies ([N], or empty) and the log-normalisers logsumexp(h W^T / T) [N]
+        (not differentiable: what VCPO's norms rebuild the softmax from, `learner.head_norms`)."""
         ctx.set_materialize_grads(False)
         logprobs = torch.empty(hidden.shape[0], dtype=_reduced_dtype(hidden), device=hidden.device)
         normalisers = torch.empty_like(logprobs)
@@ -40,13 +43,15 @@ class _FusedTargetLogprobs(torch.autograd.Function):
                 entropy[rows] = -(log_p.exp() * log_p).sum(dim=-1)
         ctx.save_for_backward(hidden, weight, targets, normalisers, entropy)
         ctx.temperature = temperature
-        return logprobs, entropy
+        ctx.mark_non_differentiable(normalisers)
+        return logprobs, entropy, normalisers
 
     @staticmethod
     def backward(
         ctx: Any,
         grad_logprobs: Tensor | None,
         grad_entropy: Tensor | None,  # type: ignore[override]
+        grad_normalisers: Tensor | None,
     ) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         """Per chunk: the logits' gradient (`chunk_logits_gradient`), then dh = dlogits W and dW += dlogits^T h."""
         hidden, weight, targets, normalisers, entropy = ctx.saved_tensors
@@ -90,11 +95,37 @@ def fused_token_logprobs(
     batch, length, width = hidden.shape
     # score every position against the next token (the last one against a dummy) so the hidden states stay a view
     targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
-    logprobs, entropy = _FusedTargetLogprobs.apply(
+    logprobs, entropy, _ = _FusedTargetLogprobs.apply(
         hidden.reshape(batch * length, width), weight, targets, float(temperature), with_entropy
     )
     entropy = entropy.view(batch, length)[:, :-1] if with_entropy else entropy
     return logprobs.view(batch, length)[:, :-1], entropy
+
+
+def fused_logprobs_and_gradient(
+    hidden: Tensor, weight: Tensor, input_ids: Tensor, loss_mask: Tensor, rows: Tensor, temperature: float
+) -> tuple[Tensor, Tensor, HeadGradient]:
+    """`fused_token_logprobs` with the entropy, [B, L-1] each, and the gradient of the masked log-prob sum
+    sum_i log pi(tau_i) at the logits, never formed whole (`HeadGradient`): where VCPO's per-sample norms
+    start. `loss_mask` [B, L-1]; `rows` [B * L], each position's sample in the micro-batch."""
+    batch, length, width = hidden.shape
+    flat = hidden.reshape(batch * length, width)
+    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
+    logprobs, entropy, normalisers = _FusedTargetLogprobs.apply(flat, weight, targets, float(temperature), True)
+    # d log p_t[target_t] / d logits is (onehot - p_t) / T: each position's scale is its mask over T, and 0 at
+    # each row's last position, whose next token is a dummy
+    scale = torch.cat([loss_mask.float(), loss_mask.new_zeros(batch, 1, dtype=torch.float32)], dim=1)
+    gradient = HeadGradient(
+        start=hidden,
+        hidden=flat.detach(),
+        weight=weight.detach(),
+        targets=targets,
+        scale=scale.reshape(-1).div_(temperature),
+        normalisers=normalisers,
+        rows=rows,
+        temperature=float(temperature),
+    )
+    return logprobs.view(batch, length)[:, :-1], entropy.view(batch, length)[:, :-1], gradient
 
 
 # How far the fused log-probs may differ from the model's own logits on the probe and still be the same function:

@@ -15,7 +15,10 @@ the learner falls back (loudly) to the reference loop.
 
 The backward starts below the output layer, from the closed-form gradient of the logits that the
 caller passes: a training engine's hooks on the logits (DeepSpeed's backward prologue and epilogue)
-then see only the real loss backward.
+then see only the real loss backward. Where the output layer is fused with the log-softmax, the caller
+passes a `HeadGradient` instead (`learner/head_norms.py`): the output layer's share (the gradient at the
+hidden states, its own norm, a tied embedding's cross term, book-keeping's update) is formed one vocabulary
+chunk at a time, and no [tokens, vocabulary] tensor exists.
 
 `ghost` (`squared_norms`) keeps only the norms; the caller's loss backward follows. `bookkeeping`
 (`sample_gradients`) also keeps every per-sample gradient, so the caller forms the update
@@ -55,6 +58,7 @@ from torch import Tensor, nn
 
 from algorithms.errors import StableAsyncError
 from learner.grad_products import Contribution, Factors, InputGramSum, compact, squared_norm, weighted_sum
+from learner.head_norms import HeadGradient, HeadRows
 
 if TYPE_CHECKING:
     from learner.micro_batches import Packing, RowBucket
@@ -119,6 +123,8 @@ class SampleGradients:
     # per-sample gradients of that bucket's rows
     parts: list[dict[nn.Parameter, list[Contribution]]] | None = None
     bucket_rows: list[Tensor] | None = None  # each bucket's rows in the micro-batch; None: one bucket of all
+    # the output layer's weight and its per-sample gradients, formed again by vocabulary chunk (a fused head)
+    head: tuple[nn.Parameter, HeadGradient] | None = None
 
     def weighted_sum(self, coefficients: Tensor, fp32: bool = False) -> dict[nn.Parameter, Tensor]:
         """Each parameter's sum_i c_i grad log pi(tau_i), in the parameter's dtype (or fp32, to accumulate)."""
@@ -135,13 +141,18 @@ class SampleGradients:
                     if dtype not in scales:
                         scales[dtype] = scale.to(dtype)
                     sums[param] = weighted_sum(part, scales[dtype], param.shape, sums.get(param))
+        if self.head is not None:
+            param, gradient = self.head
+            sums[param] = gradient.weighted_sum(coefficients, sums.get(param))
         return {param: total.to(torch.float32 if fp32 else param.dtype) for param, total in sums.items()}
 
 
 class GhostGradNorms:
     """Per-sample squared gradient norms of a HF causal LM from one batched backward."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, fused_head: bool = False) -> None:
+        """`fused_head`: the norms will start from the hidden states (`HeadGradient`), so book-keeping keeps
+        no factors of the logits' gradient."""
         # a HF model's method, which nn.Module's typing would take for a tensor or submodule attribute
         output_layer = cast(Any, model).get_output_embeddings()
         if not isinstance(output_layer, nn.Linear):
@@ -157,6 +168,12 @@ class GhostGradNorms:
                 f"no ghost-norm rule for parameters {missing[:5]}"
                 + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             )
+        # a fused head's rule covers its weight alone or tied to an embedding (the cross term, `HeadRows`)
+        head_weight = self.output_layer.weight
+        sharing = [
+            m for m in self.modules if m is not output_layer and any(p is head_weight for p in _trained_parameters(m))
+        ]
+        self.fused_head = fused_head and (not sharing or (len(sharing) == 1 and isinstance(sharing[0], nn.Embedding)))
         self._records: list[_Record | None] = []
         self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._consumer: Callable[[int, Tensor], None] | None = None
@@ -168,7 +185,9 @@ class GhostGradNorms:
         for module in self.modules:
             if not _trained_parameters(module):
                 continue
-            if isinstance(module, nn.Linear):
+            if module is self.output_layer and self.fused_head:  # the hidden states, formed again by chunk
+                numbers += steps * module.in_features
+            elif isinstance(module, nn.Linear):
                 rows, cols = module.out_features, module.in_features
                 numbers += min(rows * cols, steps * (rows + cols)) + (rows if module.bias is not None else 0)
             elif isinstance(module, nn.Embedding):
@@ -231,9 +250,13 @@ class GhostGradNorms:
             handle.remove()
         self._records, self._grad_hooks, self._consumer = [], [], None
 
-    def squared_norms(self, logits_grad: Tensor, from_logits: bool = False, packed: Packing | None = None) -> Tensor:
+    def squared_norms(
+        self, logits_grad: Tensor | HeadGradient, from_logits: bool = False, packed: Packing | None = None
+    ) -> Tensor:
         """||grad_theta log pi(tau_i)||^2 for each sample, [B] fp32, given d(sum_i log pi(tau_i))/d logits
-        ([B, L, V], e.g. `sequence_logprob_grad`).
+        ([B, L, V], e.g. `sequence_logprob_grad`), or what forms it by vocabulary chunk (`HeadGradient`, from a
+        forward whose output layer was fused: the backward starts at the hidden states, and `from_logits` only
+        frees the graph).
 
         By default the backward starts below the output layer (which needs its whole weight, so not
         under ZeRO-3) and the forward graph stays for the loss backward. `from_logits` starts at the
@@ -243,7 +266,7 @@ class GhostGradNorms:
         """
         return self._backward(logits_grad, from_logits, keep=False, packed=packed).squared_norms
 
-    def sample_gradients(self, logits_grad: Tensor, packed: Packing | None = None) -> SampleGradients:
+    def sample_gradients(self, logits_grad: Tensor | HeadGradient, packed: Packing | None = None) -> SampleGradients:
         """Book-keeping: the norms and every per-sample gradient from one backward, which frees the graph.
 
         The caller forms its update with `SampleGradients.weighted_sum` once it knows each sample's
@@ -251,47 +274,79 @@ class GhostGradNorms:
         """
         return self._backward(logits_grad, from_logits=False, keep=True, packed=packed)
 
-    def _backward(self, logits_grad: Tensor, from_logits: bool, keep: bool, packed: Packing | None) -> SampleGradients:
+    def _backward(
+        self, logits_grad: Tensor | HeadGradient, from_logits: bool, keep: bool, packed: Packing | None
+    ) -> SampleGradients:
         records = self._records
+        device = logits_grad.hidden.device if isinstance(logits_grad, HeadGradient) else logits_grad.device
         try:
-            with _tensor_core_products(logits_grad.device):
+            with _tensor_core_products(device):
                 return self._run_backward(records, logits_grad, from_logits, keep, packed)
         finally:
             records.clear()
             self._release()
 
     def _run_backward(
-        self, records: list[_Record | None], logits_grad: Tensor, from_logits: bool, keep: bool, packed: Packing | None
+        self,
+        records: list[_Record | None],
+        logits_grad: Tensor | HeadGradient,
+        from_logits: bool,
+        keep: bool,
+        packed: Packing | None,
     ) -> SampleGradients:
+        fused = isinstance(logits_grad, HeadGradient)
         heads = [i for i, r in enumerate(records) if r is not None and r.module is self.output_layer]
-        if len(heads) != 1 or heads[0] == 0:
-            raise RuntimeError(f"squared_norms needs one recorded forward inside recording(), saw {len(heads)}")
-        head, first = records[heads[0]], records[0]
+        if len(heads) != (0 if fused else 1) or not records or (heads and heads[0] == 0):
+            raise RuntimeError(
+                f"squared_norms needs one recorded forward inside recording(), saw {len(heads)} calls of the output "
+                "layer" + (" (its gradient was given from the hidden states, so it should not run)" if fused else "")
+            )
+        first = records[0]
         # recording() appends only records, and only the backward below consumes them; it keeps the output of
         # the first call and of the output layer
-        assert head is not None and head.output is not None, "the output layer's record keeps its output"
         assert first is not None and first.output is not None, "the first call's record keeps its output"
-        records[heads[0]] = None
+        head: _Record | None = None
+        if not fused:
+            head, records[heads[0]] = records[heads[0]], None
+            assert head is not None and head.output is not None, "the output layer's record keeps its output"
         first_output = first.output
-        logits_grad = logits_grad.to(head.input.dtype)  # the model's dtype: products on tensor cores
-        start: Tensor
-        if from_logits:
-            start, start_grad = head.output, logits_grad.to(head.output.dtype)
-        else:
-            weight = self.output_layer.weight  # head.module is the output layer
-            start, start_grad = head.input, (logits_grad.to(weight.dtype) @ weight).to(head.input.dtype)
         if packed is not None and not packed.buckets:
             raise ValueError("the packed micro-batch has no row buckets: plan it with the norms' bucket_cost")
-        batch = logits_grad.shape[0] if packed is None else len(packed.lengths)
-        calls = [r.module for r in records if r is not None] + [head.module]
+        if isinstance(logits_grad, HeadGradient):
+            batch = logits_grad.start.shape[0] if packed is None else len(packed.lengths)
+        else:
+            batch = logits_grad.shape[0] if packed is None else len(packed.lengths)
+        calls = [r.module for r in records if r is not None] + [self.output_layer]
         uses = Counter(id(p) for module in calls for p in _trained_parameters(module))
-        total = torch.zeros(batch, dtype=torch.float32, device=logits_grad.device)
+        head_weight = self.output_layer.weight
+        total = torch.zeros(batch, dtype=torch.float32, device=first_output.device)
         # packed rows are laid out bucket by bucket (rows of similar length, `Packing.buckets`): the Gram
         # products cost each bucket's width squared, not the longest row's
-        buckets = [None] if packed is None else list(packed.buckets)
+        buckets: list[RowBucket | None] = [None] if packed is None else list(packed.buckets)
         kept: list[dict[nn.Parameter, list[Contribution]]] = [{} for _ in buckets]
         # each bucket's per-row norms of each call, summed once at the end: one kernel per bucket, not per call
         bucket_norms: list[list[Tensor]] = [[] for _ in buckets]
+        start: Tensor
+        start_grad: Tensor
+        head_rows: list[HeadRows] | None = None
+        if isinstance(logits_grad, HeadGradient):
+            if uses[id(head_weight)] > 2 or (uses[id(head_weight)] == 2 and not isinstance(first.module, nn.Embedding)):
+                raise UncoveredParameters(
+                    "the output layer's weight is shared beyond the embedding: no fused head rule"
+                )
+            start = logits_grad.start
+            start_grad, head_norms, head_rows = logits_grad.norms_pass(buckets, batch, head_weight.requires_grad)
+            for norms, own in zip(bucket_norms, head_norms, strict=True):
+                if own is not None:
+                    norms.append(own)
+        else:
+            assert head is not None and head.output is not None, "an unfused head's record was taken above"
+            logits_grad = logits_grad.to(head.input.dtype)  # the model's dtype: products on tensor cores
+            if from_logits:
+                start, start_grad = head.output, logits_grad.to(head.output.dtype)
+            else:
+                start_grad = (logits_grad.to(head_weight.dtype) @ head_weight).to(head.input.dtype)
+                start = head.input
         # the last input laid out in buckets: calls that share their input (q, k and v; gate and up) lay it out
         # once, and form its Gram once (`InputGramSum`). Only the output gradient needs zeros past a row's end
         # (`RowBucket.unpack`).
@@ -319,13 +374,20 @@ class GhostGradNorms:
         def consume(module: nn.Module, x: Tensor, grad: Tensor) -> None:
             """Add a call's norm now unless its parameter is shared, and keep what the caller needs."""
             rows_xs = unpacked_input(x)
-            for bucket, rows_x, bucket_kept, norms, grams in zip(
-                buckets, rows_xs, kept, bucket_norms, input_grams, strict=True
+            for k, (bucket, rows_x, bucket_kept, norms, grams) in enumerate(
+                zip(buckets, rows_xs, kept, bucket_norms, input_grams, strict=True)
             ):
                 rows_grad = grad if bucket is None else bucket.unpack(grad)
                 rows = batch if bucket is None else len(bucket.rows)
                 for param, contribution in self._contributions(module, rows_x, rows_grad, rows):
                     if not param.requires_grad:  # a frozen output layer
+                        continue
+                    if head_rows is not None and param is head_weight:  # the embedding tied to a fused head
+                        assert isinstance(contribution, Factors) and isinstance(logits_grad, HeadGradient)
+                        cross = head_rows[k].cross_inner(logits_grad.weight, contribution, logits_grad.temperature)
+                        norms.append(squared_norm([contribution]) + 2 * cross)
+                        if keep:
+                            bucket_kept.setdefault(param, []).append(compact(contribution))
                         continue
                     if keep:
                         contribution = compact(contribution)
@@ -339,7 +401,9 @@ class GhostGradNorms:
             if record is not None:
                 consume(record.module, record.input, grad)
 
-        consume(head.module, head.input, logits_grad)
+        if head is not None:
+            assert isinstance(logits_grad, Tensor), "an unfused head starts from the logits' gradient"
+            consume(head.module, head.input, logits_grad)
         del head
         self._consumer = on_grad
         # Asking only for the first layer's output runs the whole backward below `start` while each
@@ -356,12 +420,21 @@ class GhostGradNorms:
         finish_input()
         laid_for, laid, input_grams = None, [], []
         for bucket, bucket_kept, norms in zip(buckets, kept, bucket_norms, strict=True):
-            norms += [squared_norm(parts) for param, parts in bucket_kept.items() if uses[id(param)] > 1]
+            # a fused head's tied weight had its cross term when the embedding's gradient came (`consume`)
+            norms += [
+                squared_norm(parts)
+                for param, parts in bucket_kept.items()
+                if uses[id(param)] > 1 and not (head_rows is not None and param is head_weight)
+            ]
             if norms:
                 _add_rows(total, bucket, torch.stack(norms).sum(0))
         if not keep:
             return SampleGradients(total)
-        return SampleGradients(total, kept, None if packed is None else [bucket.rows for bucket in packed.buckets])
+        fused_head = None
+        if isinstance(logits_grad, HeadGradient) and head_weight.requires_grad:
+            fused_head = (cast(nn.Parameter, head_weight), logits_grad)
+        bucket_rows = None if packed is None else [bucket.rows for bucket in packed.buckets]
+        return SampleGradients(total, kept, bucket_rows, fused_head)
 
     @staticmethod
     def _contributions(

@@ -41,8 +41,7 @@ class Factors:
         steps, cols = self.right.shape[1], self.right.shape[-1]
         if self.indexed:  # dense: a scatter of the T rows and the squared sum; Gram: a compare and one product
             return steps * cols + 2 * self.rows * cols <= 2 * steps * steps * cols + 3 * steps * steps
-        rows = self.left.shape[-1]
-        return 2 * steps * rows * cols + 2 * rows * cols <= 2 * steps * steps * (rows + cols) + 2 * steps * steps
+        return dense_costs_less(steps, self.left.shape[-1], cols)
 
     def dense(self) -> Tensor:
         """The per-sample gradient [B, m, n] itself."""
@@ -55,6 +54,13 @@ class Factors:
     @property
     def indexed(self) -> bool:
         return self.left.dim() == 2
+
+
+def dense_costs_less(steps: int, rows: int, cols: int) -> bool:
+    """Whether a squared norm of sum_t a_t (x) b_t over `steps` positions, a_t of `rows` numbers and b_t of
+    `cols`, costs fewer FLOPs through the dense [rows, cols] gradient (form it, then its squared sum) than
+    through the two [steps, steps] Gram matrices and their inner product."""
+    return 2 * steps * rows * cols + 2 * rows * cols <= 2 * steps * steps * (rows + cols) + 2 * steps * steps
 
 
 def _left_gram(p: Factors, q: Factors) -> Tensor:
@@ -74,9 +80,9 @@ def factor_inner(p: Factors, q: Factors) -> Tensor:
     batch, steps = p.right.shape[:2]
     if p is q and p.dense_is_cheaper:
         per_sample = (p.rows if p.indexed else p.left.shape[-1]) * p.right.shape[-1]
-        return _joined([_self_dot(_sliced(p, i, n).dense()) for i, n in _chunks(batch, per_sample)])
+        return _joined([self_dot(_sliced(p, i, n).dense()) for i, n in sample_chunks(batch, per_sample)])
     per_sample = steps * q.right.shape[1]
-    return _joined([_gram_inner(_sliced(p, i, n), _sliced(q, i, n)) for i, n in _chunks(batch, per_sample)])
+    return _joined([_gram_inner(_sliced(p, i, n), _sliced(q, i, n)) for i, n in sample_chunks(batch, per_sample)])
 
 
 def _gram_inner(p: Factors, q: Factors) -> Tensor:
@@ -133,13 +139,15 @@ def _joined(chunks: list[Tensor]) -> Tensor:
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
-def _self_dot(dense: Tensor) -> Tensor:
+def self_dot(dense: Tensor) -> Tensor:
     """Per-sample squared norm of [B, ...], [B] fp32: a reduction that accumulates in fp32, without an
     fp32 copy (a batched [1, n] x [n, 1] product would run as matrix-vector kernels)."""
     return torch.linalg.vector_norm(dense.flatten(1), dim=1, dtype=torch.float32).square()
 
 
-def _chunks(batch: int, elements_per_sample: int) -> Iterator[tuple[int, int]]:
+def sample_chunks(batch: int, elements_per_sample: int) -> Iterator[tuple[int, int]]:
+    """(start, count) of runs of samples whose temporaries of `elements_per_sample` each hold at most
+    CHUNK_ELEMENTS numbers together."""
     size = max(1, CHUNK_ELEMENTS // max(1, elements_per_sample))
     for start in range(0, batch, size):
         yield start, min(size, batch - start)
@@ -152,7 +160,7 @@ Contribution = Factors | Tensor
 def _dense_inner(dense: Tensor, other: Contribution) -> Tensor:
     """Per-sample <G, H>, [B] fp32, for a dense G [B, ...] against a dense or factored H."""
     if other is dense:
-        return _self_dot(dense)
+        return self_dot(dense)
     if isinstance(other, Tensor):
         return (dense * other).flatten(1).sum(1, dtype=torch.float32)
     if other.indexed:  # G [B, V, d] against sum_t onehot(id_t) (x) right_t: rows of G at the ids

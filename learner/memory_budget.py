@@ -95,20 +95,27 @@ def activation_bytes_per_token(shape: ModelShape, dtype_bytes: int, gradient_che
     return dtype_bytes * (shape.layers + 1) * per_layer
 
 
-def logits_bytes_per_token(shape: ModelShape, dtype_bytes: int, per_sample_norms: bool) -> int:
+def logits_bytes_per_token(
+    shape: ModelShape, dtype_bytes: int, per_sample_norms: bool, fused_head: bool = False
+) -> int:
     """The [tokens, vocab] logits and their gradient in the model's dtype; per-sample norms add
-    `sequence_logprob_grad`'s fp32 logits gradient and the norms' own backward from it."""
+    `sequence_logprob_grad`'s fp32 logits gradient and the norms' own backward from it. A fused output layer
+    (learner/fused_head.py) forms the logits a chunk at a time (the capped terms): per token, the gradient at
+    the hidden states, and for the norms their fp32 start and the hidden states laid out in row buckets."""
+    if fused_head:
+        return dtype_bytes * shape.hidden + ((4 + dtype_bytes) * shape.hidden if per_sample_norms else 0)
     numbers = 2 * dtype_bytes * shape.vocab
     return numbers + (4 * (shape.vocab + shape.hidden) if per_sample_norms else 0)
 
 
-def kept_gradient_bytes_per_token(shape: ModelShape) -> int:
+def kept_gradient_bytes_per_token(shape: ModelShape, fused_head: bool = False) -> int:
     """Book-keeping without a budget: each linear weight's per-sample gradient factors, (out + in) fp32
     numbers per token (the dense form, when smaller, is kept instead: this is the bound), and the output
-    layer's and the embedding's."""
+    layer's (a fused one keeps only its input, learner/head_norms.py) and the embedding's."""
     q, kv, h, i = shape.query_width, shape.key_value_width, shape.hidden, shape.intermediate
     per_layer = (h + q) + 2 * (h + kv) + (q + h) + 3 * (h + i)
-    return 4 * (shape.layers * per_layer + shape.vocab + 2 * h + 2)
+    head = h if fused_head else shape.vocab + h
+    return 4 * (shape.layers * per_layer + head + h + 2)
 
 
 @dataclass(frozen=True)
@@ -139,15 +146,17 @@ def step_memory(
     per_sample_norms: bool,
     kept_gradient_cap_bytes: float = 0.0,
     later_bytes: int = 0,
+    fused_head: bool = False,
 ) -> StepMemory:
     """The step's memory model for rows of up to `sequence_tokens`. `kept_gradient_cap_bytes`: what
     book-keeping may keep (VCPO's bookkeeping_budget_mb under `auto`, which counts the score buffer too;
     0 without book-keeping; infinite when book-keeping is forced, and then also the score buffer).
     `later_bytes`: what the rank takes after the budget is chosen, so not yet gone from the free memory:
-    AdamW's moments (torch makes them at the first step) and a KL term's reference copy."""
+    AdamW's moments (torch makes them at the first step) and a KL term's reference copy. `fused_head`: the
+    output layer runs fused with the log-softmax (`learner.policy.fused_head_of` found it does)."""
     per_token = (
         activation_bytes_per_token(shape, dtype_bytes, gradient_checkpointing)
-        + logits_bytes_per_token(shape, dtype_bytes, per_sample_norms)
+        + logits_bytes_per_token(shape, dtype_bytes, per_sample_norms, fused_head)
         + MASK_BYTES_PER_POSITION * sequence_tokens
     )
     fixed = 4 * GRADIENT_COPIES * trained_parameters + later_bytes
@@ -155,10 +164,28 @@ def step_memory(
     if per_sample_norms:  # a [rows, T, T] Gram chunk is T numbers per token
         capped.append((LIVE_CHUNKS * 4 * sequence_tokens, LIVE_CHUNKS * 4 * CHUNK_ELEMENTS))
         if kept_gradient_cap_bytes > 0:
-            capped.append((kept_gradient_bytes_per_token(shape), kept_gradient_cap_bytes))
+            capped.append((kept_gradient_bytes_per_token(shape, fused_head), kept_gradient_cap_bytes))
         if math.isinf(kept_gradient_cap_bytes):
             fixed += 4 * trained_parameters  # the score buffer of a group carried across micro-batches
     return StepMemory(per_token, fixed, tuple(capped))
+
+
+@dataclass(frozen=True)
+class KeptGradientBudget:
+    """What VCPO's book-keeping may keep for one micro-batch under opob_impl auto: at most `most_bytes` (0: never;
+    inf: no bound) and, with bookkeeping_budget_mb auto, no more than a micro-batch of its tokens leaves of the
+    usable memory under the step's `memory` (without kept gradients): a micro-batch smaller than the budget
+    leaves room that a full one would take."""
+
+    most_bytes: float
+    usable_bytes: float = math.inf
+    memory: StepMemory | None = None
+
+    def bytes_for(self, tokens: int) -> float:
+        """What a micro-batch of `tokens` (what its forward runs) may keep."""
+        if self.memory is None:
+            return self.most_bytes
+        return max(0.0, min(self.most_bytes, self.usable_bytes - self.memory.bytes_for(tokens)))
 
 
 @dataclass(frozen=True)
@@ -167,8 +194,7 @@ class MicroBatchBudget:
 
     tokens: int | None  # tokens per forward; None: the rank's whole batch at once
     why: str
-    # what VCPO's book-keeping may keep for one micro-batch under opob_impl auto (0: never; inf: no bound)
-    kept_gradient_bytes: float = 0.0
+    kept_gradients: KeptGradientBudget = KeptGradientBudget(0.0)
 
 
 def choose_budget(
@@ -257,10 +283,12 @@ def read_free_bytes(device: Any, ranks_on_host: int, device_share: float) -> tup
     return read_host_available_bytes() // ranks_on_host, USABLE_SHARE_HOST
 
 
-def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> MicroBatchBudget:
+def resolve(
+    spec: Any, engine: Any, device: Any, rank: int, world_size: int, fused_head: bool = False
+) -> MicroBatchBudget:
     """The rank's micro-batch budget and what book-keeping may keep of it: the job's numbers as given, or
     with "auto" what the memory left after the model and optimizer holds, the least over the ranks so that
-    all plan alike (a collective: every rank resolves at once)."""
+    all plan alike (a collective: every rank resolves at once). `fused_head`: no [tokens, vocabulary] logits."""
     from algorithms import registry
 
     config = spec.stabilizer_config
@@ -269,7 +297,7 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
     kept = _kept_gradient_cap_bytes(spec, stabilizer.config) if per_sample_norms else 0.0
     tokens = spec.max_tokens_per_micro_batch
     if tokens != "auto" and kept is not None:  # nothing to read from the device
-        return _job_budget(tokens, kept)
+        return _job_budget(tokens, KeptGradientBudget(kept))
     import torch
     import torch.distributed as dist
 
@@ -292,6 +320,7 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
             per_sample_norms=per_sample_norms,
             kept_gradient_cap_bytes=kept_bytes,
             later_bytes=later,
+            fused_head=fused_head,
         )
 
     hosts: list[Any] = [None] * world_size
@@ -308,11 +337,22 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
         return float(tensor)
 
     kept_why = ""
-    if kept is None:  # bookkeeping_budget_mb auto
-        kept = least(kept_gradient_cap(memory_with(0.0), share * free_bytes, None if tokens == "auto" else tokens))
-        kept_why = f"; book-keeping may keep {kept / 2**30:.2f} GiB per micro-batch (bookkeeping_budget_mb auto)"
+    kept_gradients = KeptGradientBudget(0.0 if kept is None else kept)
+    if kept is None:  # bookkeeping_budget_mb auto: what each micro-batch's tokens leave, within a share
+        usable = least(share * free_bytes)
+        kept = kept_gradient_cap(memory_with(0.0), usable, None)
+        kept_gradients = KeptGradientBudget(kept, usable, memory_with(0.0))
+        full = (
+            ""
+            if not isinstance(tokens, int)
+            else f", {kept_gradients.bytes_for(tokens) / 2**30:.2f} GiB beside a full one"
+        )
+        kept_why = (
+            f"; book-keeping may keep up to {kept / 2**30:.2f} GiB per micro-batch, what its tokens leave{full} "
+            "(bookkeeping_budget_mb auto)"
+        )
     if tokens != "auto":
-        budget = _job_budget(tokens, kept)
+        budget = _job_budget(tokens, kept_gradients)
     else:
         budget = choose_budget(memory_with(kept), free_bytes, share, sequence_tokens, spec.gradient_checkpointing)
         assert budget.tokens is not None, "choose_budget always picks a number of tokens"
@@ -320,20 +360,20 @@ def resolve(spec: Any, engine: Any, device: Any, rank: int, world_size: int) -> 
         why = (
             budget.why if fewest == budget.tokens else f"{fewest}, the least over the ranks; this rank's: {budget.why}"
         )
-        budget = MicroBatchBudget(fewest, why, kept)
+        budget = MicroBatchBudget(fewest, why, kept_gradients)
     budget = dataclasses.replace(budget, why=budget.why + kept_why)
     log.info("learner rank %d: %s", rank, budget.why)
     return budget
 
 
-def _job_budget(tokens: int | None, kept_gradient_bytes: float) -> MicroBatchBudget:
+def _job_budget(tokens: int | None, kept_gradients: KeptGradientBudget) -> MicroBatchBudget:
     """The job's own number of tokens per micro-batch (None: the whole batch at once), as the log states it."""
     why = (
         "the whole batch in one micro-batch"
         if tokens is None
         else f"{tokens} tokens per micro-batch (learner.max_tokens_per_micro_batch)"
     )
-    return MicroBatchBudget(tokens, why, kept_gradient_bytes)
+    return MicroBatchBudget(tokens, why, kept_gradients)
 
 
 def unallocated_adam_bytes(engine: Any, trained_parameters: int, zero_stage: int, world_size: int) -> int:

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from algorithms.errors import StableAsyncError
 from learner.batch import TrainBatch, token_logprobs, token_logprobs_and_entropy
-from learner.fused_head import FusedHead, fused_token_logprobs
+from learner.fused_head import FusedHead, fused_logprobs_and_gradient, fused_token_logprobs
+from learner.head_norms import HeadGradient
 from learner.micro_batches import Packing
 
 PACKED = "stableasync_packed_"  # + the model's own attention implementation: its packed wrapper's name
@@ -186,6 +187,22 @@ def packed_token_logprobs(
     hidden = head.decoder(input_ids=ids, **_attention_kwargs(head.decoder, packing)).last_hidden_state
     logprobs, entropy = fused_token_logprobs(hidden, head.head.weight, ids, temperature, with_entropy)
     return _in_rows(logprobs, micro, packing), _in_rows(entropy, micro, packing) if with_entropy else None
+
+
+def packed_head_forward(
+    head: FusedHead, micro: TrainBatch, packing: Packing, temperature: float
+) -> tuple[Tensor, Tensor, HeadGradient]:
+    """One packed forward through the fused output layer for VCPO's norms: the log-probs and entropy [b, width - 1]
+    (as `packed_token_logprobs`) and the gradient of the masked log-prob sum at the logits, never formed whole
+    (`fused_logprobs_and_gradient`)."""
+    ids = packed_ids(micro, packing)
+    hidden = head.decoder(input_ids=ids, **_attention_kwargs(head.decoder, packing)).last_hidden_state
+    places = torch.arange(ids.shape[1], dtype=packing.cu_seqlens.dtype, device=ids.device)
+    rows = torch.searchsorted(packing.cu_seqlens[1:], places, right=True)  # each packed position's row
+    logprobs, entropy, gradient = fused_logprobs_and_gradient(
+        hidden, head.head.weight, ids, packed_loss_mask(micro, packing), rows, temperature
+    )
+    return _in_rows(logprobs, micro, packing), _in_rows(entropy, micro, packing), gradient
 
 
 def packed_logits_logprobs(

@@ -16,18 +16,21 @@ import torch
 from torch import Tensor
 
 from learner.batch import TrainBatch, token_logprobs, token_logprobs_and_entropy
-from learner.fused_head import FusedHead, fused_head
+from learner.fused_head import FusedHead, fused_head, fused_logprobs_and_gradient
+from learner.head_norms import HeadGradient
 from learner.micro_batches import MicroBatch, Packing
-from learner.packing import packed_logits, packed_token_logprobs, packing_support
+from learner.packing import packed_head_forward, packed_logits, packed_token_logprobs, packing_support
+from learner.spec import LearnerSpec
 from learner.step import causal_logits, sub_batch
 
 log = logging.getLogger("stableasync.learner")
 
 
-def fused_head_of(model: Any, zero_stage: int, rank: int) -> FusedHead | None:
-    """The model's fused output layer and log-softmax, or None (logged once) where its logits are kept: under
-    ZeRO-3, where each rank holds a partition of the output layer's weight, and where the probe finds no fusion."""
-    if zero_stage == 3:
+def fused_head_of(model: Any, spec: LearnerSpec, rank: int) -> FusedHead | None:
+    """The model's fused output layer and log-softmax, or None (logged once) where its logits are kept: when the
+    job says so (learner.fused_output_layer false), under ZeRO-3, where each rank holds a partition of the output
+    layer's weight, and where the probe finds no fusion."""
+    if spec.zero_stage == 3 or not spec.fused_output_layer:
         return None
     head, why = fused_head(model)
     if rank == 0:
@@ -92,6 +95,20 @@ class PolicyForwards:
         if with_entropy:
             return token_logprobs_and_entropy(logits, micro.input_ids, self.temperature)
         return token_logprobs(logits, micro.input_ids, self.temperature), None
+
+    def head_forward(self, micro: TrainBatch, packing: Packing | None = None) -> tuple[Tensor, Tensor, HeadGradient]:
+        """Through the fused output layer (the bare module, as `token_logprobs`): the log-probs and entropy
+        [b, L-1] and the gradient of the masked log-prob sum at the logits, which VCPO's per-sample norms start
+        from, without the [tokens, vocabulary] logits."""
+        assert self.head is not None, "the caller checked that the model's output layer fuses"
+        if packing is not None:
+            return packed_head_forward(self.head, micro, packing, self.temperature)
+        hidden = self.head.decoder(input_ids=micro.input_ids).last_hidden_state
+        batch, length = micro.input_ids.shape
+        rows = torch.arange(batch, device=hidden.device).repeat_interleave(length)
+        return fused_logprobs_and_gradient(
+            hidden, self.head.head.weight, micro.input_ids, micro.loss_mask, rows, self.temperature
+        )
 
     def logits(self, batch: TrainBatch, plain: bool = False, packing: Packing | None = None) -> Tensor:
         """[B, L, V] logits, or with `packing` the rows' [1, N, V] without padding; `plain` runs the bare module,

@@ -98,13 +98,13 @@ class LearnerRank:
         self.device = self.engine.device
         self.collectives = Collectives(world_size, self.device)
         self.publisher = Publisher(self.engine.module, spec.lora is not None, spec.zero_stage, rank)
-        self.micro_batch_budget = memory_budget.resolve(spec, self.engine, self.device, rank, world_size)
+        # no [tokens, vocabulary] logits where the output layer fuses with the log-softmax (whole weights: not ZeRO-3)
+        self.forwards = PolicyForwards(self.engine, fused_head_of(self.engine.module, spec, rank), spec.temperature)
+        self.micro_batch_budget = memory_budget.resolve(
+            spec, self.engine, self.device, rank, world_size, fused_head=self.forwards.head is not None
+        )
         self.micro_batch_tokens = self.micro_batch_budget.tokens  # padded tokens per forward; None: the whole batch
         self.stabilizer = registry.build(spec.stabilizer_name, **config_values(spec.stabilizer_config))
-        # no [tokens, vocabulary] logits where the output layer fuses with the log-softmax (whole weights: not ZeRO-3)
-        self.forwards = PolicyForwards(
-            self.engine, fused_head_of(self.engine.module, spec.zero_stage, rank), spec.temperature
-        )
         self.norms = (
             PerSampleNorms(
                 spec,
@@ -112,7 +112,7 @@ class LearnerRank:
                 self.stabilizer,
                 self.forwards,
                 self.collectives,
-                self.micro_batch_budget.kept_gradient_bytes,
+                self.micro_batch_budget.kept_gradients,
                 rank,
             )
             if self.stabilizer.needs_grad_norms
@@ -142,9 +142,7 @@ class LearnerRank:
         if self.spec.lora is not None:
             return Reference(None, self.engine.module, self.forwards.head, self.spec.temperature)
         model = load_frozen_model(path, self.dtype, self.device, self.config if self.spec.zero_stage == 3 else None)
-        return Reference(
-            model, self.engine.module, fused_head_of(model, self.spec.zero_stage, self.rank), self.spec.temperature
-        )
+        return Reference(model, self.engine.module, fused_head_of(model, self.spec, self.rank), self.spec.temperature)
 
     def load_reference(self, folder: str) -> None:
         """The KL reference from `folder` (the policy as RL starts, which the driver wrote after the warm-up),

@@ -55,6 +55,8 @@ class LearnerSpec:
     reference_path: str | None = None  # the KL reference's model folder; None: model_path
     # each micro-batch's rows as one sequence without padding (learner/packing.py), its budget counting real tokens
     packed_micro_batches: bool = True
+    # the output layer and log-softmax by chunks, no [tokens, vocabulary] logits (learner/fused_head.py)
+    fused_output_layer: bool = True
 
     @property
     def token_terms(self) -> bool:

@@ -21,6 +21,8 @@ from algorithms.stabilizer import Stabilizer
 from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs, token_logprobs_and_entropy
 from learner.collectives import Collectives
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
+from learner.head_norms import HeadGradient
+from learner.memory_budget import KeptGradientBudget
 from learner.micro_batches import MicroBatchPlan, Packing
 from learner.packing import packed_ids, packed_logits_logprobs, packed_loss_mask
 from learner.policy import PolicyForwards
@@ -41,7 +43,7 @@ class PerSampleNorms:
         stabilizer: Stabilizer,
         forwards: PolicyForwards,
         collectives: Collectives,
-        kept_gradient_bytes: float,
+        kept_gradients: KeptGradientBudget,
         rank: int,
     ) -> None:
         self.spec, self.engine, self.stabilizer, self.forwards, self.collectives = (
@@ -53,13 +55,17 @@ class PerSampleNorms:
         )
         self.rank, self.world_size, self.device = rank, collectives.world_size, collectives.device
         self.advantage_estimator = ADVANTAGES[spec.advantage]
+        # the norms start from the hidden states where the output layer fuses (no [tokens, vocabulary] logits);
+        # ZeRO-3 has no fused head (each rank holds a partition of its weight)
+        fusable = forwards.head is not None and spec.zero_stage != 3
         opob_impl = getattr(stabilizer.config, "opob_impl", "ghost")
-        self.ghost, self.fallback_to_loop = self._ghost_norms(opob_impl)
+        self.ghost, self.fallback_to_loop = self._ghost_norms(opob_impl, fusable)
+        self.fuses_head = self.ghost is not None and self.ghost.fused_head
         # packed rows' buckets of similar length for the norms' products (`micro_batches.row_buckets`)
         self.bucket_cost = math.inf if self.ghost is None else self.ghost.bucket_cost(self.device)
         self.bookkeeping = self._uses_bookkeeping(opob_impl)
         # auto: book-keeping only for a micro-batch whose kept gradients fit the budget; bookkeeping: always
-        self.bookkeeping_budget_bytes = kept_gradient_bytes if opob_impl == "auto" else math.inf
+        self.bookkeeping_budget = kept_gradients if opob_impl == "auto" else KeptGradientBudget(math.inf)
         # book-keeping carries a group split across micro-batches in one pass, with a score buffer of one
         # fp32 gradient (the VCPO paper's two buffers; the other is the engine's own accumulation)
         self.carries_split_groups = (
@@ -69,13 +75,13 @@ class PerSampleNorms:
         )
         self.score_buffer_bytes = 4 * sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
 
-    def _ghost_norms(self, opob_impl: str) -> tuple[GhostGradNorms | None, bool]:
+    def _ghost_norms(self, opob_impl: str, fused_head: bool) -> tuple[GhostGradNorms | None, bool]:
         """The ghost-norm path when every parameter has a rule; otherwise the per-sample loop, announced (a silent
         10x slowdown would look like a hang)."""
         if opob_impl == "per_sample_loop":
             return None, False
         try:
-            return GhostGradNorms(self.engine.module), False
+            return GhostGradNorms(self.engine.module, fused_head=fused_head), False
         except UncoveredParameters as error:
             log.warning(
                 "learner rank %d: per-sample gradient norms fall back to one backward per sample: %s", self.rank, error
@@ -108,10 +114,12 @@ class PerSampleNorms:
             return False
         per_sample = self.ghost.kept_bytes_per_sample
         if packing is None:
+            tokens = micro.size * micro.input_ids.shape[1]
             kept = micro.size * per_sample(micro.input_ids.shape[1])
         else:
+            tokens = sum(packing.lengths)
             kept = sum(len(bucket.rows) * per_sample(bucket.width) for bucket in packing.buckets)
-        return kept + extra_bytes <= self.bookkeeping_budget_bytes
+        return kept + extra_bytes <= self.bookkeeping_budget.bytes_for(tokens)
 
     def carries_every_split_group(self, batch: TrainBatch, plan: MicroBatchPlan) -> bool:
         """Whether each piece of a split group takes book-keeping with the score buffer within the budget."""
@@ -131,6 +139,10 @@ class PerSampleNorms:
         (with book-keeping, its per-sample gradients too), which start from the logits' gradient. With the
         run's `packing` the forward runs its rows without padding."""
         recording = self.ghost is not None and self.spec.zero_stage != 3
+        if self.ghost is not None and recording and self.fuses_head:
+            with self.ghost.recording():
+                logprobs, entropy, head_gradient = self.forwards.head_forward(micro, packing)
+            return logprobs, entropy, self._ghost_gradients(head_gradient, bookkeeping, packing)
         with self.ghost.recording() if self.ghost is not None and recording else nullcontext():
             # no loss backward through the engine follows book-keeping
             logits = self.forwards.logits(micro, plain=bookkeeping, packing=packing)
@@ -163,11 +175,17 @@ class PerSampleNorms:
         if self.ghost is not None and self.spec.zero_stage == 3:
             return SampleGradients(self.norms_forward(batch, packing)[2])
         if self.ghost is not None:
-            logits_grad = self._logits_grad(batch, logits, packing)
-            if bookkeeping:
-                return self.ghost.sample_gradients(logits_grad, packed=packing)
-            return SampleGradients(self.ghost.squared_norms(logits_grad, packed=packing))
+            return self._ghost_gradients(self._logits_grad(batch, logits, packing), bookkeeping, packing)
         return SampleGradients(self._per_sample_loop_norms(batch))
+
+    def _ghost_gradients(
+        self, logits_grad: Tensor | HeadGradient, bookkeeping: bool, packing: Packing | None
+    ) -> SampleGradients:
+        """The ghost path's norms (with book-keeping, the per-sample gradients too) from the logits' gradient."""
+        assert self.ghost is not None, "the caller takes the ghost path"
+        if bookkeeping:
+            return self.ghost.sample_gradients(logits_grad, packed=packing)
+        return SampleGradients(self.ghost.squared_norms(logits_grad, packed=packing))
 
     def _per_sample_loop_norms(self, batch: TrainBatch) -> Tensor:
         """The norms from one backward per sample (no ghost rule for some parameter, or asked for)."""
@@ -189,6 +207,11 @@ class PerSampleNorms:
                 logits = self.forwards.logits(batch, plain=True, packing=packing)
                 logprobs, entropy = self._logprobs_and_entropy(batch, logits, packing)
             return logprobs, entropy, self._per_sample_loop_norms(batch)
+        if self.fuses_head:
+            with self.ghost.recording():
+                logprobs, entropy, head_gradient = self.forwards.head_forward(batch, packing)
+            squared_norms = self.ghost.squared_norms(head_gradient, from_logits=True, packed=packing)
+            return logprobs.detach(), entropy.detach(), squared_norms
         with self.ghost.recording():
             logits = self.forwards.logits(batch, plain=True, packing=packing)
         logits_grad = self._logits_grad(batch, logits, packing)

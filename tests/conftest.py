@@ -48,6 +48,15 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_tied(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Qwen2 whose output layer and embedding share one weight (as SmolLM2's do)."""
+    from learner.models import build_tiny_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-qwen2-tied"
+    return str(build_tiny_model(path, arithmetic_corpus(), arch="qwen2", tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     from learner.models import build_tiny_model
 

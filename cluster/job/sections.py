@@ -234,6 +234,12 @@ class LearnerSection(Section):
         "per row, attention within each row: flash-attn's or PyTorch's varlen kernel on a GPU, else SDPA per row), "
         "so its budget counts real tokens, VCPO's steps included. false: right-padded rows",
     )
+    fused_output_layer: bool = Field(
+        True,
+        description="run the output layer and the log-softmax together one chunk of positions (or, for VCPO's "
+        "per-sample norms, of the vocabulary) at a time, so no [tokens, vocabulary] logits are formed, where a "
+        "probe at start-up finds the model's logits are h W^T (not under ZeRO-3). false: the model's own logits",
+    )
     max_restarts: int = Field(
         2, ge=0, description="times the job resumes by itself from its latest checkpoint after a learner rank dies"
     )

@@ -54,6 +54,7 @@ def learner_spec(job: Job, model_path: str, reference: Path | None = None) -> Le
         device_share=min(1.0, job.learner.gpus_per_rank or 1.0),
         gradient_checkpointing=job.learner.gradient_checkpointing,
         packed_micro_batches=job.learner.packed_micro_batches,
+        fused_output_layer=job.learner.fused_output_layer,
         proximal=job.algorithm.proximal,
         proximal_eps_low=job.algorithm.proximal_eps_low,
         proximal_eps_high=job.algorithm.proximal_eps_high,

@@ -13,15 +13,6 @@ from learner.batch import collate, sequence_logprob_grad, token_logprobs
 from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen2_tied(tmp_path_factory):
-    from learner.models import build_tiny_model
-    from tests.conftest import arithmetic_corpus
-
-    path = tmp_path_factory.mktemp("models") / "tiny-qwen2-tied"
-    return str(build_tiny_model(path, arithmetic_corpus(), arch="qwen2", tie_word_embeddings=True))
-
-
 def _samples(pad_id: int) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     samples = []

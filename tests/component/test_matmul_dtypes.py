@@ -50,6 +50,23 @@ class ProductDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class LargestVocabularyTensor(TorchDispatchMode):
+    """The most numbers of any [*, vocabulary] tensor an operator forms (views, such as the output layer's
+    weight transposed, form none), and which operator formed it."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.largest, self.op = vocab, 0, ("", ())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            formed = isinstance(tensor, torch.Tensor) and not func.is_view and tensor.dim() >= 2
+            if formed and tensor.shape[-1] == self.vocab and tensor.numel() > self.largest:
+                self.largest, self.op = tensor.numel(), (str(func), tuple(tensor.shape))
+        return out
+
+
 def test_the_flop_count_of_each_product_kind():
     a, b, v = torch.ones(3, 4), torch.ones(4, 5), torch.ones(4)
     with ProductDtypes() as mode:
@@ -60,7 +77,11 @@ def test_the_flop_count_of_each_product_kind():
     assert mode.flops == {"torch.float32": 120 + 120 + 24, "torch.bfloat16": 120}
 
 
+LOGIT_CHUNK = 4096
+
+
 def _step_main(rank: int, model_path: str, opob_impl: str, port: int, out: str) -> None:
+    import learner.batch as learner_batch
     from algorithms import registry
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
@@ -89,9 +110,10 @@ def _step_main(rank: int, model_path: str, opob_impl: str, port: int, out: str) 
     ]
     batch = collate(samples, 0)
     learner.train_step(batch)  # warm-up: the optimizer state exists
-    with ProductDtypes() as mode:
+    learner_batch.CHUNK_LOGIT_ELEMENTS = LOGIT_CHUNK  # chunks of a few positions: a whole [N, V] tensor would show
+    with ProductDtypes() as mode, LargestVocabularyTensor(learner.engine.module.config.vocab_size) as vocabulary:
         metrics = learner.train_step(batch)
-    torch.save({"flops": mode.flops, "metrics": metrics}, out)
+    torch.save({"flops": mode.flops, "metrics": metrics, "vocabulary": (vocabulary.largest, vocabulary.op)}, out)
     _leave_group()
 
 
@@ -107,3 +129,6 @@ def test_a_bf16_vcpo_step_runs_its_products_in_bf16(tiny_qwen2, tmp_path, opob_i
     fp32 = sum(count for key, count in flops.items() if "float32" in key)
     assert result["metrics"]["opob/bookkeeping_share"] == (1.0 if opob_impl == "bookkeeping" else 0.0)
     assert total > 0 and fp32 <= 0.01 * total, {key: f"{count / total:.1%}" for key, count in flops.items()}
+    # no [tokens, vocabulary] logits or gradient: the fused output layer forms one chunk at a time, the norms too
+    largest, op = result["vocabulary"]
+    assert 0 < largest <= LOGIT_CHUNK, (largest, op)

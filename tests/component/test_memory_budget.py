@@ -92,10 +92,11 @@ def _calibration_main(
         tokens,
         gradient_checkpointing=checkpointing,
         per_sample_norms=learner.stabilizer.needs_grad_norms,
-        kept_gradient_cap_bytes=learner.norms.bookkeeping_budget_bytes
+        kept_gradient_cap_bytes=learner.norms.bookkeeping_budget.bytes_for(sequences * tokens)
         if learner.norms and learner.norms.bookkeeping
         else 0.0,
         later_bytes=memory_budget.unallocated_adam_bytes(learner.engine, trained, 2, 1),
+        fused_head=learner.forwards.head is not None,
     )
     metrics: list[dict[str, float]] = []
     peak = peak_growth(lambda: metrics.extend(learner.train_step(batch) for _ in range(2)))

@@ -236,3 +236,54 @@ def test_a_gpu_rank_plans_on_its_share_of_the_gpu_and_a_host_rank_on_its_share_o
         5 * GIB,
         memory_budget.USABLE_SHARE_HOST,
     )
+
+
+@pytest.mark.parametrize("norms", [False, True])
+def test_a_fused_output_layer_costs_no_tokens_by_vocabulary_bytes(norms):
+    """Where the output layer fuses with the log-softmax the logits (and VCPO's logits gradient, and book-keeping's
+    factors of it) exist one chunk at a time: per token a few hidden-state vectors remain, so the same memory
+    holds more tokens (SmolLM2's 49k vocabulary was most of a token's bytes beside its activations)."""
+    whole = step_memory(SMOLLM2, 2, PARAMETERS, 512, gradient_checkpointing=True, per_sample_norms=norms)
+    fused = step_memory(
+        SMOLLM2, 2, PARAMETERS, 512, gradient_checkpointing=True, per_sample_norms=norms, fused_head=True
+    )
+    vocab, hidden = SMOLLM2.vocab, SMOLLM2.hidden
+    logits_bytes = 2 * 2 * vocab + (4 * (vocab + hidden) if norms else 0)  # bf16 logits and gradient, fp32 one
+    hidden_bytes = 2 * hidden + ((4 + 2) * hidden if norms else 0)  # the gradient at h; the norms' start, laid h
+    assert whole.bytes_per_token - fused.bytes_per_token == logits_bytes - hidden_bytes
+    assert fused.bytes_per_token < whole.bytes_per_token / 2  # with checkpointing, the logits dominated
+    assert fused.capped[0] == whole.capped[0]  # the chunked log-softmax's temporaries stay
+    if norms:
+        kept = step_memory(
+            SMOLLM2,
+            2,
+            PARAMETERS,
+            512,
+            gradient_checkpointing=True,
+            per_sample_norms=True,
+            kept_gradient_cap_bytes=GIB,
+            fused_head=True,
+        )
+        unfused = step_memory(
+            SMOLLM2, 2, PARAMETERS, 512, gradient_checkpointing=True, per_sample_norms=True, kept_gradient_cap_bytes=GIB
+        )
+        assert unfused.capped[-1][0] - kept.capped[-1][0] == 4 * SMOLLM2.vocab  # the head keeps its input only
+    budget = choose_budget(fused, 20 * GIB, 0.5, 512, gradient_checkpointing=True).tokens
+    assert budget is not None and budget > choose_budget(whole, 20 * GIB, 0.5, 512, gradient_checkpointing=True).tokens
+
+
+def test_book_keeping_may_keep_what_a_micro_batch_leaves_within_its_share():
+    """bookkeeping_budget_mb auto: a micro-batch smaller than the token budget leaves room that a full one would
+    take, up to the share's bound; a number of MiB holds whatever the micro-batch's size."""
+    from learner.memory_budget import KeptGradientBudget
+
+    memory = step_memory(SMOLLM2, 4, PARAMETERS, 512, gradient_checkpointing=False, per_sample_norms=True)
+    usable = 12 * GIB
+    most = kept_gradient_cap(memory, usable, None)
+    kept = KeptGradientBudget(most, usable, memory)
+    full = 4000  # tokens whose micro-batch leaves less than the share's bound
+    assert 0 < usable - memory.bytes_for(full) < most
+    assert kept.bytes_for(full) == usable - memory.bytes_for(full) == kept_gradient_cap(memory, usable, full)
+    assert kept.bytes_for(1000) == most > kept.bytes_for(full)  # a small micro-batch: the share's bound
+    assert kept.bytes_for(100_000) == 0.0  # one that fills the memory keeps nothing
+    assert KeptGradientBudget(GIB).bytes_for(1000) == KeptGradientBudget(GIB).bytes_for(100_000) == GIB
