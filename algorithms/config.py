@@ -200,8 +200,7 @@ class VCPOConfig(CheckedConfig):
     bookkeeping_budget_mb: float | Literal["auto"] = config_field(
         "opob_impl auto: the most memory (MiB) a micro-batch's kept per-sample gradients may take for "
         "book-keeping; auto: half of what the rank's device has for a step once the model and optimizer are "
-        "placed, and no more than a micro-batch of learner.max_tokens_per_micro_batch leaves (the run's log "
-        "gives the figure)",
+        "placed, and no more than what each micro-batch's own tokens leave (the run's log gives the figures)",
         "auto",
     )
 
