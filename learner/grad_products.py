@@ -102,8 +102,8 @@ class InputGramSum:
         chunk, so that with the input's Gram and their product formed at the end the norms pass stays within
         the Gram chunks the memory model counts (`learner.memory_budget.LIVE_CHUNKS`)."""
         self.max_elements = CHUNK_ELEMENTS // (2 * alive)
-        self.right: Tensor | None = None
-        self.left_gram: Tensor | None = None
+        # the shared input X and the sum of the output gradients' Grams, from the first call taken on
+        self.taken: tuple[Tensor, Tensor] | None = None
 
     def add(self, part: Contribution) -> bool:
         """Take a call's factors (its left factor the output gradient, its right the shared input)."""
@@ -113,18 +113,19 @@ class InputGramSum:
         if batch * steps * steps > self.max_elements:
             return False
         left_t = part.left.transpose(1, 2)
-        if self.left_gram is None:
-            self.right, self.left_gram = part.right, torch.bmm(part.left, left_t)
+        if self.taken is None:
+            self.taken = part.right, torch.bmm(part.left, left_t)
         else:
-            self.left_gram.baddbmm_(part.left, left_t)
+            self.taken[1].baddbmm_(part.left, left_t)
         return True
 
     def squared_norms(self) -> Tensor | None:
         """[B] fp32, the sum over the calls taken; None when none was."""
-        if self.left_gram is None or self.right is None:
+        if self.taken is None:
             return None
-        right_gram = torch.bmm(self.right, self.right.transpose(1, 2))
-        return (self.left_gram * right_gram).sum((1, 2), dtype=torch.float32)
+        right, left_gram = self.taken
+        right_gram = torch.bmm(right, right.transpose(1, 2))
+        return (left_gram * right_gram).sum((1, 2), dtype=torch.float32)
 
 
 def _sliced(p: Factors, start: int, count: int) -> Factors:

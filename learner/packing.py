@@ -119,6 +119,12 @@ def _packed_attention(implementation: str) -> Callable[..., tuple[Tensor, Any]]:
     return attention
 
 
+def _base_model(model: Any) -> Any:
+    """The transformers model under a DeepSpeed engine (its `.module`) and a peft wrapper (the adapted model)."""
+    inner = getattr(model, "module", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
 def packing_support(model: Any) -> tuple[bool, str]:
     """Whether the model's packed forwards give its padded log-probs, and why not. A supported model's attention
     is switched to `_packed_attention` of its own (registered with transformers), which runs padded forwards
@@ -126,7 +132,7 @@ def packing_support(model: Any) -> tuple[bool, str]:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the adapted model
+    base = _base_model(model)
     config = getattr(base, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     can_set = getattr(type(base), "_can_set_attn_implementation", None)
@@ -154,8 +160,7 @@ def _attention_kwargs(model: Any, packing: Packing) -> dict[str, Any]:
     and a placeholder 4D mask, which transformers passes on as it is instead of building one (and reading the
     position ids on the host to find the rows, as `find_packed_sequence_indices` does). `model` (a DeepSpeed
     engine, a peft or transformers model) must run the packed attention wrapper."""
-    inner = getattr(model, "module", model)  # a DeepSpeed engine's model
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft: the adapted model
+    base = _base_model(model)
     implementation = getattr(getattr(base, "config", None), "_attn_implementation", None)
     if not (isinstance(implementation, str) and implementation.startswith(PACKED)):
         raise UnpackedAttention(
