@@ -38,8 +38,9 @@ section() {  # section LIMIT_S COMMAND...: runs COMMAND, killed with its process
   # padded micro-batches, and VCPO where rows differ in length
   section 110 python3 -m benchmarks.learner_step --model-config smollm2-135m --sequences 64 --tokens 1024 \
     --budget 8192 --lengths lognormal:256:1024 --configs tis_seq,tis_seq-padded,vcpo-auto
+  # Qwen2.5-1.5B: VCPO's norms through the fused output layer and from the whole [tokens, vocabulary] logits
   section 150 python3 -m benchmarks.learner_step --model-config qwen2.5-1.5b --sequences 64 --tokens 1024 \
-    --budget 16384 --rounds 2 --lengths lognormal:256:1024 --configs tis_seq,tis_seq-padded,vcpo-auto,tis_seq-gc
+    --budget 16384 --rounds 2 --lengths lognormal:256:1024 --configs tis_seq,vcpo-auto,vcpo-auto-logits,tis_seq-gc
   section 45 python3 -m benchmarks.learner_memory --model-config smollm2-135m --sequences 16,64 --tokens 512 \
     --stabilizers tis_seq
   exit "$failed"
