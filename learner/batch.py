@@ -199,10 +199,22 @@ def chunk_logits_gradient(
     return chunk
 
 
+def next_tokens(input_ids: Tensor) -> Tensor:
+    """[B * L] each position's next token, the last position of a row scored against a dummy (its row's first
+    token) so that a [B, L, ...] tensor of the positions stays a view; `position_scales` gives that one 0."""
+    return torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
+
+
+def position_scales(loss_mask: Tensor, temperature: float) -> Tensor:
+    """[B * L] fp32 d log p[next] / d (logits / T) over d logits at each position: its loss mask over T, and 0
+    at each row's last position (`next_tokens`' dummy)."""
+    scale = torch.cat([loss_mask.float(), loss_mask.new_zeros(loss_mask.shape[0], 1, dtype=torch.float32)], dim=1)
+    return scale.reshape(-1).div_(temperature)
+
+
 def _chunked(logits: Tensor, input_ids: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
     batch, length, vocab = logits.shape
-    # score every position against the next token (the last one against a dummy) so the logits stay a view
-    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
+    targets = next_tokens(input_ids)  # the logits stay a view
     logprobs, entropy = _TargetLogprobs.apply(
         logits.reshape(batch * length, vocab), targets, float(temperature), with_entropy
     )
@@ -248,9 +260,8 @@ def sequence_logprob_grad(logits: Tensor, input_ids: Tensor, loss_mask: Tensor, 
     batch, length, vocab = logits.shape
     grad = torch.empty(batch, length, vocab, dtype=logits.dtype, device=logits.device)
     flat_logits, flat_grad = logits.detach().reshape(batch * length, vocab), grad.view(batch * length, vocab)
-    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)  # the last position: a dummy
-    scale = torch.cat([loss_mask.float(), torch.zeros_like(loss_mask[:, :1], dtype=torch.float32)], dim=1)
-    scale = scale.reshape(-1, 1) / temperature  # 0 off the loss mask and at each row's last position
+    targets = next_tokens(input_ids)
+    scale = position_scales(loss_mask, temperature)[:, None]  # 0 off the loss mask and at each row's last position
     for rows in position_chunks(*flat_logits.shape):
         chunk = torch.softmax(flat_logits[rows].float() / temperature, dim=-1).neg_()
         chunk.scatter_add_(-1, targets[rows, None], torch.ones_like(chunk[:, :1]))

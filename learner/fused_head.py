@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from learner.batch import chunk_logits_gradient, position_chunks, token_logprobs
+from learner.batch import chunk_logits_gradient, next_tokens, position_chunks, position_scales, token_logprobs
 from learner.head_norms import HeadGradient
 
 
@@ -93,10 +93,8 @@ def fused_token_logprobs(
     hidden states [B, L, d] and the output layer's weight [V, d], each next token's log-prob [B, L-1] fp32
     and, `with_entropy`, the entropy at each position [B, L-1] (else an empty tensor)."""
     batch, length, width = hidden.shape
-    # score every position against the next token (the last one against a dummy) so the hidden states stay a view
-    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
     logprobs, entropy, _ = _FusedTargetLogprobs.apply(
-        hidden.reshape(batch * length, width), weight, targets, float(temperature), with_entropy
+        hidden.reshape(batch * length, width), weight, next_tokens(input_ids), float(temperature), with_entropy
     )
     entropy = entropy.view(batch, length)[:, :-1] if with_entropy else entropy
     return logprobs.view(batch, length)[:, :-1], entropy
@@ -109,18 +107,15 @@ def fused_logprobs_and_gradient(
     sum_i log pi(tau_i) at the logits, never formed whole (`HeadGradient`): where VCPO's per-sample norms
     start. `loss_mask` [B, L-1]; `rows` [B * L], each position's sample in the micro-batch."""
     batch, length, width = hidden.shape
-    flat = hidden.reshape(batch * length, width)
-    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
-    logprobs, entropy, normalisers = _FusedTargetLogprobs.apply(flat, weight, targets, float(temperature), True)
-    # d log p_t[target_t] / d logits is (onehot - p_t) / T: each position's scale is its mask over T, and 0 at
-    # each row's last position, whose next token is a dummy
-    scale = torch.cat([loss_mask.float(), loss_mask.new_zeros(batch, 1, dtype=torch.float32)], dim=1)
+    targets = next_tokens(input_ids)
+    logprobs, entropy, normalisers = _FusedTargetLogprobs.apply(
+        hidden.reshape(batch * length, width), weight, targets, float(temperature), True
+    )
     gradient = HeadGradient(
         start=hidden,
-        hidden=flat.detach(),
         weight=weight.detach(),
         targets=targets,
-        scale=scale.reshape(-1).div_(temperature),
+        scale=position_scales(loss_mask, temperature),  # d log p_t[target_t] / d logits = scale_t (onehot - p_t)
         normalisers=normalisers,
         rows=rows,
         temperature=float(temperature),

@@ -312,10 +312,8 @@ class GhostGradNorms:
         first_output = first.output
         if packed is not None and not packed.buckets:
             raise ValueError("the packed micro-batch has no row buckets: plan it with the norms' bucket_cost")
-        if isinstance(logits_grad, HeadGradient):
-            batch = logits_grad.start.shape[0] if packed is None else len(packed.lengths)
-        else:
-            batch = logits_grad.shape[0] if packed is None else len(packed.lengths)
+        rows_of = logits_grad.start if isinstance(logits_grad, HeadGradient) else logits_grad  # [B, ...] or packed
+        batch = rows_of.shape[0] if packed is None else len(packed.lengths)
         calls = [r.module for r in records if r is not None] + [self.output_layer]
         uses = Counter(id(p) for module in calls for p in _trained_parameters(module))
         head_weight = self.output_layer.weight
@@ -330,9 +328,10 @@ class GhostGradNorms:
         start_grad: Tensor
         head_rows: list[HeadRows] | None = None
         if isinstance(logits_grad, HeadGradient):
-            if uses[id(head_weight)] > 2 or (uses[id(head_weight)] == 2 and not isinstance(first.module, nn.Embedding)):
+            if not self.fused_head:  # the constructor found no fused rule for this head (or was not asked)
                 raise UncoveredParameters(
-                    "the output layer's weight is shared beyond the embedding: no fused head rule"
+                    "a HeadGradient for norms made without fused_head, or whose output layer's weight is shared "
+                    "beyond the embedding: no fused head rule"
                 )
             start = logits_grad.start
             start_grad, head_norms, head_rows = logits_grad.norms_pass(buckets, batch, head_weight.requires_grad)

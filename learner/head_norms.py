@@ -74,13 +74,17 @@ class HeadGradient:
     (`learner.fused_head.fused_logprobs_and_gradient` makes it)."""
 
     start: Tensor  # the decoder's last hidden states with their graph, [B, L, d] or packed [1, N, d]
-    hidden: Tensor  # the same, detached, [N, d]
     weight: Tensor  # the output layer's weight, detached, [V, d]
     targets: Tensor  # [N] each position's next token (a dummy at each row's last)
     scale: Tensor  # [N] fp32: mask / T, 0 at each row's last position
     normalisers: Tensor  # [N] fp32: logsumexp(h W^T / T), from the forward
     rows: Tensor  # [N] long: each position's row in the micro-batch
     temperature: float
+
+    @property
+    def hidden(self) -> Tensor:
+        """The hidden states as the output layer's input, detached, [N, d] (a view of `start`)."""
+        return self.start.detach().flatten(0, 1)
 
     def vocabulary_chunks(self) -> Iterator[slice]:
         """Slices of the vocabulary whose [N, chunk] fp32 gradient holds at most CHUNK_LOGIT_ELEMENTS numbers."""
@@ -89,12 +93,13 @@ class HeadGradient:
     def logits_gradient(self, columns: slice, scale: Tensor | None = None) -> Tensor:
         """G[:, columns], [N, c] in the model's dtype (its products run on tensor cores), with `scale` [N] fp32
         in place of mask / T when given."""
-        chunk = (self.hidden @ self.weight[columns].T).float().div_(self.temperature)
+        hidden = self.hidden
+        chunk = (hidden @ self.weight[columns].T).float().div_(self.temperature)
         chunk.sub_(self.normalisers[:, None]).exp_().neg_()
         offsets = self.targets - columns.start
         inside = (offsets >= 0) & (offsets < chunk.shape[1])
         chunk.scatter_add_(1, offsets.clamp(0, chunk.shape[1] - 1)[:, None], inside[:, None].to(chunk.dtype))
-        return chunk.mul_((self.scale if scale is None else scale)[:, None]).to(self.hidden.dtype)
+        return chunk.mul_((self.scale if scale is None else scale)[:, None]).to(hidden.dtype)
 
     def norms_pass(
         self, buckets: list[RowBucket | None], batch: int, own_norms: bool
@@ -102,9 +107,10 @@ class HeadGradient:
         """One pass over the vocabulary: G W shaped as `start` (where the backward enters); with `own_norms`
         each bucket's per-row ||sum_t G_t (x) h_t||^2 [rows] fp32 (else Nones); and each bucket's `HeadRows`.
         `buckets`: a packed micro-batch's row buckets, or [None] for right-padded rows (`batch` of them)."""
+        hidden = self.hidden
         laid = [
             HeadRows(
-                laid_out(bucket, self.hidden, batch, zero_padding=False),
+                laid_out(bucket, hidden, batch, zero_padding=False),
                 laid_out(bucket, self.targets, batch, zero_padding=False),
                 laid_out(bucket, self.scale, batch, zero_padding=True),
                 laid_out(bucket, self.normalisers, batch, zero_padding=False),
@@ -121,7 +127,7 @@ class HeadGradient:
             for rows, is_dense in zip(laid, dense, strict=True)
         ]
         dense_norms = [rows.hidden.new_zeros(rows.hidden.shape[0], dtype=fp32) for rows in laid]
-        start_grad = self.hidden.new_zeros(self.hidden.shape, dtype=fp32)
+        start_grad = hidden.new_zeros(hidden.shape, dtype=fp32)
         for columns in self.vocabulary_chunks():
             chunk = self.logits_gradient(columns)
             _accumulate(start_grad, chunk, self.weight[columns])
@@ -142,7 +148,7 @@ class HeadGradient:
                 else:
                     right_gram = torch.bmm(rows.hidden, rows.hidden.transpose(1, 2))
                     own[k] = (gram * right_gram).sum((1, 2), dtype=fp32)
-        return start_grad.to(self.hidden.dtype).view(self.start.shape), own, laid
+        return start_grad.to(hidden.dtype).view(self.start.shape), own, laid
 
     def weighted_sum(self, coefficients: Tensor, total: Tensor | None = None) -> Tensor:
         """sum_i c_i G_i^T H_i: the output layer's share of book-keeping's update for coefficients [b], [V, d] in
@@ -150,8 +156,9 @@ class HeadGradient:
         vocabulary, each chunk writing its own rows of the result."""
         scale = self.scale * coefficients.float()[self.rows]
         out = torch.zeros_like(self.weight) if total is None else total
+        hidden = self.hidden
         for columns in self.vocabulary_chunks():
-            out[columns].addmm_(self.logits_gradient(columns, scale).T, self.hidden)
+            out[columns].addmm_(self.logits_gradient(columns, scale).T, hidden)
         return out
 
 

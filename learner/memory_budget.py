@@ -339,9 +339,9 @@ def resolve(
     kept_why = ""
     kept_gradients = KeptGradientBudget(0.0 if kept is None else kept)
     if kept is None:  # bookkeeping_budget_mb auto: what each micro-batch's tokens leave, within a share
-        usable = least(share * free_bytes)
-        kept = kept_gradient_cap(memory_with(0.0), usable, None)
-        kept_gradients = KeptGradientBudget(kept, usable, memory_with(0.0))
+        usable, without_kept = least(share * free_bytes), memory_with(0.0)
+        kept = kept_gradient_cap(without_kept, usable, None)
+        kept_gradients = KeptGradientBudget(kept, usable, without_kept)
         full = (
             ""
             if not isinstance(tokens, int)
