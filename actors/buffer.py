@@ -9,6 +9,8 @@ arrival, and the generators sample another in its place. An episode that failed 
 raised, hung, ran out of memory, printed too much) is left out of training unless `train_failed_episodes`:
 its reward says nothing of the policy's answer. Either way the ledger accounts for every prompt group:
 issued, scored, trained (at which step) or dropped (with a reason).
+
+`fixed_lag` (`FixedLag`) replaces the bound by an exact lag, as the M2PO paper's experiments set it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from algorithms.errors import StableAsyncError
 from learner.records import TrainingSample
 from tasks.records import ScoredCompletion
 
@@ -210,6 +213,43 @@ def keep_first_lines(path: Path, lines: int) -> list[str]:
     return kept
 
 
+@dataclass(frozen=True)
+class FixedLag:
+    """`async.fixed_lag`: step t trains the groups that policy version max(0, t - lag) sampled, so every group
+    from step `lag` on trains exactly `lag` versions stale (the first `lag` steps train the initial policy's).
+
+    Group ids are issued in order, a step's worth at a time: group g belongs to step g // prompts_per_step.
+    Generation stays one step's worth per learner step, queued `lag` steps deep, with no model snapshot:
+    version v samples step v + lag's groups (version 0 those of steps 0 to lag), and step v does not start
+    before they have all gone out, since its update replaces version v on the generators. A group sampled
+    again after its generator failed, or after a resume, takes the weights of that moment; the ledger shows
+    its true lag.
+    """
+
+    lag: int
+    prompts_per_step: int
+    steps: int | None = None  # the run's length: no group is sampled for a step past it
+
+    def step_of(self, group_id: int) -> int:
+        return group_id // self.prompts_per_step
+
+    def sampling_version(self, step: int) -> int:
+        return max(0, step - self.lag)
+
+    def may_issue(self, group_id: int, generator_version: int) -> bool:
+        step = self.step_of(group_id)
+        return (self.steps is None or step < self.steps) and generator_version == self.sampling_version(step)
+
+    def owed_groups_issued(self, learner_version: int, next_group_id: int) -> bool:
+        """Whether every group that `learner_version` samples has gone out (so the step may replace it)."""
+        owed = learner_version + self.lag
+        return (self.steps is not None and owed >= self.steps) or next_group_id >= (owed + 1) * self.prompts_per_step
+
+
+class FixedLagBatchLost(StableAsyncError, RuntimeError):
+    """Under `async.fixed_lag`, every group of a step was dropped, and no later policy may sample them again."""
+
+
 class RolloutBuffer:
     """FIFO of scored groups with lag-bounded admission.
 
@@ -226,13 +266,17 @@ class RolloutBuffer:
         ledger: Ledger,
         drop_uniform_groups: bool = False,
         train_failed_episodes: bool = False,
+        fixed_lag: FixedLag | None = None,
     ) -> None:
         if max_lag < 0:
             raise ValueError(f"max_lag must be >= 0, got {max_lag}")
+        if fixed_lag is not None and (fixed_lag.lag > max_lag or fixed_lag.prompts_per_step != prompts_per_step):
+            raise ValueError(f"{fixed_lag} does not fit max_lag {max_lag} and {prompts_per_step} prompts per step")
         self.max_lag, self.prompts_per_step, self.stale_policy = max_lag, prompts_per_step, stale_policy
         self.ledger = ledger
         self.drop_uniform_groups = drop_uniform_groups
         self.train_failed_episodes = train_failed_episodes
+        self.fixed_lag = fixed_lag
         self.ready: deque[ScoredGroup] = deque()
         self.in_flight_versions: dict[int, int] = {}  # group id -> the version it is being sampled with
         self.uniform_in_a_row = 0  # arrivals with uniform rewards since the last group kept
@@ -242,8 +286,13 @@ class RolloutBuffer:
         """Groups issued (or issued again) and not yet back."""
         return len(self.in_flight_versions)
 
-    def can_issue(self, learner_version: int, learner_busy: bool, generator_version: int) -> bool:
-        """Whether a generator at `generator_version` may start one more group now."""
+    def can_issue(
+        self, learner_version: int, learner_busy: bool, generator_version: int, next_group_id: int = 0
+    ) -> bool:
+        """Whether a generator at `generator_version` may start one more group now (with a fixed lag: the
+        group `next_group_id`)."""
+        if self.fixed_lag is not None:
+            return self.fixed_lag.may_issue(next_group_id, generator_version)
         queued = len(self.ready) + self.in_flight
         train_version = learner_version + int(learner_busy) + queued // self.prompts_per_step
         if self.stale_policy == "wait":
@@ -298,7 +347,7 @@ class RolloutBuffer:
         self.in_flight_versions.pop(group_id, None)
         self.ledger.dropped(group_id, reason)
 
-    def take(self, learner_version: int) -> list[ScoredGroup] | None:
+    def take(self, learner_version: int, next_group_id: int = 0) -> list[ScoredGroup] | None:
         """The next `prompts_per_step` groups within the lag bound, oldest policy version first, or None if
         not enough yet.
 
@@ -306,7 +355,10 @@ class RolloutBuffer:
         sampled. Under `wait` a step does not start while a group in flight would be past the lag bound at
         the step after it: that group is trained by this step instead of going stale. Stale groups met on
         the way (under `drop`, or weights not delivered in time) are dropped and recorded.
+        With a fixed lag: the step's own groups (`next_group_id`: the next new group's id), see `FixedLag`.
         """
+        if self.fixed_lag is not None:
+            return self._take_step(learner_version, self.fixed_lag, next_group_id)
         fresh: deque[ScoredGroup] = deque()
         for group in self.ready:  # generators finish out of order: a stale group may sit anywhere
             lag = learner_version - group.version_start
@@ -318,6 +370,23 @@ class RolloutBuffer:
         if len(self.ready) < self.prompts_per_step or self._straggler_due(learner_version):
             return None
         return [self.ready.popleft() for _ in range(self.prompts_per_step)]
+
+    def _take_step(self, step: int, fixed: FixedLag, next_group_id: int) -> list[ScoredGroup] | None:
+        """Step `step`'s groups, once none of them is in flight and the groups its weights owe have gone out;
+        those dropped on arrival (failed episodes) leave it smaller."""
+        if not fixed.owed_groups_issued(step, next_group_id):
+            return None
+        if any(fixed.step_of(group_id) == step for group_id in self.in_flight_versions):
+            return None
+        batch = [group for group in self.ready if fixed.step_of(group.group_id) == step]
+        if not batch:
+            raise FixedLagBatchLost(
+                f"step {step + 1} has no prompt group left to train: all {self.prompts_per_step} were dropped "
+                f"(the ledger says why), and async.fixed_lag {fixed.lag} cannot sample them again with version "
+                f"{fixed.sampling_version(step)}; environment.train_failed_episodes: true keeps failed episodes"
+            )
+        self.ready = deque(group for group in self.ready if fixed.step_of(group.group_id) != step)
+        return batch
 
     def _straggler_due(self, learner_version: int) -> bool:
         """Under `wait`: whether a group still in flight must be in this step, because at the next one it

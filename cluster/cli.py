@@ -264,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("learners", int, "learner GPUs (L)"),
         ("max-lag", int, "0 is synchronous"),
         ("stale-policy", str, "wait or drop"),
+        ("fixed-lag", int, "every group exactly this stale (needs --max-lag at least as large)"),
         ("samples-per-prompt", int, "responses per prompt group"),
         ("prompts-per-request", int, "groups per generate call"),
         ("prompts-per-step", int, "groups per learner step"),
@@ -289,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("job")
     sweep.add_argument("--stabilizers", default="none,tis_seq,mis_seq,m2po,vcpo", help="comma-separated names")
     sweep.add_argument("--max-lag", default="0,2,8,16", help="comma-separated lag bounds")
+    sweep.add_argument(
+        "--fixed-lag",
+        action="store_true",
+        help="each --max-lag value is an exact lag (async.fixed_lag): every group trains that many versions stale",
+    )
     sweep.add_argument(
         "--seeds",
         help="comma-separated job seeds: the whole grid runs once per seed, and the "

@@ -71,6 +71,7 @@ def sweep(args: argparse.Namespace) -> int:
                 args.target_reward,
                 stop,
                 None if args.seeds is None else int_list(args.seeds, "--seeds"),
+                args.fixed_lag,
             )
         except (ValueError, FileExistsError, ReportError) as error:
             print(f"stableasync sweep: {error}", file=sys.stderr)

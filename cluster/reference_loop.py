@@ -5,7 +5,8 @@
 One generator (vLLM, in this process) samples a group of responses per prompt with the current
 weights; the task scores each response; one learner rank (DeepSpeed) takes one stabilized step on the
 groups; the new weights go back to the generator. Every sample is on-policy here (lag 0), so the
-stabilizer's weights are all 1 up to the numerics of two engines.
+stabilizer's weights are all 1 up to the numerics of two engines; with `async.fixed_lag: K` each step's
+samples wait K steps in a queue first, so every step from K on trains samples exactly K versions old.
 
 `stableasync train` (cluster/run/driver.py) runs the same parts asynchronously: generators in Ray actors
 keep sampling with weights up to `async.max_lag` versions old while the learner, on several ranks,
@@ -19,6 +20,7 @@ import argparse
 import os
 import random
 import socket
+from collections import deque
 from pathlib import Path
 from statistics import mean
 
@@ -75,25 +77,31 @@ def run(job: Job, steps: int) -> list[float]:
     generator.update_weights(_weights(learner, generator.spec.dtype), version=0)
 
     problems_stream, seeds, rewards = task.problems("train", job.seed), random.Random(job.seed), []
+    lag = job.async_.fixed_lag or 0
+    queued: deque[list[TrainingSample]] = deque()  # sampled batches, the next step's first
     for step in range(steps):
-        # 1. sample: one group of responses per prompt, with the weights of version `step`
-        problems = [next(problems_stream) for _ in range(job.learner.prompts_per_step)]
-        requests = [
-            GenerationRequest(
-                group_id=i, problem_id=p.problem_id, messages=task.messages(p), seed=seeds.getrandbits(31)
-            )
-            for i, p in enumerate(problems)
-        ]
-        groups = generator.generate(requests)
-        # 2. score every response
-        samples = training_samples(task, problems, groups)
+        # 1. sample: one group of responses per prompt, with the weights of version `step`, for step `step + lag`
+        #    (version 0 samples steps 0 to lag: there is no older policy)
+        while len(queued) <= lag and step + len(queued) < steps:
+            problems = [next(problems_stream) for _ in range(job.learner.prompts_per_step)]
+            requests = [
+                GenerationRequest(
+                    group_id=i, problem_id=p.problem_id, messages=task.messages(p), seed=seeds.getrandbits(31)
+                )
+                for i, p in enumerate(problems)
+            ]
+            groups = generator.generate(requests)
+            # 2. score every response
+            queued.append(training_samples(task, problems, groups))
+        samples = queued.popleft()
         # 3. one learner step: advantages within each group, the stabilizer's weights, the loss, the update
         metrics = learner.train_step(collate(samples, 0))
         # 4. the new weights (version step + 1) to the generator
         generator.update_weights(_weights(learner, generator.spec.dtype), version=step + 1)
         rewards.append(mean(sample["reward"] for sample in samples))
         print(
-            f"step {step + 1}: reward {rewards[-1]:.3f}, ESS ratio {metrics['stability/ess_ratio']:.3f}, "
+            f"step {step + 1}: lag {step - samples[0]['version']}, reward {rewards[-1]:.3f}, "
+            f"ESS ratio {metrics['stability/ess_ratio']:.3f}, "
             f"loss {metrics['optim/loss']:.4f}",
             flush=True,
         )

@@ -120,6 +120,7 @@ def load_run(path: str | Path) -> RunData:
     job = read_run_job(job_path, ReportError, defaulted=["logging.alerts"])  # a missing label key reads "?"
     stabilizer = _section(job, "algorithm.stabilizer", job_path).get("name") or "?"
     max_lag = _int_or_none(_section(job, "async", job_path).get("max_lag"), "async.max_lag", job_path)
+    fixed_lag = _int_or_none(_section(job, "async", job_path).get("fixed_lag"), "async.fixed_lag", job_path)
     steps_planned = _int_or_none(_section(job, "learner", job_path).get("steps"), "learner.steps", job_path)
     seed = _int_or_none(job.get("seed"), "seed", job_path)
     alerts = _section(job, "logging.alerts", job_path)
@@ -133,7 +134,9 @@ def load_run(path: str | Path) -> RunData:
     return RunData(
         path=run_dir,
         name=str(job.get("name") or run_dir.name),
-        label=f"{stabilizer} lag {'?' if max_lag is None else max_lag}",
+        label=f"{stabilizer} lag {'?' if max_lag is None else max_lag}"
+        if fixed_lag is None
+        else f"{stabilizer} fixed lag {fixed_lag}",
         stabilizer=str(stabilizer),
         max_lag=max_lag,
         seed=seed,

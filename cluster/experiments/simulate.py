@@ -112,6 +112,7 @@ def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
             learners=int(learner["num_ranks"]),
             max_lag=int(async_["max_lag"]),
             stale_policy=async_["stale_policy"],
+            fixed_lag=None if async_.get("fixed_lag") is None else int(async_["fixed_lag"]),
             samples_per_prompt=int(g["samples_per_prompt"]),
             prompts_per_request=int(g["prompts_per_request"]),
             prompts_per_step=int(learner["prompts_per_step"]),
@@ -190,7 +191,7 @@ def describe(result: SimResult, sync: SimResult | None = None) -> str:
     lags = ", ".join(f"{lag}: {count / total:.0%}" for lag, count in enumerate(result.lag_counts))
     lines = [
         f"setting: {c.generators} generator GPU(s), {c.learners} learner GPU(s), "
-        f"max_lag {c.max_lag} ({c.stale_policy}), "
+        f"max_lag {c.max_lag} ({c.stale_policy}{'' if c.fixed_lag is None else f', fixed lag {c.fixed_lag}'}), "
         f"{c.prompts_per_step} prompts x {c.samples_per_prompt} responses per step, "
         f"{c.prompts_per_request} prompts per generate call; {c.steps} steps, seed {c.seed}",
         f"costs: generate call {result.gen_call_s_mean:.2f} s (mean), learner step {result.learner_s_mean:.2f} s, "

@@ -18,7 +18,7 @@ import statistics
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
-from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
+from actors.buffer import FixedLag, Ledger, RolloutBuffer, ScoredGroup
 from algorithms.config import CheckedConfig, config_field
 from cluster.run.schedule import Call, Schedule, SchedulerStuck
 
@@ -37,6 +37,11 @@ class SimConfig(CheckedConfig):
     )
     stale_policy: Literal["wait", "drop"] = config_field(
         "async.stale_policy: throttle generation (wait) or drop stale groups", "wait"
+    )
+    fixed_lag: int | None = config_field(
+        "async.fixed_lag: every group trains exactly this many versions stale (needs max_lag at least as large)",
+        None,
+        ge=0,
     )
     samples_per_prompt: int = config_field("responses per prompt group (generator.samples_per_prompt)", 8, gt=0)
     prompts_per_request: int = config_field(
@@ -95,6 +100,8 @@ class SimConfig(CheckedConfig):
             found.append(f"stale_policy must be 'wait' or 'drop', got {self.stale_policy!r}")
         if self.learners > 0 and self.prompts_per_step % self.learners:
             found.append(f"prompts_per_step ({self.prompts_per_step}) must divide evenly over {self.learners} learners")
+        if self.fixed_lag is not None and (self.fixed_lag > self.max_lag or self.stale_policy != "wait"):
+            found.append(f"fixed_lag ({self.fixed_lag}) needs max_lag at least as large and stale_policy 'wait'")
         return found
 
     @property
@@ -191,7 +198,8 @@ class _Simulation:
     def __init__(self, config: SimConfig) -> None:
         self.c = config
         self.rng = random.Random(config.seed)
-        buffer = RolloutBuffer(config.max_lag, config.prompts_per_step, config.stale_policy, Ledger())
+        fixed = None if config.fixed_lag is None else FixedLag(config.fixed_lag, config.prompts_per_step, config.steps)
+        buffer = RolloutBuffer(config.max_lag, config.prompts_per_step, config.stale_policy, Ledger(), fixed_lag=fixed)
         self.schedule: Schedule[_Request, _Call] = Schedule(
             buffer, config.prompts_per_request, self._new_request, self._send
         )
@@ -318,7 +326,7 @@ class _Simulation:
 
 def synchronous(config: SimConfig) -> SimConfig:
     """The on-policy baseline of a setting: max_lag 0 under `wait` (under `drop` generators would run ahead)."""
-    return replace(config, max_lag=0, stale_policy="wait")
+    return replace(config, max_lag=0, stale_policy="wait", fixed_lag=None)
 
 
 def simulate(config: SimConfig) -> SimResult:

@@ -1,7 +1,8 @@
 """`stableasync sweep`: one job over a grid of stabilizers and lag bounds, then a report.
 
 Every cell is the same job (same seed, so the same prompts and the same initial model) with only
-`algorithm.stabilizer` and `async.max_lag` changed, run one after another on the current Ray cluster.
+`algorithm.stabilizer` and `async.max_lag` changed, run one after another on the current Ray cluster
+(with `fixed_lag`, each lag is exact: `async.fixed_lag` and `async.max_lag` both set to it).
 With `seeds`, the whole grid runs once per job seed (prompt order, sampling, warm-up data), one seed
 after another, so a stopped sweep still holds complete grids; the report then adds a table over the
 seeds of each cell. A cell that fails (a numerical stop, a crash) is recorded and the sweep goes on: a
@@ -41,11 +42,12 @@ def grid(
     out_dir: Path,
     overrides: dict[str, dict[str, Any]] | None = None,
     seeds: list[int] | None = None,
+    fixed_lag: bool = False,
 ) -> list[Cell]:
     """Every (seed, stabilizer, max_lag) variant of `job`, validated up front: a bad cell stops the sweep
     before anything runs, with the cell named. `overrides` are section updates applied to every cell.
     `seeds` None: the job's own seed, and run names without one (`tis_seq-lag2`); else each seed in turn
-    (`tis_seq-lag2-seed1`)."""
+    (`tis_seq-lag2-seed1`); with `fixed_lag` each lag is a fixed lag (`tis_seq-fixed16`)."""
     problems = [
         f"{what} {value!r} is listed twice"
         for what, values in (("stabilizer", stabilizers), ("max_lag", max_lags), ("seed", seeds or []))
@@ -60,15 +62,17 @@ def grid(
     for seed in seeds if seeds is not None else [job.seed]:
         for stabilizer in stabilizers:
             for max_lag in max_lags:
-                run_name = f"{stabilizer}-lag{max_lag}" + ("" if seeds is None else f"-seed{seed}")
+                lag_name = f"fixed{max_lag}" if fixed_lag else f"lag{max_lag}"
+                run_name = f"{stabilizer}-{lag_name}" + ("" if seeds is None else f"-seed{seed}")
                 data = {
                     **base,
                     "seed": seed,
                     "algorithm": {**base["algorithm"], "stabilizer": {"name": stabilizer}},
-                    "async": {**base["async"], "max_lag": max_lag},
+                    "async": {**base["async"], "max_lag": max_lag, "fixed_lag": max_lag if fixed_lag else None},
                     "logging": {**base["logging"], "run_dir": str(out_dir / "runs"), "run_name": run_name},
                 }
-                where = f"{stabilizer} max_lag {max_lag}" + ("" if seeds is None else f" seed {seed}")
+                where = f"{stabilizer} {'fixed_lag' if fixed_lag else 'max_lag'} {max_lag}"
+                where += "" if seeds is None else f" seed {seed}"
                 try:
                     cells.append(Cell(stabilizer, max_lag, validate_job(data, where), run_name))
                 except JobValidationError as error:
@@ -87,6 +91,7 @@ def sweep(
     target_reward: float | None = None,
     stop: StopRequest | None = None,
     seeds: list[int] | None = None,
+    fixed_lag: bool = False,
 ) -> list[Any]:
     """Run every cell, then write the report (table, plots, HTML) over the runs into `out_dir`.
 
@@ -95,7 +100,7 @@ def sweep(
     from cluster.experiments.report import write_report
     from cluster.run.driver import run_job
 
-    cells = grid(job, stabilizers, max_lags, out_dir, overrides, seeds)
+    cells = grid(job, stabilizers, max_lags, out_dir, overrides, seeds, fixed_lag)
     run_dirs = []
     for n, cell in enumerate(cells, 1):
         run_dir = out_dir / "runs" / cell.run_name

@@ -359,6 +359,13 @@ class AsyncSection(Section):
     stale_policy: Literal["wait", "drop"] = Field(
         "wait", description="wait: generators pause so nothing goes stale; drop: stale groups are dropped (ledger)"
     )
+    fixed_lag: int | None = Field(
+        None,
+        ge=0,
+        description="train every group exactly this many versions stale (the first fixed_lag steps train the "
+        "initial policy's groups), as the M2PO paper's experiments do; needs max_lag at least as large; "
+        "null: as stale as asynchrony makes it, up to max_lag",
+    )
     weight_sync: Literal["object_store", "nccl", "gloo"] = Field(
         "object_store",
         description="object_store (default): one buffer in Ray's object store, which generators may join and leave; "

@@ -125,6 +125,18 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
             )
         )
     errors += _environment_errors(job)
+    if (lag := job.async_.fixed_lag) is not None:  # what would sample or drop a group at another lag
+        fixed_lag_limits = [
+            ("async.max_lag", job.async_.max_lag < lag, f"{job.async_.max_lag} is below async.fixed_lag {lag}"),
+            ("async.stale_policy", job.async_.stale_policy == "drop", f"async.fixed_lag {lag} needs wait"),
+            ("generator.streaming", generator.streaming, f"loads weights mid-call; async.fixed_lag {lag} needs false"),
+            (
+                "algorithm.drop_uniform_groups",
+                job.algorithm.drop_uniform_groups,
+                f"a dropped group's replacement would be sampled by a later policy than async.fixed_lag {lag} allows",
+            ),
+        ]
+        errors += [JobError(field, why) for field, refused, why in fixed_lag_limits if refused]
     if job.model.lora is not None:
         lora_limits = [
             (

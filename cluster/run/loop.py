@@ -36,6 +36,7 @@ from cluster.run.faults import NumericalFailure, SkipStreak, UniformRewards, lea
 from cluster.run.generators import SCALE_CHECK_S, GeneratorPool
 from cluster.run.rewards import training_scorer
 from cluster.run.schedule import Call, Schedule, SchedulerStuck
+from cluster.run.specs import rollout_buffer
 from cluster.run.state import DriverState, InFlight
 from cluster.run.step_rows import GenerationTotals, ScoredSinceStep, lag_metrics, version_mix
 from cluster.run.stopping import JobStopped, StopRequest
@@ -81,16 +82,8 @@ class AsyncLoop:
             if sync == "object_store"
             else runtime.CollectivePublisher(learners, self.generators, sync, dtype, job.generator.tensor_parallel_size)
         )
-        buffer = RolloutBuffer(
-            job.async_.max_lag,
-            job.learner.prompts_per_step,
-            job.async_.stale_policy,
-            ledger,
-            job.algorithm.drop_uniform_groups,
-            job.environment.train_failed_episodes,
-        )
         self.schedule: Schedule[GenerationRequest, ray.ObjectRef] = Schedule(
-            buffer,
+            rollout_buffer(job, ledger),
             job.generator.prompts_per_request,
             self._new_request,
             self._send,

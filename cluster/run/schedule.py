@@ -112,7 +112,7 @@ class Schedule(Generic[R, H]):
             return True
         requests: list[R] = []
         while len(requests) < self.prompts_per_request and self.buffer.can_issue(
-            self.version, self.learner_busy, self.members[index].weights_version
+            self.version, self.learner_busy, self.members[index].weights_version, self.next_group_id
         ):
             requests.append(self._new(index))
         if requests:
@@ -169,7 +169,7 @@ class Schedule(Generic[R, H]):
         """The next step's groups, when no step is in flight and the buffer holds a batch."""
         if self.training is not None:
             return None
-        self.training = self.buffer.take(self.version)
+        self.training = self.buffer.take(self.version, self.next_group_id)
         return self.training
 
     def step_done(self, skipped_reason: str | None = None) -> list[int]:

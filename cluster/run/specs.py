@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from actors.buffer import FixedLag, Ledger, RolloutBuffer
 from actors.generator import GeneratorSpec
 from algorithms.config import STABILIZER_CONFIGS
 from cluster.job import Job, KLSection, environment_spec, section_config
@@ -17,6 +18,20 @@ def lora_spec(job: Job) -> LoraSpec | None:
     """The learner's and generators' LoraSpec of the job's model.lora (None: full fine-tuning)."""
     lora = job.model.lora
     return None if lora is None else LoraSpec(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
+
+
+def rollout_buffer(job: Job, ledger: Ledger) -> RolloutBuffer:
+    """The run's rollout buffer: the job's lag bound or fixed lag, stale policy and which groups it keeps."""
+    lag, learner = job.async_.fixed_lag, job.learner
+    return RolloutBuffer(
+        job.async_.max_lag,
+        learner.prompts_per_step,
+        job.async_.stale_policy,
+        ledger,
+        job.algorithm.drop_uniform_groups,
+        job.environment.train_failed_episodes,
+        None if lag is None else FixedLag(lag, learner.prompts_per_step, learner.steps),
+    )
 
 
 def reference_at_rl_start(job: Job) -> bool:

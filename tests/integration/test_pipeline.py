@@ -195,6 +195,19 @@ def test_lagged_job_stays_within_max_lag(local_ray, tmp_path):
     assert counts["trained"] == len(trained) and set(counts) <= {"trained", "dropped"}
 
 
+def test_a_fixed_lag_job_trains_every_group_exactly_k_versions_stale(local_ray, tmp_path):
+    """async.fixed_lag 2: steps 1 and 2 train the initial policy's groups (lags 0 and 1), every later step
+    groups sampled exactly 2 versions before; one step's worth sampled per step, none past the run."""
+    result = _run(tmp_path, max_lag=2, steps=5, **{"async": {"max_lag": 2, "fixed_lag": 2}})
+    trained = _trained(result.run_dir)
+    assert sorted((r["trained_step"], r["lag"]) for r in trained) == [(t, min(t, 2)) for t in range(5) for _ in "ab"]
+    assert all(r["sampled_versions"] == [r["trained_step"] - r["lag"]] * 2 for r in trained)
+    assert result.ledger_counts == {"trained": 10}, "nothing sampled for a step past the run"
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    lags = [r["async/lag"] for r in rows if r["train/step"] > 0 and not is_evaluation_row(r)]
+    assert lags == [[8, 0, 0], [0, 8, 0], [0, 0, 8], [0, 0, 8], [0, 0, 8]]  # responses per lag 0, 1, 2
+
+
 def test_a_streaming_generator_runs_calls_side_by_side_and_takes_weights_while_they_run(local_ray, tmp_path):
     """generator.streaming: one AsyncLLM engine with two generate calls in flight; each publish loads the
     weights beside them (the driver waits for the load, then issues with the new version). Every group ends

@@ -525,6 +525,23 @@ def test_lora_settings_outside_what_runs_name_their_field():
     assert "model.lora.target_modules" in _errors({**MINIMAL, "model": {"lora": {"target_modules": []}}})
 
 
+def test_a_fixed_lag_refuses_each_setting_that_would_train_a_group_at_another_lag():
+    assert validate_job({**MINIMAL, "async": {"fixed_lag": 4, "max_lag": 4}}).async_.fixed_lag == 4
+    assert validate_job(MINIMAL).async_.fixed_lag is None
+    errors = _errors(
+        {
+            **MINIMAL,
+            "async": {"fixed_lag": 4, "max_lag": 2, "stale_policy": "drop"},
+            "generator": {"streaming": True},
+            "algorithm": {"drop_uniform_groups": True},
+        }
+    )
+    refused = {"async.max_lag", "async.stale_policy", "generator.streaming", "algorithm.drop_uniform_groups"}
+    assert refused <= set(errors), errors
+    assert all("async.fixed_lag 4" in errors[field] for field in refused), errors
+    assert "async.fixed_lag" in _errors({**MINIMAL, "async": {"fixed_lag": -1}})
+
+
 def test_a_lora_target_the_model_lacks_stops_train_before_anything_starts(tmp_path, tiny_qwen2):
     runs = tmp_path / "runs"
     job = tmp_path / "job.yaml"

@@ -164,6 +164,19 @@ def test_lag_never_exceeds_max_lag(policy, max_lag):
         assert result.lag_mean > 0
 
 
+@pytest.mark.parametrize("lag", [0, 2, 5])
+def test_a_fixed_lag_trains_every_step_from_k_on_exactly_k_stale(lag):
+    config = SimConfig(
+        generators=2, learners=1, max_lag=lag, fixed_lag=lag, samples_per_prompt=4, prompts_per_request=2,
+        prompts_per_step=6, steps=20, response_len_mean=300.0, response_len_cv=1.0, seed=3,
+    )  # fmt: skip
+    responses_per_step = config.prompts_per_step * config.samples_per_prompt
+    expected = [responses_per_step] * lag + [responses_per_step * (config.steps - lag)]
+    assert list(simulate(config).lag_counts) == expected  # step t < K at lag t, the rest at K
+    with pytest.raises(ValueError, match="fixed_lag"):
+        replace(config, max_lag=lag - 1 if lag else 0, fixed_lag=lag + 1)
+
+
 def test_same_seed_same_prediction_other_seed_other_lengths():
     config = replace(SimConfig(), steps=15)
     assert simulate(config) == simulate(config)

@@ -48,6 +48,13 @@ def test_seeds_repeat_the_whole_grid_one_seed_after_another(tmp_path):
     assert {c.job.model.tiny.seed for c in cells} == {0}, "the job seed varies; the initial model stays the same"
 
 
+def test_fixed_lag_cells_set_the_exact_lag_and_its_bound(tmp_path):
+    cells = grid(validate_job(BASE), ["m2po"], [0, 16], tmp_path, fixed_lag=True)
+    assert [(c.job.async_.fixed_lag, c.job.async_.max_lag) for c in cells] == [(0, 0), (16, 16)]
+    assert [c.run_name for c in cells] == ["m2po-fixed0", "m2po-fixed16"]
+    assert {c.job.async_.fixed_lag for c in grid(validate_job(BASE), ["m2po"], [2], tmp_path)} == {None}
+
+
 def test_a_value_listed_twice_stops_the_sweep_before_anything_runs(tmp_path):
     with pytest.raises(ValueError) as error:
         grid(validate_job(BASE), ["none", "none"], [0, 2], tmp_path, seeds=[1, 2, 1])
