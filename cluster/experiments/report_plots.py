@@ -12,6 +12,7 @@ from typing import Any
 
 from cluster.experiments.report_reading import (
     ESS_KEY,
+    EVAL_SOLVED_KEY,
     GRAD_NORM_KEY,
     KL_K3_KEY,
     LAG_HIST_KEY,
@@ -30,6 +31,8 @@ CURVES: list[tuple[str, str, str, bool]] = [
     ("ess_ratio", ESS_KEY, "ESS ratio (1: on-policy)", False),
     ("grad_norm", GRAD_NORM_KEY, "gradient norm before clipping (log)", True),
     ("kl_k3", KL_K3_KEY, "KL k3 per token (behaviour || learner)", False),
+    # the policy of that step itself, where the reward is the sampling policy's (async.fixed_lag K: K steps older)
+    ("eval_solved", EVAL_SOLVED_KEY, "held-out problems solved (greedy evaluation)", False),
 ]
 LAG_PLOT = "lag_hist"
 

@@ -262,7 +262,7 @@ def test_the_documented_report_command_on_recorded_runs_counts_their_steps_not_t
         assert (summary["ess_collapse_below"], summary["ess_collapse_steps"]) == ("0.2", "5")
         assert f"| {summary['label']} |" in printed
     assert [summary["max_lag"] for summary in summaries] == ["0", "1"]
-    assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 6
+    assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 7
 
 
 # ---- reading ----------------------------------------------------------------------------------------
@@ -509,7 +509,15 @@ def test_write_report_returns_a_summary_per_run_in_order(three_runs, report):
 def test_pngs_are_written_and_valid(report):
     out, _ = report
     pngs = sorted(out.glob("*.png"))
-    assert {p.stem for p in pngs} == {"reward", "ess_ratio", "grad_norm", "kl_k3", "lag_hist", "reward_by_cell"}
+    assert {p.stem for p in pngs} == {
+        "reward",
+        "ess_ratio",
+        "grad_norm",
+        "kl_k3",
+        "eval_solved",
+        "lag_hist",
+        "reward_by_cell",
+    }
     for png in pngs:
         data = png.read_bytes()
         assert data[:8] == PNG_SIGNATURE and len(data) > 1000, png
@@ -575,7 +583,7 @@ def test_cli_writes_the_report(tmp_path, capsys, three_runs):
     )
     printed = capsys.readouterr().out
     assert "| vcpo lag 1 |" in printed and "| none lag 4 |" in printed and "report.html" in printed
-    assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 6
+    assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 7
     healthy = next(csv.DictReader((out / "table.csv").open()))  # ESS 0.9 every step: low for the flags' rule
     assert (healthy["collapsed"], healthy["collapse_step"], healthy["ess_collapse_below"]) == ("True", "2", "0.95")
 
