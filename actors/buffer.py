@@ -216,7 +216,7 @@ def keep_first_lines(path: Path, lines: int) -> list[str]:
 @dataclass(frozen=True)
 class FixedLag:
     """`async.fixed_lag`: step t trains the groups that policy version max(0, t - lag) sampled, so every group
-    from step `lag` on trains exactly `lag` versions stale (the first `lag` steps train the initial policy's).
+    from step `lag` on trains exactly `lag` versions stale (steps 0 to `lag` train the initial policy's).
 
     Group ids are issued in order, a step's worth at a time: group g belongs to step g // prompts_per_step.
     Generation stays one step's worth per learner step, queued `lag` steps deep, with no model snapshot:

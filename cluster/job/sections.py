@@ -362,7 +362,7 @@ class AsyncSection(Section):
     fixed_lag: int | None = Field(
         None,
         ge=0,
-        description="train every group exactly this many versions stale (the first fixed_lag steps train the "
+        description="train every group exactly this many versions stale (the first fixed_lag + 1 steps train the "
         "initial policy's groups), as the M2PO paper's experiments do; needs max_lag at least as large; "
         "null: as stale as asynchrony makes it, up to max_lag",
     )
