@@ -72,6 +72,7 @@ def _measure(job, model_path: str, rounds: int) -> dict[str, float]:
     learners = runtime.LearnerGroup(learner_spec(job, model_path), 1, 1.0, 0.0)
     spec = generator_spec(job, model_path)
     generator = runtime.start_generator(spec, 0, 1.0)
+    learners.wait_until_ready()
     ray.get(generator.ready.remote())
 
     @ray.remote(num_cpus=0)

@@ -129,13 +129,15 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
         placement_timeout_s=job.cluster.placement_timeout_s,
         node_resource=job.cluster.learner_resource,
     )
-    _log_micro_batch_budgets(learners)
+    # the learner's placement is reserved first (it may need a whole node); then the generators' engines load
+    # while the ranks load theirs and, on a fresh run, while the ranks take the warm-up
     start_generator = _generator_starter(job, model_path, names)
-    generators = {index: start_generator(index) for index in range(job.generator.num_generators)}
-    ray.get([g.ready.remote() for g in generators.values()])
-    placement = _placement(learners, generators)
+    generators: dict[int, Any] = {}
     ledger = sink = loop = None
     try:
+        generators = {index: start_generator(index) for index in range(job.generator.num_generators)}
+        learners.wait_until_ready()
+        _log_micro_batch_budgets(learners)
         state = None
         if candidates:
             with learners_may_crash("while loading a checkpoint", run_dir):
@@ -161,6 +163,8 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
             _sft_warmup(job, task, model_path, learners, sink)
             if reference_at_rl_start(job):  # written whole (renamed when complete), then every rank loads it
                 learners.load_reference(str(write_model(reference, learners.save_model)))
+        ray.get([g.ready.remote() for g in generators.values()])
+        placement = _placement(learners, generators)
         loop = AsyncLoop(
             job,
             task,

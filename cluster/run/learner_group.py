@@ -110,7 +110,11 @@ class LearnerGroupBroken(StableAsyncError, RuntimeError):
 
 
 class LearnerGroup:
-    """R learner ranks in one placement group; every call goes to all ranks (they are collectives)."""
+    """R learner ranks in one placement group; every call goes to all ranks (they are collectives).
+
+    The constructor reserves the ranks' placement and starts them loading; `wait_until_ready` blocks until they
+    have, so a driver can start its generators in between and both load at once.
+    """
 
     rank_straggle_s = 60.0  # after one rank's call fails, how long the others may still take to end theirs
 
@@ -155,6 +159,9 @@ class LearnerGroup:
             ).remote(spec, rank, num_ranks, master.host, master.port)
             for rank in range(num_ranks)
         ]
+
+    def wait_until_ready(self) -> None:
+        """Block until every rank has loaded its model and joined the group (a rank's load error raises here)."""
         ray.get([r.ready.remote() for r in self.ranks])
 
     def rendezvous_address(self) -> Rendezvous:
