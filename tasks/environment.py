@@ -17,6 +17,7 @@ batches, `actors/streaming.py` one episode at a time while weights may change be
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -377,13 +378,13 @@ class EpisodeStats:
             self.tokens += len(c["policy_mask"])
 
     def metrics(self) -> dict[str, float]:
-        """Per episode means; none when no episode was scored (a job without tools logs none of these)."""
-        if not self.episodes:
-            return {}
+        """Per episode means; NaN when no episode was scored since the last row (a job with tools logs every key at
+        every step, as the reward components do)."""
+        episodes = self.episodes or math.nan
         return {
-            "rollout/turns_mean": self.turns / self.episodes,
-            "rollout/tool_calls_mean": self.tool_calls / self.episodes,
-            "rollout/tool_errors_mean": self.tool_errors / self.episodes,
-            "rollout/failed_episode_share": self.failed / self.episodes,
-            "rollout/tool_token_share": self.tool_tokens / self.tokens if self.tokens else 0.0,
+            "rollout/turns_mean": self.turns / episodes,
+            "rollout/tool_calls_mean": self.tool_calls / episodes,
+            "rollout/tool_errors_mean": self.tool_errors / episodes,
+            "rollout/failed_episode_share": self.failed / episodes,
+            "rollout/tool_token_share": self.tool_tokens / self.tokens if self.tokens else math.nan,
         }

@@ -485,7 +485,7 @@ class AsyncLoop:
             "time/step_s": step_s,
             "time/eval_wait_s": eval_wait_s,  # the loop held up by the previous evaluation
         }
-        row.update(self.scored.metrics(self.job.algorithm, self.job.scoring))
+        row.update(self.scored.metrics(self.job.algorithm, self.job.scoring, bool(self.job.environment.tools)))
         self.scored = ScoredSinceStep()
         totals.busy_s_since_step = 0.0
         self.rewards.append(metrics.get("rollout/reward_mean", math.nan))

@@ -29,8 +29,11 @@ class ScoredSinceStep:
     components: dict[str, list[float]] = field(default_factory=dict)  # scoring.rewards: each kind's scores
     episodes: EpisodeStats = field(default_factory=EpisodeStats)  # tool episodes (environment.tools)
 
-    def metrics(self, algorithm: AlgorithmSection, scoring: ScoringSection | None = None) -> dict[str, float]:
-        """`rollout/*` keys of the step row; those of options the job leaves off are not logged."""
+    def metrics(
+        self, algorithm: AlgorithmSection, scoring: ScoringSection | None = None, tool_episodes: bool = False
+    ) -> dict[str, float]:
+        """`rollout/*` keys of the step row; those of options the job leaves off are not logged (`tool_episodes`:
+        the job has `environment.tools`)."""
 
         def mean(values: list[float]) -> float:
             return sum(values) / len(values) if values else math.nan
@@ -43,7 +46,7 @@ class ScoredSinceStep:
             row["rollout/overlong_penalty_mean"] = mean(self.overlong_penalties)
         for section in (scoring.rewards if scoring else None) or []:  # NaN: nothing scored since, or all failed
             row[REWARD_METRICS[section.name]] = mean(self.components.get(section.name, []))
-        return row | self.episodes.metrics()
+        return row | (self.episodes.metrics() if tool_episodes else {})
 
 
 @dataclass

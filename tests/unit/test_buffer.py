@@ -254,6 +254,12 @@ def test_the_step_row_reports_the_responses_scored_since_the_last_one_with_each_
         "rollout/overlong_penalty_mean": -0.1875,
     }
     assert math.isnan(ScoredSinceStep().metrics(both)["rollout/scored_reward_mean"])  # nothing scored: no number
+    # a job with tools logs the episode keys at every step, NaN when the step trained groups scored before the last
+    # row (a run's metrics then have the same keys on every step row); a job without tools logs none
+    tool_keys = {k: v for k, v in ScoredSinceStep().metrics(plain, tool_episodes=True).items() if "rollout/t" in k}
+    assert {"rollout/tool_calls_mean", "rollout/turns_mean", "rollout/tool_token_share"} <= set(tool_keys)
+    assert all(math.isnan(v) for v in tool_keys.values())
+    assert "rollout/tool_calls_mean" not in scored.metrics(plain)
 
 
 def test_version_mix_counts_each_token_at_the_lag_of_the_version_that_sampled_it():
