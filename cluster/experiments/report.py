@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cluster.experiments.report_html import render_html
-from cluster.experiments.report_plots import CURVES, plot_cells, plot_runs
+from cluster.experiments.report_plots import CURVES, plot_cells, plot_eval_by_lag, plot_runs
 from cluster.experiments.report_reading import ReportError, load_run, unique_labels
 from cluster.experiments.report_tables import (
     RunSummary,
@@ -69,7 +69,11 @@ def write_report(
     cells = summarise_cells(summaries)
     (out / "cells.md").write_text(cells_markdown_table(cells))
     write_cells_csv(cells, out / "cells.csv")
-    images = [*plot_runs(runs, summaries, out, target_reward), plot_cells(runs, out, target_reward)]
+    images = [
+        *plot_runs(runs, summaries, out, target_reward),
+        plot_cells(runs, out, target_reward),
+        plot_eval_by_lag(summaries, out),
+    ]
     (out / "report.html").write_text(render_html(summaries, cells, images, target_reward))
     return summaries
 
@@ -93,7 +97,7 @@ def run_cli(
     out = Path(out_dir)
     print(
         f"\nwrote {out / 'report.html'} (self-contained), table.md, table.csv, cells.md, cells.csv and "
-        f"{len(CURVES) + 2} PNGs in {out}"
+        f"{len(CURVES) + 3} PNGs in {out}"
     )
     return 0
 

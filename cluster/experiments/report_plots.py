@@ -1,5 +1,6 @@
 """The PNGs of `stableasync report` (matplotlib's Agg canvas, imported only when plotting): every metric
-against step and wall time, the lag histogram, and the reward per cell over seeds. Apart so that reading
+against step and wall time, the lag histogram, the reward per cell over seeds, and held-out solved by
+stabilizer and lag (the grid in one figure). Apart so that reading
 and tabulating runs never needs matplotlib."""
 
 from __future__ import annotations
@@ -197,5 +198,53 @@ def plot_cells(runs: Sequence[RunData], out_dir: Path, target_reward: float | No
         axes[0].text(0.5, 0.5, f"no run logged {REWARD_KEY}", ha="center", va="center", transform=axes[0].transAxes)
     figure.suptitle("reward by cell: mean over runs (band: min–max over runs)")
     path = out_dir / "reward_by_cell.png"
+    figure.savefig(path, dpi=90)
+    return path
+
+
+def plot_eval_by_lag(summaries: Sequence[RunSummary], out_dir: Path) -> Path:
+    """eval_by_lag.png: the grid in one figure. Per stabilizer, held-out problems solved against max lag
+    (with `async.fixed_lag`, the lag every group trained at): left the last evaluation, right the lowest
+    one of the run, a dip it recovered from included; dots are runs (seeds), the line their mean. Lags sit
+    evenly spaced, labelled with their values, so 0, 4, 16, 64 and 256 all stay readable."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    cells = {key: runs for key, runs in by_cell(summaries).items() if key[1] is not None}
+    lags = sorted({lag for _, lag in cells}, key=lag_order)
+    stabilizers = list(dict.fromkeys(stabilizer for stabilizer, _ in cells))
+    figure = Figure(figsize=(12, 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, 2, sharey=True)
+    panels = (("at the last evaluation", "eval_solved"), ("lowest over the run", "eval_solved_lowest"))
+    any_point = False
+    for ax, (title, attr) in zip(axes, panels):
+        for stabilizer in stabilizers:
+            index = stabilizers.index(stabilizer)
+            color = _style(index)["color"]
+            nudge = 0.06 * (index - (len(stabilizers) - 1) / 2)  # side by side, so equal values stay visible
+            xs, means = [], []
+            for (name, lag), runs in cells.items():
+                values = [getattr(run, attr) for run in runs if getattr(run, attr) is not None]
+                if name != stabilizer or not values:
+                    continue
+                any_point = True
+                position = lags.index(lag) + nudge
+                ax.plot([position] * len(values), values, "o", color=color, alpha=0.4, markersize=4)
+                xs.append(position)
+                means.append(statistics.fmean(values))
+            if xs:
+                ax.plot(xs, means, "-o", color=color, label=stabilizer)
+        ax.set_xticks(range(len(lags)), [str(lag) for lag in lags])
+        ax.set_xlabel("max lag (with async.fixed_lag: the lag every group trained at)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if not any_point:
+            ax.text(0.5, 0.5, f"no run logged {EVAL_SOLVED_KEY}", ha="center", va="center", transform=ax.transAxes)
+    axes[0].set_ylabel("held-out problems solved (eval/solved)")
+    if any_point:
+        axes[1].legend(fontsize="small", loc="best")
+    figure.suptitle("held-out solved by stabilizer and lag: mean over runs (dots: each run)")
+    path = out_dir / "eval_by_lag.png"
     figure.savefig(path, dpi=90)
     return path

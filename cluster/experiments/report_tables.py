@@ -45,6 +45,7 @@ class RunSummary:
     final_reward: float | None
     best_reward_ma: float | None  # best trailing moving average of the reward
     eval_solved: float | None  # the last evaluation's solved share (eval.every_steps); None: never evaluated
+    eval_solved_lowest: float | None  # the lowest of them: a dip the run recovered from shows here, not above
     target_reward: float | None
     target_step: int | None  # first step whose moving average reaches target_reward
     target_wall_s: float | None  # run wall time at target_step
@@ -91,7 +92,9 @@ def summarise(
       reward.
     - moving average: trailing mean over min(10, n) steps, full windows only (`reward_moving_average`).
     - last eval solved: `eval/solved` of the last step that logged a finite one (held-out accuracy when the
-      job evaluates; the training reward alone can rise on a policy that games its verifier).
+      job evaluates; the training reward alone can rise on a policy that games its verifier); lowest eval
+      solved: the least of those finite values over RL steps (the step-0 evaluation of the initial policy
+      is not an RL row).
     - time to target: the first step whose moving average is >= `target_reward`, and the run wall time
       (`time/wall_s`, seconds since the run's sink started, SFT warm-up included) at that step; None if
       never reached or no target given.
@@ -174,6 +177,7 @@ def summarise(
         final_reward=final_reward,
         best_reward_ma=best_ma,
         eval_solved=evaluations[-1] if evaluations else None,
+        eval_solved_lowest=min(evaluations) if evaluations else None,
         target_reward=target_reward,
         target_step=target_step,
         target_wall_s=target_wall_s,
@@ -215,6 +219,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("final reward", "final_reward", _fixed(3)),
     ("best reward MA", "best_reward_ma", _fixed(3)),
     ("last eval solved", "eval_solved", _fixed(3)),
+    ("lowest eval solved", "eval_solved_lowest", _fixed(3)),
     ("target step", "target_step", _plain),
     ("target wall s", "target_wall_s", _fixed(0)),
     ("min ESS ratio", "ess_ratio_min", _fixed(3)),
@@ -292,6 +297,8 @@ class CellSummary:
     final_reward_min: float | None
     final_reward_max: float | None
     best_reward_ma_mean: float | None
+    eval_solved_mean: float | None  # mean over the runs that evaluated of their last eval/solved
+    eval_solved_lowest_mean: float | None  # mean over the same runs of their lowest eval/solved
     target_reached: int  # runs whose moving average reached the target
     target_step_median: int | None  # lower median over the runs that reached it
     target_wall_s_median: float | None  # lower median, same runs
@@ -370,6 +377,8 @@ def summarise_cells(summaries: Sequence[RunSummary]) -> list[CellSummary]:
                 final_reward_min=min(finals, default=None),
                 final_reward_max=max(finals, default=None),
                 best_reward_ma_mean=_mean(_present([run.best_reward_ma for run in runs])),
+                eval_solved_mean=_mean(_present([run.eval_solved for run in runs])),
+                eval_solved_lowest_mean=_mean(_present([run.eval_solved_lowest for run in runs])),
                 target_reached=len(reached),
                 target_step_median=_lower_median(_present([run.target_step for run in reached])),
                 target_wall_s_median=_lower_median(_present([run.target_wall_s for run in reached])),
@@ -406,6 +415,8 @@ CELL_COLUMNS: list[tuple[str, Callable[[CellSummary], str]]] = [
         else f"{_fixed(3)(c.final_reward_min)}–{_fixed(3)(c.final_reward_max)}",
     ),
     ("best reward MA mean", lambda c: _shown(c.best_reward_ma_mean, _fixed(3))),
+    ("last eval solved mean", lambda c: _shown(c.eval_solved_mean, _fixed(3))),
+    ("lowest eval solved mean", lambda c: _shown(c.eval_solved_lowest_mean, _fixed(3))),
     ("reached target", lambda c: _of_runs(c.target_reached, c)),
     ("median target step", lambda c: _shown(c.target_step_median, _plain)),
     ("median target wall s", lambda c: _shown(c.target_wall_s_median, _fixed(0))),

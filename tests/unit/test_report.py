@@ -262,7 +262,7 @@ def test_the_documented_report_command_on_recorded_runs_counts_their_steps_not_t
         assert (summary["ess_collapse_below"], summary["ess_collapse_steps"]) == ("0.2", "5")
         assert f"| {summary['label']} |" in printed
     assert [summary["max_lag"] for summary in summaries] == ["0", "1"]
-    assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 7
+    assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 8
 
 
 # ---- reading ----------------------------------------------------------------------------------------
@@ -270,13 +270,19 @@ def test_the_documented_report_command_on_recorded_runs_counts_their_steps_not_t
 
 def test_the_last_evaluation_is_reported_and_a_run_without_one_shows_none(tmp_path):
     evaluated = _write_run(tmp_path / "evaluated", [0.1] * 6, eval__solved=[None, 0.25, None, 0.75, None, float("nan")])
-    assert summarise(load_run(evaluated)).eval_solved == 0.75  # the last finite one, not the NaN after it
+    summary = summarise(load_run(evaluated))
+    assert summary.eval_solved == 0.75  # the last finite one, not the NaN after it
+    assert summary.eval_solved_lowest == 0.25  # the dip the run recovered from
     plain = _write_run(tmp_path / "plain", [0.1] * 6)
-    assert summarise(load_run(plain)).eval_solved is None
+    assert summarise(load_run(plain)).eval_solved is None and summarise(load_run(plain)).eval_solved_lowest is None
     assert main(["report", str(evaluated), str(plain), "--out", str(tmp_path / "report")]) == 0
     header, _, first, second = (tmp_path / "report" / "table.md").read_text().splitlines()[:4]
     column = [cell.strip() for cell in header.split("|")].index("last eval solved")
     assert first.split("|")[column].strip() == "0.750" and second.split("|")[column].strip() == "—"
+    assert (
+        first.split("|")[column + 1].strip() == "0.250"
+        and header.split("|")[column + 1].strip() == "lowest eval solved"
+    )
 
 
 def test_missing_keys_are_tolerated(tmp_path):
@@ -420,6 +426,31 @@ def test_cells_aggregate_each_stabilizer_and_lag_over_its_seeds(tmp_path):
     assert none.final_reward_mean == pytest.approx(0.3) and none.ess_ratio_min_median is None
 
 
+def test_cells_average_each_runs_last_and_lowest_evaluation_and_plot_them_by_lag(tmp_path):
+    """The fixed-lag grid is read by held-out solved, where the reward is the sampling policy's: per cell the
+    mean of the runs' last evaluations and of their lowest ones (a dip the run recovered from)."""
+    evals = {0: [None, 0.5, None, 0.25, None, 0.75], 1: [None, 1.0, None, 0.5, None, 0.5]}
+    runs = [
+        _write_run(
+            tmp_path / f"vcpo16-{seed}", [0.5] * 6, stabilizer="vcpo", max_lag=16, seed=seed, eval__solved=series
+        )
+        for seed, series in evals.items()
+    ]
+    runs.append(_write_run(tmp_path / "vcpo4", [0.5] * 6, stabilizer="vcpo", max_lag=4, seed=0))  # never evaluated
+    summaries = [summarise(load_run(run)) for run in runs]
+    assert [(s.eval_solved, s.eval_solved_lowest) for s in summaries] == [(0.75, 0.25), (0.5, 0.5), (None, None)]
+    lag4, lag16 = summarise_cells(summaries)
+    assert (lag16.eval_solved_mean, lag16.eval_solved_lowest_mean) == pytest.approx((0.625, 0.375))
+    assert (lag4.max_lag, lag4.eval_solved_mean, lag4.eval_solved_lowest_mean) == (4, None, None)
+    out = tmp_path / "out"
+    assert main(["report", *map(str, runs), "--out", str(out)]) == 0
+    row = next(r for r in csv.DictReader((out / "cells.csv").open()) if r["max_lag"] == "16")
+    assert float(row["eval_solved_mean"]) == pytest.approx(0.625)
+    assert "| 0.625 | 0.375 |" in (out / "cells.md").read_text()
+    data = (out / "eval_by_lag.png").read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 1000
+
+
 def test_cells_list_each_stabilizers_lags_in_numeric_order(tmp_path):
     order = [("vcpo", 16), ("vcpo", 2), ("none", 8), ("vcpo", 0), ("none", 0)]  # as a shell glob lists them
     summaries = [
@@ -517,6 +548,7 @@ def test_pngs_are_written_and_valid(report):
         "eval_solved",
         "lag_hist",
         "reward_by_cell",
+        "eval_by_lag",
     }
     for png in pngs:
         data = png.read_bytes()
@@ -583,7 +615,7 @@ def test_cli_writes_the_report(tmp_path, capsys, three_runs):
     )
     printed = capsys.readouterr().out
     assert "| vcpo lag 1 |" in printed and "| none lag 4 |" in printed and "report.html" in printed
-    assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 7
+    assert (out / "report.html").stat().st_size > 0 and len(list(out.glob("*.png"))) == 8
     healthy = next(csv.DictReader((out / "table.csv").open()))  # ESS 0.9 every step: low for the flags' rule
     assert (healthy["collapsed"], healthy["collapse_step"], healthy["ess_collapse_below"]) == ("True", "2", "0.95")
 
