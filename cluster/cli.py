@@ -329,6 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="consecutive low-ESS steps that make a collapse "
         "(default: each run's logging.alerts.ess_collapse_steps, 3 unless set)",
     )
+    report.add_argument(
+        "--records",
+        metavar="DIR",
+        help="also keep each run's record in DIR/<run folder name>: job.yaml and the metrics the report reads "
+        "(gzip, tens of KB), which stableasync report reads again like the run",
+    )
     report.set_defaults(run=cli_outputs.report)
     wandb_workspace = commands.add_parser(
         "wandb-workspace",

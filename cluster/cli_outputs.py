@@ -35,7 +35,9 @@ def simulate(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace) -> int:
     from cluster.experiments import report
 
-    return report.run_cli(args.run_dirs, args.out, args.target_reward, args.ess_collapse_below, args.ess_collapse_steps)
+    return report.run_cli(
+        args.run_dirs, args.out, args.target_reward, args.ess_collapse_below, args.ess_collapse_steps, args.records
+    )
 
 
 def wandb_workspace(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib
 import importlib.util
 import itertools
@@ -143,10 +144,11 @@ def split_seed(seed: int, split: str) -> int:
 
 
 def jsonl_objects(path: Path, error: type[Exception] = TaskError) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) for each non-blank line of a JSONL file. A line that is not a JSON object, or a
-    file that cannot be read as text, raises `error` naming the file and line: no row is skipped silently."""
+    """(line number, object) for each non-blank line of a JSONL file (gzip-compressed when its name ends in
+    .gz). A line that is not a JSON object, or a file that cannot be read as text, raises `error` naming the
+    file and line: no row is skipped silently."""
     try:
-        with path.open(encoding="utf-8") as handle:
+        with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8") as handle:
             for line_number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
@@ -157,7 +159,7 @@ def jsonl_objects(path: Path, error: type[Exception] = TaskError) -> Iterator[tu
                 if not isinstance(row, dict):
                     raise error(f"{path}:{line_number}: a row must be a JSON object, got {type(row).__name__}")
                 yield line_number, row
-    except (OSError, UnicodeDecodeError) as problem:
+    except (OSError, EOFError, UnicodeDecodeError) as problem:  # EOFError: a gzip file cut short
         raise error(f"{path}: cannot be read ({problem})") from None
 
 

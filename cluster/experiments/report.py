@@ -15,6 +15,7 @@ from pathlib import Path
 from cluster.experiments.report_html import render_html
 from cluster.experiments.report_plots import CURVES, plot_cells, plot_eval_by_lag, plot_runs
 from cluster.experiments.report_reading import ReportError, load_run, unique_labels
+from cluster.experiments.report_records import write_records
 from cluster.experiments.report_tables import (
     RunSummary,
     cells_markdown_table,
@@ -84,12 +85,15 @@ def run_cli(
     target_reward: float | None,
     collapse_below: float | None,
     collapse_steps: int | None,
+    records_dir: str | None = None,
 ) -> int:
-    """`stableasync report`: print the table, write the files; exit 2 naming the file that cannot be read."""
+    """`stableasync report`: print the table, write the files (and with `records_dir`, each run's record);
+    exit 2 naming the file that cannot be read."""
     import sys
 
     try:
         summaries = write_report(run_dirs, out_dir, target_reward, collapse_below, collapse_steps)
+        records = write_records(run_dirs, records_dir) if records_dir is not None else []
     except ReportError as error:
         print(f"stableasync report: {error}", file=sys.stderr)
         return 2
@@ -99,6 +103,8 @@ def run_cli(
         f"\nwrote {out / 'report.html'} (self-contained), table.md, table.csv, cells.md, cells.csv and "
         f"{len(CURVES) + 3} PNGs in {out}"
     )
+    if records:
+        print(f"wrote {len(records)} run records (job.yaml, metrics.jsonl.gz) in {records_dir}")
     return 0
 
 

@@ -24,6 +24,7 @@ KL_K3_KEY = "stability/kl_k3"
 LAG_HIST_KEY = "async/lag"
 LAG_MEAN_KEY = "async/lag_mean"
 EVAL_SOLVED_KEY = "eval/solved"
+RECORD_METRICS = "metrics.jsonl.gz"  # a run record's metrics: the keys above, compressed
 
 MOVING_AVERAGE_STEPS = 10  # window of the reward moving average (time to target, the collapse peak)
 
@@ -108,6 +109,13 @@ def _continued_wall_s(rows: list[Row]) -> list[float]:
     return out
 
 
+def metrics_path(run_dir: Path) -> Path:
+    """A run's metrics.jsonl, or the metrics.jsonl.gz of its record (`stableasync report --records`)."""
+    plain = run_dir / "metrics.jsonl"
+    record = run_dir / RECORD_METRICS
+    return record if record.is_file() and not plain.exists() else plain
+
+
 def load_run(path: str | Path) -> RunData:
     """Read one finished run directory; `ReportError` naming the file (and line) if it cannot be read.
 
@@ -128,7 +136,7 @@ def load_run(path: str | Path) -> RunData:
     if below is not None and (isinstance(below, bool) or not isinstance(below, (int, float))):
         raise ReportError(f"{job_path}: 'logging.alerts.ess_ratio_below' must be a number or null, not {below!r}")
     needed = _int_or_none(alerts["ess_collapse_steps"], "logging.alerts.ess_collapse_steps", job_path)
-    all_rows = _read_metrics(run_dir / "metrics.jsonl")
+    all_rows = _read_metrics(metrics_path(run_dir))
     wall_s = _continued_wall_s(all_rows)
     rl = [(row, w) for row, w in zip(all_rows, wall_s) if row[STEP_KEY] > 0]
     return RunData(

@@ -63,6 +63,7 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "stableasync report": (
         "tests/unit/test_report.py::test_the_documented_report_command_on_recorded_runs_counts_their_steps_not_their_evaluations",
+        "tests/unit/test_report_records.py::test_records_report_what_their_runs_report",
     ),
     "stableasync simulate": (
         "tests/unit/test_simulate.py::test_cli_prints_a_prediction_and_the_paper_comparison",
