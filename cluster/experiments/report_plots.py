@@ -219,14 +219,14 @@ def plot_eval_by_lag(summaries: Sequence[RunSummary], out_dir: Path) -> Path:
     panels = (("at the last evaluation", "eval_solved"), ("lowest over the run", "eval_solved_lowest"))
     any_point = False
     for ax, (title, attr) in zip(axes, panels):
-        for stabilizer in stabilizers:
-            index = stabilizers.index(stabilizer)
+        for index, stabilizer in enumerate(stabilizers):
             color = _style(index)["color"]
             nudge = 0.06 * (index - (len(stabilizers) - 1) / 2)  # side by side, so equal values stay visible
             xs, means = [], []
-            for (name, lag), runs in cells.items():
+            for lag in lags:
+                runs = cells.get((stabilizer, lag), [])
                 values = [getattr(run, attr) for run in runs if getattr(run, attr) is not None]
-                if name != stabilizer or not values:
+                if not values:
                     continue
                 any_point = True
                 position = lags.index(lag) + nudge

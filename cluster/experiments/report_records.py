@@ -35,8 +35,8 @@ def _kept(row: dict[str, object]) -> dict[str, object]:
 def write_records(run_dirs: Sequence[str | Path], records_dir: str | Path) -> list[Path]:
     """Write `records_dir/<run folder name>/` (job.yaml, metrics.jsonl.gz) for every run, replacing an
     earlier record of the same name; returns the record folders. Every run is read before anything is
-    written; two runs whose folders share a name, or a record that would land on its own run, are refused
-    (`ReportError` naming them)."""
+    written; two runs whose folders share a name, or a record that would land on its own run or on another
+    run's folder, are refused (`ReportError` naming them)."""
     runs = [Path(run_dir) for run_dir in run_dirs]
     by_name: dict[str, Path] = {}
     for run in runs:
@@ -44,8 +44,11 @@ def write_records(run_dirs: Sequence[str | Path], records_dir: str | Path) -> li
             raise ReportError(f"{by_name[run.name]} and {run}: two runs named {run.name!r} would share one record")
         by_name[run.name] = run
     for run in runs:
-        if (Path(records_dir) / run.name).resolve() == run.resolve():
+        record = Path(records_dir) / run.name
+        if record.resolve() == run.resolve():
             raise ReportError(f"{run}: its record would replace the run itself; give --records another folder")
+        if (record / "metrics.jsonl").exists():  # a run folder, not a record: replacing it would lose the run
+            raise ReportError(f"{record} holds a run (metrics.jsonl), not a record; give --records another folder")
     rows = {run: [_kept(row) for row in read_jsonl_rows(metrics_path(run), ReportError)] for run in runs}
     written = []
     for run in runs:
@@ -54,6 +57,5 @@ def write_records(run_dirs: Sequence[str | Path], records_dir: str | Path) -> li
         shutil.copyfile(run / "job.yaml", record / "job.yaml")
         with gzip.open(record / RECORD_METRICS, "wt", encoding="utf-8") as out:
             out.writelines(json.dumps(row) + "\n" for row in rows[run])
-        (record / "metrics.jsonl").unlink(missing_ok=True)  # a record reads from its .gz only
         written.append(record)
     return written

@@ -58,7 +58,9 @@ def test_runs_sharing_a_folder_name_or_a_record_on_its_own_run_are_refused(tmp_p
     assert not (tmp_path / "records").exists()  # refused before anything is written
     with pytest.raises(ReportError, match="would replace the run itself"):
         write_records([other], tmp_path / "elsewhere")
-    assert (other / "metrics.jsonl").is_file()
+    with pytest.raises(ReportError, match="holds a run"):  # another run's folder of the same name
+        write_records([RUNS[0]], tmp_path / "elsewhere")
+    assert (other / "metrics.jsonl").read_bytes() == (RUNS[0] / "metrics.jsonl").read_bytes()
 
 
 def test_a_record_cut_short_is_named(tmp_path, capsys):
