@@ -121,7 +121,7 @@ def test_generators_run_on_generator_nodes_and_the_learner_on_its_own(cluster, t
     assert sum(r["event"] == "trained" for r in rows) == 3 * 2
 
 
-@pytest.mark.slow  # 82 s in CI; tests/integration/test_fake_autoscaler.py runs a job joining nodes by default
+@pytest.mark.slow  # 82 s in CI; test_fake_autoscaler.py (also slow) has a node join a running job via the autoscaler
 def test_elastic_generators_follow_nodes_joining_and_leaving(cluster, tmp_path):
     first = _add_generator_node(cluster)
     job_file, run_dir = _job_file(tmp_path, cluster.address, steps=STEPS, max_generators=3)

@@ -184,13 +184,18 @@ def _assert_the_trained_model_is_saved(result, summary: dict) -> None:
     assert prepare_model(follow_up, task) == str(result.model_dir)  # resolves, and has its chat template
 
 
+def _assert_no_file_holds(run_dir: Path, secret: str) -> None:
+    leaking = [p for p in run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert leaking == []
+
+
+@pytest.mark.slow  # 26 s; the default run's killed-generator job checks the same bound and the same secret
 def test_lagged_job_stays_within_max_lag(local_ray, tmp_path, monkeypatch):
     """With a W&B key in the environment (passed to the actors), no file of the run contains it."""
     secret = "sa-test-key-5f0c1d2e3b4a"
     monkeypatch.setenv("WANDB_API_KEY", secret)
     result = _run(tmp_path, max_lag=2, steps=5)
-    leaking = [p for p in result.run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
-    assert leaking == []
+    _assert_no_file_holds(result.run_dir, secret)
     trained = _trained(result.run_dir)
     lags = [r["lag"] for r in trained]
     assert len(trained) == 5 * 2
@@ -308,11 +313,15 @@ def _assert_each_group_ends_once(run_dir: Path, steps: int, prompts_per_step: in
 
 
 @pytest.mark.parametrize("streaming", [False, pytest.param(True, marks=pytest.mark.slow)])  # 50 s more
-def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path, streaming):
+def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path, streaming, monkeypatch):
     """Killed during the run, a generator is restarted once and every group still ends once; a streaming
-    one dies with several calls in flight, all of which fail and go out again, for one restart."""
+    one dies with several calls in flight, all of which fail and go out again, for one restart. The run
+    stays within max_lag, the generator ran ahead of the learner, and the W&B key in the environment
+    (passed to the actors, the restarted one too) is in no file of the run."""
     import threading
 
+    secret = "sa-test-key-5f0c1d2e3b4a"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
     job = _job(
         tmp_path,
         max_lag=2,
@@ -341,6 +350,9 @@ def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path, s
     reissued = [r for r in rows if r["event"] == "reissued"]
     assert all("generator 0" in r["reason"] for r in reissued)
     assert result.ledger_counts["trained"] == 5 * 2
+    lags = [r["lag"] for r in _trained(run_dir)]
+    assert 1 <= max(lags) <= 2, lags
+    _assert_no_file_holds(run_dir, secret)
 
 
 @pytest.mark.slow  # 36 s; test_killed_generator_is_restarted_and_loses_no_group restarts one in the default run
