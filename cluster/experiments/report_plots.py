@@ -223,13 +223,13 @@ def plot_eval_by_lag(summaries: Sequence[RunSummary], out_dir: Path) -> Path:
             color = _style(index)["color"]
             nudge = 0.06 * (index - (len(stabilizers) - 1) / 2)  # side by side, so equal values stay visible
             xs, means = [], []
-            for lag in lags:
+            for slot, lag in enumerate(lags):
                 runs = cells.get((stabilizer, lag), [])
                 values = [getattr(run, attr) for run in runs if getattr(run, attr) is not None]
                 if not values:
                     continue
                 any_point = True
-                position = lags.index(lag) + nudge
+                position = slot + nudge
                 ax.plot([position] * len(values), values, "o", color=color, alpha=0.4, markersize=4)
                 xs.append(position)
                 means.append(statistics.fmean(values))
