@@ -184,6 +184,9 @@ def _assert_the_trained_model_is_saved(result, summary: dict) -> None:
     assert prepare_model(follow_up, task) == str(result.model_dir)  # resolves, and has its chat template
 
 
+WANDB_KEY = "sa-test-key-5f0c1d2e3b4a"  # set in the environment, passed to the actors, written to no file
+
+
 def _assert_no_file_holds(run_dir: Path, secret: str) -> None:
     leaking = [p for p in run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert leaking == []
@@ -192,10 +195,9 @@ def _assert_no_file_holds(run_dir: Path, secret: str) -> None:
 @pytest.mark.slow  # 26 s; the default run's killed-generator job checks the same bound and the same secret
 def test_lagged_job_stays_within_max_lag(local_ray, tmp_path, monkeypatch):
     """With a W&B key in the environment (passed to the actors), no file of the run contains it."""
-    secret = "sa-test-key-5f0c1d2e3b4a"
-    monkeypatch.setenv("WANDB_API_KEY", secret)
+    monkeypatch.setenv("WANDB_API_KEY", WANDB_KEY)
     result = _run(tmp_path, max_lag=2, steps=5)
-    _assert_no_file_holds(result.run_dir, secret)
+    _assert_no_file_holds(result.run_dir, WANDB_KEY)
     trained = _trained(result.run_dir)
     lags = [r["lag"] for r in trained]
     assert len(trained) == 5 * 2
@@ -320,8 +322,7 @@ def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path, s
     (passed to the actors, the restarted one too) is in no file of the run."""
     import threading
 
-    secret = "sa-test-key-5f0c1d2e3b4a"
-    monkeypatch.setenv("WANDB_API_KEY", secret)
+    monkeypatch.setenv("WANDB_API_KEY", WANDB_KEY)
     job = _job(
         tmp_path,
         max_lag=2,
@@ -352,7 +353,7 @@ def test_killed_generator_is_restarted_and_loses_no_group(local_ray, tmp_path, s
     assert result.ledger_counts["trained"] == 5 * 2
     lags = [r["lag"] for r in _trained(run_dir)]
     assert 1 <= max(lags) <= 2, lags
-    _assert_no_file_holds(run_dir, secret)
+    _assert_no_file_holds(run_dir, WANDB_KEY)
 
 
 @pytest.mark.slow  # 36 s; test_killed_generator_is_restarted_and_loses_no_group restarts one in the default run
