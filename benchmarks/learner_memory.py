@@ -11,7 +11,7 @@ groups of 8, with the learner cutting the batch into micro-batches of at most `-
 Every measurement runs in a fresh process (one configuration per process, so the benchmark itself fits the
 machine): a warm-up step on one group first creates the optimizer state, then the peak memory of the
 measured step above what the process held before it (the CUDA allocator's peak on a GPU; on the CPU the
-resident-set growth, sampled every millisecond): activations, logits, gradients, not the model or
+growth of the resident-set high-water mark): activations, logits, gradients, not the model or
 optimizer state.
 
 `tis_seq` decides per micro-batch (one forward each); `m2po` takes the no-grad pass first. The single-pass

@@ -14,7 +14,8 @@ not fit in one process together), and its row prints as it ends: a warm-up step,
 (ratios to tis_seq use each one's fastest step, since noise only adds time; the median beside it), then one
 step whose peak memory above what the process held when it began is its memory: activations, gradients and
 the per-sample-norm temporaries, not the model or optimizer state every configuration holds. On a GPU that
-is the CUDA allocator's peak; on the CPU the resident-set growth, sampled every millisecond after malloc_trim.
+is the CUDA allocator's peak; on the CPU the growth of the kernel's resident-set high-water mark after
+malloc_trim.
 `held MiB` is what the process holds once the learner is built and has taken its first step (CUDA memory
 allocated, or the resident set): the model, its optimizer state and anything a configuration keeps beside
 them (the KL's reference copy). `--profile` runs one more step of each named configuration (all, without
@@ -37,7 +38,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -196,32 +196,40 @@ def held_bytes() -> int:
     return _rss_bytes()
 
 
+def _peak_rss_bytes() -> int:
+    """The kernel's high-water mark of the resident set (VmHWM), exact where sampling would miss short peaks."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line: peak memory on the CPU needs Linux")
+
+
 def peak_growth(step: Callable[[], Any]) -> int:
     """Peak memory while `step()` runs above what the process held when it began: the CUDA allocator's peak on
-    a GPU; on the CPU the largest RSS growth, sampled every millisecond from a baseline after malloc_trim."""
+    a GPU; on the CPU the kernel's resident-set high-water mark, reset (Linux's clear_refs 5) after
+    malloc_trim."""
     if on_cuda():
         base = held_bytes()
         torch.cuda.reset_peak_memory_stats()
         step()
         _synchronize()
         return torch.cuda.max_memory_allocated() - base
-    base = peak = held_bytes()
-    done = threading.Event()
+    base = held_bytes()
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    step()
+    return _peak_rss_bytes() - base
 
-    def sample() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, _rss_bytes())
-            time.sleep(0.001)
 
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        step()
-    finally:
-        done.set()
-        sampler.join()
-    return max(peak, _rss_bytes()) - base
+def follow_live_memory() -> None:
+    """Make the CPU's resident set follow live tensors, as the GPU's allocated bytes do: glibc otherwise raises
+    its mmap threshold to the largest block freed so far and keeps later frees on the heap, which moved one
+    step's resident peak by a fifth between runs. Costs a page fault per large allocation, so benchmarks that
+    time a step leave it off."""
+    m_mmap_threshold = -3  # mallopt's parameter number (malloc.h); setting it turns the sliding threshold off
+    if not ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 128 * 1024):
+        raise RuntimeError("glibc refused mallopt(M_MMAP_THRESHOLD, 128 KiB)")
 
 
 def covered_us(spans: list[tuple[float, float]]) -> float:
