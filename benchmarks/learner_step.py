@@ -197,12 +197,9 @@ def held_bytes() -> int:
 
 
 def _peak_rss_bytes() -> int:
-    """The kernel's high-water mark of the resident set (VmHWM), exact where sampling would miss short peaks."""
+    """The kernel's high-water mark of the resident set (VmHWM, Linux), exact where sampling misses peaks."""
     with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line: peak memory on the CPU needs Linux")
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
 def peak_growth(step: Callable[[], Any]) -> int:
@@ -223,12 +220,10 @@ def peak_growth(step: Callable[[], Any]) -> int:
 
 
 def follow_live_memory() -> None:
-    """Make the CPU's resident set follow live tensors, as the GPU's allocated bytes do: glibc otherwise raises
-    its mmap threshold to the largest block freed so far and keeps later frees on the heap, which moved one
-    step's resident peak by a fifth between runs. Costs a page fault per large allocation, so benchmarks that
-    time a step leave it off."""
-    m_mmap_threshold = -3  # mallopt's parameter number (malloc.h); setting it turns the sliding threshold off
-    if not ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 128 * 1024):
+    """Pin glibc's mmap threshold so the resident set follows live tensors, as a GPU's allocated bytes do (left
+    to slide, later frees stay on the heap: one step's peak moved by a fifth between runs). A page fault per
+    large allocation, so benchmarks that time a step leave it off."""
+    if not ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024):  # -3: M_MMAP_THRESHOLD in malloc.h
         raise RuntimeError("glibc refused mallopt(M_MMAP_THRESHOLD, 128 KiB)")
 
 
