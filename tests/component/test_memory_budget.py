@@ -69,10 +69,10 @@ def _calibration_main(
     built (the first step creates the optimizer's moments), beside the estimate for its micro-batch."""
     from algorithms import registry
     from benchmarks.learner_step import follow_live_memory, peak_growth, synthetic_batch
-
-    follow_live_memory()
     from learner import memory_budget
     from learner.rank import LearnerRank, LearnerSpec
+
+    follow_live_memory()  # before the rank is built, so none of its blocks sit on glibc's heap
 
     spec = LearnerSpec(
         model_path=model_path,
