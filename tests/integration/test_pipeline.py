@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 from cluster.cli import main as cli_main  # noqa: E402
 from cluster.job import validate_job  # noqa: E402
-from cluster.telemetry.run_files import is_evaluation_row  # noqa: E402
+from cluster.telemetry.run_files import is_evaluation_row, metric_number  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -1308,10 +1308,11 @@ def test_tool_episodes_train_with_failing_tools_failing_only_their_episode(local
     rows = _assert_each_group_ends_once(run_dir, steps=4)
     assert max(r["lag"] for r in rows if r["event"] == "trained") <= 1
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    # every step row has the episode keys; NaN in a row whose step trained groups scored before the previous row
+    # every step row has the episode keys; NaN (written "nan") in a row whose step trained groups scored before the
+    # previous row
     every_step = [m for m in metrics if m["train/step"] > 0 and not is_evaluation_row(m)]
     assert all("rollout/tool_calls_mean" in m for m in every_step)
-    steps = [m for m in every_step if not math.isnan(m["rollout/tool_calls_mean"])]
+    steps = [m for m in every_step if not math.isnan(metric_number(m["rollout/tool_calls_mean"]))]
     assert len(steps) >= 2, every_step
     assert sum(m["rollout/tool_calls_mean"] for m in steps) / len(steps) > 0.5
     assert sum(m["rollout/turns_mean"] for m in steps) / len(steps) > 1.5
