@@ -12,6 +12,7 @@ from cluster.experiments.report_reading import MOVING_AVERAGE_STEPS
 from cluster.experiments.report_tables import (
     CELL_COLUMNS,
     COLUMNS,
+    HELD_OUT_DROP_FRACTION,
     REWARD_DROP_FRACTION,
     CellSummary,
     RunSummary,
@@ -41,11 +42,12 @@ def _cells_html(cells: Sequence[CellSummary]) -> str:
         return ""
     table = _html_table(
         [name for name, _ in CELL_COLUMNS],
-        [([show(cell) for _, show in CELL_COLUMNS], cell.collapsed > 0) for cell in cells],
+        [([show(cell) for _, show in CELL_COLUMNS], cell.collapsed + cell.held_out_fell > 0) for cell in cells],
     )
     return (
         f"<h2>Over seeds: one row per stabilizer and max lag</h2>\n<p>Means and min–max over each cell's "
-        f"runs; medians are the middle run's value. A row is shaded when any of its runs collapsed.</p>\n"
+        f"runs; medians are the middle run's value. A row is shaded when any of its runs collapsed or its "
+        f"held-out solved share fell.</p>\n"
         f"{table}<h2>Every run</h2>\n"
     )
 
@@ -56,7 +58,9 @@ def render_html(
     """One self-contained page: the tables and every PNG inline as base64 data URIs (no external
     files, scripts or network), so it can be mailed or attached to an issue as is."""
     esc = html.escape
-    table = _html_table([name for name, _, _ in COLUMNS], [(row_cells(s), s.collapsed) for s in summaries])
+    table = _html_table(
+        [name for name, _, _ in COLUMNS], [(row_cells(s), s.collapsed or bool(s.held_out_fell)) for s in summaries]
+    )
     sources = "".join(f"<li><code>{esc(str(s.run_dir.resolve()))}</code> ({esc(s.label)})</li>" for s in summaries)
     figures = "".join(
         f'<figure><img alt="{esc(path.stem)}" src="data:image/png;base64,'
@@ -69,6 +73,7 @@ def render_html(
         f"reached at the first step whose trailing {MOVING_AVERAGE_STEPS}-step moving average is at or above it. "
         "Collapse: ESS ratio below the threshold (or NaN) for N consecutive steps, or a non-finite grad norm, "
         f"or a final reward below {REWARD_DROP_FRACTION:.0%} of the best moving average. "
+        f"Held-out fell (shaded too): the last eval/solved below {HELD_OUT_DROP_FRACTION:.0%} of the best one. "
         "Thresholds per run: "
         + ", ".join(
             f"{esc(s.label)}: ESS &lt; {'off' if s.ess_collapse_below is None else f'{s.ess_collapse_below:g}'} "

@@ -28,6 +28,7 @@ from cluster.telemetry.run_files import step_rows
 
 FINAL_FRACTION = 0.1  # the final reward is the mean over this last share of RL steps (at least one)
 REWARD_DROP_FRACTION = 0.5  # collapse: final reward below this share of the best moving average
+HELD_OUT_DROP_FRACTION = 0.5  # held-out fell: the last eval/solved below this share of the best one
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class RunSummary:
     best_reward_ma: float | None  # best trailing moving average of the reward
     eval_solved: float | None  # the last evaluation's solved share (eval.every_steps); None: never evaluated
     eval_solved_lowest: float | None  # the lowest of them: a dip the run recovered from shows here, not above
+    eval_solved_best: float | None  # the highest of them
+    held_out_fell: bool | None  # the last below half the best: the outcome under a lag; None: never evaluated
     target_reward: float | None
     target_step: int | None  # first step whose moving average reaches target_reward
     target_wall_s: float | None  # run wall time at target_step
@@ -72,6 +75,13 @@ def _lag_mean(run: RunData) -> float | None:
     return statistics.fmean(means) if means else None
 
 
+def _held_out_fell(evaluations: list[float]) -> bool | None:
+    if not evaluations:
+        return None
+    best = max(evaluations)
+    return best > 0 and evaluations[-1] < HELD_OUT_DROP_FRACTION * best
+
+
 def _grad_norm_max(values: list[float]) -> float | None:
     if not values:
         return None
@@ -95,6 +105,9 @@ def summarise(
       job evaluates; the training reward alone can rise on a policy that games its verifier); lowest eval
       solved: the least of those finite values over RL steps (the step-0 evaluation of the initial policy
       is not an RL row).
+    - held-out fell: the last eval solved is below 50% of the best (when the best is > 0). Not a collapse
+      rule: runs without evaluations keep one comparable collapse verdict, and under a fixed lag the
+      training reward is a policy K steps older than the one evaluated, so only this shows the fall.
     - time to target: the first step whose moving average is >= `target_reward`, and the run wall time
       (`time/wall_s`, seconds since the run's sink started, SFT warm-up included) at that step; None if
       never reached or no target given.
@@ -178,6 +191,8 @@ def summarise(
         best_reward_ma=best_ma,
         eval_solved=evaluations[-1] if evaluations else None,
         eval_solved_lowest=min(evaluations) if evaluations else None,
+        eval_solved_best=max(evaluations) if evaluations else None,
+        held_out_fell=_held_out_fell(evaluations),
         target_reward=target_reward,
         target_step=target_step,
         target_wall_s=target_wall_s,
@@ -220,6 +235,8 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("best reward MA", "best_reward_ma", _fixed(3)),
     ("last eval solved", "eval_solved", _fixed(3)),
     ("lowest eval solved", "eval_solved_lowest", _fixed(3)),
+    ("best eval solved", "eval_solved_best", _fixed(3)),
+    ("held-out fell", "held_out_fell", lambda fell: "yes" if fell else "no"),
     ("target step", "target_step", _plain),
     ("target wall s", "target_wall_s", _fixed(0)),
     ("min ESS ratio", "ess_ratio_min", _fixed(3)),
@@ -293,6 +310,8 @@ class CellSummary:
     seeds: tuple[int | None, ...]
     collapsed: int  # runs flagged collapsed, by any rule
     reward_fell: int  # runs flagged by the reward rule (c): the outcome, not only the ESS warning
+    evaluated: int  # runs that logged an evaluation
+    held_out_fell: int  # of those, runs whose last eval/solved fell below half their best
     final_reward_mean: float | None
     final_reward_min: float | None
     final_reward_max: float | None
@@ -373,6 +392,8 @@ def summarise_cells(summaries: Sequence[RunSummary]) -> list[CellSummary]:
                 seeds=tuple(run.seed for run in runs),
                 collapsed=sum(run.collapsed for run in runs),
                 reward_fell=sum(run.reward_fell for run in runs),
+                evaluated=sum(run.held_out_fell is not None for run in runs),
+                held_out_fell=sum(bool(run.held_out_fell) for run in runs),
                 final_reward_mean=_mean(finals),
                 final_reward_min=min(finals, default=None),
                 final_reward_max=max(finals, default=None),
@@ -407,6 +428,7 @@ CELL_COLUMNS: list[tuple[str, Callable[[CellSummary], str]]] = [
     ("seeds", lambda c: ",".join(MISSING if seed is None else str(seed) for seed in c.seeds)),
     ("collapsed", lambda c: _of_runs(c.collapsed, c)),
     ("reward fell", lambda c: _of_runs(c.reward_fell, c)),
+    ("held-out fell", lambda c: f"{c.held_out_fell}/{c.evaluated}" if c.evaluated else MISSING),
     ("final reward mean", lambda c: _shown(c.final_reward_mean, _fixed(3))),
     (
         "final reward min–max",

@@ -285,6 +285,51 @@ def test_the_last_evaluation_is_reported_and_a_run_without_one_shows_none(tmp_pa
     )
 
 
+def test_a_held_out_share_below_half_its_best_is_flagged_apart_from_collapse(tmp_path):
+    """Under a fixed lag the training reward is an older policy's, so a run whose held-out accuracy fell
+    from 50% to 5% logged a steady reward and no collapse; the held-out flag shows the fall."""
+    rewards = [0.4] * 8
+    fell = _write_run(tmp_path / "fell", rewards, eval__solved=[None, 0.5, None, 0.625, None, 0.5, None, 0.25 - 1e-9])
+    summary = summarise(load_run(fell))
+    assert (summary.eval_solved_best, summary.held_out_fell, summary.collapsed) == (0.625, True, False)
+    half = _write_run(
+        tmp_path / "half", rewards, max_lag=0, eval__solved=[None, 0.5, None, 0.625, None, 0.5, None, 0.3125]
+    )
+    assert summarise(load_run(half)).held_out_fell is False  # exactly half is not below half
+    zeros = _write_run(tmp_path / "zeros", rewards, eval__solved=[None, 0.0, None, 0.0, None, 0.0, None, 0.0])
+    assert summarise(load_run(zeros)).held_out_fell is False  # never solved anything: nothing fell
+    plain = _write_run(tmp_path / "plain", rewards, max_lag=4)  # a cell of its own: no table over seeds
+    assert summarise(load_run(plain)).held_out_fell is None
+    out = tmp_path / "report"
+    assert main(["report", str(fell), str(half), str(plain), "--out", str(out)]) == 0
+    header, _, *rows = (out / "table.md").read_text().splitlines()
+    column = [cell.strip() for cell in header.split("|")].index("held-out fell")
+    assert [row.split("|")[column].strip() for row in rows] == ["yes", "no", "—"]
+    page = (out / "report.html").read_text()
+    assert page.count('<tr class="collapsed">') == 1  # the fallen run's row is shaded, though not collapsed
+
+
+def test_cells_count_held_out_falls_over_the_runs_that_evaluated(tmp_path):
+    series = {0: [None, 0.75, None, 0.25], 1: [None, 0.75, None, 0.5], 2: None}
+    runs = [
+        _write_run(tmp_path / f"m2po-{seed}", [0.5] * 4, stabilizer="m2po", max_lag=16, seed=seed)
+        if evals is None
+        else _write_run(
+            tmp_path / f"m2po-{seed}", [0.5] * 4, stabilizer="m2po", max_lag=16, seed=seed, eval__solved=evals
+        )
+        for seed, evals in series.items()
+    ]
+    runs.append(_write_run(tmp_path / "none", [0.5] * 4, stabilizer="none", max_lag=16, seed=0))
+    m2po, none = summarise_cells([summarise(load_run(run)) for run in runs])
+    assert (m2po.evaluated, m2po.held_out_fell, m2po.collapsed) == (2, 1, 0)
+    assert (none.evaluated, none.held_out_fell) == (0, 0)
+    out = tmp_path / "out"
+    assert main(["report", *map(str, runs), "--out", str(out)]) == 0
+    header, _, m2po_row, none_row = (out / "cells.md").read_text().splitlines()[:4]
+    column = [cell.strip() for cell in header.split("|")].index("held-out fell")
+    assert (m2po_row.split("|")[column].strip(), none_row.split("|")[column].strip()) == ("1/2", "—")
+
+
 def test_missing_keys_are_tolerated(tmp_path):
     run = load_run(_write_run(tmp_path / "run", [0.1, 0.2, 0.3]))  # reward only: no ESS, grad norm, KL, lag
     summary = summarise(run, target_reward=0.9)
