@@ -6,25 +6,27 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 
 
-def children() -> dict[int, list[int]]:
-    """Parent pid -> its children's pids, from /proc."""
+def children(living_only: bool = False) -> dict[int, list[int]]:
+    """Parent pid -> its children's pids, from /proc; `living_only` leaves out zombies (dead, not yet reaped)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
+                    state, parent = stat.read().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
                 continue
-            children.setdefault(parent, []).append(int(entry))
+            if not (living_only and state in ("Z", "X")):
+                children.setdefault(int(parent), []).append(int(entry))
     return children
 
 
-def descendants(pid: int) -> set[int]:
-    """Every process under `pid`, however deep."""
-    tree = children()
+def descendants(pid: int, living_only: bool = False) -> set[int]:
+    """Every process under `pid`, however deep (without zombies when `living_only`)."""
+    tree = children(living_only)
     found: set[int] = set()
     todo = [pid]
     while todo:
@@ -41,22 +43,26 @@ def send_signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
 
 
-def kill_tree(pid: int) -> None:
-    """Kill `pid` and every process under it, whatever group or session it moved to: stop them all first (a
-    stopped process forks no more), until no new one appears, then kill them."""
-    stopped: set[int] = set()
-    for _ in range(50):
-        tree = descendants(pid) - stopped
-        if not tree:
-            break
-        for child in tree:
-            send_signal(child, signal.SIGSTOP)
-        stopped |= tree
-    for child in stopped:
-        send_signal(child, signal.SIGKILL)
+def kill_tree(pid: int, timeout_s: float = 5.0) -> set[int]:
+    """Kill `pid` and every process under it, whatever group or session it moved to; returns the pids still
+    alive under it after `timeout_s` (none, unless one is stuck in the kernel).
+
+    `pid` is stopped first and killed last. Stopped, it starts nothing more; alive, it still adopts the
+    orphans of what dies under it when it is a subreaper (the sandbox's workers are). So a child born while
+    its parent was being killed (a fork in flight when the signal came) turns up under `pid` on the next pass,
+    and is killed there, instead of escaping to init: passes repeat until nothing lives under `pid`."""
+    send_signal(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    living = descendants(pid, living_only=True)
+    while living and time.monotonic() < deadline:
+        for child in living:
+            send_signal(child, signal.SIGKILL)
+        time.sleep(0.001)
+        living = descendants(pid, living_only=True)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
     send_signal(pid, signal.SIGKILL)
+    return living
 
 
 def executable(pid: int) -> str | None:

@@ -266,7 +266,9 @@ class _Worker:
         self.kill()
 
     def kill(self) -> None:
-        kill_tree(self.process.pid)
+        left = kill_tree(self.process.pid)
+        if left:
+            log.warning("sandbox worker %d: processes %s under it outlived SIGKILL", self.process.pid, sorted(left))
         self.process.wait()
         self.conn.close()
         self.log.close()

@@ -22,6 +22,7 @@ import pytest
 from cluster.job import JobValidationError, check_sandbox, validate_job
 from tasks.base import build_task
 from tasks.config import DatasetConfig
+from tasks.process_tree import kill_tree
 from tasks.sandbox import SandboxLimits, namespaces_unavailable
 from tasks.scoring import RewardWorkerError, ScorePool
 from tasks.tools import ToolCall, ToolPool, ToolWorkerError
@@ -354,6 +355,49 @@ def test_cpu_time_past_the_limit_fails_the_call(attacks, tmp_path):
     assert after.content == "after"
 
 
+# ---------------------------------------------------------------- killing a worker's tree
+
+SPAWNER = """
+import ctypes, os, sys, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER, as a sandbox worker is
+while True:  # a worker that keeps starting items: each one leaves `sleep TAG` in a group of its own, orphaned here
+    if os.fork() == 0:
+        os.setpgid(0, 0)
+        if os.fork() == 0:
+            os.execvp("sleep", ["sleep", sys.argv[1]])
+        os._exit(0)
+    while True:
+        try:
+            if not os.waitpid(-1, os.WNOHANG)[0]:
+                break
+        except ChildProcessError:
+            break
+    time.sleep(0.0005)
+"""
+
+
+@pytest.mark.parametrize("round_", range(5))
+def test_killing_a_tree_whose_root_keeps_forking_leaves_nothing_alive(round_):
+    """The root is stopped before its tree is killed: one left running would start children after the last
+    look at its tree, and they would outlive it (a sandbox worker killed while it forks an item)."""
+    tag = f"986.{round_}"
+    root = subprocess.Popen([sys.executable, "-c", SPAWNER, tag], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(_alive(tag)) < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(_alive(tag)) >= 20, "the spawner did not start its children"
+        assert kill_tree(root.pid) == set()
+        root.wait(timeout=10)
+        time.sleep(0.2)
+        assert _alive(tag) == []
+    finally:
+        for pid, *_ in _alive(tag):
+            os.kill(pid, signal.SIGKILL)
+        root.kill()
+        root.wait()
+
+
 # ---------------------------------------------------------------- bad settings: named, nothing starts
 
 
@@ -436,6 +480,7 @@ AS_USER = [
 AS_NOT_ROOT = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
+from tasks.process_tree import kill_tree
 from tasks.sandbox import SandboxLimits, namespaces_unavailable
 from tasks.tools import ToolCall, ToolPool
 
