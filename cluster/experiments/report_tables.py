@@ -75,10 +75,9 @@ def _lag_mean(run: RunData) -> float | None:
     return statistics.fmean(means) if means else None
 
 
-def _held_out_fell(evaluations: list[float]) -> bool | None:
-    if not evaluations:
+def _held_out_fell(evaluations: list[float], best: float | None) -> bool | None:
+    if best is None:
         return None
-    best = max(evaluations)
     return best > 0 and evaluations[-1] < HELD_OUT_DROP_FRACTION * best
 
 
@@ -129,6 +128,7 @@ def summarise(
     reward_values = [r for _, _, r in rewards]
     final_reward = statistics.fmean(reward_values[-max(1, len(reward_values) // 10) :]) if reward_values else None
     evaluations = [v for _, _, v in metric_series(run, EVAL_SOLVED_KEY) if math.isfinite(v)]
+    eval_best = max(evaluations) if evaluations else None
     moving = reward_moving_average(reward_values)
     offset = len(rewards) - len(moving)  # moving[i] belongs to rewards[i + offset]
     best_ma = max(moving) if moving else None
@@ -191,8 +191,8 @@ def summarise(
         best_reward_ma=best_ma,
         eval_solved=evaluations[-1] if evaluations else None,
         eval_solved_lowest=min(evaluations) if evaluations else None,
-        eval_solved_best=max(evaluations) if evaluations else None,
-        held_out_fell=_held_out_fell(evaluations),
+        eval_solved_best=eval_best,
+        held_out_fell=_held_out_fell(evaluations, eval_best),
         target_reward=target_reward,
         target_step=target_step,
         target_wall_s=target_wall_s,
@@ -224,6 +224,10 @@ def _plain(value: Any) -> str:
     return str(value)
 
 
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
 # (header, RunSummary attribute, how the markdown/HTML table shows a value that is not None)
 COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("run", "label", _plain),
@@ -236,7 +240,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("last eval solved", "eval_solved", _fixed(3)),
     ("lowest eval solved", "eval_solved_lowest", _fixed(3)),
     ("best eval solved", "eval_solved_best", _fixed(3)),
-    ("held-out fell", "held_out_fell", lambda fell: "yes" if fell else "no"),
+    ("held-out fell", "held_out_fell", _yes_no),
     ("target step", "target_step", _plain),
     ("target wall s", "target_wall_s", _fixed(0)),
     ("min ESS ratio", "ess_ratio_min", _fixed(3)),
@@ -244,7 +248,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("max KL k3", "kl_k3_max", _general),
     ("mean lag", "lag_mean", _fixed(2)),
     ("wall s", "wall_s", _fixed(0)),
-    ("collapse", "collapsed", lambda collapsed: "yes" if collapsed else "no"),
+    ("collapse", "collapsed", _yes_no),
     ("collapse reason", "collapse_reason", _plain),
     ("run dir", "run_dir", _plain),
 ]
