@@ -358,7 +358,7 @@ def test_cpu_time_past_the_limit_fails_the_call(attacks, tmp_path):
 # ---------------------------------------------------------------- killing a worker's tree
 
 SPAWNER = """
-import ctypes, os, sys, time
+import contextlib, ctypes, os, sys, time
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER, as a sandbox worker is
 while True:  # a worker that keeps starting items: each one leaves `sleep TAG` in a group of its own, orphaned here
     if os.fork() == 0:
@@ -366,12 +366,9 @@ while True:  # a worker that keeps starting items: each one leaves `sleep TAG` i
         if os.fork() == 0:
             os.execvp("sleep", ["sleep", sys.argv[1]])
         os._exit(0)
-    while True:
-        try:
-            if not os.waitpid(-1, os.WNOHANG)[0]:
-                break
-        except ChildProcessError:
-            break
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:  # reap what has exited
+            pass
     time.sleep(0.0005)
 """
 
@@ -480,7 +477,6 @@ AS_USER = [
 AS_NOT_ROOT = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
-from tasks.process_tree import kill_tree
 from tasks.sandbox import SandboxLimits, namespaces_unavailable
 from tasks.tools import ToolCall, ToolPool
 
