@@ -332,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--records",
         metavar="DIR",
-        help="also keep each run's record in DIR/<run folder name>: job.yaml and the metrics the report reads "
-        "(gzip, tens of KB), which stableasync report reads again like the run",
+        help="also keep each run's record in DIR/<run folder name>: job.yaml (logging.run_dir back to its default) "
+        "and the metrics the report reads (gzip, tens of KB), which stableasync report reads again like the run",
     )
     report.set_defaults(run=cli_outputs.report)
     wandb_workspace = commands.add_parser(

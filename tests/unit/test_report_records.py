@@ -8,10 +8,12 @@ import json
 import shutil
 
 import pytest
+import yaml
 
 from cluster.cli import main
 from cluster.experiments.report import ReportError
 from cluster.experiments.report_records import RECORD_KEYS, write_records
+from cluster.job import load_job
 from tests.fixtures import BENCH_ASYNC, metric_rows
 
 RUNS = [BENCH_ASYNC / "lag0", BENCH_ASYNC / "lag1"]
@@ -38,7 +40,23 @@ def test_records_report_what_their_runs_report(tmp_path, capsys):
         assert len(rows) == len(original)  # every row, evaluations and SFT rows included
         assert {key for row in rows for key in row} < {key for row in original for key in row}
         assert all(key in RECORD_KEYS or key.startswith("eval/") for row in rows for key in row)
-        assert (records / run.name / "job.yaml").read_bytes() == (run / "job.yaml").read_bytes()
+
+
+def test_a_records_job_names_no_folder_of_its_machine_and_runs_again(tmp_path):
+    """The job.yaml of a record is its run's but `logging.run_dir` (a folder of the machine it ran on), which
+    takes the default; it is a valid job, and recording the record again leaves it as it is."""
+    first = write_records(RUNS, tmp_path / "one")
+    again = write_records(first, tmp_path / "two")
+    for run, record, rerecord in zip(RUNS, first, again):
+        ran, kept = (yaml.safe_load((folder / "job.yaml").read_text()) for folder in (run, record))
+        assert ran["logging"]["run_dir"] == "/tmp/rec-async"
+        assert "/tmp/rec-async" not in (record / "job.yaml").read_text()
+        assert kept["logging"] == {**ran["logging"], "run_dir": "runs"}
+        assert {key: value for key, value in kept.items() if key != "logging"} == {
+            key: value for key, value in ran.items() if key != "logging"
+        }
+        assert load_job(record / "job.yaml").logging.run_dir == "runs"
+        assert (rerecord / "job.yaml").read_bytes() == (record / "job.yaml").read_bytes()
 
 
 def test_a_record_of_a_record_and_a_rewritten_record_read_the_same(tmp_path):
