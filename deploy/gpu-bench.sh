@@ -29,8 +29,8 @@ section() {  # section LIMIT_S COMMAND...: runs COMMAND, killed with its process
 }
 
 {
-  section 20 python3 -c "import torch as t, transformers as h, deepspeed as d; print(t.cuda.get_device_name(0), \
-'torch', t.__version__, 'transformers', h.__version__, 'deepspeed', d.__version__)"
+  # the card and the torch, transformers, DeepSpeed and peft that ran, each beside the gpu extra's pin
+  section 20 python3 -m benchmarks.stack_versions
   section 90 python3 -m pytest -q -p no:cacheprovider tests/gpu
   section 150 python3 -m benchmarks.learner_step --model-config smollm2-135m --sequences 64 --tokens 512 \
     --budget 8192 --configs tis_seq,vcpo-auto,m2po --profile tis_seq,vcpo-auto

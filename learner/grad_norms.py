@@ -280,7 +280,7 @@ class GhostGradNorms:
         records = self._records
         device = logits_grad.hidden.device if isinstance(logits_grad, HeadGradient) else logits_grad.device
         try:
-            with _tensor_core_products(device):
+            with tensor_core_products(device):
                 return self._run_backward(records, logits_grad, from_logits, keep, packed)
         finally:
             records.clear()
@@ -477,7 +477,7 @@ def _add_rows(total: Tensor, bucket: RowBucket | None, norms: Tensor) -> None:
 
 
 @contextmanager
-def _tensor_core_products(device: torch.device) -> Iterator[None]:
+def tensor_core_products(device: torch.device) -> Iterator[None]:
     """fp32 products as TF32 on CUDA while the norms are formed (bf16 products are tensor-core ones already)."""
     if device.type != "cuda":
         yield

@@ -7,7 +7,8 @@ The rows are laid end to end (`learner.micro_batches.Packing`, formed with the p
 - `flash_attention_2`/`_3`: transformers' varlen kernels, given the rows' `cu_seq_lens` and longest row.
 - `sdpa` (the default, on the CPU and on a GPU without flash-attn), through an attention function of its own:
   on a GPU in bf16/fp16, PyTorch's own varlen kernel (`torch.nn.attention.varlen.varlen_attn`, flash
-  attention over the rows' `cu_seq_lens`, grouped-query heads as they are) in one call per layer;
+  attention over the rows' `cu_seq_lens`, grouped-query heads as they are, `enable_gqa` where the PyTorch
+  asks for it) in one call per layer, which meta tensors trace on any machine;
   elsewhere `packed_sdpa`, SDPA's causal kernel on each row's span. Every row attends to itself alone,
   and no [N, N] mask is built or computed (a document mask would cost attention over the whole micro-batch).
   On an H200 a loop over the rows cost 5-8 ms per layer against about 1 ms for the varlen kernel, for 16
@@ -21,6 +22,8 @@ transformers' attention functions, or uses sliding-window layers, keeps padded r
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -70,23 +73,57 @@ def packed_sdpa(
     return torch.cat(outputs, dim=1)
 
 
-def varlen_sdpa(
-    query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_length: int, scaling: float | None
-) -> Tensor | None:
-    """Causal attention within each row of the packed [1, heads, N, head_dim] query, key and value in one call
-    of PyTorch's varlen flash kernel, [1, N, heads, head_dim]; None where that kernel does not serve: off CUDA,
-    in fp32, head_dim over 256, or a PyTorch without it (then `packed_sdpa`)."""
-    if not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16) or query.shape[-1] > 256:
-        return None
+VARLEN_DEVICES = ("cuda", "meta")  # meta: shapes only, through the same Python layer and the op's fake kernel
+
+
+def varlen_serves(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether PyTorch's varlen flash kernel serves a packed attention: CUDA (or meta, whose tensors trace the
+    CUDA path on any machine) in bf16/fp16 with head_dim up to 256, in a PyTorch that has the kernel."""
+    return (
+        device_type in VARLEN_DEVICES
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim <= 256
+        and _varlen_kernel() is not None
+    )
+
+
+@functools.cache
+def _varlen_kernel() -> tuple[Callable[..., Any], bool] | None:
+    """`torch.nn.attention.varlen.varlen_attn` and whether it takes `enable_gqa` (torch 2.13 does, and refuses
+    grouped-query heads without it; torch 2.11 has no such keyword and takes them as they are); None before it."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, heads, head_dim]: a view
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def varlen_attention(
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_length: int, scaling: float | None
+) -> Tensor:
+    """Causal attention within each row of the packed [1, heads, N, head_dim] query and [1, kv_heads, N, head_dim]
+    key and value in one varlen call, [1, N, heads, head_dim]; grouped-query heads (kv_heads < heads) pass as they
+    are, with `enable_gqa` where the PyTorch asks for it. The caller has checked `varlen_serves`."""
+    kernel = _varlen_kernel()
+    assert kernel is not None, "varlen_serves said the kernel serves"
+    varlen_attn, takes_gqa = kernel
+    grouped = {"enable_gqa": True} if takes_gqa and key.shape[1] != query.shape[1] else {}
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, heads, head_dim]
     causal = (-1, 0)  # every position sees all before it in its row and none after
-    output = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scaling, window_size=causal)
+    output = varlen_attn(
+        q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scaling, window_size=causal, **grouped
+    )
     assert isinstance(output, Tensor)  # without return_aux: the output alone
     return output.unsqueeze(0)
+
+
+def varlen_sdpa(
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_length: int, scaling: float | None
+) -> Tensor | None:
+    """`varlen_attention` where the varlen kernel serves (`varlen_serves`), else None (then `packed_sdpa`)."""
+    if not varlen_serves(query.device.type, query.dtype, query.shape[-1]):
+        return None
+    return varlen_attention(query, key, value, cu_seqlens, max_length, scaling)
 
 
 def _packed_attention(implementation: str) -> Callable[..., tuple[Tensor, Any]]:

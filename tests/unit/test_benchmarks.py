@@ -221,6 +221,8 @@ def test_the_gpu_scripts_are_valid_bash_and_run_only_what_the_repository_has():
         if args[:2] == ["-m", "pytest"]:
             paths = [path for path in args if path.startswith("tests/")]
             assert paths and all((ROOT / path).is_dir() for path in paths), args
+        elif args == ["-m", "benchmarks.stack_versions"]:  # takes no options
+            modules.append(args[1])
         elif args[:1] == ["-m"] and args[1].startswith("benchmarks."):
             modules.append(args[1])
             parsed = importlib.import_module(args[1]).build_parser().parse_args(args[2:])
@@ -228,7 +230,7 @@ def test_the_gpu_scripts_are_valid_bash_and_run_only_what_the_repository_has():
             for option in ("configs", "profile"):
                 labels = getattr(parsed, option, None) or ""
                 assert set(labels.split(",")) <= set(learner_step.CONFIGS) | {""}, (option, labels)
-    assert modules == ["benchmarks.learner_step"] * 3 + ["benchmarks.learner_memory"]
+    assert modules == ["benchmarks.stack_versions"] + ["benchmarks.learner_step"] * 3 + ["benchmarks.learner_memory"]
     assert "/.whl/" in (ROOT / ".gitignore").read_text().splitlines()  # the wheels never reach a commit
 
 
@@ -239,6 +241,27 @@ def test_the_gpu_wheels_are_the_versions_this_venv_tests():
     assert {"deepspeed", "pydantic", "pydantic-core", "hjson", "PyYAML"} <= set(pins)
     for name, pinned in pins.items():
         assert importlib.metadata.version(name) == pinned, name
+
+
+def test_the_gpu_run_names_each_version_beside_the_gpu_extras_pin(capsys):
+    """A GPU table names the torch that ran it: `stack_versions` prints each package with its pin and marks the
+    ones that differ (the lent machine's torch 2.11 against the pinned 2.13)."""
+    import torch
+
+    from benchmarks import stack_versions
+
+    pins = stack_versions.gpu_pins()
+    assert {name: pins[name] for name in stack_versions.PACKAGES} == {
+        name: importlib.metadata.version(name).split("+")[0] for name in stack_versions.PACKAGES
+    }  # the gpu extra pins what this venv (the cpu extra) tests
+    lines = stack_versions.version_lines({"torch": "2.11.0+cu130", "peft": "0.21.2", "einops": "0.8"}, pins)
+    assert lines == [
+        f"torch 2.11.0+cu130 (gpu extra pins {pins['torch']}; DIFFERS)",
+        "peft 0.21.2 (gpu extra pins 0.21.2)",
+        "einops 0.8 (gpu extra pins nothing)",
+    ]
+    assert stack_versions.main() == 0
+    assert f"torch {torch.__version__} (gpu extra pins {pins['torch']})" in capsys.readouterr().out
 
 
 def test_output_layer_compares_the_fused_and_whole_paths(capsys):
