@@ -2,7 +2,7 @@
 
     python -m benchmarks.learner_step [--sequences 64] [--tokens 512] [--rounds 3] [--job deploy/jobs/demo.yaml]
         [--model-config smollm2-135m] [--budget 8192] [--configs tis_seq,vcpo-auto] [--dtype bfloat16]
-        [--profile tis_seq,vcpo-auto] [--lengths lognormal:256:1024]
+        [--profile tis_seq,vcpo-auto] [--lengths lognormal:256:1024] [--flops]
 
 One learner rank (DeepSpeed ZeRO-2: nccl and bfloat16 on a CUDA GPU, else gloo and float32 on the CPU) on
 the job's model, or on `--model-config`'s published architecture with random weights (benchmarks/model_configs.py:
@@ -20,6 +20,8 @@ malloc_trim.
 allocated, or the resident set): the model, its optimizer state and anything a configuration keeps beside
 them (the KL's reference copy). `--profile` runs one more step of each named configuration (all, without
 names) under torch.profiler and prints the share of it some GPU kernel was running and its top kernels.
+`--flops` runs one more step of each under torch's FlopCounterMode and prints its FLOPs against tis_seq's and
+how many backward passes went through the model per micro-batch (a plain step takes one).
 
 `--lengths lognormal:MEAN:MAX` draws each response's length instead (fixed seed): log-normal with mean MEAN and
 a 4x spread (the 90th percentile 4 times the 10th), clipped to [32, MAX] tokens. A configuration named
@@ -331,7 +333,36 @@ def _configuration_child(args: argparse.Namespace, label: str) -> None:
     }
     if args.profile:
         result["profile"] = profile_step(lambda: learner.train_step(batch))
+    if args.flops:
+        result["flops"], result["model_backwards"] = counted_step(
+            learner.engine.module, lambda: learner.train_step(batch)
+        )
     print(json.dumps(result))
+
+
+def counted_step(model: torch.nn.Module, step: Callable[[], Any]) -> tuple[int, int]:
+    """One `step()`'s FLOPs (`torch.utils.flop_counter.FlopCounterMode`: matmuls, attention) and how many
+    backward passes went through the whole model: each one reaches the input embedding's output once."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    embedding = model.get_input_embeddings()
+    backwards = 0
+
+    def count(gradient: torch.Tensor) -> None:
+        nonlocal backwards
+        backwards += 1
+
+    def hook_output(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(count)
+
+    handle = embedding.register_forward_hook(hook_output)
+    try:
+        with FlopCounterMode(display=False) as counter:
+            step()
+    finally:
+        handle.remove()
+    return int(counter.get_total_flops()), backwards
 
 
 def free_port() -> int:
@@ -379,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CONFIGS",
         help="one more step of these configurations (comma-separated; all measured ones without "
         "names) under torch.profiler: GPU busy share and top kernels",
+    )
+    parser.add_argument(
+        "--flops",
+        action="store_true",
+        help="one more step of each configuration under torch's FlopCounterMode: its FLOPs against tis_seq's, and "
+        "the backward passes through the model per micro-batch",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timings)")
     parser.add_argument(
@@ -464,6 +501,7 @@ def main(argv: list[str] | None = None) -> None:
                 "--dtype",
                 args.dtype,
                 *(["--profile"] if label in profiled else []),
+                *(["--flops"] if args.flops else []),
                 *(["--lengths", args.lengths] if args.lengths else []),
             ],
             capture_output=True,
@@ -482,6 +520,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{result['held_bytes'] / 2**20:>9.0f} {result['micro_batches']:>5.0f} "
             f"{result['tokens'] / best:>9.1f}"
         )
+        if "flops" in result:
+            print(
+                f"  flops of {label}: {result['flops'] / 1e9:.1f} GFLOP, {result['flops'] / reference['flops']:.2f}x "
+                f"{REFERENCE}; {result['model_backwards'] / result['micro_batches']:.2f} backward passes through "
+                "the model per micro-batch"
+            )
         if "profile" in result:
             print_profile(label, result["profile"])
         sys.stdout.flush()
