@@ -1,7 +1,7 @@
 """The learning-rate schedule of the RL steps: a linear warm-up, then constant or a decay to a floor.
 
-Pure Python: a function of the optimizer step alone, so a resumed run continues the schedule from the
-policy version its checkpoint restored, with no scheduler state to save.
+Pure Python: a function of the RL step alone (the SFT warm-up's steps, which make policy versions too, do not
+count), so a resumed run continues the schedule from the RL step count its checkpoint restored.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ LRSchedule = Literal["constant", "linear", "cosine"]
 def lr_factor(
     step: int, total_steps: int, warmup_steps: int = 0, schedule: LRSchedule = "constant", min_ratio: float = 0.0
 ) -> float:
-    """Multiplier on `learner.learning_rate` for optimizer step `step` (0-based; it makes policy version step+1).
+    """Multiplier on `learner.learning_rate` for RL step `step` (0-based; the SFT warm-up's steps do not count).
 
     The first `warmup_steps` steps ramp linearly from 1/warmup_steps to 1; after them `constant` stays at 1,
     while `linear` and `cosine` decay to `min_ratio`, reached at the last step (total_steps - 1).

@@ -82,6 +82,9 @@ class LearnerStep:
         self.world_size, self.device = collectives.world_size, collectives.device
         self.advantage_estimator = ADVANTAGES[spec.advantage]
         self.version = 0
+        # RL steps taken, skipped ones too (the driver's step index): the learning-rate schedule's clock, which
+        # the SFT warm-up's updates (new policy versions all the same) do not move
+        self.rl_steps = 0
         self.kl_coef = spec.kl_coef
         # the latest train_step's [B] sequence log-ratios, kept on the device until the rollout samples ask
         self.last_sequence_log_ratios = torch.zeros(0)
@@ -100,6 +103,10 @@ class LearnerStep:
         """One optimizer step (or with `proximal: recompute`, its updates) on this rank's groups; metrics averaged
         over ranks. The step publishes one policy version."""
         start = time.perf_counter()
+        schedule = lr_factor(
+            self.rl_steps, self.spec.total_steps, self.spec.lr_warmup_steps, self.spec.lr_schedule, self.spec.lr_min_ratio
+        )
+        self.rl_steps += 1
         self.engine.train()
         batch = batch.to(self.device)
         needs_norms = self.norms is not None
@@ -152,13 +159,6 @@ class LearnerStep:
             metrics["optim/lr"] = self._scalar(0.0)
             return self._finish(metrics, start, skipped=True, loss=loss, lr_scale=0.0, grad_norm=math.nan, batch=batch)
         lr_scale = self.stabilizer.lr_scale(global_log_w)
-        schedule = lr_factor(
-            self.version,
-            self.spec.total_steps,
-            self.spec.lr_warmup_steps,
-            self.spec.lr_schedule,
-            self.spec.lr_min_ratio,
-        )
         metrics["optim/lr"] = self._scalar(self.spec.learning_rate * schedule * lr_scale)
         if decoupled:
             grad_norm, update_metrics = self.decoupled_updates(batch, step, lr_scale * schedule, reference)

@@ -199,13 +199,20 @@ class LearnerRank:
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         """Model, optimizer (each rank its ZeRO shard), policy version and RNG state; a collective."""
-        client_state = {"version": self.step.version, "torch_rng": torch.get_rng_state(), "kl_coef": self.step.kl_coef}
+        client_state = {
+            "version": self.step.version,
+            "rl_steps": self.step.rl_steps,
+            "torch_rng": torch.get_rng_state(),
+            "kl_coef": self.step.kl_coef,
+        }
         checkpoint.save_checkpoint(self.engine, directory, tag, self.rank, client_state)
 
     def load_checkpoint(self, directory: str, tag: str) -> int:
         """Restore what `save_checkpoint` wrote; returns the policy version. A collective."""
         client_state = checkpoint.load_checkpoint(self.engine, directory, tag, self.rank)
         self.step.version = int(client_state["version"])
+        # a checkpoint from before the count was kept: its version, which counted SFT steps too
+        self.step.rl_steps = int(client_state.get("rl_steps", self.step.version))
         self.step.kl_coef = float(client_state.get("kl_coef", self.spec.kl_coef))
         torch.set_rng_state(client_state["torch_rng"])
         return self.step.version

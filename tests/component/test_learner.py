@@ -431,6 +431,47 @@ def test_the_warm_up_scales_the_first_update(tiny_qwen2, tmp_path):
         torch.testing.assert_close(ramped["delta"][name], delta / 4, rtol=1e-3, atol=1e-7)
 
 
+def _schedule_after_sft_main(rank: int, model_path: str, port: int, out: str, folder: str) -> None:
+    from learner.batch import collate
+    from learner.rank import LearnerRank, LearnerSpec
+
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        learning_rate=LEARNING_RATE,
+        total_steps=8,
+        lr_warmup_steps=4,
+        lr_schedule="linear",
+        loss_aggregation="token-mean",
+    )
+    batch = collate(_batch_samples(), 0)
+    learner = LearnerRank(spec, rank, 1, "127.0.0.1", port)
+    for _ in range(3):
+        learner.sft_step(batch, learning_rate=1e-4)
+    rates = [learner.train_step(batch)["optim/lr"] for _ in range(2)]
+    learner.save_checkpoint(folder, "step-2")
+    resumed = LearnerRank(spec, rank, 1, "127.0.0.1", port)
+    resumed.load_checkpoint(folder, "step-2")
+    rates.append(resumed.train_step(batch)["optim/lr"])
+    torch.save({"rates": rates, "version": learner.version}, out)
+
+
+def test_the_schedule_counts_rl_steps_alone_across_sft_and_a_resume(tiny_qwen2, tmp_path):
+    """Three SFT steps make policy versions but leave the RL schedule at its start: with a warm-up of 4, RL steps
+    0 and 1 take 1/4 and 2/4 of the rate, and the step after a resume from their checkpoint 3/4."""
+    out = tmp_path / "schedule.pt"
+    mp.start_processes(
+        _schedule_after_sft_main,
+        args=(tiny_qwen2, _free_port(), str(out), str(tmp_path / "ckpt")),
+        nprocs=1,
+        start_method="spawn",
+        join=True,
+    )
+    result = torch.load(out, weights_only=True)
+    assert result["version"] == 5  # 3 SFT and 2 RL updates
+    assert result["rates"] == pytest.approx([LEARNING_RATE / 4, LEARNING_RATE / 2, 3 * LEARNING_RATE / 4])
+
+
 def _zero3_load_main(rank: int, world: int, model_path: str, port: int, out: str) -> None:
     import transformers
 
