@@ -37,6 +37,14 @@ class TrainBatch:
         """The sub-batch of the given rows."""
         return TrainBatch(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
 
+    def idle_row(self, width: int | None = None) -> TrainBatch:
+        """Its first row with nothing to train on (no loss token): for a rank that joins a step's collectives
+        without a micro-batch, or without a group, of its own."""
+        idle = self.rows(torch.zeros(1, dtype=torch.long, device=self.input_ids.device)).trimmed(width)
+        idle.loss_mask = torch.zeros_like(idle.loss_mask)
+        idle.behaviour_logprobs = torch.zeros_like(idle.behaviour_logprobs)
+        return idle
+
     @property
     def sequence_lengths(self) -> Tensor:
         """Real (unpadded) tokens of each sequence, [B] long."""
@@ -60,6 +68,25 @@ class TrainBatch:
     def to(self, device: torch.device | str) -> TrainBatch:
         """Every tensor on `device` (the rank's): the model and the collectives see one device."""
         return TrainBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def rank_shards(groups: Sequence[Sequence[TrainingSample]], ranks: int, pad_token_id: int) -> list[TrainBatch]:
+    """Each rank's training batch: whole prompt groups in order (group statistics stay on one rank), as evenly
+    as they go, the first `len(groups) % ranks` ranks taking one more. A short batch (`async.fixed_lag` does not
+    replace a dropped group) still trains every group; a rank it leaves without one gets a row with nothing
+    to train on (`TrainBatch.idle_row`), to join the step's collectives."""
+    if not groups:
+        raise ValueError("a step needs at least one prompt group")
+    per_rank, extra = divmod(len(groups), ranks)
+    shards: list[TrainBatch | None] = []
+    start = 0
+    for rank in range(ranks):
+        end = start + per_rank + (rank < extra)
+        shards.append(collate([s for group in groups[start:end] for s in group], pad_token_id) if end > start else None)
+        start = end
+    first = shards[0]
+    assert first is not None, "the first rank takes a group whenever there is one"
+    return [first.idle_row() if shard is None else shard for shard in shards]
 
 
 def collate(samples: Sequence[TrainingSample], pad_token_id: int) -> TrainBatch:

@@ -75,20 +75,24 @@ class Collectives:
         dist.all_gather(gathered, padded)
         return torch.cat([g[: int(s.item())] for g, s in zip(gathered, sizes)])
 
-    def reduce_metrics(self, metrics: dict[str, Tensor], token_weight: Tensor | None = None) -> dict[str, float]:
-        """Average over ranks: `stability/` token statistics weighted by each rank's loss tokens (so
-        they equal the global token mean), everything else plainly (ranks hold equal sample counts).
-        Sequence statistics computed from the gathered global batch are the same on every rank."""
+    def reduce_metrics(
+        self, metrics: dict[str, Tensor], token_weight: Tensor | None = None, sample_weight: Tensor | None = None
+    ) -> dict[str, float]:
+        """Average over ranks: `stability/` token statistics weighted by each rank's loss tokens (so they equal
+        the global token mean), `rollout/` sample statistics by its trained rows (ranks may hold unequal shares
+        of a short batch, or none), everything else plainly. Sequence statistics computed from the gathered
+        global batch are the same on every rank."""
         names = sorted(metrics)
         values = torch.stack([metrics[name].detach().float().reshape(()).to(self.device) for name in names])
         if self.world_size == 1:
             return dict(zip(names, values.tolist()))
         weights = torch.ones_like(values)
-        if token_weight is not None:
-            weighted = torch.tensor(
-                [n.startswith("stability/") and n not in GLOBAL_METRICS for n in names], device=self.device
-            )
-            weights[weighted] = token_weight.float().to(self.device)
+        for prefix, weight in (("stability/", token_weight), ("rollout/", sample_weight)):
+            if weight is not None:
+                weighted = torch.tensor(
+                    [n.startswith(prefix) and n not in GLOBAL_METRICS for n in names], device=self.device
+                )
+                weights[weighted] = weight.float().to(self.device)
         totals = torch.stack([values * weights, weights])
         dist.all_reduce(totals)
         return dict(zip(names, (totals[0] / totals[1]).tolist()))

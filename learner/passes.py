@@ -104,7 +104,11 @@ class LearnerStep:
         over ranks. The step publishes one policy version."""
         start = time.perf_counter()
         schedule = lr_factor(
-            self.rl_steps, self.spec.total_steps, self.spec.lr_warmup_steps, self.spec.lr_schedule, self.spec.lr_min_ratio
+            self.rl_steps,
+            self.spec.total_steps,
+            self.spec.lr_warmup_steps,
+            self.spec.lr_schedule,
+            self.spec.lr_min_ratio,
         )
         self.rl_steps += 1
         self.engine.train()
@@ -483,7 +487,9 @@ class LearnerStep:
         metrics["rollout/response_len"] = batch.loss_mask.float().sum(1).mean()
         metrics["time/learner_step_s"] = self._scalar(time.perf_counter() - start)
         metrics["perf/learner_tokens_per_s"] = batch.attention_mask.sum() / metrics["time/learner_step_s"]
-        return self.collectives.reduce_metrics(metrics, token_weight=batch.loss_mask.sum())
+        return self.collectives.reduce_metrics(
+            metrics, token_weight=batch.loss_mask.sum(), sample_weight=batch.loss_mask.any(dim=1).sum()
+        )
 
     def _scalar(self, value: float) -> Tensor:
         return device_scalar(value, self.device)

@@ -35,10 +35,7 @@ def sub_batch(batch: TrainBatch, run: MicroBatch) -> TrainBatch:
     nothing to train on, so that a rank with fewer micro-batches still joins every forward's collectives."""
     if run.rows is not None:
         return batch.rows(run.rows).trimmed(run.width)
-    empty = batch.rows(torch.zeros(1, dtype=torch.long, device=batch.input_ids.device)).trimmed(run.width)
-    empty.loss_mask = torch.zeros_like(empty.loss_mask)
-    empty.behaviour_logprobs = torch.zeros_like(empty.behaviour_logprobs)
-    return empty
+    return batch.idle_row(run.width)
 
 
 def step_advantages(

@@ -42,7 +42,7 @@ from cluster.run.step_rows import GenerationTotals, ScoredSinceStep, lag_metrics
 from cluster.run.stopping import JobStopped, StopRequest
 from cluster.telemetry.metrics import MetricSink
 from cluster.telemetry.samples import rollout_samples
-from learner.batch import TrainBatch, collate
+from learner.batch import TrainBatch, rank_shards
 from tasks.base import Problem, Task
 from tasks.config import TASK_CONFIGS
 from tasks.environment import score_responses
@@ -452,15 +452,9 @@ class AsyncLoop:
         )
         self.scored.uniform_groups_dropped += not self.buffer.add(scored, errors)
 
-    def _rank_shares(self, groups: list[ScoredGroup]) -> list[list[ScoredGroup]]:
-        """Whole prompt groups split over the ranks, in order (group statistics stay on one rank)."""
-        ranks = self.job.learner.num_ranks
-        per_rank = len(groups) // ranks
-        return [groups[r * per_rank : (r + 1) * per_rank] for r in range(ranks)]
-
     def _shards(self, groups: list[ScoredGroup]) -> list[TrainBatch]:
-        """Each rank's share of the groups as its training batch."""
-        return [collate([s for g in share for s in g.samples()], self.pad_id) for share in self._rank_shares(groups)]
+        """Each rank's share of the groups as its training batch (`rank_shards`)."""
+        return rank_shards([g.samples() for g in groups], self.job.learner.num_ranks, self.pad_id)
 
     def _sync_weights(self) -> float:
         """Publish the learner's weights; each generator loads them before its next request."""

@@ -500,3 +500,49 @@ def test_a_zero3_rank_loads_only_its_partition_of_the_model(tiny_qwen2, tmp_path
         _zero3_load_main, args=(2, tiny_qwen2, _free_port(), out), nprocs=2, start_method="spawn", join=True
     )
     assert torch.load(out, weights_only=True) == [True]
+
+
+def _short_batch_main(rank: int, world: int, model_path: str, port: int, out: str, groups: int) -> None:
+    from learner.batch import rank_shards
+    from learner.rank import LearnerRank, LearnerSpec
+
+    spec = LearnerSpec(
+        model_path=model_path,
+        zero_stage=2,
+        learning_rate=LEARNING_RATE,
+        adam_eps=ADAM_EPS,
+        loss_aggregation="token-mean",
+    )
+    learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
+    samples = _batch_samples()
+    kept = [[s for s in samples if s["group_id"] == group] for group in range(groups)]
+    metrics = learner.train_step(rank_shards(kept, world, 0)[rank])
+    weights = learner.state_dict_for_publish()
+    if rank == 0:
+        torch.save({"metrics": metrics, "weights": weights}, out)
+    if world > 1:
+        _leave_group()
+
+
+@pytest.mark.parametrize("groups", [1, 3], ids=["one-group", "three-groups"])
+def test_a_short_batch_over_two_ranks_trains_every_group_as_one_rank_does(tiny_qwen2, tmp_path, groups):
+    """A fixed lag does not replace a dropped group, so a step may bring fewer groups than the ranks split
+    evenly: 3 over 2 ranks (one takes 2, the other 1) or 1 (the other rank joins with nothing to train on).
+    Every group trains: the update and the logged reward and length are those of one rank on all of them."""
+    runs = {}
+    for world in (1, 2):
+        out = tmp_path / f"short-{groups}-{world}.pt"
+        mp.start_processes(
+            _short_batch_main,
+            args=(world, tiny_qwen2, _free_port(), str(out), groups),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
+        runs[world] = torch.load(out, weights_only=True)
+    alone, split = runs[1], runs[2]
+    for key in ("rollout/reward_mean", "rollout/response_len", "optim/loss", "optim/grad_norm"):
+        assert split["metrics"][key] == pytest.approx(alone["metrics"][key], rel=1e-4), key
+    assert split["metrics"]["stability/skipped_step"] == 0
+    for name, tensor in alone["weights"].items():
+        torch.testing.assert_close(split["weights"][name], tensor, rtol=1e-4, atol=1e-3 * LEARNING_RATE, msg=name)

@@ -91,3 +91,31 @@ def test_a_policy_mask_keeps_tool_tokens_off_the_loss_mask():
     samples[1]["policy_mask"] = samples[1]["policy_mask"][:-1]
     with pytest.raises(ValueError, match=r"sample 1 .* policy mask of"):
         collate(samples, 0)
+
+
+def test_rank_shards_split_whole_groups_evenly_and_idle_a_rank_without_one():
+    from learner.batch import rank_shards
+
+    def group(group_id: int, size: int) -> list[dict]:
+        return [
+            dict(
+                prompt_ids=[5, 6],
+                completion_ids=[7] * (k + 1),
+                behaviour_logprobs=[-1.0] * (k + 1),
+                reward=1.0,
+                group_id=group_id,
+                version=0,
+            )
+            for k in range(size)
+        ]
+
+    three = rank_shards([group(0, 2), group(1, 2), group(2, 2)], 2, 0)
+    assert [shard.group_ids.tolist() for shard in three] == [[0, 0, 1, 1], [2, 2]]  # no group left out
+    one = rank_shards([group(7, 3)], 2, 0)
+    assert one[0].group_ids.tolist() == [7, 7, 7] and one[0].loss_mask.sum() == 1 + 2 + 3
+    idle = one[1]
+    assert idle.size == 1 and idle.loss_mask.sum() == 0 and idle.behaviour_logprobs.abs().sum() == 0
+    even = rank_shards([group(g, 1) for g in range(4)], 2, 0)
+    assert [shard.group_ids.tolist() for shard in even] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="at least one prompt group"):
+        rank_shards([], 2, 0)
