@@ -30,15 +30,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.learner_step import (
-    default_dtype,
-    device_name,
-    free_port,
-    on_cuda,
-    peak_growth,
-    synthetic_batch,
-    timed_seconds,
-)
+from benchmarks.learner_step import free_port, synthetic_batch
+from benchmarks.step_measures import default_dtype, device_name, on_cuda, peak_growth, timed_seconds
 
 GROUP_SIZE = 8
 

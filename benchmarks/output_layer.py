@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.learner_step import peak_growth
 from benchmarks.model_configs import transformers_config
+from benchmarks.step_measures import peak_growth
 from learner.batch import token_logprobs_and_entropy
 from learner.fused_head import fused_token_logprobs
 

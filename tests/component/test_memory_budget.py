@@ -68,7 +68,8 @@ def _calibration_main(
     """Two steps from a fresh rank, the peak resident-set growth over both from right after the rank is
     built (the first step creates the optimizer's moments), beside the estimate for its micro-batch."""
     from algorithms import registry
-    from benchmarks.learner_step import follow_live_memory, peak_growth, synthetic_batch
+    from benchmarks.learner_step import synthetic_batch
+    from benchmarks.step_measures import follow_live_memory, peak_growth
     from learner import memory_budget
     from learner.rank import LearnerRank, LearnerSpec
 

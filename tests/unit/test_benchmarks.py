@@ -129,7 +129,7 @@ def test_every_learner_step_configuration_builds_its_stabilizer_and_learner_spec
 
 
 def test_the_benchmarks_take_the_gpu_options():
-    from benchmarks import learner_memory, learner_step
+    from benchmarks import learner_memory, learner_step, step_measures
 
     args = learner_step.build_parser().parse_args(
         [
@@ -148,7 +148,7 @@ def test_the_benchmarks_take_the_gpu_options():
     assert learner_step.build_parser().parse_args([]).profile is None
     args = learner_memory.build_parser().parse_args(["--model-config", "smollm2-135m", "--dtype", "float32"])
     assert (args.model_config, args.dtype) == ("smollm2-135m", "float32")
-    assert learner_step.default_dtype() == "float32" and learner_step.device_name() == "cpu"  # this machine
+    assert step_measures.default_dtype() == "float32" and step_measures.device_name() == "cpu"  # this machine
 
 
 @pytest.mark.parametrize(
@@ -167,7 +167,7 @@ def test_learner_step_refuses_an_unknown_profile_or_model_config_before_building
 
 
 def test_the_gpu_busy_time_is_the_union_of_kernel_spans_and_the_top_kernels_are_by_total_time():
-    from benchmarks.learner_step import covered_us, top_by_time
+    from benchmarks.step_measures import covered_us, top_by_time
 
     assert covered_us([(20.0, 30.0), (0.0, 10.0), (5.0, 15.0), (6.0, 7.0)]) == 25.0  # overlaps count once
     assert covered_us([]) == 0.0
@@ -175,7 +175,7 @@ def test_the_gpu_busy_time_is_the_union_of_kernel_spans_and_the_top_kernels_are_
 
 
 def test_a_profiled_step_on_the_cpu_names_its_operators_and_prints_them_compactly(capsys):
-    from benchmarks.learner_step import PROFILE_TOP_KERNELS, print_profile, profile_step
+    from benchmarks.step_measures import PROFILE_TOP_KERNELS, print_profile, profile_step
 
     matrix = torch.randn(256, 256)
     profile = profile_step(lambda: (matrix @ matrix).sum())
@@ -188,7 +188,7 @@ def test_a_profiled_step_on_the_cpu_names_its_operators_and_prints_them_compactl
 
 
 def test_the_peak_memory_of_a_cpu_step_counts_what_it_allocates():
-    from benchmarks.learner_step import peak_growth, timed_seconds
+    from benchmarks.step_measures import peak_growth, timed_seconds
 
     kept = []
     peak = peak_growth(lambda: kept.append(torch.randn(4096, 4096)))  # 64 MiB, still held when the step ends
@@ -262,6 +262,32 @@ def test_the_gpu_run_names_each_version_beside_the_gpu_extras_pin(capsys):
     ]
     assert stack_versions.main() == 0
     assert f"torch {torch.__version__} (gpu extra pins {pins['torch']})" in capsys.readouterr().out
+
+
+def test_a_counted_step_gives_its_flops_and_the_backwards_through_the_model():
+    """A [4 x 8] embedding into an [8 -> 16] linear layer on 5 tokens: the linear forward is 2 x 5 x 8 x 16 FLOPs,
+    its backward twice that; a step with a second backward (as VCPO's ghost norms take) counts two."""
+    import torch
+
+    from benchmarks.step_measures import counted_step
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(4, 8), torch.nn.Linear(8, 16, bias=False)
+
+        def get_input_embeddings(self) -> torch.nn.Module:
+            return self.embed
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(ids)).sum()
+
+    model, ids = Tiny(), torch.tensor([0, 1, 2, 3, 0])
+    forward = 2 * 5 * 8 * 16
+    assert counted_step(model, lambda: model(ids).backward()) == (3 * forward, 1)
+    assert counted_step(model, lambda: [model(ids).backward() for _ in range(2)]) == (6 * forward, 2)
+    with torch.no_grad():
+        assert counted_step(model, lambda: model(ids)) == (forward, 0)
 
 
 def test_output_layer_compares_the_fused_and_whole_paths(capsys):

@@ -89,6 +89,12 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/integration/test_benchmarks.py::test_learner_memory_measures_each_batch_size_in_its_own_process",
     ),
     "benchmarks.learner_step": ("tests/integration/test_benchmarks.py::test_learner_step_times_its_configurations",),
+    "benchmarks.step_measures": (
+        "tests/unit/test_benchmarks.py::test_a_counted_step_gives_its_flops_and_the_backwards_through_the_model",
+    ),
+    "benchmarks.stack_versions": (
+        "tests/unit/test_benchmarks.py::test_the_gpu_run_names_each_version_beside_the_gpu_extras_pin",
+    ),
     "benchmarks.generation": ("tests/integration/test_benchmarks.py::test_generation_compares_vllm_with_transformers",),
     "benchmarks.streaming": (
         "tests/integration/test_benchmarks.py::test_streaming_benchmark_trains_both_generators_and_prints_their_rows",
