@@ -7,7 +7,8 @@ waits for it; `drop` lets generators run ahead and drops groups that went stale,
 `drop_uniform_groups` (DAPO's dynamic sampling) a group whose responses all scored the same is dropped on
 arrival, and the generators sample another in its place. An episode that failed for its tools' sake (one
 raised, hung, ran out of memory, printed too much) is left out of training unless `train_failed_episodes`:
-its reward says nothing of the policy's answer. Either way the ledger accounts for every prompt group:
+its reward says nothing of the policy's answer; so is a response whose verifier failed (raised, hung, or
+returned no finite number). Either way the ledger accounts for every prompt group:
 issued, scored, trained (at which step) or dropped (with a reason).
 
 `fixed_lag` (`FixedLag`) replaces the bound by an exact lag, as the M2PO paper's experiments set it.
@@ -246,6 +247,21 @@ class FixedLag:
         return (self.steps is not None and owed >= self.steps) or next_group_id >= (owed + 1) * self.prompts_per_step
 
 
+def _why_left_out(failed: list[ScoredCompletion], responses: int) -> str:
+    """The ledger's reason for the responses of a group left out of training."""
+    episodes = sum(bool(c.get("episode_error")) for c in failed)
+    reasons = []
+    if episodes:
+        reasons.append(
+            f"{episodes} of {responses} episodes failed for their tools' sake, not the policy's "
+            "(environment.train_failed_episodes: true trains them at reward 0)"
+        )
+    if len(failed) > episodes:
+        first = next(c.get("score_error") for c in failed if not c.get("episode_error"))
+        reasons.append(f"{len(failed) - episodes} of {responses} responses failed to score (the first: {first})")
+    return "; ".join(reasons)
+
+
 class FixedLagBatchLost(StableAsyncError, RuntimeError):
     """Under `async.fixed_lag`, every group of a step was dropped, and no later policy may sample them again."""
 
@@ -300,6 +316,13 @@ class RolloutBuffer:
         # drop: run ahead, but never hold more than the lag window could ever train
         return queued < self.prompts_per_step * (self.max_lag + 2)
 
+    def _left_out(self, completion: ScoredCompletion) -> bool:
+        """A response whose reward is no verdict on the policy: its verifier failed (the reward is a stand-in
+        0), or its episode failed for a tool's sake (trained at 0 only with `train_failed_episodes`)."""
+        if completion.get("episode_error"):
+            return not self.train_failed_episodes
+        return completion.get("score_error") is not None
+
     def issue(self, group_id: int, problem_id: str, version: int, generator_index: int) -> None:
         self.ledger.issued(group_id, problem_id, version, generator_index)
         self.in_flight_versions[group_id] = version
@@ -309,13 +332,10 @@ class RolloutBuffer:
         Returns whether the group was kept to train on."""
         self.in_flight_versions.pop(group.group_id, None)
         errors = [error for c in group.completions if (error := c.get("score_error"))]
-        failed = [c for c in group.completions if c.get("episode_error")]
-        if failed and not self.train_failed_episodes:
-            kept = [c for c in group.completions if not c.get("episode_error")]
-            why = (
-                f"{len(failed)} of {len(group.completions)} episodes failed for their tools' sake, not the "
-                "policy's (environment.train_failed_episodes: true trains them at reward 0)"
-            )
+        failed = [c for c in group.completions if self._left_out(c)]
+        if failed:
+            kept = [c for c in group.completions if not self._left_out(c)]
+            why = _why_left_out(failed, len(group.completions))
             if len(kept) < min(2, len(group.completions)):  # a group-relative advantage needs two responses
                 self.ledger.scored(group.group_id, score_errors, errors)
                 self.ledger.dropped(group.group_id, f"{why}; too few responses left to train")

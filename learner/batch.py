@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -70,20 +71,25 @@ class TrainBatch:
         return TrainBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
+def rank_share_sizes(groups: int, ranks: int) -> list[int]:
+    """How many of a step's prompt groups each rank takes, in order: as even as whole groups go, the first
+    `groups % ranks` ranks one more. A short batch (`async.fixed_lag` does not replace a dropped group) still
+    trains every group; with fewer groups than ranks, the last ranks take none."""
+    per_rank, extra = divmod(groups, ranks)
+    return [per_rank + (rank < extra) for rank in range(ranks)]
+
+
 def rank_shards(groups: Sequence[Sequence[TrainingSample]], ranks: int, pad_token_id: int) -> list[TrainBatch]:
-    """Each rank's training batch: whole prompt groups in order (group statistics stay on one rank), as evenly
-    as they go, the first `len(groups) % ranks` ranks taking one more. A short batch (`async.fixed_lag` does not
-    replace a dropped group) still trains every group; a rank it leaves without one gets a row with nothing
-    to train on (`TrainBatch.idle_row`), to join the step's collectives."""
+    """Each rank's training batch of whole prompt groups (group statistics stay on one rank), split by
+    `rank_share_sizes`; a rank that takes none gets a row with nothing to train on (`TrainBatch.idle_row`), to
+    join the step's collectives."""
     if not groups:
         raise ValueError("a step needs at least one prompt group")
-    per_rank, extra = divmod(len(groups), ranks)
-    shards: list[TrainBatch | None] = []
-    start = 0
-    for rank in range(ranks):
-        end = start + per_rank + (rank < extra)
-        shards.append(collate([s for group in groups[start:end] for s in group], pad_token_id) if end > start else None)
-        start = end
+    ends = list(itertools.accumulate(rank_share_sizes(len(groups), ranks)))
+    shards = [
+        collate([s for group in groups[end - size : end] for s in group], pad_token_id) if size else None
+        for end, size in zip(ends, rank_share_sizes(len(groups), ranks))
+    ]
     first = shards[0]
     assert first is not None, "the first rank takes a group whenever there is one"
     return [first.idle_row() if shard is None else shard for shard in shards]

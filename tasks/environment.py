@@ -378,8 +378,7 @@ class EpisodeStats:
             self.tokens += len(c["policy_mask"])
 
     def metrics(self) -> dict[str, float]:
-        """Per episode means; NaN when no episode was scored since the last row (a job with tools logs every key at
-        every step, as the reward components do)."""
+        """Per episode means; NaN when no episode was scored since the last row (the step row leaves those out)."""
         episodes = self.episodes or math.nan
         return {
             "rollout/turns_mean": self.turns / episodes,

@@ -1,10 +1,10 @@
 """Reward workers: verifiers (a task's, a user's reward function) run sandboxed, with a timeout and limits.
 
-A verifier that raises, hangs, exhausts memory or CPU time, dies, floods its output or returns a non-finite
-value marks that sample failed (reward 0.0 and the reason) and never stops the caller. Only a worker that
-cannot start (its task cannot be built, or is not built within the startup timeout) raises: every sample
-would fail alike. The subprocess machinery (isolation, limits, handshake, per-item deadline, replacement) is
-`tasks.sandbox`'s.
+A verifier that raises, hangs, exhausts memory or CPU time, dies, floods its output or returns anything but a
+finite number within `REWARD_LIMIT` marks that sample failed (reward 0.0 and the reason; the driver leaves it
+out of training) and never stops the caller. Only a worker that cannot start (its task cannot be built, or is
+not built within the startup timeout) raises: every sample would fail alike. The subprocess machinery
+(isolation, limits, handshake, per-item deadline, replacement) is `tasks.sandbox`'s.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from tasks.sandbox import (
     children_ignore_sigint,  # noqa: F401 - re-exported: callers start processes with it
 )
 
+# A reward's largest magnitude. One far beyond any sane scale (1e30 from a unit slip or an overflow) would set
+# every advantage of its group and swamp the step's gradient, so it is a scoring failure like NaN.
+REWARD_LIMIT = 1e6
+
 
 @dataclass(frozen=True)
 class ScoreResult:
@@ -42,9 +46,11 @@ def checked_score(task: Task, problem: Problem, completion: str) -> ScoreResult:
     except Exception as error:
         return ScoreResult(0.0, f"raised {type(error).__name__}: {error}"[:300])
     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-        return ScoreResult(0.0, f"non-numeric reward {type(reward).__name__}")
+        return ScoreResult(0.0, f"returned {reward!r:.80} ({type(reward).__name__}), not a number")
     if not math.isfinite(reward):
-        return ScoreResult(0.0, f"non-finite reward {reward}")
+        return ScoreResult(0.0, f"returned {reward}, not a finite number")
+    if abs(reward) > REWARD_LIMIT:
+        return ScoreResult(0.0, f"returned {reward:g}, beyond the {REWARD_LIMIT:g} any reward stays within")
     return ScoreResult(float(reward))
 
 

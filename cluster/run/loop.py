@@ -32,7 +32,7 @@ from cluster.job import EvaluationSet, Job, section_config
 from cluster.run import runtime
 from cluster.run.checkpoints import CheckpointFailed, readable_checkpoints, write_checkpoint
 from cluster.run.evaluation import Evaluator, evaluate_again_on_resume, verifier_pool
-from cluster.run.faults import NumericalFailure, SkipStreak, UniformRewards, learners_may_crash
+from cluster.run.faults import NumericalFailure, ScoreFailureStreak, SkipStreak, learners_may_crash, streak_halt
 from cluster.run.generators import SCALE_CHECK_S, GeneratorPool
 from cluster.run.rewards import training_scorer
 from cluster.run.schedule import Call, Schedule, SchedulerStuck
@@ -42,7 +42,7 @@ from cluster.run.step_rows import GenerationTotals, ScoredSinceStep, lag_metrics
 from cluster.run.stopping import JobStopped, StopRequest
 from cluster.telemetry.metrics import MetricSink
 from cluster.telemetry.samples import rollout_samples
-from learner.batch import TrainBatch, rank_shards
+from learner.batch import TrainBatch, rank_shards, rank_share_sizes
 from tasks.base import Problem, Task
 from tasks.config import TASK_CONFIGS
 from tasks.environment import score_responses
@@ -102,6 +102,7 @@ class AsyncLoop:
             job.generator.max_restarts,
         )
         self.scored = ScoredSinceStep()
+        self.score_failures = ScoreFailureStreak.of(job)
         self.totals = GenerationTotals()
         self.problems: Iterator[Problem] = task.problems("train", job.seed)
         self.problem_of: dict[int, Problem] = {}
@@ -149,7 +150,7 @@ class AsyncLoop:
                     self.schedule.issue()
                     self._start_learner_step()
                 self._handle(self._wait_one())
-                self._check_uniform_streak()
+                self._check_streaks()
             self.evaluator.wait()  # the last step's evaluation
         finally:
             self.scorer.close()
@@ -266,7 +267,7 @@ class AsyncLoop:
     def _log_samples(self, training: list[ScoredGroup]) -> None:
         """A few of the step's groups, from rank 0's shard (the first groups), with the learner's log-ratios."""
         settings = self.job.logging.samples
-        rank0_groups = self._rank_shares(training)[0]
+        rank0_groups = training[: rank_share_sizes(len(training), self.job.learner.num_ranks)[0]]
         samples = rollout_samples(
             self.version,
             self.version - 1,
@@ -311,20 +312,18 @@ class AsyncLoop:
                 f"(learning rate, data, stabilizer), then: stableasync train --resume {self.run_dir}"
             )
 
-    def _check_uniform_streak(self) -> None:
-        """Stop with a checkpoint once algorithm.max_uniform_groups_in_a_row groups in a row were dropped for
-        uniform rewards; only between learner steps, so the checkpoint holds every group still to train."""
-        limit = self.job.algorithm.max_uniform_groups_in_a_row
-        if self.buffer.uniform_in_a_row < limit or self.learner_refs:
+    def _check_streaks(self) -> None:
+        """Stop with a checkpoint once a streak says no step can fill (`faults.streak_halt`: uniform rewards, or a
+        reward that fails on every response); only between learner steps, so the checkpoint holds every group
+        still to train."""
+        halt = None if self.learner_refs else streak_halt(self.buffer, self.score_failures, self.job)
+        if halt is None:
             return
+        error, why, fix = halt
         path = self._checkpoint()
         self._end_unfinished_groups(f"run halted at step {self.version} (resumable)", wait_for_generation=False)
-        raise UniformRewards(
-            f"{self.buffer.uniform_in_a_row} prompt groups in a row were dropped because every response scored the "
-            f"same (algorithm.max_uniform_groups_in_a_row = {limit}): the policy solves every problem it draws "
-            f"always or never (a task too easy or too hard for it, or a policy that stopped exploring: see "
-            f"stability/entropy), so no step can fill; checkpoint at {path}. Change the problems or "
-            f"generator.temperature, or set algorithm.drop_uniform_groups: false in {self.run_dir / 'job.yaml'}, then: "
+        raise error(
+            f"{why}; checkpoint at {path}. {fix} in {self.run_dir / 'job.yaml'}, then: "
             f"stableasync train --resume {self.run_dir}"
         )
 
@@ -431,6 +430,10 @@ class AsyncLoop:
             for c, r, penalty in zip(group.completions, results, penalties)
         ]
         errors = sum(r.error is not None for r in results)
+        self.scored.score_errors += errors
+        first = self.score_failures.record([r.error for r in results])
+        if first is not None:
+            self.sink.alert("reward failed", self.score_failures.first_alert(problem.problem_id))
         self.scored.rewards += [c["reward"] for c in completions]
         self.scored.overlong_penalties += penalties
         for section in self.job.scoring.rewards or []:  # a component's failed samples have no score of it

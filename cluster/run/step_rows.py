@@ -25,6 +25,7 @@ class ScoredSinceStep:
     rewards: list[float] = field(default_factory=list)  # as trained on: the verifier's, plus any overlong penalty
     overlong_penalties: list[float] = field(default_factory=list)
     truncated: int = 0  # responses the generator cut off at max_new_tokens
+    score_errors: int = 0  # responses whose verifier failed (raised, hung, returned no finite number)
     uniform_groups_dropped: int = 0  # by algorithm.drop_uniform_groups
     components: dict[str, list[float]] = field(default_factory=dict)  # scoring.rewards: each kind's scores
     episodes: EpisodeStats = field(default_factory=EpisodeStats)  # tool episodes (environment.tools)
@@ -33,20 +34,25 @@ class ScoredSinceStep:
         self, algorithm: AlgorithmSection, scoring: ScoringSection | None = None, tool_episodes: bool = False
     ) -> dict[str, float]:
         """`rollout/*` keys of the step row; those of options the job leaves off are not logged (`tool_episodes`:
-        the job has `environment.tools`)."""
+        the job has `environment.tools`), nor a mean with nothing to average since the last row (no NaN)."""
 
         def mean(values: list[float]) -> float:
             return sum(values) / len(values) if values else math.nan
 
-        row = {"rollout/truncated_share": self.truncated / len(self.rewards) if self.rewards else math.nan}
+        scored = len(self.rewards)
+        row = {
+            "rollout/truncated_share": self.truncated / scored if scored else math.nan,
+            "rollout/score_errors": self.score_errors if scored else math.nan,
+        }
         if algorithm.drop_uniform_groups:
             row["rollout/scored_reward_mean"] = mean(self.rewards)
             row["rollout/uniform_groups_dropped"] = self.uniform_groups_dropped
         if algorithm.overlong_buffer_tokens:
             row["rollout/overlong_penalty_mean"] = mean(self.overlong_penalties)
-        for section in (scoring.rewards if scoring else None) or []:  # NaN: nothing scored since, or all failed
+        for section in (scoring.rewards if scoring else None) or []:  # none: nothing scored since, or all failed
             row[REWARD_METRICS[section.name]] = mean(self.components.get(section.name, []))
-        return row | (self.episodes.metrics() if tool_episodes else {})
+        row |= self.episodes.metrics() if tool_episodes else {}
+        return {key: value for key, value in row.items() if not math.isnan(value)}
 
 
 @dataclass

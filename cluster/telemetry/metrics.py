@@ -38,6 +38,8 @@ KNOWN_METRICS: dict[str, str] = {
     "uniform groups included (logged with algorithm.drop_uniform_groups, where rollout/reward_mean leaves them out)",
     "rollout/truncated_share": "share of the responses scored since the previous step that the generator cut off "
     "at generator.max_new_tokens (trained or not)",
+    "rollout/score_errors": "responses scored since the previous step whose verifier or reward function failed "
+    "(raised, hung, returned no finite number within 1e6): left out of training, each reason in the ledger",
     "rollout/turns_mean": "environment.tools: policy turns per episode scored since the previous step",
     "rollout/tool_calls_mean": "environment.tools: tool calls run per episode",
     "rollout/tool_errors_mean": "environment.tools: calls per episode answered with an error the model reads (a "

@@ -544,10 +544,45 @@ def test_a_dataset_job_trains_on_the_users_rows_with_the_users_reward(local_ray,
         step = row["train/step"] - 1  # the ledger counts the policy version a group was trained on
         trained = [r["problem_id"] for r in ledger if r["event"] == "trained" and r["trained_step"] == step]
         assert row["rollout/reward_mean"] == pytest.approx(sum(expected[p] for p in trained) / len(trained))
+    steps = [m for m in metrics if m["train/step"] > 0 and not is_evaluation_row(m)]
+    assert all(row["rollout/score_errors"] >= 0 for row in steps)  # counted every step, never NaN
+    scored_errors = sum(r["score_errors"] for r in ledger if r["event"] == "scored")  # a problem may come twice
+    assert sum(row["rollout/score_errors"] for row in steps) <= scored_errors
+    dropped = [r for r in ledger if r["event"] == "dropped" and r["problem_id"] == "mine-000004"]
+    assert dropped and "4 of 4 responses failed to score (the first: raised ValueError" in dropped[0]["reason"]
+    assert not any(r["event"] == "trained" and r["problem_id"] == "mine-000004" for r in ledger)
     final = metrics[-1]  # the last evaluation, of step 3, is the last row
     assert is_evaluation_row(final) and final["eval/policy_version"] == 3
     assert final["eval/problems"] == 6 and final["eval/score_errors"] == 2  # the raising row's two answers
     assert final["eval/reward_mean"] == pytest.approx(sum(expected.values()) / 6)
+
+
+NEVER_A_NUMBER_REWARD = """
+import math
+
+def score(completion, answer, row):
+    return [math.nan, None, "1.0", math.inf, 1e30][len(completion) % 5]
+"""
+
+
+def test_a_reward_that_never_returns_a_number_stops_the_run_naming_it(local_ray, tmp_path, caplog):
+    """A user's reward returning NaN, None, the text "1.0", inf or 1e30: nothing trains on a stand-in 0. The first
+    failure is said once, naming task.reward and the value; after a step's worth of responses without one
+    scored, the run stops with an error that says what to fix (it used to end 'successfully' at reward 0)."""
+    from cluster.run.faults import RewardsFailed
+
+    rows = [{"prompt": f"What is {n} + 1?", "answer": n + 1} for n in range(1, 7)]
+    task = _dataset_task(tmp_path, rows, NEVER_A_NUMBER_REWARD, stem="broken")
+    with caplog.at_level("WARNING", logger="stableasync"), pytest.raises(RewardsFailed) as stopped:
+        _run(tmp_path, max_lag=1, steps=4, task=task, logging={"run_name": "broken"})
+    message = str(stopped.value)
+    assert "8 responses in a row failed to score" in message and "broken_reward.py:score" in message
+    assert "learner.prompts_per_step x generator.samples_per_prompt" in message and "--resume" in message
+    said = [r.getMessage() for r in caplog.records if "ALERT reward failed" in r.getMessage()]
+    assert len(said) == 1 and "task.reward" in said[0] and "returned" in said[0], said
+    ledger = [json.loads(line) for line in (tmp_path / "runs" / "broken" / "ledger.jsonl").read_text().splitlines()]
+    assert not any(r["event"] == "trained" for r in ledger)
+    assert all("failed to score" in r["reason"] for r in ledger if r["event"] == "dropped" and r["reason"])
 
 
 SOMETIMES_UNIFORM_REWARD = """

@@ -1,7 +1,6 @@
 """The lag bound and the ledger, without Ray: admission, stale drops, exactly-once accounting."""
 
 import json
-import math
 
 import pytest
 
@@ -240,7 +239,7 @@ def test_the_step_row_reports_the_responses_scored_since_the_last_one_with_each_
         rewards=[1.0, 0.75, 0.0, 0.5], overlong_penalties=[0.0, -0.25, 0.0, -0.5], truncated=1, uniform_groups_dropped=3
     )
     plain = validate_job({"task": {"name": "arithmetic"}}).algorithm
-    assert scored.metrics(plain) == {"rollout/truncated_share": 0.25}
+    assert scored.metrics(plain) == {"rollout/truncated_share": 0.25, "rollout/score_errors": 0}
     both = validate_job(
         {
             "task": {"name": "arithmetic"},
@@ -250,17 +249,17 @@ def test_the_step_row_reports_the_responses_scored_since_the_last_one_with_each_
     ).algorithm
     assert scored.metrics(both) == {
         "rollout/truncated_share": 0.25,
+        "rollout/score_errors": 0,
         "rollout/scored_reward_mean": 0.5625,
         "rollout/uniform_groups_dropped": 3,
         "rollout/overlong_penalty_mean": -0.1875,
     }
-    assert math.isnan(ScoredSinceStep().metrics(both)["rollout/scored_reward_mean"])  # nothing scored: no number
-    # a job with tools logs the episode keys at every step, NaN when the step trained groups scored before the last
-    # row (a run's metrics then have the same keys on every step row); a job without tools logs none
+    # nothing scored since the last row: no share or mean (never NaN), only the count of dropped groups
+    assert ScoredSinceStep().metrics(both) == {"rollout/uniform_groups_dropped": 0}
+    # a job with tools logs the episode keys whenever an episode was scored since the last row
     episode_keys = set(EpisodeStats().metrics())
-    nothing_scored = ScoredSinceStep().metrics(plain, tool_episodes=True)
-    assert "rollout/tool_calls_mean" in episode_keys and episode_keys <= set(nothing_scored)
-    assert all(math.isnan(nothing_scored[key]) for key in episode_keys)
+    assert "rollout/tool_calls_mean" in episode_keys
+    assert not episode_keys & set(ScoredSinceStep().metrics(plain, tool_episodes=True))
     assert not episode_keys & set(scored.metrics(plain))
 
 
@@ -294,6 +293,7 @@ def test_a_calls_groups_are_scored_in_one_call_of_the_scorer():
 
     from actors.generator import GeneratedGroup, GenerationRequest
     from cluster.job import validate_job
+    from cluster.run.faults import ScoreFailureStreak
     from cluster.run.loop import AsyncLoop
     from cluster.run.step_rows import ScoredSinceStep
     from cluster.run.stopping import StopRequest
@@ -313,6 +313,7 @@ def test_a_calls_groups_are_scored_in_one_call_of_the_scorer():
     loop = object.__new__(AsyncLoop)  # the scoring step alone: no Ray, no actors
     loop.job = validate_job({"task": {"name": "arithmetic"}})
     loop.scorer, loop.stop, loop.scored = CountingScorer(), StopRequest(), ScoredSinceStep()
+    loop.score_failures = ScoreFailureStreak(limit=8, source="task 'arithmetic''s verifier")
     loop.schedule = SimpleNamespace(buffer=buffer, orphans=[])
     loop.problem_of = {gid: Problem(f"p{gid}", "1 + 1", "2") for gid in (0, 1)}
     groups = []
@@ -333,3 +334,25 @@ def test_a_calls_groups_are_scored_in_one_call_of_the_scorer():
     assert loop.scorer.calls == [4]
     assert [g.rewards for g in buffer.take(0)] == [[1.0, 0.0], [1.0, 0.0]]
     assert loop.problem_of == {} and [e.status for e in ledger.entries.values()] == ["scored", "scored"]
+
+
+def test_responses_whose_verifier_failed_are_left_out_of_training_with_the_first_reason():
+    """A reward function that returned NaN for one response of three: the other two train, and the ledger says
+    why the third is missing; a group with one response left is dropped (no group advantage from one)."""
+    ledger = Ledger()
+    buffer = RolloutBuffer(max_lag=0, prompts_per_step=1, stale_policy="wait", ledger=ledger)
+    _issue(buffer, 0, 0)
+    _issue(buffer, 1, 0)
+    group = _group(0, 0, [1.0, 0.0, 0.5])
+    group.completions[1].update(score_error="returned nan, not a finite number")
+    assert buffer.add(group, score_errors=1) is True
+    lone = _group(1, 0, [1.0, 0.0, 0.0])
+    for index in (1, 2):
+        lone.completions[index].update(score_error="returned None (NoneType), not a number")
+    assert buffer.add(lone, score_errors=2) is False
+    (trained,) = buffer.take(0)
+    assert trained.rewards == [1.0, 0.5]
+    assert ledger.entries[0].reason == (
+        "1 of 3 responses failed to score (the first: returned nan, not a finite number): left out of training"
+    )
+    assert ledger.entries[1].status == "dropped" and ledger.entries[1].reason.startswith("2 of 3 responses failed")

@@ -330,3 +330,36 @@ def test_validate_checks_the_data_and_the_reward_function(tmp_path, capsys):
     assert not runs.exists(), "no run directory for a job that never started"
     job.write_text(f"task: {{name: dataset, path: {data}, reward: '{tmp_path}/my_rewards.py:score'}}\n")
     assert cli_main(["validate", str(job)]) == 0
+
+
+BAD_VALUES_MODULE = """
+import math
+
+VALUES = {"nan": math.nan, "none": None, "text": "1.0", "inf": math.inf, "huge": 1e30, "edge": 1e6, "minus": -3}
+
+
+def score(completion, answer, row):
+    return VALUES[completion]
+"""
+
+
+def test_a_reward_that_is_not_a_finite_number_within_range_fails_its_sample(tmp_path):
+    """NaN, None, the text "1.0", inf and 1e30 are scoring failures, each naming the value (never a silent 0
+    to train on); 1e6 and -3 are rewards."""
+    from tasks.scoring import REWARD_LIMIT, score_inline
+
+    data = _reward_data(tmp_path)
+    (tmp_path / "bad.py").write_text(BAD_VALUES_MODULE)
+    task = _dataset(path=str(data), reward=f"{tmp_path}/bad.py:score")
+    names = ["nan", "none", "text", "inf", "huge", "edge", "minus"]
+    results = score_inline(task, [task.rows[0]] * len(names), names)
+    assert [r.error for r in results] == [
+        "returned nan, not a finite number",
+        "returned None (NoneType), not a number",
+        "returned '1.0' (str), not a number",
+        "returned inf, not a finite number",
+        f"returned 1e+30, beyond the {REWARD_LIMIT:g} any reward stays within",
+        None,
+        None,
+    ]
+    assert [r.reward for r in results] == [0.0] * 5 + [1e6, -3.0]
