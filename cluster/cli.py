@@ -23,17 +23,16 @@ def _validate(args: argparse.Namespace) -> int:
     if job is None:
         return 2
     from cluster.job import check_sandbox, evaluation_sets, job_task
-    from learner.models import KNOWN_MODELS, ModelPathError, resolve_model
+    from learner.models import ModelPathError
     from tasks.base import TaskError
 
     try:  # the data file's rows, the reward function, a local model folder and reward models, as a run would load
         if not args.schema_only:
-            from cluster.run.model_prep import check_tools
+            from cluster.run.model_prep import check_model, check_tools
             from cluster.run.rewards import check_reward_models
 
             evaluation_sets(job, job_task(job), always=bool(job.eval.sets))  # named sets: also for `evaluate`
-            if job.model.path not in ("tiny", *KNOWN_MODELS):
-                resolve_model(job.model.path)
+            check_model(job)
             check_reward_models(job)
             check_tools(job)
             check_sandbox(job, args.job)

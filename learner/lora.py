@@ -91,12 +91,15 @@ def merged_state_dict(peft_model: Any) -> dict[str, Tensor]:
     return merged
 
 
-def missing_target_modules(model_path: str, target_modules: tuple[str, ...]) -> list[str]:
-    """The names in `target_modules` that match no linear layer of the model (built on the meta device from its
-    config, so nothing is loaded): peft would refuse them only once the learner starts."""
+def missing_target_modules(config: Any, target_modules: tuple[str, ...]) -> list[str]:
+    """The names in `target_modules` that match no linear layer of the model of `config` (a transformers config,
+    or a model folder or hub id to read one from), built on the meta device, so nothing is loaded: peft would
+    refuse them only once the learner starts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if isinstance(config, str):
+        config = AutoConfig.from_pretrained(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        model = AutoModelForCausalLM.from_config(config)
     leaves = {name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     return [target for target in target_modules if target not in leaves]

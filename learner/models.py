@@ -204,6 +204,42 @@ def resolve_model(name_or_path: str) -> str:
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+# The architecture of each known name (its folder is converted at the first run), for checks made without it.
+KNOWN_MODEL_TYPES = {"smollm2-135m": "llama"}
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face hub can be reached: never under HF_HUB_OFFLINE; else whether its host accepts a
+    connection within `timeout_s` (the hub client would otherwise retry for about a minute before failing)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        with socket.create_connection((host, 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def check_hub_model(repo_id: str, field: str) -> None:
+    """A hub id that is in the Hugging Face cache, or that the hub can serve now; else a ModelPathError naming
+    `field` at once, without the hub client's retries."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str) or hub_reachable():
+        return
+    raise ModelPathError(
+        f"{field}: {repo_id!r} is no local folder and not in the Hugging Face cache (HF_HOME), and the hub cannot "
+        "be reached here (HF_HUB_OFFLINE, or no network): `huggingface-cli download "
+        f"{repo_id}` where there is a network, or give {field} a local model folder"
+    )
+
+
 def hub_model_folder(repo_id: str, field: str) -> str:
     """The local folder of a hub model: downloaded once into the Hugging Face cache, as transformers and vLLM
     do, and taken from there without the network (HF_HUB_OFFLINE=1) after that. A ModelPathError naming

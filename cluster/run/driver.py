@@ -38,13 +38,12 @@ from cluster.run.checkpoints import (
 )
 from cluster.run.faults import LEARNER_GROUP_FAILURES, CannotResume, LearnerCrashed, learners_may_crash
 from cluster.run.loop import AsyncLoop
-from cluster.run.model_prep import check_tools, prepare_model, sft_samples
+from cluster.run.model_prep import check_lora_targets, check_tools, prepare_model, sft_samples
 from cluster.run.rewards import check_reward_models
 from cluster.run.specs import generator_spec, learner_spec, reference_at_rl_start
 from cluster.run.stopping import StopRequest
 from cluster.telemetry.metrics import SAMPLES_FILE, MetricSink
 from learner.batch import collate
-from learner.lora import missing_target_modules
 from tasks.base import Task
 
 log = logging.getLogger("stableasync")
@@ -108,7 +107,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     task = job_task(job)
     evaluation = evaluation_sets(job, task)  # a bad data file or reward function fails here, before anything starts
     model_path = prepare_model(job, task)  # and a model path that loads nothing, likewise
-    _check_lora_targets(job, model_path)
+    check_lora_targets(job, model_path, f"the model {model_path}")
     check_reward_models(job)  # a reward model path that does not load, by its field
     check_tools(job)  # a tool file that does not load, by its entry
     check_sandbox(job)  # sandbox.isolation: namespaces that this machine cannot start
@@ -250,19 +249,6 @@ def _sft_warmup(job: Job, task: Task, model_path: str, learners: runtime.Learner
         shards = [collate(samples[r * per_rank : (r + 1) * per_rank], 0) for r in range(ranks)]
         metrics = learners.sft_step(shards, warmup.learning_rate)
         sink.log(-warmup.steps + step, metrics)
-
-
-def _check_lora_targets(job: Job, model_path: str) -> None:
-    """Refuse LoRA target modules the model does not have, before any actor starts (peft would only say so in
-    every learner rank)."""
-    if job.model.lora is None:
-        return
-    missing = missing_target_modules(model_path, tuple(job.model.lora.target_modules))
-    if missing:
-        raise JobValidationError(
-            job.name,
-            [JobError("model.lora.target_modules", f"{missing} name no linear layer of the model {model_path}")],
-        )
 
 
 def _generator_starter(job: Job, model_path: str, name_prefix: str) -> Callable[[int], Any]:

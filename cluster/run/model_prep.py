@@ -11,8 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from actors.generator import chat_prompt_ids
-from cluster.job import Job, environment_spec
-from learner.models import build_tiny_model, check_chat_template, resolve_model
+from cluster.job import Job, JobError, JobValidationError, environment_spec
+from learner.lora import missing_target_modules
+from learner.models import (
+    KNOWN_MODEL_TYPES,
+    KNOWN_MODELS,
+    build_tiny_model,
+    check_chat_template,
+    check_hub_model,
+    resolve_model,
+)
 from learner.records import TrainingSample
 from tasks.base import Problem, Task
 from tasks.environment import EnvironmentSpec, ToolChat, environment_tools, schema_names
@@ -29,6 +37,8 @@ def prepare_model(job: Job, task: Task) -> str:
     """A local model folder for the job: the tiny model (built once per settings), or a resolved path."""
     if job.model.path != "tiny":
         path = resolve_model(job.model.path)
+        if not Path(path).exists():  # a hub id: in the cache, or the hub reachable now
+            check_hub_model(path, "model.path")
         check_chat_template(path)
         return path
     tiny = job.model.tiny.model_dump()
@@ -48,6 +58,39 @@ def prepare_model(job: Job, task: Task) -> str:
     out_dir = cache_root() / "models" / f"tiny-{job.task.name}-{key}"
     build_tiny_model(out_dir, corpus, **tiny)
     return str(out_dir)
+
+
+def check_model(job: Job) -> None:
+    """What `train` refuses about the model before it starts anything, found without loading weights or
+    starting Ray (`validate`): a folder that is no model, a hub id not in the cache while the hub cannot be
+    reached, LoRA target modules the model does not have."""
+    path = job.model.path
+    if path not in ("tiny", *KNOWN_MODELS):
+        path = resolve_model(path)
+        if not Path(path).exists():
+            check_hub_model(path, "model.path")
+    if job.model.lora is None:
+        return
+    from transformers import AutoConfig
+
+    if path == "tiny":
+        check_lora_targets(job, AutoConfig.for_model(job.model.tiny.arch), "the tiny model")
+    elif path in KNOWN_MODEL_TYPES:
+        check_lora_targets(job, AutoConfig.for_model(KNOWN_MODEL_TYPES[path]), path)
+    else:
+        check_lora_targets(job, path, path)
+
+
+def check_lora_targets(job: Job, config: Any, model_name: str) -> None:
+    """Refuse LoRA target modules the model (`config`: a transformers config, a folder or a hub id) does not
+    have, before any actor starts (peft would only say so in every learner rank)."""
+    if job.model.lora is None:
+        return
+    missing = missing_target_modules(config, tuple(job.model.lora.target_modules))
+    if missing:
+        raise JobValidationError(
+            job.name, [JobError("model.lora.target_modules", f"{missing} name no linear layer of {model_name}")]
+        )
 
 
 def check_tools(job: Job) -> None:

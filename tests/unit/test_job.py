@@ -374,12 +374,9 @@ def test_a_hub_id_that_cannot_be_fetched_stops_train_with_its_reason_before_anyt
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.startswith(
-        "stableasync train: model.path: no tokenizer loads from 'some-org/not-a-model' (OSError: "
+        "stableasync train: model.path: 'some-org/not-a-model' is no local folder and not in the Hugging Face cache"
     ), done.stderr[-2000:]
-    assert done.stderr.rstrip().endswith("give a local model folder, or one of tiny, smollm2-135m"), done.stderr
-    assert "a hub id must be in the Hugging Face cache already when there is no network (HF_HUB_OFFLINE=1)" in (
-        done.stderr
-    )
+    assert done.stderr.rstrip().endswith("or give model.path a local model folder"), done.stderr
     assert not runs.exists(), "no run directory for a job that never started"
 
 
@@ -558,6 +555,54 @@ def test_a_lora_target_the_model_lacks_stops_train_before_anything_starts(tmp_pa
     assert done.returncode == 2, done.stderr[-2000:]
     assert "model.lora.target_modules: ['attn_c_proj'] name no linear layer of the model" in done.stderr, done.stderr
     assert not runs.exists(), "no run directory for a job that never started"
+
+
+@pytest.mark.parametrize("model", ["tiny", "folder", "smollm2-135m"])
+def test_validate_refuses_a_lora_target_the_model_lacks_as_train_would(tmp_path, tiny_qwen2, capsys, model):
+    """`validate` said ok where `train` refused: the tiny model, a model folder and a known name are each
+    checked from their architecture, on the meta device (nothing is loaded or built)."""
+    from cluster.cli import main as cli_main
+
+    path = tiny_qwen2 if model == "folder" else model
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"model: {{path: {path}, lora: {{target_modules: [q_proj, attn_c_proj]}}}}\ntask: {{name: arithmetic}}\n"
+    )
+    assert cli_main(["validate", str(job)]) == 2
+    assert "model.lora.target_modules: ['attn_c_proj'] name no linear layer of" in capsys.readouterr().err
+    job.write_text(
+        f"model: {{path: {path}, lora: {{target_modules: [q_proj, down_proj]}}}}\ntask: {{name: arithmetic}}\n"
+    )
+    assert cli_main(["validate", str(job)]) == 0
+
+
+def test_validate_refuses_a_hub_id_that_is_not_cached_when_the_hub_cannot_be_reached(tmp_path):
+    """`validate` said ok, then `train` retried the hub for 52 s: without the hub (HF_HUB_OFFLINE here) a hub id
+    that is not in the cache is refused at once by both, naming model.path. In a subprocess: the hub client
+    reads HF_HUB_OFFLINE at import."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    job = tmp_path / "job.yaml"
+    runs = tmp_path / "runs"
+    job.write_text(f"model: {{path: some-org/not-a-model}}\ntask: {{name: arithmetic}}\nlogging: {{run_dir: {runs}}}\n")
+    for command in ("validate", "train"):
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", command, str(job)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "model.path: 'some-org/not-a-model' is no local folder and not in the Hugging Face cache" in done.stderr
+        assert "the hub cannot be reached here (HF_HUB_OFFLINE, or no network)" in done.stderr, done.stderr
+        assert time.monotonic() - started < 40, f"{command} waited on the hub"
+    assert not runs.exists()
 
 
 def test_tool_settings_name_their_field(tmp_path):
