@@ -286,7 +286,7 @@ def sequence_logprob_grad(logits: Tensor, input_ids: Tensor, loss_mask: Tensor, 
     """d/d logits of sum of masked `token_logprobs`, [B, L, V] in the logits' dtype:
     (onehot(next) - softmax(logits / T)) / T.
 
-    Closed form, so a backward can start below the output layer (see learner/grad_norms.py). Each chunk of
+    Closed form, so a backward can start below the output layer (see learner/vcpo/ghost_norms.py). Each chunk of
     positions is formed in fp32 and written into the result, which stays in the model's dtype so that the
     products that consume it run on tensor cores.
     """

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from learner.batch import chunk_logits_gradient, next_tokens, position_chunks, position_scales, token_logprobs
-from learner.head_norms import HeadGradient
+from learner.vcpo.output_layer import HeadGradient
 
 
 class _FusedTargetLogprobs(torch.autograd.Function):
@@ -29,7 +29,7 @@ class _FusedTargetLogprobs(torch.autograd.Function):
         ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool
     ) -> tuple[Tensor, Tensor, Tensor]:  # hidden [N, d], weight [V, d], targets [N]
         """The log-probs [N], the entropies ([N], or empty) and the log-normalisers logsumexp(h W^T / T) [N]
-        (not differentiable: what VCPO's norms rebuild the softmax from, `learner.head_norms`)."""
+        (not differentiable: what VCPO's norms rebuild the softmax from, `learner.vcpo.output_layer`)."""
         ctx.set_materialize_grads(False)
         logprobs = torch.empty(hidden.shape[0], dtype=_reduced_dtype(hidden), device=hidden.device)
         normalisers = torch.empty_like(logprobs)

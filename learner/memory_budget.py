@@ -4,7 +4,7 @@ tokens when its rows are packed, rows x longest row when padded: what its forwar
 A micro-batch's memory grows linearly with its tokens: every decoder layer keeps its activations
 for the backward, and the logits path holds [tokens, vocab] tensors (learner/batch.py: the logits in the
 model's dtype and their gradient; with per-sample gradient norms also `sequence_logprob_grad`'s fp32
-logits gradient, and book-keeping's kept per-sample gradients, learner/grad_norms.py). Beside it a step
+logits gradient, and book-keeping's kept per-sample gradients, learner/vcpo/ghost_norms.py). Beside it a step
 holds a fixed amount: the gradients and ZeRO's buckets, the chunked log-softmax's and the Gram matrices'
 temporaries. The per-token figures come from the model's config, the fixed one from its parameter count;
 both were calibrated against measured peaks on CPU (docs/performance.md) and err on the large side.
@@ -25,7 +25,7 @@ from typing import Any
 
 from algorithms.errors import StableAsyncError
 from learner.batch import CHUNK_LOGIT_ELEMENTS
-from learner.grad_products import CHUNK_ELEMENTS
+from learner.vcpo.products import CHUNK_ELEMENTS
 
 log = logging.getLogger("stableasync.learner")
 
@@ -34,7 +34,7 @@ log = logging.getLogger("stableasync.learner")
 USABLE_SHARE_CUDA = 0.85
 USABLE_SHARE_HOST = 0.5
 # fp32 chunks alive at once of the chunked log-softmax (learner/batch.py) and of the ghost norms' Gram
-# matrices (learner/grad_norms.py): a chunk and the temporaries of its arithmetic.
+# matrices (learner/vcpo/ghost_norms.py): a chunk and the temporaries of its arithmetic.
 LIVE_CHUNKS = 3
 # The [rows, 1, T, T] attention mask and the attention's own temporaries: bytes per token per position of its
 # row (measured on CPU's scaled_dot_product_attention: about 10).
@@ -111,7 +111,7 @@ def logits_bytes_per_token(
 def kept_gradient_bytes_per_token(shape: ModelShape, fused_head: bool = False) -> int:
     """Book-keeping without a budget: each linear weight's per-sample gradient factors, (out + in) fp32
     numbers per token (the dense form, when smaller, is kept instead: this is the bound), and the output
-    layer's (a fused one keeps only its input, learner/head_norms.py) and the embedding's."""
+    layer's (a fused one keeps only its input, learner/vcpo/output_layer.py) and the embedding's."""
     q, kv, h, i = shape.query_width, shape.key_value_width, shape.hidden, shape.intermediate
     per_layer = (h + q) + 2 * (h + kv) + (q + h) + 3 * (h + i)
     head = h if fused_head else shape.vocab + h

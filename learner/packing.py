@@ -33,8 +33,8 @@ from torch import Tensor
 from algorithms.errors import StableAsyncError
 from learner.batch import TrainBatch, token_logprobs, token_logprobs_and_entropy
 from learner.fused_head import FusedHead, fused_logprobs_and_gradient, fused_token_logprobs
-from learner.head_norms import HeadGradient
 from learner.micro_batches import Packing
+from learner.vcpo.output_layer import HeadGradient
 
 PACKED = "stableasync_packed_"  # + the model's own attention implementation: its packed wrapper's name
 VARLEN = ("sdpa", "flash_attention_2", "flash_attention_3")

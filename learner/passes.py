@@ -5,7 +5,7 @@ the whole batch's learner log-probs from a no-grad pass (`two_passes`; docs/stab
 batch"). Either way the gradient is the single-pass step's, accumulated one micro-batch at a time. With
 `proximal: recompute` the first pass is always a no-grad one, and its log-probs are the proximal policy of the
 step's updates (`decoupled_updates`). The forwards come from `learner/policy.py`, the per-sample norms' paths
-from `learner/vcpo_step.py`, the records and pure helpers from `learner/step.py`, the KL and entropy terms
+from `learner/vcpo/step.py`, the records and pure helpers from `learner/step.py`, the KL and entropy terms
 from `learner/loss_terms.py`.
 """
 
@@ -29,7 +29,6 @@ from algorithms.stabilizer import Stabilizer
 from learner import micro_batches
 from learner.batch import TrainBatch
 from learner.collectives import Collectives, nonfinite_count
-from learner.grad_norms import SampleGradients
 from learner.loss_terms import kl_in_reward, kl_metrics, step_loss
 from learner.lr_schedule import lr_factor
 from learner.micro_batches import MicroBatch
@@ -48,7 +47,8 @@ from learner.step import (
     step_advantages,
     sub_batch,
 )
-from learner.vcpo_step import PerSampleNorms
+from learner.vcpo.ghost_norms import SampleGradients
+from learner.vcpo.step import PerSampleNorms
 
 log = logging.getLogger("stableasync.learner")
 

@@ -17,11 +17,11 @@ from torch import Tensor
 
 from learner.batch import TrainBatch, token_logprobs, token_logprobs_and_entropy
 from learner.fused_head import FusedHead, fused_head, fused_logprobs_and_gradient
-from learner.head_norms import HeadGradient
 from learner.micro_batches import MicroBatch, Packing
 from learner.packing import packed_head_forward, packed_logits, packed_token_logprobs, packing_support
 from learner.spec import LearnerSpec
 from learner.step import causal_logits, sub_batch
+from learner.vcpo.output_layer import HeadGradient
 
 log = logging.getLogger("stableasync.learner")
 

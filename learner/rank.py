@@ -2,7 +2,7 @@
 
 A plain class that sets the rank up (the engine, the KL reference, the micro-batch budget) and hands the work
 on: the steps' passes to `LearnerStep` (`learner/passes.py`, with the forwards of `learner/policy.py` and VCPO's
-per-sample norms of `learner/vcpo_step.py`), publishing to `Publisher` (`learner/publishing.py`) and checkpoints
+per-sample norms of `learner/vcpo/step.py`), publishing to `Publisher` (`learner/publishing.py`) and checkpoints
 to `learner/checkpoint.py`. Every rank of a group runs every collective method (`train_step`, `sft_step`,
 `state_dict_for_publish`, ...) with its own share of the prompt groups.
 """
@@ -28,7 +28,7 @@ from learner.policy import PolicyForwards, Reference, fused_head_of, load_frozen
 from learner.publishing import Publisher
 from learner.spec import LearnerSpec
 from learner.step import config_values
-from learner.vcpo_step import PerSampleNorms
+from learner.vcpo.step import PerSampleNorms
 from learner.weight_sync import PackedWeights, TensorSpec
 
 __all__ = ["LearnerRank", "LearnerSpec"]

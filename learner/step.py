@@ -19,8 +19,8 @@ from algorithms.diagnostics import chi2_seq, ess_ratio
 from algorithms.errors import StableAsyncError
 from algorithms.stabilizer import Stabilizer
 from learner.batch import TrainBatch
-from learner.grad_norms import SampleGradients
 from learner.micro_batches import MicroBatch
+from learner.vcpo.ghost_norms import SampleGradients
 
 
 def sequence_metrics(global_log_w: Tensor) -> dict[str, Tensor]:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from learner.batch import collate, sequence_logprob_grad, token_logprobs
-from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
+from learner.vcpo.ghost_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
 
 
 def _samples(pad_id: int) -> list[dict]:
@@ -306,7 +306,7 @@ def test_bf16_norms_and_book_kept_gradients_agree_with_each_samples_own_bf16_bac
 def test_a_linear_norm_takes_the_route_with_fewer_flops(steps, dense):
     """Dense costs 2 T m n per sample, the two Gram products 2 T^2 (m + n): a short sequence through a
     [64, 48] layer forms its Gram matrices, a long one through the same layer its dense gradient."""
-    from learner.grad_products import Factors, factor_inner
+    from learner.vcpo.products import Factors, factor_inner
 
     gen = torch.Generator().manual_seed(0)
     factors = Factors(torch.randn(2, steps, 64, generator=gen), torch.randn(2, steps, 48, generator=gen))
@@ -378,7 +378,7 @@ def test_bookkeeping_refuses_a_loss_whose_coefficients_differ_within_a_sequence(
 
 @pytest.mark.parametrize("rows", [6, 4000])  # a small table takes the dense route, a large one the Gram route
 def test_embedding_norms_agree_on_both_routes(rows):
-    from learner.grad_products import Factors, factor_inner
+    from learner.vcpo.products import Factors, factor_inner
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 6, (3, 9), generator=gen)  # repeated ids: their rows add up

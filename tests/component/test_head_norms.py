@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from learner.batch import collate
-from learner.grad_norms import GhostGradNorms, per_sample_loop_norms
+from learner.vcpo.ghost_norms import GhostGradNorms, per_sample_loop_norms
 from tests.component.test_grad_norms import BF16_NORM_RTOL, TEMPERATURE, _alone, _kept_bytes, _seq_logp
 
 # responses of drawn lengths (a long one: its bucket's head norm takes the dense route, the short ones the Gram's)

@@ -220,7 +220,7 @@ def _vcpo(impl: str) -> tuple[str, dict]:
 
 
 # Book-keeping forms the update itself (ZeRO-1/2); under ZeRO-3 it runs the two-pass ghost path, the same branch
-# of learner/vcpo_step.py as asking for the ghost path by name. The slow-marked cases add no code path that the
+# of learner/vcpo/step.py as asking for the ghost path by name. The slow-marked cases add no code path that the
 # default ones leave out (book-keeping on Llama is also checked against autograd in test_grad_norms), so they run
 # with -m slow only, to keep the default suite inside its time budget.
 @pytest.mark.parametrize(

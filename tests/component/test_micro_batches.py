@@ -174,7 +174,7 @@ def _reference_step(model_path: str, samples: list[dict], name: str, aggregation
     from algorithms.advantages import ADVANTAGES
     from algorithms.aggregation import loss_denominator, policy_loss
     from learner.batch import collate, token_logprobs
-    from learner.grad_norms import per_sample_loop_norms
+    from learner.vcpo.ghost_norms import per_sample_loop_norms
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     batch = collate(samples, 0)
@@ -406,7 +406,7 @@ def test_vcpo_auto_keeps_per_sample_gradients_only_for_micro_batches_within_its_
 
     from learner import micro_batches
     from learner.batch import collate
-    from learner.grad_norms import GhostGradNorms
+    from learner.vcpo.ghost_norms import GhostGradNorms
 
     samples = _near_policy_samples(tiny_qwen2)
     whole = collate(samples, 0)

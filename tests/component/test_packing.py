@@ -167,13 +167,13 @@ def _varied_samples() -> list[dict]:
 
 def _learner_main(rank: int, model_path: str, port: int, out: str) -> None:
     from algorithms import registry
-    from learner import grad_norms
     from learner.batch import collate
     from learner.rank import LearnerRank, LearnerSpec
+    from learner.vcpo import ghost_norms
 
     # a row bucket's fixed cost nil: VCPO's norms split packed rows into as many buckets as their Gram cost
     # asks (the tiny model's products are so small that its buckets would cost more than they save)
-    grad_norms.OPERATION_SECONDS["cpu"] = 0.0
+    ghost_norms.OPERATION_SECONDS["cpu"] = 0.0
     batch = collate(_varied_samples(), 0)
     results = {}
     for packed in (True, False):  # the supervised warm-up; first: a ZeRO-3 rank (last) leaves its

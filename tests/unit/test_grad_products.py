@@ -1,10 +1,10 @@
-"""The per-sample gradient algebra of VCPO's norms (learner/grad_products.py) against dense per-sample gradients."""
+"""The per-sample gradient algebra of VCPO's norms (learner/vcpo/products.py) against dense per-sample gradients."""
 
 from __future__ import annotations
 
 import torch
 
-from learner.grad_products import CHUNK_ELEMENTS, Factors, InputGramSum, squared_norm
+from learner.vcpo.products import CHUNK_ELEMENTS, Factors, InputGramSum, squared_norm
 
 
 def _dense_squared_norm(part: Factors) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The output layer's share of VCPO's per-sample norms, without a [tokens, vocabulary] tensor.
 
-The norms' backward (`learner/grad_norms.py`) starts at the decoder's last hidden states H [N, d], from the
+The norms' backward (`learner/vcpo/ghost_norms.py`) starts at the decoder's last hidden states H [N, d], from the
 gradient of sum_i log pi(tau_i) there, G W: G [N, V] is the gradient at the logits,
 G_t = scale_t (onehot(target_t) - softmax(h_t W^T / T)) with scale_t = mask_t / T. The output layer's own
 per-sample gradient is sum_t G_t (x) h_t, whose squared norm is <G_i G_i^T, H_i H_i^T> (two Gram matrices) or
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from learner.batch import position_chunks
-from learner.grad_products import Factors, dense_costs_less, sample_chunks, self_dot
+from learner.vcpo.products import Factors, dense_costs_less, sample_chunks, self_dot
 
 if TYPE_CHECKING:
     from learner.micro_batches import RowBucket

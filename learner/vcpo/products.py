@@ -1,4 +1,4 @@
-"""The per-sample gradient algebra behind VCPO's norms (`learner/grad_norms.py` collects the pieces): a
+"""The per-sample gradient algebra behind VCPO's norms (`learner/vcpo/ghost_norms.py` collects the pieces): a
 parameter's per-sample gradient as factors sum_t a_t (x) b_t or dense, its squared norm through Gram matrices
 or the dense form, whichever costs fewer FLOPs, cross terms of tied weights, and weighted sums over samples.
 Every product is a GEMM in the model's dtype (tensor cores on a GPU); only reductions run in fp32."""

@@ -16,7 +16,7 @@ the learner falls back (loudly) to the reference loop.
 The backward starts below the output layer, from the closed-form gradient of the logits that the
 caller passes: a training engine's hooks on the logits (DeepSpeed's backward prologue and epilogue)
 then see only the real loss backward. Where the output layer is fused with the log-softmax, the caller
-passes a `HeadGradient` instead (`learner/head_norms.py`): the output layer's share (the gradient at the
+passes a `HeadGradient` instead (`learner/vcpo/output_layer.py`): the output layer's share (the gradient at the
 hidden states, its own norm, a tied embedding's cross term, book-keeping's update) is formed one vocabulary
 chunk at a time, and no [tokens, vocabulary] tensor exists.
 
@@ -24,7 +24,7 @@ chunk at a time, and no [tokens, vocabulary] tensor exists.
 (`sample_gradients`) also keeps every per-sample gradient, so the caller forms the update
 sum_i k_i G_i from them once it knows the coefficients, and no second backward is needed.
 
-Products run on tensor cores (`learner/grad_products.py` holds the algebra): inputs and output gradients
+Products run on tensor cores (`learner/vcpo/products.py` holds the algebra): inputs and output gradients
 stay in the model's dtype (no fp32 copy), every Gram and dense product is a GEMM in that dtype (fp32
 accumulation inside the kernel; TF32 for an fp32 model on CUDA), and only the reductions of their results
 to per-sample norms run in fp32. A bf16 norm is therefore exact to bf16 rounding of those products: each term
@@ -57,8 +57,8 @@ import torch
 from torch import Tensor, nn
 
 from algorithms.errors import StableAsyncError
-from learner.grad_products import Contribution, Factors, InputGramSum, compact, squared_norm, weighted_sum
-from learner.head_norms import HeadGradient, HeadRows
+from learner.vcpo.output_layer import HeadGradient, HeadRows
+from learner.vcpo.products import Contribution, Factors, InputGramSum, compact, squared_norm, weighted_sum
 
 if TYPE_CHECKING:
     from learner.micro_batches import Packing, RowBucket

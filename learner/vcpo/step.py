@@ -20,14 +20,14 @@ from algorithms.advantages import ADVANTAGES, group_mean_advantages
 from algorithms.stabilizer import Stabilizer
 from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs, token_logprobs_and_entropy
 from learner.collectives import Collectives
-from learner.grad_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
-from learner.head_norms import HeadGradient
 from learner.memory_budget import KeptGradientBudget
 from learner.micro_batches import MicroBatchPlan, Packing
 from learner.packing import packed_ids, packed_logits_logprobs, packed_loss_mask
 from learner.policy import PolicyForwards
 from learner.spec import LearnerSpec
 from learner.step import CarriedGroup, StepValues, device_scalar, sequence_coefficients, step_advantages, sub_batch
+from learner.vcpo.ghost_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
+from learner.vcpo.output_layer import HeadGradient
 
 log = logging.getLogger("stableasync.learner")
 
