@@ -502,7 +502,8 @@ def test_a_zero3_rank_loads_only_its_partition_of_the_model(tiny_qwen2, tmp_path
     assert torch.load(out, weights_only=True) == [True]
 
 
-def _short_batch_main(rank: int, world: int, model_path: str, port: int, out: str, groups: int) -> None:
+def _short_batch_main(rank: int, world: int, model_path: str, port: int, out: str, groups: int, name: str) -> None:
+    from algorithms import registry
     from learner.batch import rank_shards
     from learner.rank import LearnerRank, LearnerSpec
 
@@ -511,6 +512,8 @@ def _short_batch_main(rank: int, world: int, model_path: str, port: int, out: st
         zero_stage=2,
         learning_rate=LEARNING_RATE,
         adam_eps=ADAM_EPS,
+        stabilizer_name=name,
+        stabilizer_config=registry.build(name).config,
         loss_aggregation="token-mean",
     )
     learner = LearnerRank(spec, rank, world, "127.0.0.1", port)
@@ -524,17 +527,20 @@ def _short_batch_main(rank: int, world: int, model_path: str, port: int, out: st
         _leave_group()
 
 
-@pytest.mark.parametrize("groups", [1, 3], ids=["one-group", "three-groups"])
-def test_a_short_batch_over_two_ranks_trains_every_group_as_one_rank_does(tiny_qwen2, tmp_path, groups):
+@pytest.mark.parametrize(
+    ("groups", "name"), [(1, "tis_seq"), (3, "tis_seq"), (1, "vcpo")], ids=["one-group", "three-groups", "one-vcpo"]
+)
+def test_a_short_batch_over_two_ranks_trains_every_group_as_one_rank_does(tiny_qwen2, tmp_path, groups, name):
     """A fixed lag does not replace a dropped group, so a step may bring fewer groups than the ranks split
-    evenly: 3 over 2 ranks (one takes 2, the other 1) or 1 (the other rank joins with nothing to train on).
-    Every group trains: the update and the logged reward and length are those of one rank on all of them."""
+    evenly: 3 over 2 ranks (one takes 2, the other 1) or 1 (the other rank joins with nothing to train on, which
+    VCPO's per-group baseline must take too). Every group trains: the update and the logged reward and length
+    are those of one rank on all of them."""
     runs = {}
     for world in (1, 2):
         out = tmp_path / f"short-{groups}-{world}.pt"
         mp.start_processes(
             _short_batch_main,
-            args=(world, tiny_qwen2, _free_port(), str(out), groups),
+            args=(world, tiny_qwen2, _free_port(), str(out), groups, name),
             nprocs=world,
             start_method="spawn",
             join=True,
