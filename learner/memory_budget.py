@@ -7,7 +7,8 @@ model's dtype and their gradient; with per-sample gradient norms also `sequence_
 logits gradient, and book-keeping's kept per-sample gradients, learner/vcpo/ghost_norms.py). Beside it a step
 holds a fixed amount: the gradients and ZeRO's buckets, the chunked log-softmax's and the Gram matrices'
 temporaries. The per-token figures come from the model's config, the fixed one from its parameter count;
-both were calibrated against measured peaks on CPU (docs/performance.md) and err on the large side.
+on the CPU both were calibrated against measured peaks and err on the large side; on a CUDA device they are
+fitted to the peaks an H200 measured (`CudaCalibration`, docs/performance.md), within 20% of each.
 
 Everything above `read_free_bytes` is plain arithmetic, unit tested without a model; the rest reads the
 device and the host.
@@ -46,6 +47,24 @@ GRADIENT_COPIES = 4
 KEPT_GRADIENT_SHARE = 0.5
 
 
+@dataclass(frozen=True)
+class CudaCalibration:
+    """The memory model on a CUDA device, fitted to the peaks an H200 measured (bf16, ZeRO-2, the fused output
+    layer, flash attention without a mask; docs/performance.md, "The memory model against the card"): a step
+    keeps fewer activation bytes than the CPU's count (about 1.18 x its attention and norm terms and 0.48 x its
+    MLP terms), its gradients and ZeRO's buckets take `gradient_bytes_per_parameter`, and VCPO's norms (ghost or
+    book-keeping) add `per_sample_norm_share` of every linear layer's output gradient per token, in the model's
+    dtype. Three tis_seq rows set the first three; the other ten rows, of four commits, fall within 8%."""
+
+    attention_and_norm_scale: float = 1.18
+    mlp_scale: float = 0.48
+    gradient_bytes_per_parameter: float = 5.2
+    per_sample_norm_share: float = 0.85
+
+
+CUDA = CudaCalibration()
+
+
 class MicroBatchBudgetTooSmall(StableAsyncError, MemoryError):
     """Not even one sequence fits the memory left on the rank's device."""
 
@@ -78,21 +97,33 @@ class ModelShape:
         )
 
 
-def layer_activation_numbers(shape: ModelShape) -> int:
+def layer_activation_numbers(shape: ModelShape, calibration: CudaCalibration | None = None) -> float:
     """Numbers one decoder layer keeps per token for its backward: two RMSNorms (input, upcast, normalised),
     q/k/v and their rotated copies, keys and values repeated to every head, the attention output and o_proj,
-    two residuals, and the MLP's gate, up, activation and product."""
-    attention = 2 * (shape.query_width + 2 * shape.key_value_width) + 4 * shape.query_width
-    return 8 * shape.hidden + attention + 4 * shape.intermediate
+    two residuals, and the MLP's gate, up, activation and product; on CUDA scaled by `calibration`."""
+    attention_and_norms = 8 * shape.hidden + 2 * (shape.query_width + 2 * shape.key_value_width) + 4 * shape.query_width
+    mlp = 4 * shape.intermediate
+    if calibration is None:
+        return attention_and_norms + mlp
+    return calibration.attention_and_norm_scale * attention_and_norms + calibration.mlp_scale * mlp
 
 
-def activation_bytes_per_token(shape: ModelShape, dtype_bytes: int, gradient_checkpointing: bool) -> int:
+def output_gradient_numbers(shape: ModelShape) -> int:
+    """Every linear layer's outputs per token (q, k, v, o, gate, up, down): what VCPO's norms hold the gradient
+    of, the inputs being activations already."""
+    q, kv, h, i = shape.query_width, shape.key_value_width, shape.hidden, shape.intermediate
+    return shape.layers * (q + 2 * kv + h + 2 * i + h)
+
+
+def activation_bytes_per_token(
+    shape: ModelShape, dtype_bytes: int, gradient_checkpointing: bool, calibration: CudaCalibration | None = None
+) -> int:
     """Activations a token holds through the backward: every layer's, or with checkpointing each layer's
     input plus one layer recomputed at a time; and the gradients of the layer the backward is in."""
-    per_layer = layer_activation_numbers(shape)
+    per_layer = layer_activation_numbers(shape, calibration)
     if gradient_checkpointing:
-        return dtype_bytes * (shape.layers * shape.hidden + 2 * per_layer)
-    return dtype_bytes * (shape.layers + 1) * per_layer
+        return math.ceil(dtype_bytes * (shape.layers * shape.hidden + 2 * per_layer))
+    return math.ceil(dtype_bytes * (shape.layers + 1) * per_layer)
 
 
 def logits_bytes_per_token(
@@ -147,13 +178,26 @@ def step_memory(
     kept_gradient_cap_bytes: float = 0.0,
     later_bytes: int = 0,
     fused_head: bool = False,
+    on_cuda: bool = False,
 ) -> StepMemory:
     """The step's memory model for rows of up to `sequence_tokens`. `kept_gradient_cap_bytes`: what
     book-keeping may keep (VCPO's bookkeeping_budget_mb under `auto`, which counts the score buffer too;
     0 without book-keeping; infinite when book-keeping is forced, and then also the score buffer).
     `later_bytes`: what the rank takes after the budget is chosen, so not yet gone from the free memory:
     AdamW's moments (torch makes them at the first step) and a KL term's reference copy. `fused_head`: the
-    output layer runs fused with the log-softmax (`learner.policy.fused_head_of` found it does)."""
+    output layer runs fused with the log-softmax (`learner.policy.fused_head_of` found it does). `on_cuda`: the
+    model fitted to a CUDA card (`CudaCalibration`); else the CPU's, which errs on the large side."""
+    if on_cuda:
+        return cuda_step_memory(
+            shape,
+            dtype_bytes,
+            trained_parameters,
+            gradient_checkpointing,
+            per_sample_norms,
+            kept_gradient_cap_bytes,
+            later_bytes,
+            fused_head,
+        )
     per_token = (
         activation_bytes_per_token(shape, dtype_bytes, gradient_checkpointing)
         + logits_bytes_per_token(shape, dtype_bytes, per_sample_norms, fused_head)
@@ -165,6 +209,33 @@ def step_memory(
         capped.append((LIVE_CHUNKS * 4 * sequence_tokens, LIVE_CHUNKS * 4 * CHUNK_ELEMENTS))
         if kept_gradient_cap_bytes > 0:
             capped.append((kept_gradient_bytes_per_token(shape, fused_head), kept_gradient_cap_bytes))
+        if math.isinf(kept_gradient_cap_bytes):
+            fixed += 4 * trained_parameters  # the score buffer of a group carried across micro-batches
+    return StepMemory(per_token, fixed, tuple(capped))
+
+
+def cuda_step_memory(
+    shape: ModelShape,
+    dtype_bytes: int,
+    trained_parameters: int,
+    gradient_checkpointing: bool,
+    per_sample_norms: bool,
+    kept_gradient_cap_bytes: float,
+    later_bytes: int,
+    fused_head: bool,
+    calibration: CudaCalibration = CUDA,
+) -> StepMemory:
+    """`step_memory` on a CUDA device: activations and gradients as `calibration` fits them, the output layer's
+    (a fused one: its input's gradient; else the logits and their gradient), no attention mask (flash and varlen
+    attention take none), and VCPO's norms' output gradients, whichever path forms them; what book-keeping keeps
+    beyond them is what `KeptGradientBudget` leaves (`kept_gradient_cap_bytes` counts only a forced book-keeping's
+    score buffer here)."""
+    per_token = activation_bytes_per_token(shape, dtype_bytes, gradient_checkpointing, calibration)
+    per_token += dtype_bytes * (shape.hidden if fused_head else 2 * shape.vocab)
+    fixed = math.ceil(calibration.gradient_bytes_per_parameter * trained_parameters) + later_bytes
+    capped: list[tuple[int, float]] = [(LIVE_CHUNKS * 4 * shape.vocab, LIVE_CHUNKS * 4 * CHUNK_LOGIT_ELEMENTS)]
+    if per_sample_norms:  # measured alike for the ghost path and book-keeping (61.0 and 60.2 GiB on Qwen2.5-1.5B)
+        per_token += math.ceil(calibration.per_sample_norm_share * dtype_bytes * output_gradient_numbers(shape))
         if math.isinf(kept_gradient_cap_bytes):
             fixed += 4 * trained_parameters  # the score buffer of a group carried across micro-batches
     return StepMemory(per_token, fixed, tuple(capped))
@@ -321,6 +392,7 @@ def resolve(
             kept_gradient_cap_bytes=kept_bytes,
             later_bytes=later,
             fused_head=fused_head,
+            on_cuda=device.type == "cuda",
         )
 
     hosts: list[Any] = [None] * world_size
