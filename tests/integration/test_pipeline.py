@@ -1343,11 +1343,11 @@ def test_tool_episodes_train_with_failing_tools_failing_only_their_episode(local
     rows = _assert_each_group_ends_once(run_dir, steps=4)
     assert max(r["lag"] for r in rows if r["event"] == "trained") <= 1
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    # every step row has the episode keys; NaN (written "nan") in a row whose step trained groups scored before the
-    # previous row
+    # a step row has the episode keys when episodes were scored since the previous row, and never a NaN for
+    # "nothing scored" (a row whose step trained groups scored before the previous row leaves them out)
     every_step = [m for m in metrics if m["train/step"] > 0 and not is_evaluation_row(m)]
-    assert all("rollout/tool_calls_mean" in m for m in every_step)
-    steps = [m for m in every_step if not math.isnan(metric_number(m["rollout/tool_calls_mean"]))]
+    assert not any(math.isnan(metric_number(m.get("rollout/tool_calls_mean", 0.0))) for m in every_step)
+    steps = [m for m in every_step if "rollout/tool_calls_mean" in m]
     assert len(steps) >= 2, every_step
     assert sum(m["rollout/tool_calls_mean"] for m in steps) / len(steps) > 0.5
     assert sum(m["rollout/turns_mean"] for m in steps) / len(steps) > 1.5
