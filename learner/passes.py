@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from algorithms.advantages import ADVANTAGES
-from algorithms.aggregation import loss_denominator, policy_loss
+from algorithms.aggregation import loss_denominator
 from algorithms.batch import PolicyBatch, TokenWeights
 from algorithms.diagnostics import health_metrics
 from algorithms.proximal import trust_region_weights
@@ -31,12 +31,12 @@ from learner.batch import TrainBatch
 from learner.collectives import Collectives, nonfinite_count
 from learner.loss_terms import kl_in_reward, kl_metrics, step_loss
 from learner.lr_schedule import lr_factor
+from learner.micro_batch_paths import MicroBatchPaths, PlainMicroBatches
 from learner.micro_batches import MicroBatch
 from learner.packing import packing_support
 from learner.policy import PolicyForwards, Reference
 from learner.spec import LearnerSpec
 from learner.step import (
-    CarriedGroup,
     NonFiniteUpdate,
     StepValues,
     check_one_coefficient_per_sequence,
@@ -190,57 +190,31 @@ class LearnerStep:
     def one_pass(self, batch: TrainBatch, runs: list[MicroBatch], reference: Tensor | None) -> StepValues:
         """Decide, weigh and backpropagate each micro-batch in one forward. Over several micro-batches the
         loss denominator is the loss mask's (a per-row stabilizer keeps it), known before any forward; in
-        one, it comes from the decision on the whole batch."""
-        norms = self.norms
-        step = StepValues.empty(batch, with_norms=norms is not None)
-        if norms is None:  # advantages from the rewards alone, whole groups at once
-            step.advantages = self._advantages(batch, step.logprobs, None)[0]
+        one, it comes from the decision on the whole batch. `paths`: the plain step's forward, advantages and
+        backward, or VCPO's with its per-sample norms (`learner.vcpo.step.NormedMicroBatches`)."""
+        step = StepValues.empty(batch, with_norms=self.norms is not None)
+        paths: MicroBatchPaths
+        if self.norms is None:
+            advantages = self._advantages(batch, step.logprobs, None)[0]
+            paths = PlainMicroBatches(self.forwards, self.engine, self.world_size, advantages)
+        else:
+            paths = self.norms.micro_batches(step, batch)
         mask_denominator = None if len(runs) == 1 else self._global_denominator(batch.loss_mask)
-        carried: CarriedGroup | None = None
         # counted on the device and checked once after the loop: no host sync per micro-batch
         nonfinite = torch.zeros((), device=self.device)
         coefficient_gap = torch.zeros((), device=self.device)
         for run in runs:
             rows, micro = run.rows, sub_batch(batch, run)
-            group_rows = run.group_rows if norms is not None else None
-            if group_rows is not None and carried is None:  # the first piece of a split group
-                carried = CarriedGroup.start(self.stabilizer, batch, group_rows)
-            bookkeeping = group_rows is not None or (
-                norms is not None and norms.keeps_sample_gradients(micro, run.packing)
-            )
-            step.bookkept_micro_batches += bookkeeping
-            sample_grads: SampleGradients | None = None
-            entropy: Tensor | None
-            if norms is not None:  # the norms start from the logits' gradient
-                logprobs, entropy, sample_grads = norms.forward(micro, bookkeeping, run.packing)
-            else:
-                logprobs, entropy = self.forwards.token_logprobs(micro, with_entropy=True, packing=run.packing)
-            if rows is None:
-                advantages, baseline = torch.zeros(1, device=self.device), None
-            elif carried is not None:  # advantages at baseline 0; the baseline's part waits in the score buffer
-                advantages, baseline = carried.at_zero[rows], None
-            elif norms is not None:
-                advantages, baseline = self._advantages(micro, logprobs, sample_grads)
-            else:
-                advantages, baseline = step.advantages[rows], None
+            logprobs, entropy, sample_grads = paths.forward(run, micro)
+            advantages, baseline = paths.advantages(run, micro, logprobs, sample_grads)
             policy = PolicyBatch(logprobs, micro.behaviour_logprobs, advantages, micro.loss_mask)
             decision = self.stabilizer.token_weights(policy)
             denominator = mask_denominator if mask_denominator is not None else self._global_denominator(decision.mask)
             loss = step_loss(
                 self.spec, self.kl_coef, policy, decision, denominator, entropy, rows_of(reference, rows, logprobs)
             )
-            slope = (
-                None
-                if carried is None
-                else policy_loss(
-                    PolicyBatch(logprobs, micro.behaviour_logprobs, carried.slope[rows], micro.loss_mask),
-                    decision,
-                    self.spec.loss_aggregation,
-                    denominator,
-                    self.spec.constant_tokens,
-                )
-            )
-            bad = nonfinite_count(loss, decision.weights, *([] if slope is None else [slope]))
+            extra_losses = paths.extra_losses(run, micro, logprobs, decision, denominator)
+            bad = nonfinite_count(loss, decision.weights, *extra_losses)
             nonfinite = nonfinite + bad
             # a non-finite micro-batch poisons the accumulated gradient, so that the engine's step finds a
             # non-finite norm and discards it all (checked in _discard_step)
@@ -248,16 +222,8 @@ class LearnerStep:
             if rows is not None:
                 step.record(rows, logprobs, entropy, advantages, sample_grads, baseline)
             step.loss = step.loss + loss.detach()
-            if norms is None or sample_grads is None:
-                self.engine.backward(loss * self.world_size)
-            elif carried is not None and slope is not None:
-                gap = norms.backward_piece(step, batch, carried, loss, slope, logprobs, sample_grads, micro.loss_mask)
-                coefficient_gap = torch.maximum(coefficient_gap, gap)
-                carried = None if carried.complete else carried
-            else:
-                coefficient_gap = torch.maximum(
-                    coefficient_gap, norms.backward(loss, logprobs, sample_grads, micro.loss_mask)
-                )
+            gap = paths.backward(micro, loss, extra_losses, logprobs, sample_grads)
+            coefficient_gap = torch.maximum(coefficient_gap, gap)
             del logprobs, entropy, sample_grads, policy, decision, loss  # before the next forward allocates
         nonfinite_found, largest_gap = self.collectives.max(torch.stack([nonfinite, coefficient_gap])).tolist()
         check_one_coefficient_per_sequence(largest_gap)

@@ -17,11 +17,13 @@ import torch
 from torch import Tensor
 
 from algorithms.advantages import ADVANTAGES, group_mean_advantages
+from algorithms.aggregation import policy_loss
+from algorithms.batch import PolicyBatch, TokenWeights
 from algorithms.stabilizer import Stabilizer
 from learner.batch import TrainBatch, sequence_logprob_grad, token_logprobs, token_logprobs_and_entropy
 from learner.collectives import Collectives
 from learner.memory_budget import KeptGradientBudget
-from learner.micro_batches import MicroBatchPlan, Packing
+from learner.micro_batches import MicroBatch, MicroBatchPlan, Packing
 from learner.packing import packed_ids, packed_logits_logprobs, packed_loss_mask
 from learner.policy import PolicyForwards
 from learner.spec import LearnerSpec
@@ -290,6 +292,10 @@ class PerSampleNorms:
         a model pass, through one autograd node (not a product and a sum per parameter)."""
         self.engine.backward(GivenGradients.apply(list(grads.values()), *grads))
 
+    def micro_batches(self, step: StepValues, batch: TrainBatch) -> NormedMicroBatches:
+        """The one-pass step's micro-batch paths with the norms, for `step` over `batch`."""
+        return NormedMicroBatches(self, step, batch)
+
     def baseline_metrics(self, batch: TrainBatch, step: StepValues) -> dict[str, Tensor]:
         """How far VCPO's baseline moved from the group mean, and the per-sample gradient norms (all ranks')."""
         if step.squared_norms is None:
@@ -307,6 +313,65 @@ class PerSampleNorms:
             "opob/sample_grad_norm_max": norms.max(),
             "opob/fallback_to_loop": device_scalar(self.fallback_to_loop, self.device),
         }
+
+
+class NormedMicroBatches:
+    """A one-pass VCPO step's micro-batches (`learner.step.MicroBatchPaths`): each forward forms its per-sample
+    norms (with book-keeping, its per-sample gradients too), each micro-batch's advantages come from its whole
+    groups' norms, and a group split across micro-batches is carried: its pieces train at baseline 0 while the
+    baseline's part (the `slope` loss) waits in the score buffer until its last piece."""
+
+    def __init__(self, norms: PerSampleNorms, step: StepValues, batch: TrainBatch) -> None:
+        self.norms, self.step, self.batch = norms, step, batch
+        self.carried: CarriedGroup | None = None
+
+    def forward(self, run: MicroBatch, micro: TrainBatch) -> tuple[Tensor, Tensor, SampleGradients]:
+        norms = self.norms
+        if run.group_rows is not None and self.carried is None:  # the first piece of a split group
+            self.carried = CarriedGroup.start(norms.stabilizer, self.batch, run.group_rows)
+        bookkeeping = run.group_rows is not None or norms.keeps_sample_gradients(micro, run.packing)
+        self.step.bookkept_micro_batches += bookkeeping
+        return norms.forward(micro, bookkeeping, run.packing)
+
+    def advantages(
+        self, run: MicroBatch, micro: TrainBatch, logprobs: Tensor, sample_grads: SampleGradients | None
+    ) -> tuple[Tensor, Tensor | None]:
+        if run.rows is None:  # an empty micro-batch: nothing to train on
+            return torch.zeros(1, device=self.norms.device), None
+        if self.carried is not None:  # advantages at baseline 0; the baseline's part waits in the score buffer
+            return self.carried.at_zero[run.rows], None
+        return step_advantages(self.norms.stabilizer, self.norms.advantage_estimator, micro, logprobs, sample_grads)
+
+    def extra_losses(
+        self, run: MicroBatch, micro: TrainBatch, logprobs: Tensor, decision: TokenWeights, denominator: Tensor
+    ) -> list[Tensor]:
+        """A carried piece's slope: the loss's derivative in its group's baseline, at the same weights."""
+        if self.carried is None:
+            return []
+        spec = self.norms.spec
+        policy = PolicyBatch(logprobs, micro.behaviour_logprobs, self.carried.slope[run.rows], micro.loss_mask)
+        return [policy_loss(policy, decision, spec.loss_aggregation, denominator, spec.constant_tokens)]
+
+    def backward(
+        self,
+        micro: TrainBatch,
+        loss: Tensor,
+        extra_losses: list[Tensor],
+        logprobs: Tensor,
+        sample_grads: SampleGradients | None,
+    ) -> Tensor:
+        """The micro-batch's gradient into the engine (`PerSampleNorms.backward`, or `backward_piece` for a carried
+        group's piece); how far a sequence's token coefficients differ, for the step's one check."""
+        assert sample_grads is not None, "every forward with the norms gives them"
+        carried = self.carried
+        if carried is None:
+            return self.norms.backward(loss, logprobs, sample_grads, micro.loss_mask)
+        (slope,) = extra_losses
+        gap = self.norms.backward_piece(
+            self.step, self.batch, carried, loss, slope, logprobs, sample_grads, micro.loss_mask
+        )
+        self.carried = None if carried.complete else carried
+        return gap
 
 
 class GivenGradients(torch.autograd.Function):
