@@ -85,10 +85,10 @@ def rank_shards(groups: Sequence[Sequence[TrainingSample]], ranks: int, pad_toke
     join the step's collectives."""
     if not groups:
         raise ValueError("a step needs at least one prompt group")
-    ends = list(itertools.accumulate(rank_share_sizes(len(groups), ranks)))
+    sizes = rank_share_sizes(len(groups), ranks)
     shards = [
         collate([s for group in groups[end - size : end] for s in group], pad_token_id) if size else None
-        for end, size in zip(ends, rank_share_sizes(len(groups), ranks))
+        for end, size in zip(itertools.accumulate(sizes), sizes)
     ]
     first = shards[0]
     assert first is not None, "the first rank takes a group whenever there is one"

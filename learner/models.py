@@ -240,6 +240,14 @@ def check_hub_model(repo_id: str, field: str) -> None:
     )
 
 
+def loadable_model(name_or_path: str) -> str:
+    """`resolve_model`, with a hub id also checked to load now (`check_hub_model`), as `model.path`."""
+    path = resolve_model(name_or_path)
+    if not Path(path).exists():
+        check_hub_model(path, "model.path")
+    return path
+
+
 def hub_model_folder(repo_id: str, field: str) -> str:
     """The local folder of a hub model: downloaded once into the Hugging Face cache, as transformers and vLLM
     do, and taken from there without the network (HF_HUB_OFFLINE=1) after that. A ModelPathError naming

@@ -13,14 +13,7 @@ from typing import Any
 from actors.generator import chat_prompt_ids
 from cluster.job import Job, JobError, JobValidationError, environment_spec
 from learner.lora import missing_target_modules
-from learner.models import (
-    KNOWN_MODEL_TYPES,
-    KNOWN_MODELS,
-    build_tiny_model,
-    check_chat_template,
-    check_hub_model,
-    resolve_model,
-)
+from learner.models import KNOWN_MODEL_TYPES, KNOWN_MODELS, build_tiny_model, check_chat_template, loadable_model
 from learner.records import TrainingSample
 from tasks.base import Problem, Task
 from tasks.environment import EnvironmentSpec, ToolChat, environment_tools, schema_names
@@ -36,9 +29,7 @@ def cache_root() -> Path:
 def prepare_model(job: Job, task: Task) -> str:
     """A local model folder for the job: the tiny model (built once per settings), or a resolved path."""
     if job.model.path != "tiny":
-        path = resolve_model(job.model.path)
-        if not Path(path).exists():  # a hub id: in the cache, or the hub reachable now
-            check_hub_model(path, "model.path")
+        path = loadable_model(job.model.path)
         check_chat_template(path)
         return path
     tiny = job.model.tiny.model_dump()
@@ -66,9 +57,7 @@ def check_model(job: Job) -> None:
     reached, LoRA target modules the model does not have."""
     path = job.model.path
     if path not in ("tiny", *KNOWN_MODELS):
-        path = resolve_model(path)
-        if not Path(path).exists():
-            check_hub_model(path, "model.path")
+        path = loadable_model(path)
     if job.model.lora is None:
         return
     from transformers import AutoConfig

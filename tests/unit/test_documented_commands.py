@@ -20,7 +20,7 @@ MODULE = re.compile(r"(benchmarks|cluster)(\.[a-z_]+)+")
 # slow run with `-m slow`; each command keeps at least its parsing, analysis or error path in the default run.
 SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     "stableasync train": (
-        "tests/unit/test_job.py::test_a_hub_id_that_cannot_be_fetched_stops_train_with_its_reason_before_anything_starts",
+        "tests/unit/test_job.py::test_validate_and_train_refuse_a_hub_id_that_is_not_cached_when_the_hub_cannot_be_reached",
         "tests/integration/test_pipeline.py::test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes",
         "tests/integration/test_pipeline.py::test_resume_from_a_checkpoint_continues_without_gap_or_duplicate",
     ),

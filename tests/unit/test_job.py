@@ -353,33 +353,6 @@ def test_a_model_path_that_is_no_folder_stops_validate_and_train_before_anything
     assert not runs.exists(), "no run directory for a job that never started"
 
 
-def test_a_hub_id_that_cannot_be_fetched_stops_train_with_its_reason_before_anything_starts(tmp_path):
-    """Models are not downloaded at run time here: a hub id (no local folder) whose tokenizer cannot be fetched
-    ends `train` with exit 2 and the way out, before a run directory exists. In a subprocess, because the hub
-    client reads HF_HUB_OFFLINE once, at import."""
-    import os
-    import subprocess
-    import sys
-
-    runs = tmp_path / "runs"
-    job = tmp_path / "job.yaml"
-    job.write_text(f"model: {{path: some-org/not-a-model}}\ntask: {{name: arithmetic}}\nlogging: {{run_dir: {runs}}}\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "train", str(job)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.startswith(
-        "stableasync train: model.path: 'some-org/not-a-model' is no local folder and not in the Hugging Face cache"
-    ), done.stderr[-2000:]
-    assert done.stderr.rstrip().endswith("or give model.path a local model folder"), done.stderr
-    assert not runs.exists(), "no run directory for a job that never started"
-
-
 def test_a_micro_batch_budget_below_one_sequence_names_the_field():
     errors = _errors(
         {
@@ -576,10 +549,11 @@ def test_validate_refuses_a_lora_target_the_model_lacks_as_train_would(tmp_path,
     assert cli_main(["validate", str(job)]) == 0
 
 
-def test_validate_refuses_a_hub_id_that_is_not_cached_when_the_hub_cannot_be_reached(tmp_path):
-    """`validate` said ok, then `train` retried the hub for 52 s: without the hub (HF_HUB_OFFLINE here) a hub id
-    that is not in the cache is refused at once by both, naming model.path. In a subprocess: the hub client
-    reads HF_HUB_OFFLINE at import."""
+def test_validate_and_train_refuse_a_hub_id_that_is_not_cached_when_the_hub_cannot_be_reached(tmp_path):
+    """`validate` said ok, then `train` retried the hub for 52 s: models are not downloaded at run time here, and
+    without the hub (HF_HUB_OFFLINE) a hub id that is not in the cache is refused at once by both with exit 2,
+    naming model.path and the way out, before a run directory exists. In a subprocess: the hub client reads
+    HF_HUB_OFFLINE at import."""
     import os
     import subprocess
     import sys
@@ -599,10 +573,14 @@ def test_validate_refuses_a_hub_id_that_is_not_cached_when_the_hub_cannot_be_rea
             env={**os.environ, "HF_HUB_OFFLINE": "1"},
         )
         assert done.returncode == 2, done.stderr[-2000:]
-        assert "model.path: 'some-org/not-a-model' is no local folder and not in the Hugging Face cache" in done.stderr
+        said_by = "stableasync train" if command == "train" else str(job)
+        assert done.stderr.startswith(
+            f"{said_by}: model.path: 'some-org/not-a-model' is no local folder and not in the Hugging Face cache"
+        ), done.stderr[-2000:]
         assert "the hub cannot be reached here (HF_HUB_OFFLINE, or no network)" in done.stderr, done.stderr
+        assert done.stderr.rstrip().endswith("or give model.path a local model folder"), done.stderr
         assert time.monotonic() - started < 40, f"{command} waited on the hub"
-    assert not runs.exists()
+    assert not runs.exists(), "no run directory for a job that never started"
 
 
 def test_tool_settings_name_their_field(tmp_path):
