@@ -118,6 +118,9 @@ def synthetic_batch(sequences: int, tokens: int, vocab: int, lengths: str | None
     from learner.batch import collate
 
     gen = torch.Generator().manual_seed(0)
+    # near a random-weight model's own log-probs, so that importance weights are neither 0 nor all capped: a
+    # step with zero weights would train on zero gradients
+    uniform = -math.log(vocab)
     samples = []
     for i, length in enumerate(response_lengths(lengths, sequences, tokens)):
         completion = torch.randint(3, vocab, (length,), generator=gen).tolist()
@@ -125,7 +128,7 @@ def synthetic_batch(sequences: int, tokens: int, vocab: int, lengths: str | None
             dict(
                 prompt_ids=torch.randint(3, vocab, (PROMPT_TOKENS,), generator=gen).tolist(),
                 completion_ids=completion,
-                behaviour_logprobs=(-6.0 + 0.3 * torch.randn(len(completion), generator=gen)).tolist(),
+                behaviour_logprobs=(uniform + 0.3 * torch.randn(len(completion), generator=gen)).tolist(),
                 reward=float(torch.rand((), generator=gen) < 0.5),
                 group_id=i // GROUP_SIZE,
                 version=0,

@@ -88,6 +88,14 @@ def row_buckets(
     return groups[::-1]
 
 
+def padded_spans(sizes: np.ndarray, starts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of `sizes` tokens starting at `starts` in a packed sequence, as a right-padded [b, width] layout of
+    packed positions (padding repeating each row's start), and where that layout is inside a row."""
+    place = np.arange(width)[None, :]
+    inside = place < sizes[:, None]
+    return starts[:, None] + np.where(inside, place, 0), inside
+
+
 @dataclass(frozen=True)
 class Packing:
     """Where a packed micro-batch's tokens come from and where their log-probs go, built with the plan so that
@@ -101,6 +109,9 @@ class Packing:
     scored: Tensor  # [M] long: the packed positions whose next token is in their row (all but each row's last)
     targets_at: Tensor  # [M] long: where their log-probs go in the micro-batch's [b, width - 1], flattened
     cu_seqlens: Tensor  # [b + 1] int32: where each row starts in the packed sequence, and N (varlen attention)
+    # the rows as one right-padded [b, L] batch, L the longest (attention without a varlen kernel):
+    row_spans: Tensor  # [b * L] long: row r's packed positions at r * L onwards, its padding repeating its start
+    row_places: Tensor  # [N] long: each packed token's place in that [b, L] layout
     buckets: tuple[RowBucket, ...]  # the rows by length, for the per-sample products (none for a step without)
 
     @property
@@ -114,26 +125,34 @@ class Packing:
         per-sample products, which then gets no buckets (their indices would be a transfer for nothing)."""
         sizes = np.asarray(lengths, dtype=np.int64)
         ends = np.cumsum(sizes)
-        row = np.repeat(np.arange(len(sizes)), sizes)  # [N] each packed token's row
-        position = np.arange(int(ends[-1])) - (ends - sizes)[row]
-        scored = np.flatnonzero(position < sizes[row] - 1)
-        groups = [] if math.isinf(bucket_cost) else row_buckets(lengths, bucket_cost)
         starts = ends - sizes
+        row = np.repeat(np.arange(len(sizes)), sizes)  # [N] each packed token's row
+        position = np.arange(int(ends[-1])) - starts[row]
+        scored = np.flatnonzero(position < sizes[row] - 1)
+        longest = int(sizes.max())
+        row_spans, _ = padded_spans(sizes, starts, longest)
+        groups = [] if math.isinf(bucket_cost) else row_buckets(lengths, bucket_cost)
         bucket_parts: list[np.ndarray] = []
         for members in groups:
-            width_k = int(sizes[members].max())
-            place = np.arange(width_k)[None, :]
-            inside = place < sizes[members][:, None]  # [b, width_k]
-            bucket_parts += [
-                np.asarray(members),
-                (starts[members][:, None] + np.where(inside, place, 0)).reshape(-1),
-                np.flatnonzero(~inside.reshape(-1)),
-            ]
+            spans, inside = padded_spans(sizes[members], starts[members], int(sizes[members].max()))
+            bucket_parts += [np.asarray(members), spans.reshape(-1), np.flatnonzero(~inside.reshape(-1))]
+        row_places = row * longest + position
         indices = np.concatenate(
-            [row * width + position, position, scored, row[scored] * (width - 1) + position[scored], *bucket_parts]
+            [
+                row * width + position,
+                position,
+                scored,
+                row[scored] * (width - 1) + position[scored],
+                row_spans.reshape(-1),
+                row_places,
+                *bucket_parts,
+            ]
         )
-        split = [len(row), len(row), len(scored), len(scored)] + [len(part) for part in bucket_parts]
-        tokens, position_ids, scored_at, targets_at, *on_device = torch.from_numpy(indices).to(device).split(split)
+        split = [len(row), len(row), len(scored), len(scored), row_spans.size, len(row)]
+        split += [len(part) for part in bucket_parts]
+        on_device = torch.from_numpy(indices).to(device).split(split)
+        tokens, position_ids, scored_at, targets_at, spans_at, places_at = on_device[:6]
+        on_device = on_device[6:]
         cu_seqlens = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)).to(device)
         equal = bool((sizes == sizes[0]).all())  # one bucket then, its rows in order (a stable sort)
         buckets = tuple(
@@ -146,7 +165,18 @@ class Packing:
             )
             for k, members in enumerate(groups)
         )
-        return cls(tuple(lengths), width, tokens, position_ids[None], scored_at, targets_at, cu_seqlens, buckets)
+        return cls(
+            tuple(lengths),
+            width,
+            tokens,
+            position_ids[None],
+            scored_at,
+            targets_at,
+            cu_seqlens,
+            spans_at,
+            places_at,
+            buckets,
+        )
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,11 @@ The rows are laid end to end (`learner.micro_batches.Packing`, formed with the p
   on a GPU in bf16/fp16, PyTorch's own varlen kernel (`torch.nn.attention.varlen.varlen_attn`, flash
   attention over the rows' `cu_seq_lens`, grouped-query heads as they are, `enable_gqa` where the PyTorch
   asks for it) in one call per layer, which meta tensors trace on any machine;
-  elsewhere `packed_sdpa`, SDPA's causal kernel on each row's span. Every row attends to itself alone,
-  and no [N, N] mask is built or computed (a document mask would cost attention over the whole micro-batch).
-  On an H200 a loop over the rows cost 5-8 ms per layer against about 1 ms for the varlen kernel, for 16
-  rows of 512-1024 tokens: with one launch per row and layer, packing was slower than padding.
+  elsewhere `rows_sdpa`, SDPA's causal kernel once per layer on the rows laid out as a right-padded batch
+  (gathered from the packed sequence and back). Every row attends to itself alone, and no [N, N] mask is
+  built or computed (a document mask would cost attention over the whole micro-batch). A loop over the rows
+  made one call per row and layer: on an H200 5-8 ms per layer against about 1 ms for the varlen kernel, for
+  16 rows of 512-1024 tokens; on the CPU a fifth of a SmolLM2 step's operator calls.
 
 The model's mask is passed ready-made (None for each layer type), so transformers neither builds one nor
 reads the position ids on the host to find the rows (`find_packed_sequence_indices` does), and the step's
@@ -41,36 +42,32 @@ VARLEN = ("sdpa", "flash_attention_2", "flash_attention_3")
 FLASH = ("flash_attention_2", "flash_attention_3")
 
 
-def packed_sdpa(
+def rows_sdpa(
     module: torch.nn.Module,
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    lengths: tuple[int, ...],
+    row_spans: Tensor,
+    row_places: Tensor,
+    longest: int,
     dropout: float,
     scaling: float | None,
 ) -> Tensor:
-    """SDPA's causal kernel on each row's own span of the packed [1, heads, N, head_dim] query, key and value:
-    [1, N, heads, head_dim], as transformers' attention functions return."""
+    """SDPA's causal kernel on the packed [1, heads, N, head_dim] query, key and value laid out as one right-padded
+    batch of rows `longest` tokens wide (`Packing.row_spans`, `row_places`), [1, N, heads, head_dim] as
+    transformers' attention functions return. A row's real positions see none of its padding (it comes after
+    them), and the padding's outputs are dropped, so they take no gradient: each row attends to itself alone, in
+    one kernel call per layer."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    outputs, start = [], 0
-    for length in lengths:
-        span = slice(start, start + length)
-        outputs.append(
-            sdpa_attention_forward(
-                module,
-                query[:, :, span],
-                key[:, :, span],
-                value[:, :, span],
-                None,
-                dropout=dropout,
-                scaling=scaling,
-                is_causal=True,
-            )[0]
-        )
-        start += length
-    return torch.cat(outputs, dim=1)
+    def in_rows(packed: Tensor) -> Tensor:  # [1, h, N, d] -> [b, h, longest, d]
+        heads, head_dim = packed.shape[1], packed.shape[3]
+        return packed[0].index_select(1, row_spans).view(heads, -1, longest, head_dim).transpose(0, 1)
+
+    output = sdpa_attention_forward(
+        module, in_rows(query), in_rows(key), in_rows(value), None, dropout=dropout, scaling=scaling, is_causal=True
+    )[0]  # [b, longest, heads, head_dim]
+    return output.flatten(0, 1).index_select(0, row_places).unsqueeze(0)
 
 
 VARLEN_DEVICES = ("cuda", "meta")  # meta: shapes only, through the same Python layer and the op's fake kernel
@@ -120,7 +117,7 @@ def varlen_attention(
 def varlen_sdpa(
     query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_length: int, scaling: float | None
 ) -> Tensor | None:
-    """`varlen_attention` where the varlen kernel serves (`varlen_serves`), else None (then `packed_sdpa`)."""
+    """`varlen_attention` where the varlen kernel serves (`varlen_serves`), else None (then `rows_sdpa`)."""
     if not varlen_serves(query.device.type, query.dtype, query.shape[-1]):
         return None
     return varlen_attention(query, key, value, cu_seqlens, max_length, scaling)
@@ -128,7 +125,7 @@ def varlen_sdpa(
 
 def _packed_attention(implementation: str) -> Callable[..., tuple[Tensor, Any]]:
     """The model's own attention function `implementation`, and for a packed forward (`packed_lengths` given)
-    the same attention within each row: flash's varlen kernel on the rows' `cu_seq_lens`, or `packed_sdpa`."""
+    the same attention within each row: flash's varlen kernel on the rows' `cu_seq_lens`, or `rows_sdpa`."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def attention(
@@ -151,7 +148,8 @@ def _packed_attention(implementation: str) -> Callable[..., tuple[Tensor, Any]]:
             output = varlen_sdpa(query, key, value, kwargs["cu_seq_lens_q"], kwargs["max_length_q"], scaling)
             if output is not None:
                 return output, None
-        return packed_sdpa(module, query, key, value, packed_lengths, dropout, scaling), None
+        spans, places = kwargs["packed_row_spans"], kwargs["packed_row_places"]
+        return rows_sdpa(module, query, key, value, spans, places, max(packed_lengths), dropout, scaling), None
 
     return attention
 
@@ -209,6 +207,8 @@ def _attention_kwargs(model: Any, packing: Packing) -> dict[str, Any]:
         "position_ids": packing.position_ids,
         "use_cache": False,
         "packed_lengths": packing.lengths,
+        "packed_row_spans": packing.row_spans,
+        "packed_row_places": packing.row_places,
         "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
         "cu_seq_lens_q": packing.cu_seqlens,
         "cu_seq_lens_k": packing.cu_seqlens,

@@ -245,9 +245,53 @@ def test_the_packed_step_gives_the_padded_update(tiny_qwen2, tmp_path):
     assert not failures, "\n".join(failures)
 
 
-def test_off_cuda_packed_attention_runs_row_by_row():
-    """`varlen_sdpa` serves CUDA in bf16/fp16 only; on the CPU the packed forward loops over the rows."""
-    from learner.packing import varlen_sdpa
+def test_off_cuda_packed_attention_runs_the_rows_as_one_padded_batch():
+    """`varlen_sdpa` serves CUDA in bf16/fp16 only; elsewhere `rows_sdpa` makes one SDPA call for all the rows
+    (grouped-query heads), and its outputs and gradients are those of SDPA's causal kernel on each row alone."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    query = torch.zeros(1, 4, 10, 8, dtype=torch.bfloat16)
-    assert varlen_sdpa(query, query, query, torch.tensor([0, 4, 10], dtype=torch.int32), 6, None) is None
+    from learner.micro_batches import Packing
+    from learner.packing import rows_sdpa, varlen_sdpa
+
+    lengths, heads, kv_heads, head_dim = COMPLETION_LENGTHS, 4, 2, 8
+    n = sum(lengths)
+    gen = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, h, n, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    assert varlen_sdpa(query.bfloat16(), key.bfloat16(), value.bfloat16(), cu_seqlens, max(lengths), None) is None
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    packing = Packing.of(list(lengths), max(lengths), torch.device("cpu"))
+    calls = []
+
+    class CountAttention(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in func.__name__:
+                calls.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def row_by_row(q, k, v):
+        spans = [slice(start, start + length) for start, length in zip(cu_seqlens[:-1].tolist(), lengths)]
+        rows = [
+            sdpa_attention_forward(module, q[:, :, s], k[:, :, s], v[:, :, s], None, is_causal=True)[0] for s in spans
+        ]
+        return torch.cat(rows, dim=1)
+
+    outputs = {}
+    for name, attend in (
+        (
+            "batch",
+            lambda q, k, v: rows_sdpa(module, q, k, v, packing.row_spans, packing.row_places, max(lengths), 0.0, None),
+        ),
+        ("rows", row_by_row),
+    ):
+        inputs = [t.clone().requires_grad_() for t in (query, key, value)]
+        with CountAttention():
+            output = attend(*inputs)
+        assert output.shape == (1, n, heads, head_dim)
+        outputs[name] = (output, torch.autograd.grad(output.square().sum(), inputs))
+    assert calls[0] == calls[-1] and len(calls) == 1 + len(lengths)  # one for the batch, one per row
+    torch.testing.assert_close(outputs["batch"][0], outputs["rows"][0], rtol=0, atol=1e-5)
+    for got, want in zip(outputs["batch"][1], outputs["rows"][1]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

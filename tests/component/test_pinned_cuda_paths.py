@@ -49,7 +49,7 @@ def test_varlen_serves_cuda_and_meta_in_half_precision_only():
     assert packing.varlen_serves("cuda", torch.bfloat16, 128) and packing.varlen_serves("cuda", torch.float16, 256)
     assert not packing.varlen_serves("cuda", torch.float32, 64)  # flash attention has no fp32 kernel
     assert not packing.varlen_serves("cuda", torch.bfloat16, 512)  # nor one for heads over 256 wide
-    assert not packing.varlen_serves("cpu", torch.bfloat16, 64)  # the CPU loops over the rows (packed_sdpa)
+    assert not packing.varlen_serves("cpu", torch.bfloat16, 64)  # the CPU runs the rows as a padded batch (rows_sdpa)
 
 
 @pytest.mark.parametrize("takes_gqa", [True, False], ids=["torch-2.13", "torch-2.11"])

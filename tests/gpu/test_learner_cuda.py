@@ -82,8 +82,8 @@ def test_each_stabilizer_decides_on_cuda_as_on_cpu(name):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-head", "logits"])
 def test_packed_rows_on_cuda_give_the_padded_rows_logprobs_and_gradients(tiny_qwen2, fused):
-    """`packed_sdpa` runs CUDA's SDPA kernels (flash or memory-efficient) on each row's span: in fp32 the packed
-    forward's log-probs and gradients match the padded one's, and attention across rows is far off."""
+    """`rows_sdpa` runs CUDA's SDPA kernels (flash or memory-efficient) on the rows as a padded batch: in fp32 the
+    packed forward's log-probs and gradients match the padded one's, and attention across rows is far off."""
     from transformers import AutoModelForCausalLM
 
     from learner import micro_batches
@@ -118,8 +118,9 @@ def test_packed_rows_on_cuda_give_the_padded_rows_logprobs_and_gradients(tiny_qw
 
 def test_the_varlen_kernel_gives_each_rows_own_causal_attention_in_bf16():
     """On CUDA in bf16 a packed forward's attention is one varlen flash call (grouped-query heads as they are);
-    it matches SDPA's causal kernel run row by row, in values and gradients."""
-    from learner.packing import packed_sdpa, varlen_sdpa
+    it matches SDPA's causal kernel on the rows as a padded batch, in values and gradients."""
+    from learner.micro_batches import Packing
+    from learner.packing import rows_sdpa, varlen_sdpa
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     lengths = (1, 90, 4, 33, 200, 12)
@@ -132,10 +133,14 @@ def test_the_varlen_kernel_gives_each_rows_own_causal_attention_in_bf16():
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    rows = Packing.of(list(lengths), max(lengths), torch.device("cuda"))
     outputs = {}
     for name, attend in (
         ("varlen", lambda: varlen_sdpa(query, key, value, cu_seqlens, max(lengths), None)),
-        ("rows", lambda: packed_sdpa(module, query, key, value, lengths, 0.0, None)),
+        (
+            "rows",
+            lambda: rows_sdpa(module, query, key, value, rows.row_spans, rows.row_places, max(lengths), 0.0, None),
+        ),
     ):
         output = attend()
         assert output is not None and output.shape == (1, n, heads, head_dim)

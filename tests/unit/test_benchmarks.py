@@ -128,6 +128,26 @@ def test_every_learner_step_configuration_builds_its_stabilizer_and_learner_spec
     assert CONFIGS["m2po"][0] == "m2po" and CONFIGS["tis_seq-gc"][2] == {"gradient_checkpointing": True}
 
 
+@pytest.mark.parametrize("vocab", [300, 49152])  # SmolLM2's
+def test_the_synthetic_batch_is_near_a_random_models_own_logprobs(vocab):
+    """The learner benchmark's behaviour log-probs lie near a random-weight model's own, so its steps train on
+    importance weights that are neither all 0 nor all capped (with weights of 0 the gradient is 0)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from benchmarks.learner_step import synthetic_batch
+    from learner.batch import token_logprobs
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=vocab, num_key_value_heads=1, **shape))
+    batch = synthetic_batch(8, 48, model.config.vocab_size)
+    with torch.no_grad():
+        own = token_logprobs(model(input_ids=batch.input_ids).logits, batch.input_ids, 1.0)
+    mask = batch.loss_mask.bool()
+    per_token_log_ratio = (own - batch.behaviour_logprobs)[mask]
+    assert per_token_log_ratio.mean().abs() < 0.5, float(per_token_log_ratio.mean())
+
+
 def test_the_benchmarks_take_the_gpu_options():
     from benchmarks import learner_memory, learner_step, step_measures
 

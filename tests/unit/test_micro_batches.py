@@ -116,6 +116,13 @@ def test_packing_lays_the_rows_end_to_end_and_puts_each_scored_position_in_its_p
     covered = torch.zeros(3 * 6, dtype=torch.bool)
     covered[packing.targets_at] = True
     assert torch.equal(covered.view(3, 6)[batch.loss_mask], torch.ones(int(batch.loss_mask.sum()), dtype=torch.bool))
+    # the rows as a right-padded [3, 7] batch of packed positions, padding repeating each row's start, and back
+    assert packing.row_spans.view(3, 7).tolist() == [
+        [0, 1, 2, 0, 0, 0, 0],
+        [3, 4, 5, 6, 7, 8, 9],
+        [10, 11, 12, 13, 14, 10, 10],
+    ]
+    assert torch.equal(packing.row_spans[packing.row_places], torch.arange(15))
 
 
 def _gram_cost(lengths, groups):
