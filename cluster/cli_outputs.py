@@ -98,9 +98,8 @@ def export(args: argparse.Namespace) -> int:
     if job is None:
         return 2
     usable = {path.name: path for path, _ in readable_checkpoints(run_dir)}
-    if not usable:
-        print(f"stableasync export: no usable checkpoint in {run_dir / 'checkpoints'}", file=sys.stderr)
-        return 2
+    if not usable and args.checkpoint is None:
+        return _export_finished_model(run_dir, job.checkpoint.every_steps, args.out)
     name = args.checkpoint or max(usable)
     if name not in usable:
         print(
@@ -119,6 +118,33 @@ def export(args: argparse.Namespace) -> int:
         print(f"stableasync export: {failure}", file=sys.stderr)
         return 1
     print(f"model of {name}: {out}")
+    return 0
+
+
+def _export_finished_model(run_dir: Path, every_steps: int, out: str | None) -> int:
+    """`export` of a run without checkpoints: its finished model (RUN_DIR/model, a Hugging Face folder already),
+    copied to `out` when given; else an error that says why there is nothing and what to set."""
+    import shutil
+
+    finished = run_dir / "model"
+    if not (finished / "config.json").is_file():
+        print(
+            f"stableasync export: no usable checkpoint in {run_dir / 'checkpoints'} (checkpoint.every_steps "
+            f"{every_steps}{': none are written' if every_steps == 0 else ''}) and no finished model at {finished} "
+            "(the run did not finish, or ran with checkpoint.save_model false); set checkpoint.every_steps to keep "
+            "checkpoints",
+            file=sys.stderr,
+        )
+        return 2
+    if out is None:
+        print(f"no checkpoints to export; the finished run's model is a Hugging Face folder already: {finished}")
+        return 0
+    try:
+        shutil.copytree(finished, out)
+    except (FileExistsError, OSError) as error:
+        print(f"stableasync export: copying {finished} to {out}: {error}", file=sys.stderr)
+        return 1
+    print(f"model of the finished run: {out}")
     return 0
 
 

@@ -107,6 +107,11 @@ class Task:
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"{problem.question} {ANSWER_FORMAT}"}]
 
+    def data_read(self) -> str | None:
+        """What the task read from the user's files, for `validate` to say ("20 rows of data.jsonl"); None for a
+        task that generates its problems."""
+        return None
+
     def tool_demonstration(self, problem: Problem, tools: frozenset[str]) -> list[dict[str, str]] | None:
         """A correct episode with the job's `tools` (assistant and tool messages, the last the answer) for the
         supervised warm-up of a tool-using job; None: the task has none for these tools (its plain

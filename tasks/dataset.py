@@ -61,7 +61,9 @@ class Dataset(Task):
     def _problem(self, path: Path, line: int, row: dict[str, Any]) -> Problem:
         where = f"{path}:{line}"
         config = self.config
-        messages = _messages(row.get(config.prompt_field), f"{where}: field {config.prompt_field!r}")
+        if config.prompt_field not in row:
+            raise TaskError(f"{where}: field {config.prompt_field!r} (task.prompt_field) is missing")
+        messages = _messages(row[config.prompt_field], f"{where}: field {config.prompt_field!r}")
         if config.system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": config.system_prompt})
         if config.answer_format:
@@ -92,6 +94,9 @@ class Dataset(Task):
 
     def problems(self, split: str, seed: int) -> Iterator[Problem]:
         return file_problems(self.rows, split, seed)
+
+    def data_read(self) -> str:
+        return f"{len(self.rows)} rows of {self.config.path}"
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         return [dict(message) for message in problem.metadata["messages"]]

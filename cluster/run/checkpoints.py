@@ -80,10 +80,23 @@ def write_model(folder: Path, save_model: Callable[[str], None]) -> Path:
     except OSError as error:
         shutil.rmtree(partial, ignore_errors=True)
         raise ModelSaveFailed(f"the model could not be written to {folder}: {type(error).__name__}: {error}") from error
+    _modes_as_config(partial)
     if folder.exists():  # a resumed run that finished again replaces what it wrote before
         shutil.rmtree(folder)
     partial.rename(folder)
     return folder
+
+
+def _modes_as_config(folder: Path) -> None:
+    """Every file of a model folder readable as its config.json is (safetensors' weights come out 0600, by a
+    temporary file, where the umask gives the others 0644: another user could read the config, not the model)."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return
+    mode = config.stat().st_mode & 0o777
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(mode)
 
 
 def readable_checkpoints(run_dir: Path) -> list[tuple[Path, DriverState]]:

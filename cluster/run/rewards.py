@@ -15,7 +15,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from cluster.job import Job, JobError, JobValidationError, RewardSection
-from tasks.base import Problem, Task
+from tasks.base import Problem, Task, TaskError
 from tasks.rewards import (
     CompositeScorer,
     FormatReward,
@@ -25,7 +25,7 @@ from tasks.rewards import (
     WeightedComponent,
     reward_model_problem,
 )
-from tasks.scoring import RewardWorkerError, ScorePool, ScoreResult
+from tasks.scoring import RewardWorkerError, ScorePool, ScoreResult, checked_score
 
 # Each component's step metric: the mean of its score over the responses scored since the previous step.
 REWARD_METRICS = {
@@ -170,3 +170,26 @@ def check_reward_models(job: Job) -> None:
     errors = reward_model_errors(job)
     if errors:
         raise JobValidationError(job.name, errors)
+
+
+def check_first_score(job: Job, task: Task) -> None:
+    """Score the first training row once, with the completion the task's own demonstration gives (the answer in
+    the format it asks for), and raise `TaskError` if the verifier raises or returns no finite number: a reward
+    function broken on every row is refused before anything starts, not found in the ledger after a run. Any
+    number, 0 included, passes."""
+    from cluster.run.faults import reward_source
+
+    problem = next(iter(task.problems("train", job.seed)), None)
+    if problem is None:
+        return
+    try:
+        completion = task.demonstration(problem)
+    except NotImplementedError:
+        completion = problem.answer
+    result = checked_score(task, problem, completion)
+    if result.error is not None:
+        source = reward_source(job.task.name, getattr(job.task, "reward", None), composite=False)
+        raise TaskError(
+            f"{source} {result.error} on the training row {problem.problem_id} with the completion {completion!r:.80}; "
+            "every response would fail to score: fix it, then validate again"
+        )

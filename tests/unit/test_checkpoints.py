@@ -219,3 +219,46 @@ def test_the_driver_state_reads_back_what_it_wrote_and_names_what_an_old_or_dama
     del old["ledger_lines"]
     with pytest.raises(UnreadableState, match=r"lacks \['ledger_lines'\]"):
         DriverState.from_json(old)
+
+
+def test_export_of_a_run_without_checkpoints_gives_its_finished_model_or_says_what_to_set(tmp_path, capsys):
+    """checkpoint.every_steps defaults to 0, so a finished run has no checkpoint; `export` used to fail with
+    'no usable checkpoint' and name neither that setting nor RUN_DIR/model, the trained model it already has."""
+    from cluster.cli import main as cli_main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job.yaml").write_text("task: {name: arithmetic}\n")
+    assert cli_main(["export", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.every_steps 0: none are written" in err and f"no finished model at {run / 'model'}" in err
+    (run / "model").mkdir()
+    (run / "model" / "config.json").write_text("{}")
+    (run / "model" / "model.safetensors").write_bytes(b"weights")
+    assert cli_main(["export", str(run)]) == 0
+    assert str(run / "model") in capsys.readouterr().out
+    out = tmp_path / "exported"
+    assert cli_main(["export", str(run), "--out", str(out)]) == 0
+    assert (out / "model.safetensors").read_bytes() == b"weights" and str(out) in capsys.readouterr().out
+    assert cli_main(["export", str(run), "--out", str(out)]) == 1  # an existing folder is not overwritten
+    assert "exported" in capsys.readouterr().err
+
+
+def test_a_written_model_folder_gives_every_file_the_config_files_mode(tmp_path):
+    """The weights came out 0600 beside a 0644 config.json, so a model shared from a run directory had
+    unreadable weights."""
+    import os
+
+    from cluster.run.checkpoints import write_model
+
+    def save(folder: str) -> None:
+        Path(folder).mkdir()
+        (Path(folder) / "config.json").write_text("{}")
+        os.chmod(Path(folder) / "config.json", 0o644)
+        os.close(os.open(Path(folder) / "model.safetensors", os.O_CREAT | os.O_WRONLY, 0o600))
+
+    model = write_model(tmp_path / "model", save)
+    assert {p.name: p.stat().st_mode & 0o777 for p in model.iterdir()} == {
+        "config.json": 0o644,
+        "model.safetensors": 0o644,
+    }

@@ -618,3 +618,19 @@ def test_a_tool_file_that_does_not_load_stops_validate_and_train_before_anything
     assert cli_main(["train", str(job)]) == 2
     assert f"environment.tools.1: no file {tmp_path}/gone.py" in capsys.readouterr().err
     assert not runs.exists(), "no run directory for a job that never started"
+
+
+def test_every_commands_positional_argument_says_what_it_is():
+    """`train --help` and `validate --help` showed a bare `job`."""
+    import argparse
+
+    from cluster.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [
+        f"{name} {action.dest}"
+        for name, parser in commands.choices.items()
+        for action in parser._actions
+        if not action.option_strings and not action.help
+    ]
+    assert not bare, bare

@@ -185,7 +185,8 @@ def test_dataset_training_and_warm_up_cycle_evaluation_is_one_pass():
 @pytest.mark.parametrize(
     "row, message",
     [
-        ({"answer": 1}, "field 'prompt' must be text or a non-empty list"),
+        ({"answer": 1}, r"field 'prompt' \(task.prompt_field\) is missing"),
+        ({"prompt": None, "answer": 1}, "field 'prompt' must be text or a non-empty list"),
         ({"prompt": "  ", "answer": 1}, "field 'prompt' is empty"),
         ({"prompt": [], "answer": 1}, "must be text or a non-empty list"),
         ({"prompt": [{"role": "robot", "content": "hi"}], "answer": 1}, r"field 'prompt'\[0\] must be \{role"),
@@ -292,6 +293,31 @@ def test_a_custom_reward_that_raises_fails_its_sample_in_the_reward_worker(tmp_p
     assert [r.reward for r in results] == [pytest.approx(0.4), 0.5, 0.0]
     assert results[0].error is None and results[1].error is None
     assert results[2].error == "raised RuntimeError: boom on c"
+
+
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        ('return float(row["topic"] == "x")', "raised KeyError: 'topic'"),
+        ("return None", "returned None (NoneType), not a number"),
+        ('return float("nan")', "returned nan, not a finite number"),
+    ],
+)
+def test_validate_scores_the_first_row_and_refuses_a_reward_that_cannot_score_it(tmp_path, capsys, body, error):
+    """A reward function broken on every row is refused by `validate` (it used to say ok, and `train` trained
+    on rewards of 0); one that scores, 0 included, passes, and `validate` says how many rows it read."""
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {n} + 1?", "answer": n + 1}) + "\n" for n in range(5)))
+    (tmp_path / "mine_reward.py").write_text(f"def score(completion, answer, row):\n    {body}\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"task: {{name: dataset, path: {data}, reward: {tmp_path}/mine_reward.py:score}}\n")
+    assert cli_main(["validate", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert f"task.reward '{tmp_path}/mine_reward.py:score' {error} on the training row mine-" in err, err
+    assert "with the completion '<answer>" in err and "Traceback" not in err
+    (tmp_path / "mine_reward.py").write_text("def score(completion, answer, row):\n    return 0.0\n")
+    assert cli_main(["validate", str(job)]) == 0
+    assert f"5 rows of {data})" in capsys.readouterr().out
 
 
 def test_validate_names_a_task_setting_out_of_range_instead_of_raising(tmp_path, capsys):
