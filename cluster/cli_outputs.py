@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from cluster.job import Job, JobValidationError, load_job
+from cluster.job import Job, JobError, JobValidationError, load_job
 
 
 def load_or_print(path: str, overrides: list[str] | None = None) -> Job | None:
@@ -16,8 +17,18 @@ def load_or_print(path: str, overrides: list[str] | None = None) -> Job | None:
     try:
         return load_job(path, overrides or ())
     except JobValidationError as error:
-        print(error, file=sys.stderr)
+        print(JobValidationError(error.source, _naming_overrides(error.errors, overrides or ())), file=sys.stderr)
         return None
+
+
+def _naming_overrides(errors: list[JobError], overrides: Sequence[str]) -> list[JobError]:
+    """Each error in a field a `--set` gave (or under it) says so: it is not in the job file."""
+    given = {text.partition("=")[0].strip(): text for text in overrides if "=" in text}
+    named = []
+    for error in errors:
+        setting = next((text for key, text in given.items() if f"{error.path}.".startswith(f"{key}.")), None)
+        named.append(JobError(error.path, f"{error.message} (from --set {setting})") if setting else error)
+    return named
 
 
 def simulate(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import re
 from typing import Any
 
@@ -39,9 +40,41 @@ class JobValidationError(StableAsyncError, ValueError):
 def _pydantic_errors(error: ValidationError) -> list[JobError]:
     out = []
     for item in error.errors():
-        path = ".".join(_user_path([str(part) for part in item["loc"]])) or "(top level)"
-        out.append(JobError(path, item["msg"].removeprefix("Value error, ")))  # a check's own words
+        loc = _user_path([str(part) for part in item["loc"]])
+        message = item["msg"].removeprefix("Value error, ")  # a check's own words
+        if item["type"] == "extra_forbidden" and loc:
+            message += _did_you_mean(loc[-1], _fields_at(loc[:-1]))
+        out.append(JobError(".".join(loc) or "(top level)", message))
     return out
+
+
+def _did_you_mean(name: str, fields: set[str]) -> str:
+    close = difflib.get_close_matches(name, sorted(fields), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _fields_at(path: list[str]) -> set[str]:
+    """The field names the job schema allows under a dotted `path` (every member's of a union; list items by
+    their index), for suggesting the one a misspelt key meant."""
+    schema = Job.model_json_schema()
+    definitions = schema.get("$defs", {})
+
+    def expanded(node: dict[str, Any]) -> list[dict[str, Any]]:
+        if "$ref" in node:
+            return expanded(definitions[node["$ref"].rsplit("/", 1)[-1]])
+        members = node.get("anyOf") or node.get("oneOf") or node.get("allOf")
+        if members:
+            return [leaf for member in members for leaf in expanded(member)]
+        return [node]
+
+    nodes = [schema]
+    for part in path:
+        inner = [
+            node["items"] if part.isdigit() and "items" in node else node.get("properties", {}).get(part)
+            for node in (leaf for start in nodes for leaf in expanded(start))
+        ]
+        nodes = [node for node in inner if node is not None] or nodes  # a union's tag: stay where it was
+    return {field for start in nodes for leaf in expanded(start) for field in leaf.get("properties", {})}
 
 
 def _user_path(loc: list[str]) -> list[str]:

@@ -634,3 +634,36 @@ def test_every_commands_positional_argument_says_what_it_is():
         if not action.option_strings and not action.help
     ]
     assert not bare, bare
+
+
+def test_a_misspelt_field_is_answered_with_the_one_it_meant(tmp_path, capsys):
+    """'Extra inputs are not permitted' alone left the user to find the field's spelling in the docs."""
+    from cluster.cli import main as cli_main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "learner: {stepz: 3, learning_rat: 1.0e-5}\n"
+        "algorithm: {stabilizer: {name: tis_seq, capp: 2}}\n"
+        "task: {name: arithmetic, max_operandd: 3}\n"
+        "nonsense: 1\n"
+    )
+    assert cli_main(["validate", str(job)]) == 2
+    err = capsys.readouterr().err
+    for line in (
+        "learner.stepz: Extra inputs are not permitted; did you mean 'steps'?",
+        "learner.learning_rat: Extra inputs are not permitted; did you mean 'learning_rate'?",
+        "algorithm.stabilizer.capp: Extra inputs are not permitted; did you mean 'cap'?",
+        "task.max_operandd: Extra inputs are not permitted; did you mean 'max_operand'?",
+        "nonsense: Extra inputs are not permitted\n",
+    ):
+        assert line in err, err
+
+
+def test_an_error_in_a_field_given_by_set_names_the_set_not_the_job_file(capsys):
+    from cluster.cli import main as cli_main
+
+    overrides = ["--set", "learner.steps=abc", "--set", "learner.stepz=3", "--set", "seed=1"]
+    assert cli_main(["validate", "deploy/jobs/demo.yaml", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "learner.steps: Input should be a valid integer" in err and "(from --set learner.steps=abc)" in err
+    assert "did you mean 'steps'? (from --set learner.stepz=3)" in err and "seed=1" not in err
