@@ -347,9 +347,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="build the W&B workspace of a workspace file "
         "and save it to a project (offline: write the view it would save)",
     )
-    wandb_workspace.add_argument("--spec", default="deploy/wandb/workspace.yaml", help="the workspace file")
-    wandb_workspace.add_argument("--entity", required=True, help="W&B entity (logging.wandb.entity of the jobs)")
-    wandb_workspace.add_argument("--project", required=True, help="W&B project (logging.wandb.project of the jobs)")
+    wandb_workspace.add_argument(
+        "--spec", help="the workspace file (default: the repository's deploy/wandb/workspace.yaml)"
+    )
+    wandb_workspace.add_argument(
+        "--entity", help="W&B entity (logging.wandb.entity of the jobs); needed to save, not offline"
+    )
+    wandb_workspace.add_argument(
+        "--project", help="W&B project (logging.wandb.project of the jobs); needed to save, not offline"
+    )
     wandb_workspace.add_argument(
         "--offline",
         action="store_true",

@@ -35,14 +35,22 @@ class WorkspaceSpecError(StableAsyncError, ValueError):
     """The workspace file holds something the library cannot express; the message names the section and panel."""
 
 
+# the repository's own file, wherever the command runs from
+DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "deploy" / "wandb" / "workspace.yaml"
+# offline without --entity/--project: the view names these, to be replaced when it is saved
+PLACEHOLDER_ENTITY, PLACEHOLDER_PROJECT = "ENTITY", "PROJECT"
+
+
 def load_spec(path: str | Path) -> dict[str, Any]:
-    """The workspace file as data, or a WorkspaceSpecError naming the file."""
+    """The workspace file as data, or a WorkspaceSpecError (the caller names the file)."""
     try:
         spec = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise WorkspaceSpecError(f"{path}: {error}") from None
+    except OSError as error:
+        raise WorkspaceSpecError(f"cannot be read ({error.strerror}); --spec FILE takes another file") from None
+    except yaml.YAMLError as error:
+        raise WorkspaceSpecError(f"is not YAML: {error}") from None
     if not isinstance(spec, dict):
-        raise WorkspaceSpecError(f"{path}: not a mapping with name, x_axis and sections")
+        raise WorkspaceSpecError("not a mapping with name, x_axis and sections")
     return spec
 
 
@@ -145,23 +153,35 @@ def default_offline() -> bool:
         return True
 
 
-def run_cli(spec_path: str, entity: str, project: str, offline: bool, out: str | None) -> int:
+def run_cli(spec_path: str | None, entity: str | None, project: str | None, offline: bool, out: str | None) -> int:
     """`stableasync wandb-workspace`: exit 2 naming what in the file cannot be built, 1 when saving fails."""
     offline = offline or default_offline()
+    if not offline and not (entity and project):
+        print(
+            "stableasync wandb-workspace: saving to W&B needs --entity and --project (the jobs' "
+            "logging.wandb.entity and .project); --offline writes the view without them",
+            file=sys.stderr,
+        )
+        return 2
+    spec_file = Path(spec_path) if spec_path else DEFAULT_SPEC
     try:
-        workspace = build_workspace(load_spec(spec_path), entity, project)
+        workspace = build_workspace(load_spec(spec_file), entity or PLACEHOLDER_ENTITY, project or PLACEHOLDER_PROJECT)
     except WorkspaceSpecError as error:
-        print(f"stableasync wandb-workspace: {spec_path}: {error}", file=sys.stderr)
+        print(f"stableasync wandb-workspace: {spec_file}: {error}", file=sys.stderr)
         return 2
     if offline or out:
         path = Path(out or "runs/wandb-workspace.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(saved_view(workspace), indent=1) + "\n")
         print(
-            f"workspace {workspace.name!r} for {entity}/{project}: {len(workspace.sections)} sections, "
-            f"{sum(len(s.panels) for s in workspace.sections)} panels; the view it would save: {path}"
+            f"workspace {workspace.name!r} for {workspace.entity}/{workspace.project}: {len(workspace.sections)} "
+            f"sections, {sum(len(s.panels) for s in workspace.sections)} panels; the view it would save: {path}"
         )
     if offline:
+        print(
+            "to save it, run the same command where W&B is reachable and logged in (`wandb login`), with "
+            "--entity and --project: the view is built from the workspace file again, not from this JSON"
+        )
         return 0
     try:
         workspace.save()

@@ -38,10 +38,12 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "stableasync export": (
         "tests/integration/test_pipeline.py::test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_nothing",
+        "tests/unit/test_checkpoints.py::test_export_of_a_run_without_checkpoints_gives_its_finished_model_or_says_what_to_set",
     ),
     "stableasync wandb-workspace": (
         "tests/unit/test_wandb_workspace.py::test_the_command_writes_the_view_offline_and_a_bad_file_exits_2",
         "tests/unit/test_wandb_workspace.py::test_online_saves_the_workspace_and_prints_its_url",
+        "tests/unit/test_wandb_workspace.py::test_offline_from_any_directory_needs_no_entity_project_or_spec_and_says_how_to_save",
     ),
     "stableasync submit": (
         "tests/integration/test_submit.py::test_a_submission_without_the_token_or_with_a_wrong_one_is_refused",

@@ -203,3 +203,39 @@ def test_online_saves_the_workspace_and_prints_its_url(tmp_path, monkeypatch, ca
     monkeypatch.setattr(ws.Workspace, "save", unreachable)
     assert main(["wandb-workspace", "--spec", str(WORKSPACE), "--entity", "my-team", "--project", "sa"]) == 1
     assert "ConnectionError: api.wandb.ai unreachable" in capsys.readouterr().err
+
+
+def test_offline_from_any_directory_needs_no_entity_project_or_spec_and_says_how_to_save(tmp_path, capsys):
+    """It required --entity and --project even offline, and found its file only from the repository root."""
+    import os
+
+    from cluster.cli import main
+
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["wandb-workspace", "--offline"]) == 0
+        out = capsys.readouterr().out
+        assert "for ENTITY/PROJECT" in out and "run the same command where W&B is reachable" in out
+        _check_view_matches_file(json.loads((tmp_path / "runs" / "wandb-workspace.json").read_text()), _file())
+        assert main(["wandb-workspace", "--offline", "--spec", "missing.yaml"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("missing.yaml") == 1 and "--spec FILE takes another file" in err
+    finally:
+        os.chdir(here)
+
+
+def test_saving_without_entity_or_project_says_which_flags_it_needs(tmp_path, monkeypatch, capsys):
+    from cluster.cli import main
+
+    _no_wandb_login(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert main(["wandb-workspace", "--entity", "my-team"]) == 2
+    assert "needs --entity and --project" in capsys.readouterr().err
+
+
+def test_the_docs_name_every_section_of_the_workspace_file():
+    text = " ".join((ROOT / "docs" / "wandb.md").read_text().split())
+    sections = [section["name"] for section in _file()["sections"]]
+    numbers = {6: "six", 7: "seven", 8: "eight", 9: "nine"}
+    assert f"{numbers[len(sections)]} sections ({', '.join(sections)};" in text
