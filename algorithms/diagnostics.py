@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor
 
+from algorithms.advantages import group_std
 from algorithms.batch import PolicyBatch, masked_mean, safe_exp, zero_outside
 
 
@@ -78,6 +79,13 @@ def lag_stats(lags: Tensor, max_lag: int | None = None) -> dict[str, Tensor]:
         "lag_max": lags.max().float(),
         "lag_hist": torch.bincount(lags, minlength=bins),
     }
+
+
+def zero_std_share(rewards: Tensor, group_ids: Tensor, trained: Tensor, tolerance: float = 1e-6) -> Tensor:
+    """Share of the `trained` rows [B] bool whose prompt group scored every response the same (reward std within
+    `tolerance`): such a group has no advantage to learn from (TRL's frac_reward_zero_std). 0-d float32."""
+    flat = group_std(rewards, group_ids) <= tolerance
+    return (flat & trained).sum().float() / trained.sum().clamp(min=1)
 
 
 def health_metrics(batch: PolicyBatch) -> dict[str, Tensor]:

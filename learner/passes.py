@@ -22,7 +22,7 @@ from torch import Tensor
 from algorithms.advantages import ADVANTAGES
 from algorithms.aggregation import loss_denominator
 from algorithms.batch import PolicyBatch, TokenWeights
-from algorithms.diagnostics import health_metrics
+from algorithms.diagnostics import health_metrics, zero_std_share
 from algorithms.proximal import trust_region_weights
 from algorithms.regularizers import adapted_kl_coef
 from algorithms.stabilizer import Stabilizer
@@ -145,6 +145,7 @@ class LearnerStep:
             **reward_metrics,
             **kl_metrics(self.spec, self.kl_coef, batch, step.logprobs, reference),
             "rollout/reward_mean": task_rewards.mean(),
+            "rollout/zero_std_share": zero_std_share(task_rewards, batch.group_ids, batch.loss_mask.any(dim=1)),
         }
         self.last_sequence_log_ratios = policy.seq_log_ratio
         metrics["stability/entropy"] = (step.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)

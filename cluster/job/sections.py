@@ -431,6 +431,14 @@ class AlertsSection(Section):
     grad_norm_window_steps: int = Field(
         20, gt=0, description="steps in the running median of the relative rule; it applies once that many are seen"
     )
+    zero_std_share_above: float | None = Field(
+        0.8,
+        ge=0,
+        lt=1,
+        description="no learning signal: rollout/zero_std_share (trained responses whose group scored every "
+        "response the same) above this for zero_std_steps steps in a row; null: no such alert",
+    )
+    zero_std_steps: int = Field(5, gt=0, description="consecutive mostly-flat steps that make the alert")
 
 
 class SamplesSection(Section):

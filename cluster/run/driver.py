@@ -157,6 +157,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
             job.logging.progress_bar,
             job.learner.steps,
             alerts=job.logging.alerts,
+            warmup_steps=job.model.sft_warmup.steps,
         )
         if state is None and job.model.sft_warmup.steps:
             _sft_warmup(job, task, model_path, learners, sink)

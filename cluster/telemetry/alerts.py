@@ -1,4 +1,5 @@
-"""Stability alerts: ESS collapse, entropy collapse and gradient-norm spikes, from each RL step's metrics.
+"""Stability alerts: ESS collapse, entropy collapse, gradient-norm spikes and groups without learning signal,
+from each RL step's metrics.
 
 Pure Python (no W&B, torch or ray) so each rule is tested on hand-made sequences; `MetricSink` raises
 what `StabilityAlerts.check` returns. A rule alerts once when its condition starts, not on every
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 ESS_KEY = "stability/ess_ratio"
 ENTROPY_KEY = "stability/entropy"
 GRAD_NORM_KEY = "optim/grad_norm"
+ZERO_STD_KEY = "rollout/zero_std_share"
 
 
 class AlertThresholds(Protocol):
@@ -44,6 +46,12 @@ class AlertThresholds(Protocol):
     @property
     def grad_norm_window_steps(self) -> int: ...
 
+    @property
+    def zero_std_share_above(self) -> float | None: ...
+
+    @property
+    def zero_std_steps(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class Alert:
@@ -53,37 +61,45 @@ class Alert:
     text: str
 
 
-class LowStreak:
-    """A metric below a threshold (or NaN) for N steps in a row: fires on the step the streak reaches N, once."""
+class ThresholdStreak:
+    """A metric below a threshold (or NaN) for N steps in a row: fires on the step the streak reaches N, once.
+    `high`: above the threshold instead (a NaN then breaks the streak)."""
 
-    def __init__(self, key: str, below: float | None, steps: int, title: str, setting: str, advice: str) -> None:
-        self.key, self.below, self.steps = key, below, steps
+    def __init__(
+        self, key: str, bound: float | None, steps: int, title: str, setting: str, advice: str, high: bool = False
+    ) -> None:
+        self.key, self.bound, self.steps, self.high = key, bound, steps, high
         self.title, self.setting, self.advice = title, setting, advice
         self.streak = 0
 
     def check(self, step: int, value: float) -> list[Alert]:
-        if self.below is None:
+        if self.bound is None:
             return []
-        low = not math.isfinite(value) or value < self.below
-        self.streak = self.streak + 1 if low else 0
+        if self.high:
+            out = math.isfinite(value) and value > self.bound
+        else:
+            out = not math.isfinite(value) or value < self.bound
+        self.streak = self.streak + 1 if out else 0
         if self.streak != self.steps:
             return []
+        side = f"above {self.bound:g}" if self.high else f"below {self.bound:g} (or NaN)"
         return [
             Alert(
                 self.title,
-                f"step {step}: {self.key} = {value:.3g}, below {self.below:g} (or NaN) for "
+                f"step {step}: {self.key} = {value:.3g}, {side} for "
                 f"{self.steps} step(s) in a row (logging.alerts.{self.setting}); {self.advice}",
             )
         ]
 
 
 class StabilityAlerts:
-    """The ESS-collapse, entropy-collapse and gradient-norm-spike rules, with the state they keep between steps."""
+    """The ESS-collapse, entropy-collapse, no-signal and gradient-norm-spike rules, with the state they keep
+    between steps."""
 
     def __init__(self, thresholds: AlertThresholds) -> None:
         self.thresholds = thresholds
         self.streaks = [
-            LowStreak(
+            ThresholdStreak(
                 ESS_KEY,
                 thresholds.ess_ratio_below,
                 thresholds.ess_collapse_steps,
@@ -91,7 +107,7 @@ class StabilityAlerts:
                 "ess_ratio_below",
                 "the rollouts are too off-policy for the stabilizer: lower async.max_lag or the learning rate",
             ),
-            LowStreak(
+            ThresholdStreak(
                 ENTROPY_KEY,
                 thresholds.entropy_below,
                 thresholds.entropy_collapse_steps,
@@ -99,6 +115,17 @@ class StabilityAlerts:
                 "entropy_below",
                 "the policy has stopped exploring, so rewards will stop improving: lower "
                 "the learning rate, raise generator.temperature, or use a clip-higher stabilizer",
+            ),
+            ThresholdStreak(
+                ZERO_STD_KEY,
+                thresholds.zero_std_share_above,
+                thresholds.zero_std_steps,
+                "no learning signal",
+                "zero_std_share_above",
+                "most prompt groups score every response the same, so they have no advantage and the steps learn "
+                "little: the problems are too easy or too hard for the policy (change the data or the warm-up), "
+                "raise generator.samples_per_prompt, or set algorithm.drop_uniform_groups",
+                high=True,
             ),
         ]
         self.spiking = False  # whether the previous step with a grad norm was a spike

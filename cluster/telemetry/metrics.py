@@ -32,6 +32,8 @@ KNOWN_METRICS: dict[str, str] = {
     "(also RUN_DIR/samples.jsonl)",
     "rollout/reward_mean": "mean reward of the step's trained samples",
     "rollout/response_len": "mean completion length of the step's trained samples (tokens)",
+    "rollout/zero_std_share": "share of the step's trained responses whose prompt group scored every response the "
+    "same: no advantage to learn from (TRL's frac_reward_zero_std); an alert when most are so for a while",
     "rollout/uniform_groups_dropped": "prompt groups dropped since the previous step because every response "
     "scored the same (algorithm.drop_uniform_groups)",
     "rollout/scored_reward_mean": "mean reward of every response scored since the previous step, the dropped "
@@ -177,7 +179,12 @@ def metric_groups() -> list[str]:
 
 
 PROGRESS_KEYS = (
+    ("sft loss", "sft/loss", "{:.3f}"),  # the warm-up's
     ("reward", "rollout/reward_mean", "{:.3f}"),
+    ("flat groups", "rollout/zero_std_share", "{:.0%}"),
+    ("loss", "optim/loss", "{:.4f}"),
+    ("kl", "stability/kl_k3", "{:.4f}"),
+    ("entropy", "stability/entropy", "{:.2f}"),
     ("ess", "stability/ess_ratio", "{:.2f}"),
     ("lag", "async/lag_mean", "{:.1f}"),
     ("gen tok/s", "perf/gen_tokens_per_s", "{:.0f}"),
@@ -201,8 +208,10 @@ class MetricSink:
         progress_bar: bool = True,
         total_steps: int | None = None,
         alerts: AlertThresholds | None = None,
+        warmup_steps: int = 0,
     ) -> None:
-        """`alerts` (the job's `logging.alerts`) turns on the ESS-collapse and grad-norm-spike alerts."""
+        """`alerts` (the job's `logging.alerts`) turns on the ESS-collapse and grad-norm-spike alerts;
+        `warmup_steps`: the SFT warm-up's steps, logged as steps -warmup_steps .. -1 and shown as warm-up 1 .. N."""
         self.run_dir = run_dir
         self._alerts = StabilityAlerts(alerts) if alerts is not None else None
         self._jsonl = (run_dir / "metrics.jsonl").open("a")
@@ -211,6 +220,7 @@ class MetricSink:
         self.sample_lines = _line_count(self._samples_path)
         self._progress = progress_bar
         self._total = total_steps
+        self._warmup_steps = warmup_steps
         self._started = time.monotonic()
         self._wandb = None
         if wandb_mode != "disabled":
@@ -313,12 +323,15 @@ class MetricSink:
                 log.warning("W&B finish failed: %s", error)
 
     def _print_progress(self, step: int, row: dict[str, Any]) -> None:
-        parts = [f"step {step}" + (f"/{self._total}" if self._total else "")]
+        if step < 0:
+            parts = [f"warm-up {step + self._warmup_steps + 1}/{self._warmup_steps}"]
+        else:
+            parts = [f"step {step}" + (f"/{self._total}" if self._total else "")]
         for label, key, fmt in PROGRESS_KEYS:
             value = row.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 parts.append(f"{label} {fmt.format(value)}")
-        parts.append(f"{row['time/wall_s']:.0f}s")
+        parts.append(f"{row['time/wall_s']:.0f}s elapsed")
         print(" | ".join(parts), file=sys.stderr, flush=True)
 
 
