@@ -197,6 +197,10 @@ def evaluate(args: argparse.Namespace) -> int:
     except TaskError as error:
         print(f"stableasync evaluate: {error}", file=sys.stderr)
         return 2
+    if not job.logging.engine_logs:
+        from cluster.run.ray_cluster import quiet_engines_here
+
+        quiet_engines_here()
     results = evaluate_saved_model(job, model, sets)
     print(results_table(results))
     out = Path(args.out)

@@ -432,13 +432,13 @@ class AlertsSection(Section):
         20, gt=0, description="steps in the running median of the relative rule; it applies once that many are seen"
     )
     zero_std_share_above: float | None = Field(
-        0.8,
+        0.9,
         ge=0,
         lt=1,
         description="no learning signal: rollout/zero_std_share (trained responses whose group scored every "
         "response the same) above this for zero_std_steps steps in a row; null: no such alert",
     )
-    zero_std_steps: int = Field(5, gt=0, description="consecutive mostly-flat steps that make the alert")
+    zero_std_steps: int = Field(10, gt=0, description="consecutive mostly-flat steps that make the alert")
 
 
 class SamplesSection(Section):
@@ -454,6 +454,11 @@ class LoggingSection(Section):
     run_name: str | None = None
     wandb: WandbSection = WandbSection()
     progress_bar: bool = True
+    engine_logs: bool = Field(
+        False,
+        description="the actors' engine logs on the console (vLLM's start-up and warnings, transformers' progress "
+        "bars, Python warnings); off: their errors only (Ray keeps every actor's whole log in its session folder)",
+    )
     alerts: AlertsSection = AlertsSection()
     samples: SamplesSection = SamplesSection()
 

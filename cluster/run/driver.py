@@ -112,7 +112,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     check_tools(job)  # a tool file that does not load, by its entry
     check_sandbox(job)  # sandbox.isolation: namespaces that this machine cannot start
     run_dir = resume_dir if resume_dir is not None else create_run_dir(job)
-    runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace)
+    runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace, job.logging.engine_logs)
     if stop is not None:
         stop.take_signals()
     _check_resources(job)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import ray
@@ -14,6 +15,20 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 # Environment every actor of a job gets: a shared cache of built ops, no noise (a generator adds its engine's).
 ACTOR_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(PROJECT_ROOT)}
+# ... and, unless logging.engine_logs, engines that say only what went wrong: vLLM's start-up alone is 40 lines
+QUIET_ENGINES = {
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "PYTHONWARNINGS": "ignore",
+}
+
+
+def quiet_engines_here() -> None:
+    """The same quiet for engines this process runs itself (`stableasync evaluate`); a variable already set wins."""
+    for name, value in QUIET_ENGINES.items():
+        os.environ.setdefault(name, value)
 
 
 def actor_env() -> dict[str, str]:
@@ -24,12 +39,16 @@ def actor_env() -> dict[str, str]:
     return env
 
 
-def connect(address: str | None, num_cpus: int | None, namespace: str) -> None:
+def connect(address: str | None, num_cpus: int | None, namespace: str, engine_logs: bool = True) -> None:
     """Join the cluster at `address` (or the one a submitted Ray job runs in, from RAY_ADDRESS), or start a
-    small local one (no dashboard, no prestarted workers)."""
+    small local one (no dashboard, no prestarted workers). Without `engine_logs` every actor's engines are quiet
+    (each actor's own env_vars are merged over these, key by key); the actors' lines carry no colour codes when
+    the console is not a terminal."""
     if ray.is_initialized():
         return
-    runtime_env = {"env_vars": actor_env()}
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    runtime_env = {"env_vars": {**actor_env(), **({} if engine_logs else QUIET_ENGINES)}}
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, namespace=namespace, runtime_env=runtime_env, log_to_driver=True)

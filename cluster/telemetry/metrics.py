@@ -330,7 +330,8 @@ class MetricSink:
         for label, key, fmt in PROGRESS_KEYS:
             value = row.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
-                parts.append(f"{label} {fmt.format(value)}")
+                text = fmt.format(value)
+                parts.append(f"{label} {text[1:] if text.startswith('-') and float(text.rstrip('%')) == 0 else text}")
         parts.append(f"{row['time/wall_s']:.0f}s elapsed")
         print(" | ".join(parts), file=sys.stderr, flush=True)
 

@@ -56,3 +56,7 @@ def test_the_demo_job_as_shipped_reaches_the_readmes_floor(tmp_path):
     outcome = f"solved {solved} of 64 at steps 0..300, mean reward {first_10:.3f} -> {last_10:.3f}"
     assert solved[-1] >= MIN_SOLVED_AT_LAST_EVAL, outcome
     assert last_10 >= MIN_LAST_10_REWARD and last_10 >= first_10 + MIN_REWARD_GAIN, outcome
+    # the console: quiet engines (vLLM's start-up was 40 lines), no colour codes in a file, a labelled warm-up
+    console = result.stdout + result.stderr
+    assert "Initializing a V1 LLM engine" not in console and "\x1b[" not in console, console[:3000]
+    assert "warm-up 1/50 | sft loss " in console and "step 300/300 | reward " in console
