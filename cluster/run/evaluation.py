@@ -349,10 +349,18 @@ def saved_model_folder(model_or_run: Path) -> Path:
     )
 
 
-def evaluate_saved_model(job: Job, model_path: Path, sets: Sequence[EvaluationSet]) -> dict[str, dict[str, Any]]:
+@dataclass(frozen=True)
+class SavedModelEvaluation:
+    """What `stableasync evaluate` prints and writes: each set's results by its label, and every answer (the set,
+    problem, gold answer, response, reward and score error) for a person to read."""
+
+    results: dict[str, dict[str, Any]]
+    answers: list[dict[str, Any]]
+
+
+def evaluate_saved_model(job: Job, model_path: Path, sets: Sequence[EvaluationSet]) -> SavedModelEvaluation:
     """Every set answered by the model at `model_path` on one generator in this process (the job's generator
-    settings; no Ray), scored by the job's verifiers: each set's results by its label, as `stableasync evaluate`
-    prints and writes them."""
+    settings; no Ray), scored by the job's verifiers."""
     from actors.generator import Generator
     from cluster.job import section_config
     from cluster.run.specs import generator_spec
@@ -361,19 +369,18 @@ def evaluate_saved_model(job: Job, model_path: Path, sets: Sequence[EvaluationSe
     spec = dataclasses.replace(generator_spec(job, str(model_path)), lora=None, streaming=False)  # a merged model
     generator = Generator(spec)
     verifiers = verifier_pool(job, job.task.name, section_config(job.task, TASK_CONFIGS))
+    results, answers = {}, []
     try:
         scorers, owned = set_scorers(sets, job, verifiers)
         requests = evaluation_requests(sets, job.seed)
-        results = {}
         try:
             for evaluation_set in sets:
                 started = time.perf_counter()
                 groups = generator.generate(
                     requests[evaluation_set.name], evaluation_set.samples_per_problem, evaluation_set.temperature
                 )
-                metrics = answer_metrics(
-                    groups, score_answers(scorers[evaluation_set.name], evaluation_set, groups), evaluation_set.pass_at
-                )
+                scores = score_answers(scorers[evaluation_set.name], evaluation_set, groups)
+                metrics = answer_metrics(groups, scores, evaluation_set.pass_at)
                 log.info("set %s: %s", evaluation_set.label, summary_line(metrics))
                 results[evaluation_set.label] = {
                     "logged_as": evaluation_set.key("eval/*"),
@@ -383,20 +390,47 @@ def evaluate_saved_model(job: Job, model_path: Path, sets: Sequence[EvaluationSe
                     **{key.removeprefix("eval/"): value for key, value in metrics.items()},
                     "seconds": time.perf_counter() - started,
                 }
+                answers += answer_rows(evaluation_set, groups, scores)
         finally:
             close_pools(owned)
     finally:
         verifiers.close()
-    return results
+    return SavedModelEvaluation(results, answers)
+
+
+def answer_rows(
+    evaluation_set: EvaluationSet, groups: Sequence[GeneratedGroup], scores: Sequence[ScoreResult]
+) -> list[dict[str, Any]]:
+    """One row per answer, in the groups' order (verl's validation generations, TRL's logged completions)."""
+    answered = [
+        (problem, completion)
+        for (problem, _), group in zip(evaluation_set.problems, groups, strict=True)
+        for completion in group.completions
+    ]
+    return [
+        {
+            "set": evaluation_set.label,
+            "problem_id": problem.problem_id,
+            "question": problem.question,
+            "answer": problem.answer,
+            "response": completion["text"],
+            "finish_reason": completion["finish_reason"],
+            "reward": score.reward,
+            "score_error": score.error,
+        }
+        for (problem, completion), score in zip(answered, scores, strict=True)
+    ]
 
 
 RESULT_COLUMNS = (
     ("solved (avg@k)", "solved", "{:.3f}"),
     ("pass@k", "pass_at_k", "{:.3f}"),
     ("maj@k", "maj_at_k", "{:.3f}"),
+    ("reward", "reward_mean", "{:.3f}"),
     ("k", "samples_per_problem", "{}"),
     ("problems", "problems", "{}"),
     ("answers", "answers", "{}"),
+    ("score errors", "score_errors", "{}"),
 )
 
 

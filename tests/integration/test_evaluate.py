@@ -66,7 +66,25 @@ def test_evaluate_answers_every_set_and_writes_each_ones_results(tmp_path, tiny_
         assert 0.0 <= result["solved"] <= result["pass_at_k"] <= 1.0 and result["score_errors"] == 0
         assert 0 < result["response_len"] <= 8 and 0.0 <= result["reward_mean"] <= 1.0
     header, *rows = [line for line in printed.splitlines() if line.startswith(("set ", "default ", "sums "))]
-    assert header.split() == ["set", "solved", "(avg@k)", "pass@k", "maj@k", "k", "problems", "answers"]
-    assert [row.split()[0] for row in rows] == ["default", "sums"] and rows[1].split()[4:] == ["2", "3", "6"]
+    assert header.split() == [
+        "set",
+        "solved",
+        "(avg@k)",
+        "pass@k",
+        "maj@k",
+        "reward",
+        "k",
+        "problems",
+        "answers",
+        "score",
+        "errors",
+    ]
+    assert [row.split()[0] for row in rows] == ["default", "sums"] and rows[1].split()[5:] == ["2", "3", "6", "0"]
+    assert float(rows[1].split()[4]) == pytest.approx(named["reward_mean"], abs=1e-3)
+    answers = [json.loads(line) for line in (out.parent / "evaluation-answers.jsonl").read_text().splitlines()]
+    assert [row["set"] for row in answers] == ["default"] * 2 + ["sums"] * 6
+    assert sorted(row["answer"] for row in answers[2:]) == ["3", "3", "4", "4", "7", "7"]  # each problem twice
+    assert all(row["score_error"] is None and isinstance(row["response"], str) for row in answers)
+    assert sum(row["reward"] for row in answers[2:]) / 6 == pytest.approx(named["reward_mean"])
     assert 0.0 <= named["maj_at_k"] <= named["pass_at_k"]  # a majority answer that is right is one right answer
     assert f"results: {out}" in printed
