@@ -90,12 +90,26 @@ def auth_headers(token: str | None) -> dict[str, str]:
 
 def client(address: str, token: str | None) -> Any:
     """A JobSubmissionClient for `address` that sends the token with every request."""
+    from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
     try:
         return JobSubmissionClient(address, headers=auth_headers(token))
+    except AuthenticationError as error:
+        raise SubmitError(token_refused(address, token, error.message)) from None
     except Exception as error:
         raise SubmitError(f"cannot reach the Ray Jobs API at {address}: {type(error).__name__}: {error}") from None
+
+
+def token_refused(address: str, token: str | None, said: str) -> str:
+    """Why the cluster refused us, in words about this cluster's token. Ray's own text goes on about the local
+    RAY_AUTH_MODE ('currently disabled'), which is not what is wrong when a cluster refuses a token."""
+    sent = "the auth token sent" if token else "a request without an auth token (--no-auth)"
+    return (
+        f"Authentication refused by the Ray cluster at {address} ({said.strip().rstrip('.')}): {sent} is not "
+        "the cluster's; use the head's own token (its ~/.ray/auth_token, which the deploy YAMLs print), with "
+        "--token-file, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH"
+    )
 
 
 def upload_limit_bytes() -> int:

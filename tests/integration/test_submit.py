@@ -145,6 +145,9 @@ def test_a_submission_without_the_token_or_with_a_wrong_one_is_refused(token_hea
     wrong = tmp_path / "wrong_token"
     wrong.write_text("0" * 64)
     assert cli_main(["status", "anything", "--address", api, "--token-file", str(wrong)]) == 1
+    err = capsys.readouterr().err
+    assert f"Authentication refused by the Ray cluster at {api}" in err and "is not the cluster's" in err, err
+    assert "RAY_AUTH_MODE is currently" not in err  # Ray's note about this machine's own mode misled
     assert not (tmp_path / "runs").exists(), "nothing ran"
     # the right token is accepted by the same API
     assert cli_main(["status", "no-such-job", "--address", api, "--token-file", str(token_file)]) == 1
