@@ -17,6 +17,8 @@ from cluster.experiments.report_plots import CURVES, plot_cells, plot_eval_by_la
 from cluster.experiments.report_reading import ReportError, load_run, unique_labels
 from cluster.experiments.report_records import write_records
 from cluster.experiments.report_tables import (
+    TERMINAL_CELL_COLUMNS,
+    TERMINAL_COLUMNS,
     RunSummary,
     cells_markdown_table,
     has_repeats,
@@ -109,9 +111,10 @@ def run_cli(
 
 
 def print_tables(summaries: Sequence[RunSummary]) -> None:
-    """The run table, then the table over seeds when some cell holds more than one run."""
-    print(markdown_table(summaries), end="")
+    """The run table, then the table over seeds when some cell holds more than one run: the columns that tell
+    runs apart and how each ended (the report's table.md and cells.md have every one)."""
+    print(markdown_table(summaries, TERMINAL_COLUMNS), end="")
     cells = summarise_cells(summaries)
     if has_repeats(cells):
-        print("\nover seeds, one row per stabilizer and max lag:\n")
-        print(cells_markdown_table(cells), end="")
+        print("\nover seeds, one row per job, stabilizer and max lag:\n")
+        print(cells_markdown_table(cells, TERMINAL_CELL_COLUMNS), end="")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,14 @@ class RunData:
     ess_collapse_steps: int  # logging.alerts.ess_collapse_steps
     rows: list[Row]  # RL rows only (train/step > 0); SFT warm-up rows are dropped
     wall_s: list[float]  # per row: seconds since the run's sink started, continued across resumes
+    # the evaluation of the policy before any RL step (eval.before_training), with its wall time: plotted, not
+    # an RL row for the tables' rules
+    start_rows: list[tuple[Row, float]] = field(default_factory=list)
+
+    @property
+    def job(self) -> str:
+        """The job it ran (cells group runs by job, stabilizer and lag)."""
+        return self.name
 
 
 # ---- reading a run directory ------------------------------------------------------------------------
@@ -139,6 +147,7 @@ def load_run(path: str | Path) -> RunData:
     all_rows = _read_metrics(metrics_path(run_dir))
     wall_s = _continued_wall_s(all_rows)
     rl = [(row, w) for row, w in zip(all_rows, wall_s) if row[STEP_KEY] > 0]
+    start = [(row, w) for row, w in zip(all_rows, wall_s) if row[STEP_KEY] == 0 and EVAL_SOLVED_KEY in row]
     return RunData(
         path=run_dir,
         name=str(job.get("name") or run_dir.name),
@@ -153,18 +162,19 @@ def load_run(path: str | Path) -> RunData:
         ess_collapse_steps=needed if needed is not None else DEFAULT_ALERTS["ess_collapse_steps"],
         rows=[row for row, _ in rl],
         wall_s=[w for _, w in rl],
+        start_rows=start,
     )
 
 
 # ---- the series a run logged ------------------------------------------------------------------------
 
 
-def metric_series(run: RunData, key: str) -> list[tuple[int, float, float]]:
-    """(step, run wall s, value) of every RL row that logged `key` as a number (NaN included)."""
+def metric_series(run: RunData, key: str, from_start: bool = False) -> list[tuple[int, float, float]]:
+    """(step, run wall s, value) of every RL row that logged `key` as a number (NaN included); `from_start`:
+    the step-0 evaluation's first (the policy before RL)."""
+    rows = [*(run.start_rows if from_start else []), *zip(run.rows, run.wall_s)]
     return [
-        (int(row[STEP_KEY]), wall_s, row[key])
-        for row, wall_s in zip(run.rows, run.wall_s)
-        if key in row and not isinstance(row[key], list)
+        (int(row[STEP_KEY]), wall_s, row[key]) for row, wall_s in rows if key in row and not isinstance(row[key], list)
     ]
 
 

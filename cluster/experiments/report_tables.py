@@ -37,6 +37,7 @@ class RunSummary:
 
     run_dir: Path
     label: str
+    job: str  # job.name
     stabilizer: str
     max_lag: int | None
     seed: int | None
@@ -181,6 +182,7 @@ def summarise(
     return RunSummary(
         run_dir=run.path,
         label=run.label,
+        job=run.job,
         stabilizer=run.stabilizer,
         max_lag=run.max_lag,
         seed=run.seed,
@@ -231,6 +233,7 @@ def _yes_no(flag: bool) -> str:
 # (header, RunSummary attribute, how the markdown/HTML table shows a value that is not None)
 COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("run", "label", _plain),
+    ("job", "job", _plain),
     ("stabilizer", "stabilizer", _plain),
     ("max lag", "max_lag", _plain),
     ("seed", "seed", _plain),
@@ -267,9 +270,34 @@ def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(header), "|" + "|".join("---" for _ in header) + "|"] + [line(row) for row in rows]) + "\n"
 
 
-def markdown_table(summaries: Sequence[RunSummary]) -> str:
-    """One row per run, for the terminal and table.md ("—": the run logged nothing to compute it from)."""
-    return _markdown([name for name, _, _ in COLUMNS], [row_cells(summary) for summary in summaries])
+# the terminal's tables: what tells runs apart and how each ended (the report's files have every column)
+TERMINAL_COLUMNS = (
+    "run", "job", "seed", "steps", "final reward", "last eval solved", "min ESS ratio", "max grad norm",
+    "mean lag", "wall s", "collapse",
+)  # fmt: skip
+TERMINAL_CELL_COLUMNS = (
+    "job", "stabilizer", "max lag", "seeds", "collapsed", "final reward mean", "final reward min–max",
+    "last eval solved mean", "median min ESS ratio", "mean wall s",
+)  # fmt: skip
+
+
+def _shown_columns(headers: Sequence[str], jobs: set[str], only: Sequence[str] | None) -> list[int]:
+    """The columns to show: `only` those named (all when None), and "job" only when the runs come from more
+    than one."""
+    return [
+        index
+        for index, header in enumerate(headers)
+        if (only is None or header in only) and (header != "job" or len(jobs) > 1)
+    ]
+
+
+def markdown_table(summaries: Sequence[RunSummary], only: Sequence[str] | None = None) -> str:
+    """One row per run, for the terminal (`only` TERMINAL_COLUMNS) and table.md ("—": the run logged nothing to
+    compute it from)."""
+    headers = [name for name, _, _ in COLUMNS]
+    shown = _shown_columns(headers, {summary.job for summary in summaries}, only)
+    rows = [row_cells(summary) for summary in summaries]
+    return _markdown([headers[i] for i in shown], [[row[i] for i in shown] for row in rows])
 
 
 def _write_dataclass_csv(kind: type, rows: Sequence[Any], path: Path) -> None:
@@ -303,11 +331,12 @@ def write_csv(summaries: Sequence[RunSummary], path: Path) -> None:
 
 @dataclass(frozen=True)
 class CellSummary:
-    """The runs of one (stabilizer, max_lag) cell, usually one per seed (`stableasync sweep --seeds`).
+    """The runs of one (job, stabilizer, max_lag) cell, usually one per seed (`stableasync sweep --seeds`).
     Rules: means and ranges over the runs that have the value; "lower median" is the middle run's value
     (the lower of the two middle ones for an even count), NaN ranked lowest, so a run whose ESS was never
     finite pulls the median down instead of vanishing."""
 
+    job: str
     stabilizer: str
     max_lag: int | None
     runs: int
@@ -362,6 +391,9 @@ class _InCell(Protocol):
     """What `by_cell` groups by: a run's data or its summary."""
 
     @property
+    def job(self) -> str: ...
+
+    @property
     def stabilizer(self) -> str: ...
 
     @property
@@ -371,25 +403,35 @@ class _InCell(Protocol):
 Run = TypeVar("Run", bound=_InCell)
 
 
-def by_cell(runs: Sequence[Run]) -> dict[tuple[str, int | None], list[Run]]:
-    """Runs (anything with `stabilizer` and `max_lag`) grouped by cell: stabilizers in the order they first
-    appear, each one's lags ascending (a shell glob lists lag 16 before lag 2)."""
+Cell = tuple[str, str, int | None]  # job, stabilizer, max lag
+
+
+def by_cell(runs: Sequence[Run]) -> dict[Cell, list[Run]]:
+    """Runs (anything with `job`, `stabilizer` and `max_lag`) grouped by cell: runs of different jobs never
+    share one; jobs and stabilizers in the order they first appear, each one's lags ascending (a shell glob
+    lists lag 16 before lag 2)."""
+    jobs = list(dict.fromkeys(run.job for run in runs))
     stabilizers = list(dict.fromkeys(run.stabilizer for run in runs))
-    cells: dict[tuple[str, int | None], list[Run]] = {}
-    for run in sorted(runs, key=lambda run: (stabilizers.index(run.stabilizer), lag_order(run.max_lag))):
-        cells.setdefault((run.stabilizer, run.max_lag), []).append(run)
+
+    def order(run: Run) -> tuple[int, int, int]:
+        return jobs.index(run.job), stabilizers.index(run.stabilizer), lag_order(run.max_lag)
+
+    cells: dict[Cell, list[Run]] = {}
+    for run in sorted(runs, key=order):
+        cells.setdefault((run.job, run.stabilizer, run.max_lag), []).append(run)
     return cells
 
 
 def summarise_cells(summaries: Sequence[RunSummary]) -> list[CellSummary]:
-    """One row per (stabilizer, max_lag) cell, in `by_cell` order."""
+    """One row per (job, stabilizer, max_lag) cell, in `by_cell` order."""
     out = []
-    for (stabilizer, max_lag), runs in by_cell(summaries).items():
+    for (job, stabilizer, max_lag), runs in by_cell(summaries).items():
         finals = _present([run.final_reward for run in runs])
         reached = [run for run in runs if run.target_step is not None]
         ess = _present([run.ess_ratio_min for run in runs])
         out.append(
             CellSummary(
+                job=job,
                 stabilizer=stabilizer,
                 max_lag=max_lag,
                 runs=len(runs),
@@ -427,6 +469,7 @@ def _of_runs(count: int, cell: CellSummary) -> str:
 
 # (header, how the markdown/HTML table shows a cell)
 CELL_COLUMNS: list[tuple[str, Callable[[CellSummary], str]]] = [
+    ("job", lambda c: c.job),
     ("stabilizer", lambda c: c.stabilizer),
     ("max lag", lambda c: _shown(c.max_lag, _plain)),
     ("seeds", lambda c: ",".join(MISSING if seed is None else str(seed) for seed in c.seeds)),
@@ -454,9 +497,12 @@ CELL_COLUMNS: list[tuple[str, Callable[[CellSummary], str]]] = [
 ]
 
 
-def cells_markdown_table(cells: Sequence[CellSummary]) -> str:
-    """One row per (stabilizer, max lag) over its runs, for the terminal and cells.md."""
-    return _markdown([name for name, _ in CELL_COLUMNS], [[show(cell) for _, show in CELL_COLUMNS] for cell in cells])
+def cells_markdown_table(cells: Sequence[CellSummary], only: Sequence[str] | None = None) -> str:
+    """One row per (job, stabilizer, max lag) over its runs, for the terminal (`only` TERMINAL_CELL_COLUMNS) and
+    cells.md."""
+    headers = [name for name, _ in CELL_COLUMNS]
+    shown = _shown_columns(headers, {cell.job for cell in cells}, only)
+    return _markdown([headers[i] for i in shown], [[CELL_COLUMNS[i][1](cell) for i in shown] for cell in cells])
 
 
 def write_cells_csv(cells: Sequence[CellSummary], path: Path) -> None:

@@ -38,6 +38,7 @@ def _write_run(
     alerts: dict[str, Any] | None = None,
     step_s: float = 2.0,
     seed: int | None = None,
+    job_name: str = "sweep",
     **series: list[Any],
 ) -> Path:
     """A run directory as the driver leaves it: job.yaml, metrics.jsonl (SFT rows first), summary.json.
@@ -45,7 +46,7 @@ def _write_run(
     None leaves the key out of that row."""
     run_dir.mkdir(parents=True)
     job = {
-        "name": run_dir.name,
+        "name": job_name,  # a sweep's cells share their job's name
         "algorithm": {"stabilizer": {"name": stabilizer}},
         "async": {"max_lag": max_lag},
         "learner": {"steps": len(rewards)},
@@ -521,8 +522,10 @@ def test_the_report_adds_a_table_over_seeds_only_when_a_cell_repeats(tmp_path, c
     out = tmp_path / "out"
     assert main(["report", *map(str, [*seeded, other]), "--out", str(out), "--target-reward", "0.5"]) == 0
     printed = capsys.readouterr().out
-    assert "over seeds" in printed and "| vcpo | 2 | 0,1,2 | 0/3 | 0/3 |" in printed
+    assert "over seeds" in printed and "| vcpo | 2 | 0,1,2 | 0/3 | 0.320 | 0.220–0.420 |" in printed
     assert "| vcpo lag 2 seed 1 |" in printed
+    header = next(line for line in printed.splitlines() if line.startswith("| run |"))
+    assert header.count("|") - 1 == 10, header  # the terminal's columns (21 before); table.md has every one
     cells = (out / "cells.md").read_text().splitlines()
     assert len(cells) == 2 + 2 and cells[2].startswith("| vcpo | 2 | 0,1,2 |")
     rows = list(csv.DictReader((out / "cells.csv").open()))
@@ -537,6 +540,39 @@ def test_the_report_adds_a_table_over_seeds_only_when_a_cell_repeats(tmp_path, c
     assert main(["report", str(seeded[0]), str(other), "--out", str(single)]) == 0
     assert "over seeds" not in capsys.readouterr().out
     assert "Over seeds" not in (single / "report.html").read_text() and (single / "cells.md").is_file()
+
+
+def test_runs_of_different_jobs_never_share_a_cell(tmp_path, capsys):
+    """Two users' jobs with one stabilizer, lag and seed were one cell (seeds "0,0") whose mean was plotted."""
+    mine = _write_run(tmp_path / "mine", [0.1] * 12, seed=0, job_name="mine")
+    theirs = _write_run(tmp_path / "theirs", [0.9] * 12, seed=0, job_name="theirs")
+    again = _write_run(tmp_path / "mine-again", [0.3] * 12, seed=1, job_name="mine")
+    out = tmp_path / "out"
+    assert main(["report", *map(str, [mine, theirs, again]), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| mine | tis_seq | 2 | 0,1 | 0/2 | 0.200 |" in printed and "0,0" not in printed
+    rows = list(csv.DictReader((out / "cells.csv").open()))
+    assert [(row["job"], row["runs"], row["seeds"]) for row in rows] == [("mine", "2", "0;1"), ("theirs", "1", "0")]
+    assert "| run | job |" in (out / "table.md").read_text()
+
+
+def test_the_evaluation_plot_starts_at_the_policy_before_rl_and_the_tables_do_not(tmp_path):
+    """eval_solved.png left out step 0 (the warmed-up policy before any RL step); the tables' rules still count
+    RL steps only."""
+    from cluster.experiments.report_reading import metric_series
+
+    run = _write_run(tmp_path / "run", [0.5, 0.6])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [{"train/step": 0, "time/wall_s": 3.0, "eval/solved": 0.25}]
+    evaluations.append({"train/step": 2, "time/wall_s": 9.0, "eval/solved": 0.75})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in [*rows, *evaluations]))
+    data = load_run(run)
+    assert [(step, value) for step, _, value in metric_series(data, "eval/solved", from_start=True)] == [
+        (0, 0.25),
+        (2, 0.75),
+    ]
+    assert [step for step, _, _ in metric_series(data, "eval/solved")] == [2]
+    assert summarise(data).eval_solved_lowest == 0.75
 
 
 # ---- the files --------------------------------------------------------------------------------------
