@@ -4,14 +4,23 @@ the plots so that every rule behind a number sits with the table that shows it."
 
 from __future__ import annotations
 
-import csv
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from cluster.experiments.report_format import (
+    MISSING,
+    fixed,
+    general,
+    markdown,
+    plain,
+    shown_columns,
+    write_dataclass_csv,
+    yes_no,
+)
 from cluster.experiments.report_reading import (
     ESS_KEY,
     EVAL_SOLVED_KEY,
@@ -214,60 +223,36 @@ def summarise(
 # ---- the table --------------------------------------------------------------------------------------
 
 
-def _fixed(digits: int) -> Callable[[Any], str]:
-    return lambda value: f"{value:.{digits}f}" if math.isfinite(value) else str(value)
-
-
-def _general(value: float) -> str:
-    return f"{value:.4g}" if math.isfinite(value) else str(value)
-
-
-def _plain(value: Any) -> str:
-    return str(value)
-
-
-def _yes_no(flag: bool) -> str:
-    return "yes" if flag else "no"
-
-
 # (header, RunSummary attribute, how the markdown/HTML table shows a value that is not None)
 COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
-    ("run", "label", _plain),
-    ("job", "job", _plain),
-    ("stabilizer", "stabilizer", _plain),
-    ("max lag", "max_lag", _plain),
-    ("seed", "seed", _plain),
-    ("steps", "steps_done", _plain),
-    ("final reward", "final_reward", _fixed(3)),
-    ("best reward MA", "best_reward_ma", _fixed(3)),
-    ("last eval solved", "eval_solved", _fixed(3)),
-    ("lowest eval solved", "eval_solved_lowest", _fixed(3)),
-    ("best eval solved", "eval_solved_best", _fixed(3)),
-    ("held-out fell", "held_out_fell", _yes_no),
-    ("target step", "target_step", _plain),
-    ("target wall s", "target_wall_s", _fixed(0)),
-    ("min ESS ratio", "ess_ratio_min", _fixed(3)),
-    ("max grad norm", "grad_norm_max", _general),
-    ("max KL k3", "kl_k3_max", _general),
-    ("mean lag", "lag_mean", _fixed(2)),
-    ("wall s", "wall_s", _fixed(0)),
-    ("collapse", "collapsed", _yes_no),
-    ("collapse reason", "collapse_reason", _plain),
-    ("run dir", "run_dir", _plain),
+    ("run", "label", plain),
+    ("job", "job", plain),
+    ("stabilizer", "stabilizer", plain),
+    ("max lag", "max_lag", plain),
+    ("seed", "seed", plain),
+    ("steps", "steps_done", plain),
+    ("final reward", "final_reward", fixed(3)),
+    ("best reward MA", "best_reward_ma", fixed(3)),
+    ("last eval solved", "eval_solved", fixed(3)),
+    ("lowest eval solved", "eval_solved_lowest", fixed(3)),
+    ("best eval solved", "eval_solved_best", fixed(3)),
+    ("held-out fell", "held_out_fell", yes_no),
+    ("target step", "target_step", plain),
+    ("target wall s", "target_wall_s", fixed(0)),
+    ("min ESS ratio", "ess_ratio_min", fixed(3)),
+    ("max grad norm", "grad_norm_max", general),
+    ("max KL k3", "kl_k3_max", general),
+    ("mean lag", "lag_mean", fixed(2)),
+    ("wall s", "wall_s", fixed(0)),
+    ("collapse", "collapsed", yes_no),
+    ("collapse reason", "collapse_reason", plain),
+    ("run dir", "run_dir", plain),
 ]
-MISSING = "—"
 
 
 def row_cells(summary: RunSummary) -> list[str]:
     """A run's row of the run table, each value as its column shows it."""
     return [MISSING if getattr(summary, attr) is None else show(getattr(summary, attr)) for _, attr, show in COLUMNS]
-
-
-def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
-
-    return "\n".join([line(header), "|" + "|".join("---" for _ in header) + "|"] + [line(row) for row in rows]) + "\n"
 
 
 # the terminal's tables: what tells runs apart and how each ended (the report's files have every column)
@@ -281,49 +266,18 @@ TERMINAL_CELL_COLUMNS = (
 )  # fmt: skip
 
 
-def _shown_columns(headers: Sequence[str], jobs: set[str], only: Sequence[str] | None) -> list[int]:
-    """The columns to show: `only` those named (all when None), and "job" only when the runs come from more
-    than one."""
-    return [
-        index
-        for index, header in enumerate(headers)
-        if (only is None or header in only) and (header != "job" or len(jobs) > 1)
-    ]
-
-
 def markdown_table(summaries: Sequence[RunSummary], only: Sequence[str] | None = None) -> str:
     """One row per run, for the terminal (`only` TERMINAL_COLUMNS) and table.md ("—": the run logged nothing to
     compute it from)."""
     headers = [name for name, _, _ in COLUMNS]
-    shown = _shown_columns(headers, {summary.job for summary in summaries}, only)
+    shown = shown_columns(headers, {summary.job for summary in summaries}, only)
     rows = [row_cells(summary) for summary in summaries]
-    return _markdown([headers[i] for i in shown], [[row[i] for i in shown] for row in rows])
-
-
-def _write_dataclass_csv(kind: type, rows: Sequence[Any], path: Path) -> None:
-    """Every dataclass field at full precision for other tools (header: the field names); empty cell for
-    None, "nan"/"inf" for non-finite values, tuples joined by ";"."""
-    names = [f.name for f in fields(kind)]
-    with path.open("w", newline="") as out:
-        writer = csv.writer(out)
-        writer.writerow(names)
-        for row in rows:
-            values = [getattr(row, name) for name in names]
-            writer.writerow(
-                [
-                    ";".join("" if item is None else str(item) for item in value)
-                    if isinstance(value, tuple)
-                    else ""
-                    if value is None
-                    else value
-                    for value in values
-                ]
-            )
+    return markdown([headers[i] for i in shown], [[row[i] for i in shown] for row in rows])
 
 
 def write_csv(summaries: Sequence[RunSummary], path: Path) -> None:
     """table.csv: every `RunSummary` field."""
-    _write_dataclass_csv(RunSummary, summaries, path)
+    write_dataclass_csv(RunSummary, summaries, path)
 
 
 # ---- the cells: one row per (stabilizer, max lag) over its seeds ---------------------------------------
@@ -471,29 +425,29 @@ def _of_runs(count: int, cell: CellSummary) -> str:
 CELL_COLUMNS: list[tuple[str, Callable[[CellSummary], str]]] = [
     ("job", lambda c: c.job),
     ("stabilizer", lambda c: c.stabilizer),
-    ("max lag", lambda c: _shown(c.max_lag, _plain)),
+    ("max lag", lambda c: _shown(c.max_lag, plain)),
     ("seeds", lambda c: ",".join(MISSING if seed is None else str(seed) for seed in c.seeds)),
     ("collapsed", lambda c: _of_runs(c.collapsed, c)),
     ("reward fell", lambda c: _of_runs(c.reward_fell, c)),
     ("held-out fell", lambda c: f"{c.held_out_fell}/{c.evaluated}" if c.evaluated else MISSING),
-    ("final reward mean", lambda c: _shown(c.final_reward_mean, _fixed(3))),
+    ("final reward mean", lambda c: _shown(c.final_reward_mean, fixed(3))),
     (
         "final reward min–max",
         lambda c: MISSING
         if c.final_reward_min is None
-        else f"{_fixed(3)(c.final_reward_min)}–{_fixed(3)(c.final_reward_max)}",
+        else f"{fixed(3)(c.final_reward_min)}–{fixed(3)(c.final_reward_max)}",
     ),
-    ("best reward MA mean", lambda c: _shown(c.best_reward_ma_mean, _fixed(3))),
-    ("last eval solved mean", lambda c: _shown(c.eval_solved_mean, _fixed(3))),
-    ("lowest eval solved mean", lambda c: _shown(c.eval_solved_lowest_mean, _fixed(3))),
+    ("best reward MA mean", lambda c: _shown(c.best_reward_ma_mean, fixed(3))),
+    ("last eval solved mean", lambda c: _shown(c.eval_solved_mean, fixed(3))),
+    ("lowest eval solved mean", lambda c: _shown(c.eval_solved_lowest_mean, fixed(3))),
     ("reached target", lambda c: _of_runs(c.target_reached, c)),
-    ("median target step", lambda c: _shown(c.target_step_median, _plain)),
-    ("median target wall s", lambda c: _shown(c.target_wall_s_median, _fixed(0))),
-    ("median min ESS ratio", lambda c: _shown(c.ess_ratio_min_median, _fixed(3))),
-    ("lowest min ESS ratio", lambda c: _shown(c.ess_ratio_min_lowest, _fixed(3))),
-    ("max grad norm", lambda c: _shown(c.grad_norm_max, _general)),
-    ("mean lag", lambda c: _shown(c.lag_mean, _fixed(2))),
-    ("mean wall s", lambda c: _shown(c.wall_s_mean, _fixed(0))),
+    ("median target step", lambda c: _shown(c.target_step_median, plain)),
+    ("median target wall s", lambda c: _shown(c.target_wall_s_median, fixed(0))),
+    ("median min ESS ratio", lambda c: _shown(c.ess_ratio_min_median, fixed(3))),
+    ("lowest min ESS ratio", lambda c: _shown(c.ess_ratio_min_lowest, fixed(3))),
+    ("max grad norm", lambda c: _shown(c.grad_norm_max, general)),
+    ("mean lag", lambda c: _shown(c.lag_mean, fixed(2))),
+    ("mean wall s", lambda c: _shown(c.wall_s_mean, fixed(0))),
 ]
 
 
@@ -501,13 +455,13 @@ def cells_markdown_table(cells: Sequence[CellSummary], only: Sequence[str] | Non
     """One row per (job, stabilizer, max lag) over its runs, for the terminal (`only` TERMINAL_CELL_COLUMNS) and
     cells.md."""
     headers = [name for name, _ in CELL_COLUMNS]
-    shown = _shown_columns(headers, {cell.job for cell in cells}, only)
-    return _markdown([headers[i] for i in shown], [[CELL_COLUMNS[i][1](cell) for i in shown] for cell in cells])
+    shown = shown_columns(headers, {cell.job for cell in cells}, only)
+    return markdown([headers[i] for i in shown], [[CELL_COLUMNS[i][1](cell) for i in shown] for cell in cells])
 
 
 def write_cells_csv(cells: Sequence[CellSummary], path: Path) -> None:
     """cells.csv: every `CellSummary` field."""
-    _write_dataclass_csv(CellSummary, cells, path)
+    write_dataclass_csv(CellSummary, cells, path)
 
 
 def has_repeats(cells: Sequence[CellSummary]) -> bool:

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cluster.job.schema import Job
+from cluster.job.schema_errors import JobError, JobValidationError
 from cluster.job.sections import section_config
 from cluster.job.task_sections import DEFAULT_EVAL_SET, EVAL_SET_TASK_RESETS
-from cluster.job.validation import JobError, JobValidationError, config_fields, eval_set_task
+from cluster.job.validation import config_fields, eval_set_task
 from tasks.config import TASK_CONFIGS
 
 if TYPE_CHECKING:

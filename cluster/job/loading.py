@@ -10,7 +10,8 @@ from typing import Any
 import yaml
 
 from cluster.job.schema import Job
-from cluster.job.validation import JobError, JobValidationError, validate_job
+from cluster.job.schema_errors import JobError, JobValidationError
+from cluster.job.validation import validate_job
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str, Any], list[JobError]]:
