@@ -373,6 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/NAME)")
     export.add_argument("--checkpoint", metavar="step-NNNNNN", help="which checkpoint (default: the newest usable)")
     export.add_argument("--out", help="the model folder (default: RUN_DIR/model-step-NNNNNN)")
+    export.add_argument(
+        "--push-to-hub",
+        metavar="REPO",
+        help="also upload the folder to this Hugging Face hub repo (user/name; made when missing), with the token "
+        "of `huggingface-cli login` or HF_TOKEN; where the hub cannot be reached it fails at once, the folder kept",
+    )
+    export.add_argument("--private", action="store_true", help="with --push-to-hub: make a new repo private")
     export.set_defaults(run=cli_outputs.export)
     evaluate = commands.add_parser(
         "evaluate",

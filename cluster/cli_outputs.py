@@ -98,41 +98,59 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
+    """A run's policy as a Hugging Face model folder, and with --push-to-hub on the hub too."""
+    run_dir = Path(args.run_dir)
+    job = load_or_print(str(run_dir / "job.yaml"))
+    if job is None:
+        return 2
+    code, folder = _exported_folder(job, run_dir, args.checkpoint, args.out)
+    if code or folder is None or not args.push_to_hub:
+        return code
+    from learner.models import HubPushFailed, push_model_folder
+
+    try:
+        url = push_model_folder(folder, args.push_to_hub, args.private)
+    except HubPushFailed as failure:
+        print(f"stableasync export: {failure}", file=sys.stderr)
+        return 1
+    print(f"pushed to the hub: {url}")
+    return 0
+
+
+def _exported_folder(job: Job, run_dir: Path, checkpoint: str | None, out: str | None) -> tuple[int, Path | None]:
+    """Write a checkpoint's policy (the newest usable, or `checkpoint`) as a model folder, or take the finished
+    model of a run without checkpoints; the exit code, and the folder when there is one."""
     from cluster.job import job_task
     from cluster.run.checkpoints import LEARNER, TAG, ModelSaveFailed, readable_checkpoints, write_model
     from cluster.run.model_prep import prepare_model
     from cluster.run.specs import lora_spec
     from learner.export import save_checkpoint_model
 
-    run_dir = Path(args.run_dir)
-    job = load_or_print(str(run_dir / "job.yaml"))
-    if job is None:
-        return 2
     usable = {path.name: path for path, _ in readable_checkpoints(run_dir)}
-    if not usable and args.checkpoint is None:
-        return _export_finished_model(run_dir, job.checkpoint.every_steps, args.out)
-    name = args.checkpoint or max(usable)
+    if not usable and checkpoint is None:
+        return _export_finished_model(run_dir, job.checkpoint.every_steps, out)
+    name = checkpoint or max(usable)
     if name not in usable:
         print(
             f"stableasync export: no usable checkpoint {name!r} in {run_dir / 'checkpoints'}; there are: "
             f"{', '.join(sorted(usable))}",
             file=sys.stderr,
         )
-        return 2
+        return 2, None
     base_model = prepare_model(job, job_task(job))
-    out = Path(args.out) if args.out else run_dir / f"model-{name}"
+    folder = Path(out) if out else run_dir / f"model-{name}"
     try:
         write_model(
-            out, lambda folder: save_checkpoint_model(usable[name] / LEARNER, TAG, base_model, folder, lora_spec(job))
+            folder, lambda into: save_checkpoint_model(usable[name] / LEARNER, TAG, base_model, into, lora_spec(job))
         )
     except ModelSaveFailed as failure:
         print(f"stableasync export: {failure}", file=sys.stderr)
-        return 1
-    print(f"model of {name}: {out}")
-    return 0
+        return 1, None
+    print(f"model of {name}: {folder}")
+    return 0, folder
 
 
-def _export_finished_model(run_dir: Path, every_steps: int, out: str | None) -> int:
+def _export_finished_model(run_dir: Path, every_steps: int, out: str | None) -> tuple[int, Path | None]:
     """`export` of a run without checkpoints: its finished model (RUN_DIR/model, a Hugging Face folder already),
     copied to `out` when given; else an error that says why there is nothing and what to set."""
     import shutil
@@ -146,17 +164,17 @@ def _export_finished_model(run_dir: Path, every_steps: int, out: str | None) -> 
             "checkpoints",
             file=sys.stderr,
         )
-        return 2
+        return 2, None
     if out is None:
         print(f"no checkpoints to export; the finished run's model is a Hugging Face folder already: {finished}")
-        return 0
+        return 0, finished
     try:
         shutil.copytree(finished, out)
     except (FileExistsError, OSError) as error:
         print(f"stableasync export: copying {finished} to {out}: {error}", file=sys.stderr)
-        return 1
+        return 1, None
     print(f"model of the finished run: {out}")
-    return 0
+    return 0, Path(out)
 
 
 def evaluate(args: argparse.Namespace) -> int:

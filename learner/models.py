@@ -297,3 +297,30 @@ def without_dropout(model: object) -> int:
         if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
             module.attention_dropout, changed = 0.0, changed + 1
     return changed
+
+
+class HubPushFailed(StableAsyncError, RuntimeError):
+    """A model folder could not be pushed to the Hugging Face hub; the folder stays where it was written."""
+
+
+def push_model_folder(folder: Path, repo_id: str, private: bool) -> str:
+    """Upload a Hugging Face model folder to the hub repo `repo_id` (made when missing), with the token of
+    `huggingface-cli login` or HF_TOKEN; its URL. Where the hub cannot be reached (HF_HUB_OFFLINE, no network)
+    it fails at once, without the hub client's minute of retries."""
+    if not hub_reachable():
+        raise HubPushFailed(
+            f"the Hugging Face hub cannot be reached from here (HF_HUB_OFFLINE, or no connection): {repo_id} was "
+            f"not pushed; the model is in {folder}: push it where the hub is reachable"
+        )
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="stableasync export")
+    except Exception as error:  # auth, permissions, a bad repo id: the hub's own words
+        raise HubPushFailed(
+            f"pushing {folder} to the hub as {repo_id} failed: {type(error).__name__}: {str(error)[:300]} "
+            "(log in with `huggingface-cli login` or set HF_TOKEN, with write access to the repo)"
+        ) from None
+    return str(getattr(commit, "repo_url", None) or f"https://huggingface.co/{repo_id}")

@@ -262,3 +262,26 @@ def test_a_written_model_folder_gives_every_file_the_config_files_mode(tmp_path)
         "config.json": 0o644,
         "model.safetensors": 0o644,
     }
+
+
+def test_export_to_the_hub_where_it_cannot_be_reached_fails_at_once_and_keeps_the_folder(
+    tmp_path, monkeypatch, capsys
+):
+    """`export --push-to-hub REPO` (TRL's push_to_hub): offline, it says so and where the model is, exit 1,
+    without the hub client's retries."""
+    import time
+
+    from cluster.cli import main as cli_main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "job.yaml").write_text("task: {name: arithmetic}\n")
+    (run / "model" / "config.json").write_text("{}")
+    out = tmp_path / "exported"
+    started = time.monotonic()
+    assert cli_main(["export", str(run), "--out", str(out), "--push-to-hub", "me/tiny-policy"]) == 1
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err
+    assert "the Hugging Face hub cannot be reached from here" in err and "me/tiny-policy was not pushed" in err
+    assert f"the model is in {out}" in err and (out / "config.json").is_file()

@@ -39,6 +39,7 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     "stableasync export": (
         "tests/integration/test_pipeline.py::test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_nothing",
         "tests/unit/test_checkpoints.py::test_export_of_a_run_without_checkpoints_gives_its_finished_model_or_says_what_to_set",
+        "tests/unit/test_checkpoints.py::test_export_to_the_hub_where_it_cannot_be_reached_fails_at_once_and_keeps_the_folder",
     ),
     "stableasync wandb-workspace": (
         "tests/unit/test_wandb_workspace.py::test_the_command_writes_the_view_offline_and_a_bad_file_exits_2",
