@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import ray
@@ -26,9 +28,14 @@ QUIET_ENGINES = {
 
 
 def quiet_engines_here() -> None:
-    """The same quiet for engines this process runs itself (`stableasync evaluate`); a variable already set wins."""
+    """The same quiet for engines this process runs itself (`stableasync evaluate`); a variable already set wins.
+    Its interpreter and torch have started, so their warnings are quieted here too, not by the variables."""
     for name, value in QUIET_ENGINES.items():
         os.environ.setdefault(name, value)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for name in ("vllm", "torch._library"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def actor_env() -> dict[str, str]:
