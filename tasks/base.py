@@ -104,6 +104,16 @@ class Task:
         """A correct completion in the exact format `score` accepts (for supervised warm-up)."""
         raise NotImplementedError
 
+    @property
+    def batched_reward(self) -> bool:
+        """Whether the task scores a batch in one call (`score_batch`): a user's batched reward function."""
+        return False
+
+    def score_batch(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[Any]:
+        """The rewards of a batch in one call, unchecked (`tasks.scoring.checked_batch` checks each); only for a
+        task with `batched_reward`."""
+        raise NotImplementedError
+
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"{problem.question} {ANSWER_FORMAT}"}]
 

@@ -60,6 +60,11 @@ class DatasetConfig(CheckedConfig):
         "own function as 'FILE.py:NAME' or 'module:NAME', called NAME(completion, answer, row) -> float",
         "math",
     )
+    reward_batched: bool = config_field(
+        "your function takes a batch, as TRL's reward functions do: NAME(prompts, completions, **columns) -> "
+        "list[float], each column of the rows (the answer's among them) a list beside the completions",
+        False,
+    )
     answer_format: bool = config_field("end the last user message with the <answer></answer> instruction", True)
     system_prompt: str | None = config_field("a system message put before every prompt (none: no system message)", None)
     demonstration_field: str | None = config_field(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ from tasks.config import DatasetConfig
 from tasks.gsm8k import math_equivalent
 
 ROLES = ("system", "user", "assistant")
-RewardFunction = Callable[[str, Any, dict[str, Any]], float]
 
 
 def _exact(gold: str, answer: str) -> bool:
@@ -52,7 +51,11 @@ class Dataset(Task):
             raise TaskError("task.path: the dataset task needs the path of a JSONL file")
         self.config = config
         self.equivalent = BUILT_IN_REWARDS.get(config.reward)
-        self.reward_function = None if self.equivalent else load_reward_function(config.reward)
+        if config.reward_batched and self.equivalent:
+            raise TaskError(f"task.reward_batched: the built-in reward {config.reward!r} scores one answer at a time")
+        self.reward_function = (
+            None if self.equivalent else load_reward_function(config.reward, batched=config.reward_batched)
+        )
         path = Path(config.path).expanduser()
         self.rows = [self._problem(path, line, row) for line, row in read_jsonl(path, config.max_rows)]
         if not self.rows:
@@ -102,6 +105,9 @@ class Dataset(Task):
         return [dict(message) for message in problem.metadata["messages"]]
 
     def score(self, problem: Problem, completion: str) -> float:
+        if self.config.reward_batched:
+            (reward,) = self.score_batch([problem], [completion])
+            return reward
         if self.reward_function is not None:
             return self.reward_function(completion, problem.metadata["gold"], problem.metadata["row"])
         equivalent = self.equivalent
@@ -109,6 +115,31 @@ class Dataset(Task):
         return graded_answer(
             completion, lambda answer: equivalent(problem.answer, answer), boxed=self.config.reward in BOXED_REWARDS
         )
+
+    @property
+    def batched_reward(self) -> bool:
+        return self.config.reward_batched
+
+    @property
+    def _not_columns(self) -> frozenset[str]:
+        """Row fields not passed as columns: the prompt (it is `prompts`) and the arguments' own names."""
+        return frozenset({self.config.prompt_field, "prompts", "completions"})
+
+    def score_batch(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[Any]:
+        """A batched reward function's values for these answers, called as TRL calls one: the prompts (the chat
+        messages), the completions, and every column of the rows as a list (None where a row lacks it); a
+        result that is not a list of one value per completion raises `TaskError` (each value is checked by
+        the caller, as a single reward's is)."""
+        assert self.reward_function is not None and self.config.reward_batched
+        rows = [problem.metadata["row"] for problem in problems]
+        names = dict.fromkeys(key for row in rows for key in row if key not in self._not_columns)
+        columns = {name: [row.get(name) for row in rows] for name in names}
+        prompts = [problem.metadata["messages"] for problem in problems]
+        rewards = self.reward_function(prompts=prompts, completions=list(completions), **columns)
+        if not isinstance(rewards, (list, tuple)) or len(rewards) != len(completions):
+            got = f"{len(rewards)} values" if isinstance(rewards, (list, tuple)) else f"{type(rewards).__name__}"
+            raise TaskError(f"returned {got} for {len(completions)} completions, not a list of one value each")
+        return list(rewards)
 
     def demonstration(self, problem: Problem) -> str:
         return problem.metadata["demonstration"] or f"<answer>{problem.answer}</answer>"
@@ -140,8 +171,9 @@ def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
     return messages
 
 
-def load_reward_function(spec: str) -> RewardFunction:
-    """`task.reward` 'FILE.py:NAME' or 'module:NAME' as a function (completion, answer, row) -> float."""
+def load_reward_function(spec: str, batched: bool = False) -> Callable[..., Any]:
+    """`task.reward` 'FILE.py:NAME' or 'module:NAME' as a function (completion, answer, row) -> float, or with
+    `batched` (prompts, completions, **columns) -> list[float]."""
     source, _, name = spec.rpartition(":")
     if not source or not name.isidentifier():
         raise TaskError(
@@ -150,11 +182,17 @@ def load_reward_function(spec: str) -> RewardFunction:
         )
     function = user_function(spec, "task.reward")
     try:
-        inspect.signature(function).bind("completion", "answer", {})
+        if batched:
+            inspect.signature(function).bind_partial(prompts=[], completions=[])  # columns come by name
+        else:
+            inspect.signature(function).bind("completion", "answer", {})
     except TypeError:
-        raise TaskError(
-            f"task.reward: {name}{inspect.signature(function)} cannot be called as {name}(completion, answer, row)"
-        ) from None
+        call = (
+            "(prompts=..., completions=..., **columns) (task.reward_batched)"
+            if batched
+            else "(completion, answer, row)"
+        )
+        raise TaskError(f"task.reward: {name}{inspect.signature(function)} cannot be called as {name}{call}") from None
     except ValueError:  # no signature to inspect (some builtins): it is tried on the first sample
         pass
     return function

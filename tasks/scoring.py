@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.base import Problem, Task, build_task
+from tasks.base import Problem, Task, TaskError, build_task
 from tasks.sandbox import (
     Handler,
     SandboxLimits,
@@ -45,6 +45,24 @@ def checked_score(task: Task, problem: Problem, completion: str) -> ScoreResult:
         return ScoreResult(0.0, "verifier ran out of memory")
     except Exception as error:
         return ScoreResult(0.0, f"raised {type(error).__name__}: {error}"[:300])
+    return checked_value(reward)
+
+
+def checked_batch(task: Task, problems: Sequence[Problem], completions: Sequence[str]) -> list[ScoreResult]:
+    """Score a batch in one call of a batched reward function (`Dataset.score_batch`): a call that fails fails
+    every completion of the batch with its reason; each value is checked as one reward is."""
+    try:
+        rewards = task.score_batch(problems, completions)
+    except MemoryError:
+        return [ScoreResult(0.0, "verifier ran out of memory")] * len(completions)
+    except Exception as error:
+        reason = str(error) if isinstance(error, TaskError) else f"raised {type(error).__name__}: {error}"
+        return [ScoreResult(0.0, reason[:300])] * len(completions)
+    return [checked_value(reward) for reward in rewards]
+
+
+def checked_value(reward: Any) -> ScoreResult:
+    """A verifier's value as a result: a finite number within REWARD_LIMIT, else a failure naming the value."""
     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
         return ScoreResult(0.0, f"returned {reward!r:.80} ({type(reward).__name__}), not a number")
     if not math.isfinite(reward):
@@ -68,11 +86,14 @@ def _build_scorer(task_name: str, task_config: Any, extra_modules: tuple[str, ..
     for module in extra_modules:
         importlib.import_module(module)
     task = build_task(task_name, task_config)
+    if task.batched_reward:  # an item is a chunk: (problems, completions)
+        return lambda item: checked_batch(task, *item)
     return lambda item: checked_score(task, *item)
 
 
-class ScorePool(WorkerPool[ScoreResult]):
-    """`max_workers` verifier subprocesses, each scoring one completion at a time under `timeout_s` apiece.
+class ScorePool(WorkerPool[Any]):
+    """`max_workers` verifier subprocesses, each scoring one completion at a time under `timeout_s` apiece; with
+    `batched` (a batched reward function), each scoring a chunk of the completions in one call under `timeout_s`.
 
     A worker's clock starts once it has built its task: starting (imports included) may take up to
     `startup_timeout_s`, and a worker that cannot start raises `RewardWorkerError` naming the task.
@@ -92,6 +113,7 @@ class ScorePool(WorkerPool[ScoreResult]):
         extra_modules: tuple[str, ...] = (),
         startup_timeout_s: float = 120.0,
         limits: SandboxLimits | None = None,
+        batched: bool = False,
     ) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
@@ -107,12 +129,25 @@ class ScorePool(WorkerPool[ScoreResult]):
             limits=limits,
         )
         self.failures = 0
+        self.batched, self.chunks = batched, max_workers  # a batched reward: one chunk per worker
 
     def score_many(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[ScoreResult]:
         """Score in order, each completion under the timeout (`WorkerPool.run_items`); a verifier that
         hangs or kills its worker fails that completion alone."""
         if len(problems) != len(completions):
             raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
-        results = self.run_items(list(zip(problems, completions)), lambda index, reason: ScoreResult(0.0, reason))
+        if self.batched:
+            results = self._score_chunks(problems, completions)
+        else:
+            results = self.run_items(list(zip(problems, completions)), lambda index, reason: ScoreResult(0.0, reason))
         self.failures += sum(r.error is not None for r in results)
         return results
+
+    def _score_chunks(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[ScoreResult]:
+        """A batched reward's scores: the completions in one chunk per worker, each chunk one call; a chunk
+        whose call hangs or kills its worker fails each of its completions."""
+        size = -(-len(completions) // self.chunks) or 1
+        starts = range(0, len(completions), size)
+        chunks = [(list(problems[i : i + size]), list(completions[i : i + size])) for i in starts]
+        scored = self.run_items(chunks, lambda index, reason: [ScoreResult(0.0, reason)] * len(chunks[index][1]))
+        return [result for chunk in scored for result in chunk]

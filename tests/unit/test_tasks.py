@@ -389,3 +389,61 @@ def test_a_reward_that_is_not_a_finite_number_within_range_fails_its_sample(tmp_
         None,
     ]
     assert [r.reward for r in results] == [0.0] * 5 + [1e6, -3.0]
+
+
+BATCHED_REWARD = """
+def score(prompts, completions, answer, weight, **columns):
+    if any(c == "boom" for c in completions):
+        raise ValueError("boom in the batch")
+    if any(c == "short" for c in completions):
+        return [1.0]
+    # TRL's call: chat prompts, the completions, each column of the rows as a list (None where a row lacks it)
+    assert all(p[-1]["role"] == "user" for p in prompts) and set(columns) <= {"explode"}  # not the prompt
+    return [w * (str(a) in c) + len(completions) / 100 for c, a, w in zip(completions, answer, weight)]
+"""
+
+
+def _batched_task(tmp_path):
+    data = _reward_data(tmp_path)
+    (tmp_path / "batched.py").write_text(BATCHED_REWARD)
+    return _dataset(path=str(data), reward=f"{tmp_path}/batched.py:score", reward_batched=True), data
+
+
+def test_a_batched_reward_is_called_as_trl_calls_one_and_each_value_checked(tmp_path):
+    """TRL and verl users bring reward_funcs(prompts, completions, **kwargs) -> list[float] (reward models too)."""
+    from tasks.scoring import checked_batch, checked_score
+
+    task, _ = _batched_task(tmp_path)
+    first, second, third = task.rows
+    assert task.batched_reward and task.score(first, "it is 7") == pytest.approx(0.41)  # a batch of one
+    results = checked_batch(task, [first, third, second], ["it is 7", "1", "no"])
+    assert [r.reward for r in results] == pytest.approx([0.43, 1.03, 0.03]) and not any(r.error for r in results)
+    failed = checked_batch(task, [first, second], ["boom", "x"])
+    assert [r.error for r in failed] == ["raised ValueError: boom in the batch"] * 2
+    short = checked_batch(task, [first, second], ["short", "x"])
+    assert short[0].error == "returned 1 values for 2 completions, not a list of one value each" == short[1].error
+    assert checked_score(task, first, "boom").error == "raised ValueError: boom in the batch"
+
+
+def test_a_batched_reward_scores_one_chunk_per_worker_in_the_reward_workers(tmp_path):
+    task, data = _batched_task(tmp_path)
+    config = DatasetConfig(path=str(data), reward=f"{tmp_path}/batched.py:score", reward_batched=True)
+    pool = ScorePool("dataset", config, max_workers=2, timeout_s=10.0, batched=True)
+    try:
+        first, second, third = task.rows
+        results = pool.score_many([first, second, third, first, third], ["7", "x", "1", "boom", "no"])
+    finally:
+        pool.close()
+    # chunks of 3 and 2 completions, one call each: the second chunk's "boom" fails that chunk alone
+    assert [r.reward for r in results[:3]] == pytest.approx([0.43, 0.03, 1.03])
+    assert [r.error for r in results[3:]] == ["raised ValueError: boom in the batch"] * 2 and pool.failures == 2
+
+
+def test_a_batched_flag_on_a_single_answer_function_or_a_built_in_names_the_fields(tmp_path):
+    data = _reward_data(tmp_path)
+    with pytest.raises(
+        TaskError, match=r"cannot be called as score\(prompts=\.\.\., completions=\.\.\., \*\*columns\)"
+    ):
+        _dataset(path=str(data), reward=f"{tmp_path}/my_rewards.py:score", reward_batched=True)
+    with pytest.raises(TaskError, match=r"task.reward_batched: the built-in reward 'exact' scores one answer"):
+        _dataset(path=str(data), reward="exact", reward_batched=True)
