@@ -264,9 +264,7 @@ def test_a_written_model_folder_gives_every_file_the_config_files_mode(tmp_path)
     }
 
 
-def test_export_to_the_hub_where_it_cannot_be_reached_fails_at_once_and_keeps_the_folder(
-    tmp_path, monkeypatch, capsys
-):
+def test_export_to_the_hub_where_it_cannot_be_reached_fails_at_once_and_keeps_the_folder(tmp_path, monkeypatch, capsys):
     """`export --push-to-hub REPO` (TRL's push_to_hub): offline, it says so and where the model is, exit 1,
     without the hub client's retries."""
     import time
