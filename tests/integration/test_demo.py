@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,38 +29,54 @@ MIN_LAST_10_REWARD = 0.75
 MIN_REWARD_GAIN = 0.25  # last 10 steps over the first 10
 
 
-@pytest.mark.timeout(900)
-def test_the_demo_job_as_shipped_reaches_the_readmes_floor(tmp_path):
+@dataclass(frozen=True)
+class ShippedRun:
+    """A shipped job's run through the CLI, as a user starts it: what it printed and what its run directory holds."""
+
+    console: str
+    summary: dict
+    evaluated_steps: list[int]
+    solved: list[int]  # problems solved at each evaluation
+    first_10: float  # mean sampled reward over the first 10 RL steps
+    last_10: float
+
+
+def _train_shipped(job_file: str, tmp_path: Path, timeout_s: int) -> ShippedRun:
     from cluster.telemetry.run_files import is_evaluation_row, read_jsonl_rows
 
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cluster.cli",
-            "train",
-            "deploy/jobs/demo.yaml",
-            "--set",
-            f"logging.run_dir={tmp_path / 'runs'}",
-        ],
+        [sys.executable, "-m", "cluster.cli", "train", job_file, "--set", f"logging.run_dir={tmp_path / 'runs'}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=880,
+        timeout=timeout_s,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 300 and len(summary["rewards"]) == 300
     evaluations = [row for row in read_jsonl_rows(run_dir / "metrics.jsonl") if is_evaluation_row(row)]
-    assert [row["train/step"] for row in evaluations] == [0, 50, 100, 150, 200, 250, 300]
-    solved = [round(row["eval/solved"] * row["eval/problems"]) for row in evaluations]
-    first_10, last_10 = sum(summary["rewards"][:10]) / 10, sum(summary["rewards"][-10:]) / 10
+    rewards = summary["rewards"]
+    return ShippedRun(
+        result.stdout + result.stderr,
+        summary,
+        [row["train/step"] for row in evaluations],
+        [round(row["eval/solved"] * row["eval/problems"]) for row in evaluations],
+        sum(rewards[:10]) / 10,
+        sum(rewards[-10:]) / 10,
+    )
+
+
+@pytest.mark.timeout(900)
+def test_the_demo_job_as_shipped_reaches_the_readmes_floor(tmp_path):
+    run = _train_shipped("deploy/jobs/demo.yaml", tmp_path, 880)
+    assert run.summary["steps"] == 300 and len(run.summary["rewards"]) == 300
+    assert run.evaluated_steps == [0, 50, 100, 150, 200, 250, 300]
+    solved, first_10, last_10 = run.solved, run.first_10, run.last_10
     outcome = f"solved {solved} of 64 at steps 0..300, mean reward {first_10:.3f} -> {last_10:.3f}"
     assert solved[-1] >= MIN_SOLVED_AT_LAST_EVAL, outcome
     assert last_10 >= MIN_LAST_10_REWARD and last_10 >= first_10 + MIN_REWARD_GAIN, outcome
     # the console: quiet engines (vLLM's start-up was 40 lines), no colour codes in a file, a labelled warm-up
-    console = result.stdout + result.stderr
+    console = run.console
     assert "Initializing a V1 LLM engine" not in console and "\x1b[" not in console, console[:3000]
     assert "warm-up 1/50 | sft loss " in console and "step 300/300 | reward " in console
 
@@ -74,30 +91,9 @@ TEMPLATE_MIN_REWARD_GAIN = 0.3  # last 10 steps over the first 10
 
 @pytest.mark.timeout(600)
 def test_the_dataset_template_as_shipped_learns_its_own_sample_data(tmp_path):
-    from cluster.telemetry.run_files import is_evaluation_row, read_jsonl_rows
-
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cluster.cli",
-            "train",
-            "deploy/jobs/dataset.yaml",
-            "--set",
-            f"logging.run_dir={tmp_path / 'runs'}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=580,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    evaluations = [row for row in read_jsonl_rows(run_dir / "metrics.jsonl") if is_evaluation_row(row)]
-    assert [row["train/step"] for row in evaluations] == [0, 50, 100, 150, 200]
-    solved = [round(row["eval/solved"] * row["eval/problems"]) for row in evaluations]
-    first_10, last_10 = sum(summary["rewards"][:10]) / 10, sum(summary["rewards"][-10:]) / 10
+    run = _train_shipped("deploy/jobs/dataset.yaml", tmp_path, 580)
+    assert run.evaluated_steps == [0, 50, 100, 150, 200]
+    solved, first_10, last_10 = run.solved, run.first_10, run.last_10
     outcome = f"solved {solved} of 24 at steps 0..200, mean reward {first_10:.3f} -> {last_10:.3f}"
     assert solved[-1] >= TEMPLATE_MIN_SOLVED and solved[-1] >= solved[0] + TEMPLATE_MIN_SOLVED_GAIN, outcome
     assert last_10 >= first_10 + TEMPLATE_MIN_REWARD_GAIN, outcome
