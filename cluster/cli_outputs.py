@@ -170,7 +170,7 @@ def _export_finished_model(run_dir: Path, every_steps: int, out: str | None) -> 
         return 0, finished
     try:
         shutil.copytree(finished, out)
-    except (FileExistsError, OSError) as error:
+    except OSError as error:  # an existing folder included
         print(f"stableasync export: copying {finished} to {out}: {error}", file=sys.stderr)
         return 1, None
     print(f"model of the finished run: {out}")

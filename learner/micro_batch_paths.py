@@ -47,6 +47,7 @@ class PlainMicroBatches:
     def __init__(self, forwards: PolicyForwards, engine: Any, world_size: int, advantages: Tensor) -> None:
         self.forwards, self.engine, self.world_size = forwards, engine, world_size
         self.batch_advantages, self.device = advantages, advantages.device
+        self.no_gap = torch.zeros((), device=self.device)  # one coefficient per sequence by construction
 
     def forward(self, run: MicroBatch, micro: TrainBatch) -> tuple[Tensor, Tensor, SampleGradients | None]:
         logprobs, entropy = self.forwards.token_logprobs(micro, with_entropy=True, packing=run.packing)
@@ -75,4 +76,4 @@ class PlainMicroBatches:
     ) -> Tensor:
         """The engine's backward (DeepSpeed averages over ranks: each rank's loss is its share of the sum)."""
         self.engine.backward(loss * self.world_size)
-        return torch.zeros((), device=self.device)
+        return self.no_gap

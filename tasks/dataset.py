@@ -105,7 +105,7 @@ class Dataset(Task):
         return [dict(message) for message in problem.metadata["messages"]]
 
     def score(self, problem: Problem, completion: str) -> float:
-        if self.config.reward_batched:
+        if self.batched_reward:
             (reward,) = self.score_batch([problem], [completion])
             return reward
         if self.reward_function is not None:
@@ -130,7 +130,7 @@ class Dataset(Task):
         messages), the completions, and every column of the rows as a list (None where a row lacks it); a
         result that is not a list of one value per completion raises `TaskError` (each value is checked by
         the caller, as a single reward's is)."""
-        assert self.reward_function is not None and self.config.reward_batched
+        assert self.reward_function is not None and self.batched_reward
         rows = [problem.metadata["row"] for problem in problems]
         names = dict.fromkeys(key for row in rows for key in row if key not in self._not_columns)
         columns = {name: [row.get(name) for row in rows] for name in names}

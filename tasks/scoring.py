@@ -92,8 +92,8 @@ def _build_scorer(task_name: str, task_config: Any, extra_modules: tuple[str, ..
 
 
 class ScorePool(WorkerPool[Any]):
-    """`max_workers` verifier subprocesses, each scoring one completion at a time under `timeout_s` apiece; with
-    `batched` (a batched reward function), each scoring a chunk of the completions in one call under `timeout_s`.
+    """`max_workers` verifier subprocesses, each scoring one completion at a time under `timeout_s` apiece; for a
+    batched reward function (`task_config.reward_batched`), a chunk of the completions in one call under `timeout_s`.
 
     A worker's clock starts once it has built its task: starting (imports included) may take up to
     `startup_timeout_s`, and a worker that cannot start raises `RewardWorkerError` naming the task.
@@ -113,7 +113,6 @@ class ScorePool(WorkerPool[Any]):
         extra_modules: tuple[str, ...] = (),
         startup_timeout_s: float = 120.0,
         limits: SandboxLimits | None = None,
-        batched: bool = False,
     ) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
@@ -129,7 +128,8 @@ class ScorePool(WorkerPool[Any]):
             limits=limits,
         )
         self.failures = 0
-        self.batched, self.chunks = batched, max_workers  # a batched reward: one chunk per worker
+        # as the workers' task decides (`Task.batched_reward`): a batched reward, one chunk per worker
+        self.batched, self.chunks = bool(getattr(task_config, "reward_batched", False)), max_workers
 
     def score_many(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[ScoreResult]:
         """Score in order, each completion under the timeout (`WorkerPool.run_items`); a verifier that

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from typing import Any
 
 from pydantic import ValidationError
@@ -54,10 +55,16 @@ def _did_you_mean(name: str, fields: set[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+@functools.cache
+def _job_schema() -> dict[str, Any]:
+    """The job's JSON schema, built once for all of a file's misspelt keys."""
+    return Job.model_json_schema()
+
+
 def _fields_at(path: list[str]) -> set[str]:
     """The field names the job schema allows under a dotted `path` (every member's of a union; list items by
     their index), for suggesting the one a misspelt key meant."""
-    schema = Job.model_json_schema()
+    schema = _job_schema()
     definitions = schema.get("$defs", {})
 
     def expanded(node: dict[str, Any]) -> list[dict[str, Any]]:

@@ -185,7 +185,6 @@ def verifier_pool(job: Job, task_name: str, task_config: Any) -> ScorePool:
         memory_limit_mb=scoring.memory_limit_mb,
         startup_timeout_s=scoring.startup_timeout_s,
         limits=sandbox_limits(job),
-        batched=bool(getattr(task_config, "reward_batched", False)),
     )
 
 

@@ -428,7 +428,7 @@ def test_a_batched_reward_is_called_as_trl_calls_one_and_each_value_checked(tmp_
 def test_a_batched_reward_scores_one_chunk_per_worker_in_the_reward_workers(tmp_path):
     task, data = _batched_task(tmp_path)
     config = DatasetConfig(path=str(data), reward=f"{tmp_path}/batched.py:score", reward_batched=True)
-    pool = ScorePool("dataset", config, max_workers=2, timeout_s=10.0, batched=True)
+    pool = ScorePool("dataset", config, max_workers=2, timeout_s=10.0)
     try:
         first, second, third = task.rows
         results = pool.score_many([first, second, third, first, third], ["7", "x", "1", "boom", "no"])
