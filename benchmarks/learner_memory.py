@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.learner_step import free_port, synthetic_batch
+from benchmarks.learner_step import synthetic_batch
 from benchmarks.step_measures import default_dtype, device_name, on_cuda, peak_growth, timed_seconds
+from learner.ports import listenable_port
 
 GROUP_SIZE = 8
 
@@ -56,7 +57,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         backend="nccl" if on_cuda() else "gloo",
     )
-    learner = LearnerRank(spec, 0, 1, "127.0.0.1", free_port())
+    learner = LearnerRank(spec, 0, 1, "127.0.0.1", listenable_port())
     learner.train_step(synthetic_batch(GROUP_SIZE, args.tokens, args.vocab))  # optimizer state exists before measuring
     batch = synthetic_batch(args.count, args.tokens, args.vocab)
     outcome: dict[str, Any] = {}

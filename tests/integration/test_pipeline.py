@@ -517,6 +517,39 @@ def score(completion, answer, row):
 """
 
 
+def test_learner_ranks_whose_rendezvous_port_was_taken_start_again_at_another(local_ray, tiny_qwen2, caplog):
+    """Between the port's choice and rank 0's bind (seconds: the rank's process starts), another process may take
+    it; both ranks then start again at a fresh port instead of failing the run. Here the test holds the first."""
+    import socket
+
+    from cluster.run.runtime import LearnerGroup
+    from learner.rank import LearnerSpec
+
+    holders: list[socket.socket] = []
+
+    class FirstPortTaken(LearnerGroup):
+        def rendezvous_address(self):
+            address = super().rendezvous_address()
+            if not holders:
+                holders.append(socket.socket())
+                holders[0].bind(("", address.port))
+                holders[0].listen()
+            return address
+
+    group = FirstPortTaken(LearnerSpec(model_path=tiny_qwen2), 2, 0.5, 0.0)
+    taken_port = holders[0].getsockname()[1]
+    try:
+        with caplog.at_level("WARNING", logger="stableasync"):
+            group.wait_until_ready()
+        # both ranks joined one gloo group: its constructor returns only once every rank has
+        assert sorted(ray.get([rank.ready.remote() for rank in group.ranks])) == [0, 1]
+    finally:
+        group.shutdown()
+        holders[0].close()
+    retries = [r.getMessage() for r in caplog.records if "rendezvous port" in r.getMessage()]
+    assert retries == [f"learner ranks' rendezvous port {taken_port} was taken; starting them again at another port"]
+
+
 def test_a_dataset_job_trains_on_the_users_rows_with_the_users_reward(local_ray, tmp_path):
     """A JSONL file and a reward function in a .py file, as a user brings them. The driver and the spawned
     reward workers load the function; every trained sample's reward is what it returned for its row (the
