@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from learner.ports import listenable_port
+
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return listenable_port()
 
 
 def _main(rank: int, model_path: str, port: int, out: str) -> None:

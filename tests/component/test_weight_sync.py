@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from learner.ports import listenable_port
 from learner.weight_sync import CollectiveWeightSync, PackedWeights, TensorSpec, buckets
 
 
@@ -22,9 +21,7 @@ def _weights() -> dict[str, torch.Tensor]:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return listenable_port()
 
 
 def _member(rank: int, world: int, port: int, bucket_mb: int, out: str) -> None:
