@@ -409,11 +409,19 @@ class RolloutBuffer:
         return batch
 
     def _straggler_due(self, learner_version: int) -> bool:
-        """Under `wait`: whether a group still in flight must be in this step, because at the next one it
-        would be past the lag bound."""
+        """Under `wait`: whether a step started now would leave a group still in flight past the lag bound. The
+        steps after it take the oldest groups first, `prompts_per_step` each, so the k-th oldest group left (ready
+        or in flight) trains k // prompts_per_step steps after the next; a group in flight that would miss the
+        bound there, and could still make it if it arrived for this step, is waited for."""
         if self.stale_policy != "wait" or not self.in_flight_versions:
             return False
-        return learner_version + 1 - min(self.in_flight_versions.values()) > self.max_lag
+        left_ready = [(group.version_start, False) for group in list(self.ready)[self.prompts_per_step :]]
+        left = sorted(left_ready + [(version, True) for version in self.in_flight_versions.values()])
+        for position, (version, in_flight) in enumerate(left):
+            trained_at = learner_version + 1 + position // self.prompts_per_step
+            if in_flight and trained_at - version > self.max_lag >= learner_version - version:
+                return True
+        return False
 
     def mark_trained(self, groups: list[ScoredGroup], step_version: int) -> None:
         """`step_version`: the learner version the step trained at (its groups' lag is measured there)."""

@@ -186,6 +186,22 @@ def test_every_group_ends_exactly_once_and_none_trains_past_the_lag_bound(
         assert not any("stale" in (e.reason or "") for e in run.ledger.entries.values())
 
 
+def test_a_step_waits_for_older_groups_in_flight_that_a_newer_one_would_push_past_the_bound():
+    """Found by the property above: a streaming generator holds two version-0 groups when a new member samples a
+    version-1 group that comes back first. A step on it would leave both old groups for the steps after, one
+    each, and the second past max_lag 2; under `wait` the step waits for the first of them instead."""
+    run = FakeRun(1, max_lag=2, prompts_per_step=1, prompts_per_request=1, calls_per_generator=2)
+    play(run, [("call", 0), ("step", 0), ("join", 0), ("call", 80)])  # groups 1 and 2 in flight, group 3 back
+    run.turn()
+    assert run.schedule.training is None and [g.group_id for g in run.schedule.buffer.ready] == [3]
+    play(run, [("call", 0)])  # group 1 back
+    run.turn()
+    assert run.schedule.training is not None and [g.group_id for g in run.schedule.training] == [1]
+    play(run, [("call", 0), ("step", 0), ("step", 0), ("step", 0)])
+    assert run.trained_lags == [0, 0, 1, 1, 2, 2, 2, 2]  # groups 0, 1, 2 and 3 in turn, two responses each
+    assert not any("stale" in (e.reason or "") for e in run.ledger.entries.values())
+
+
 @settings(max_examples=100, deadline=None)
 @given(events=EVENTS, generators=st.integers(1, 3), max_lag=st.integers(0, 2))
 def test_a_call_samples_with_the_weights_its_generator_held_when_it_was_sent(events, generators, max_lag):
