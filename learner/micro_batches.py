@@ -188,6 +188,9 @@ class MicroBatch:
     width: int  # tokens of its longest row: its width without the padding no row of it uses
     group_rows: Tensor | None = None  # every row of the prompt group it is a piece of, when the plan split that group
     packing: Packing | None = None  # its rows packed without padding; None: right-padded rows [b, width]
+    # [b] long: each row's prompt group as 0 .. groups - 1 in order of first appearance, and how many there are
+    group_slots: Tensor | None = None
+    groups: int = 0
 
 
 EMPTY = MicroBatch(None, 2)
@@ -229,14 +232,14 @@ def plan(
     """
     size = int(sequence_lengths.shape[0])
     device = sequence_lengths.device
-    lengths = sequence_lengths.tolist()  # the plan's one read from the device
+    lengths, group_list = torch.stack([sequence_lengths, group_ids.to(sequence_lengths.dtype)]).tolist()  # one read
     cost = _packed_cost if packed else _padded_cost
     if max_tokens is None or size == 0 or cost(range(size), lengths) <= max_tokens:
         batches = [list(range(size))]
         groups_whole = True
         split_groups: dict[int, list[int]] = {}
     else:
-        batches, split_groups, groups_whole = _fill(lengths, group_ids.tolist(), max_tokens, keep_groups, cost, packed)
+        batches, split_groups, groups_whole = _fill(lengths, group_list, max_tokens, keep_groups, cost, packed)
 
     def indices(rows: list[int]) -> Tensor:
         return torch.tensor(sorted(rows), dtype=torch.long, device=device)
@@ -246,7 +249,12 @@ def plan(
         packing = (
             Packing.of([lengths[r] for r in sorted(rows)], width, device, bucket_cost) if packed and rows else None
         )
-        return MicroBatch(indices(rows), width, indices(split_groups[k]) if k in split_groups else None, packing)
+        slots: dict[int, int] = {}
+        for r in sorted(rows):
+            slots.setdefault(group_list[r], len(slots))
+        group_slots = torch.tensor([slots[group_list[r]] for r in sorted(rows)], dtype=torch.long, device=device)
+        split = indices(split_groups[k]) if k in split_groups else None
+        return MicroBatch(indices(rows), width, split, packing, group_slots, len(slots))
 
     return MicroBatchPlan([micro_batch(k, rows) for k, rows in enumerate(batches)], groups_whole)
 
