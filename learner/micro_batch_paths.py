@@ -13,7 +13,7 @@ from algorithms.batch import TokenWeights
 from learner.batch import TrainBatch
 from learner.micro_batches import MicroBatch
 from learner.policy import PolicyForwards
-from learner.vcpo.ghost_norms import SampleGradients
+from learner.vcpo.sample_gradients import SampleGradients
 
 
 class MicroBatchPaths(Protocol):

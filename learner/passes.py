@@ -47,7 +47,7 @@ from learner.step import (
     step_advantages,
     sub_batch,
 )
-from learner.vcpo.ghost_norms import SampleGradients
+from learner.vcpo.sample_gradients import SampleGradients
 from learner.vcpo.step import PerSampleNorms
 
 log = logging.getLogger("stableasync.learner")
@@ -155,6 +155,7 @@ class LearnerStep:
         )
         if step.squared_norms is not None:
             metrics["opob/bookkeeping_share"] = self._scalar(step.bookkept_micro_batches / len(runs))
+            metrics["opob/folded_share"] = self._scalar(step.folded_micro_batches / len(runs))
             metrics["opob/carried_groups"] = self._scalar(step.carried_groups)
         global_log_w = self.collectives.gather(policy.seq_log_ratio[policy.token_lengths > 0])
         metrics.update(sequence_metrics(global_log_w))

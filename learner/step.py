@@ -20,7 +20,7 @@ from algorithms.errors import StableAsyncError
 from algorithms.stabilizer import Stabilizer
 from learner.batch import TrainBatch
 from learner.micro_batches import MicroBatch
-from learner.vcpo.ghost_norms import SampleGradients
+from learner.vcpo.sample_gradients import SampleGradients
 
 
 def sequence_metrics(global_log_w: Tensor) -> dict[str, Tensor]:
@@ -76,6 +76,7 @@ class StepValues:
     decision: TokenWeights | None = None  # two passes: the stabilizer's decision on the whole batch
     skipped: bool = False  # non-finite values on some rank: no update
     bookkept_micro_batches: int = 0  # micro-batches whose update came from kept per-sample gradients
+    folded_micro_batches: int = 0  # of those, the ones whose linear weights' per-sample gradients folded into sums
     carried_groups: int = 0  # prompt groups trained across micro-batches with a score buffer
 
     @classmethod

@@ -101,6 +101,8 @@ KNOWN_METRICS: dict[str, str] = {
     "opob/sample_grad_norm_max": "largest per-sample gradient norm",
     "opob/bookkeeping_share": "share of the step's micro-batches whose update book-keeping formed from kept per-sample "
     "gradients (opob_impl auto: those that fit bookkeeping_budget_mb); the rest took the ghost norms backward",
+    "opob/folded_share": "share of the step's micro-batches whose book-keeping folded the linear weights' per-sample "
+    "gradients into two sums per prompt group as they were formed, instead of keeping them",
     "opob/carried_groups": "prompt groups split across micro-batches and trained in one pass with the score buffer "
     "(mean over ranks)",
     "opob/fallback_to_loop": "1 if per-sample norms fell back to the slow per-sample loop",

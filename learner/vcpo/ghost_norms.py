@@ -58,7 +58,17 @@ from torch import Tensor, nn
 
 from algorithms.errors import StableAsyncError
 from learner.vcpo.output_layer import HeadGradient, HeadRows
-from learner.vcpo.products import Contribution, Factors, InputGramSum, compact, squared_norm, weighted_sum
+from learner.vcpo.products import (
+    Contribution,
+    Factors,
+    FoldedSums,
+    InputGramSum,
+    compact,
+    folding_costs_less,
+    squared_norm,
+    tensor_core_products,
+)
+from learner.vcpo.sample_gradients import SampleGradients
 
 if TYPE_CHECKING:
     from learner.micro_batches import Packing, RowBucket
@@ -113,40 +123,6 @@ class _Record:
     output: Tensor | None
 
 
-@dataclass
-class SampleGradients:
-    """||grad log pi(tau_i)||^2 per sample and, from the bookkeeping pass, the per-sample gradients
-    themselves (dense or factored, per parameter) so that any per-sample weighting forms the update."""
-
-    squared_norms: Tensor
-    # per row bucket (one for right-padded rows; a packed micro-batch's `Packing.buckets`), each parameter's
-    # per-sample gradients of that bucket's rows
-    parts: list[dict[nn.Parameter, list[Contribution]]] | None = None
-    bucket_rows: list[Tensor] | None = None  # each bucket's rows in the micro-batch; None: one bucket of all
-    # the output layer's weight and its per-sample gradients, formed again by vocabulary chunk (a fused head)
-    head: tuple[nn.Parameter, HeadGradient] | None = None
-
-    def weighted_sum(self, coefficients: Tensor, fp32: bool = False) -> dict[nn.Parameter, Tensor]:
-        """Each parameter's sum_i c_i grad log pi(tau_i), in the parameter's dtype (or fp32, to accumulate)."""
-        if self.parts is None:
-            raise RuntimeError("these sample gradients kept norms only (ghost or per-sample loop), not the gradients")
-        coefficients = coefficients.float()
-        sums: dict[nn.Parameter, Tensor] = {}
-        for k, bucket in enumerate(self.parts):
-            scale = coefficients if self.bucket_rows is None else coefficients[self.bucket_rows[k]]
-            scales: dict[torch.dtype, Tensor] = {}  # the bucket's coefficients in each dtype its parts have, once
-            for param, parts in bucket.items():
-                for part in parts:
-                    dtype = part.dtype if isinstance(part, Tensor) else part.right.dtype
-                    if dtype not in scales:
-                        scales[dtype] = scale.to(dtype)
-                    sums[param] = weighted_sum(part, scales[dtype], param.shape, sums.get(param))
-        if self.head is not None:
-            param, gradient = self.head
-            sums[param] = gradient.weighted_sum(coefficients, sums.get(param))
-        return {param: total.to(torch.float32 if fp32 else param.dtype) for param, total in sums.items()}
-
-
 class GhostGradNorms:
     """Per-sample squared gradient norms of a HF causal LM from one batched backward."""
 
@@ -179,22 +155,41 @@ class GhostGradNorms:
         self._consumer: Callable[[int, Tensor], None] | None = None
 
     def kept_bytes_per_sample(self, steps: int) -> int:
-        """Bytes that book-keeping keeps per sequence of `steps` positions: for each covered parameter the
-        smaller of its dense per-sample gradient and its factors, in the model's dtype (what `compact` keeps)."""
+        """Bytes that book-keeping keeps per sequence of `steps` positions (`kept_bytes` without folding)."""
+        return self.kept_bytes([(1, steps)])
+
+    def kept_bytes(self, buckets: list[tuple[int, int]], basis_rows: int = 0) -> int:
+        """Bytes that book-keeping keeps for buckets of (rows, positions each): for each covered parameter and row
+        the smaller of its dense per-sample gradient and its factors, in the model's dtype (what `compact` keeps).
+        With `basis_rows`, a linear weight used once that folds at a bucket's width (`FoldedSums.takes`) keeps
+        none of that bucket's, and its fp32 sums [basis_rows, *shape] once."""
+        uses = Counter(id(p) for module in self.modules for p in _trained_parameters(module))
         numbers = fp32_numbers = 0
         for module in self.modules:
             if not _trained_parameters(module):
                 continue
-            if module is self.output_layer and self.fused_head:  # the hidden states, formed again by chunk
-                numbers += steps * module.in_features
-            elif isinstance(module, nn.Linear):
+            fused = module is self.output_layer and self.fused_head
+            if isinstance(module, nn.Linear) and not fused:
                 rows, cols = module.out_features, module.in_features
-                numbers += min(rows * cols, steps * (rows + cols)) + (rows if module.bias is not None else 0)
-            elif isinstance(module, nn.Embedding):
-                rows, cols = module.weight.shape
-                numbers += rows * cols if rows * cols <= steps * steps else steps * (cols + 2)  # ids are int64
-            else:  # RMSNorm (its weight a Parameter, _is_rms_norm checked): its per-sample gradient is an fp32 vector
-                fp32_numbers += cast(nn.Parameter, module.weight).numel()
+                folding = bool(basis_rows) and uses[id(module.weight)] == 1
+                folded = [folding and folding_costs_less(steps, rows, cols, basis_rows) for _, steps in buckets]
+                fp32_numbers += basis_rows * rows * cols if any(folded) else 0
+                for (count, steps), gone in zip(buckets, folded):
+                    numbers += count * (
+                        (0 if gone else min(rows * cols, steps * (rows + cols)))
+                        + (rows if module.bias is not None else 0)
+                    )
+                continue
+            for count, steps in buckets:
+                if fused:  # the hidden states, formed again by chunk
+                    numbers += count * steps * self.output_layer.in_features
+                elif isinstance(module, nn.Embedding):
+                    rows, cols = module.weight.shape
+                    numbers += count * (
+                        rows * cols if rows * cols <= steps * steps else steps * (cols + 2)
+                    )  # int64 ids
+                else:  # RMSNorm (a Parameter weight, _is_rms_norm checked): its per-sample gradient, an fp32 vector
+                    fp32_numbers += count * cast(nn.Parameter, module.weight).numel()
         return self.element_bytes * numbers + 4 * fp32_numbers
 
     def bucket_cost(self, device: torch.device) -> float:
@@ -266,22 +261,30 @@ class GhostGradNorms:
         """
         return self._backward(logits_grad, from_logits, keep=False, packed=packed).squared_norms
 
-    def sample_gradients(self, logits_grad: Tensor | HeadGradient, packed: Packing | None = None) -> SampleGradients:
+    def sample_gradients(
+        self, logits_grad: Tensor | HeadGradient, packed: Packing | None = None, folds: FoldedSums | None = None
+    ) -> SampleGradients:
         """Book-keeping: the norms and every per-sample gradient from one backward, which frees the graph.
 
         The caller forms its update with `SampleGradients.weighted_sum` once it knows each sample's
-        coefficient; no loss backward follows. Needs whole parameters (not ZeRO-3).
+        coefficient; no loss backward follows. Needs whole parameters (not ZeRO-3). With `folds` the linear
+        weights it takes are folded into its sums instead of kept (`FoldedSums`).
         """
-        return self._backward(logits_grad, from_logits=False, keep=True, packed=packed)
+        return self._backward(logits_grad, from_logits=False, keep=True, packed=packed, folds=folds)
 
     def _backward(
-        self, logits_grad: Tensor | HeadGradient, from_logits: bool, keep: bool, packed: Packing | None
+        self,
+        logits_grad: Tensor | HeadGradient,
+        from_logits: bool,
+        keep: bool,
+        packed: Packing | None,
+        folds: FoldedSums | None = None,
     ) -> SampleGradients:
         records = self._records
         device = logits_grad.hidden.device if isinstance(logits_grad, HeadGradient) else logits_grad.device
         try:
             with tensor_core_products(device):
-                return self._run_backward(records, logits_grad, from_logits, keep, packed)
+                return self._run_backward(records, logits_grad, from_logits, keep, packed, folds)
         finally:
             records.clear()
             self._release()
@@ -293,6 +296,7 @@ class GhostGradNorms:
         from_logits: bool,
         keep: bool,
         packed: Packing | None,
+        folds: FoldedSums | None,
     ) -> SampleGradients:
         fused = isinstance(logits_grad, HeadGradient)
         heads = [i for i, r in enumerate(records) if r is not None and r.module is self.output_layer]
@@ -388,6 +392,10 @@ class GhostGradNorms:
                         if keep:
                             bucket_kept.setdefault(param, []).append(compact(contribution))
                         continue
+                    if folds is not None and folds.takes(contribution, uses[id(param)]):
+                        assert isinstance(contribution, Factors), "only factors fold"
+                        norms.append(folds.fold(param, contribution, None if bucket is None else bucket.rows))
+                        continue
                     if keep:
                         contribution = compact(contribution)
                     if uses[id(param)] == 1 and not grams.add(contribution):
@@ -433,7 +441,7 @@ class GhostGradNorms:
         if isinstance(logits_grad, HeadGradient) and head_weight.requires_grad:
             fused_head = (cast(nn.Parameter, head_weight), logits_grad)
         bucket_rows = None if packed is None else [bucket.rows for bucket in packed.buckets]
-        return SampleGradients(total, kept, bucket_rows, fused_head)
+        return SampleGradients(total, kept, bucket_rows, fused_head, folds)
 
     @staticmethod
     def _contributions(
@@ -474,20 +482,6 @@ def _add_rows(total: Tensor, bucket: RowBucket | None, norms: Tensor) -> None:
         total.add_(norms)
     else:
         total.index_add_(0, bucket.rows, norms)
-
-
-@contextmanager
-def tensor_core_products(device: torch.device) -> Iterator[None]:
-    """fp32 products as TF32 on CUDA while the norms are formed (bf16 products are tensor-core ones already)."""
-    if device.type != "cuda":
-        yield
-        return
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def per_sample_loop_norms(sample_logp: Callable[[int], Tensor], count: int, parameters: list[nn.Parameter]) -> Tensor:

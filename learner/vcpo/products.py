@@ -6,6 +6,7 @@ Every product is a GEMM in the model's dtype (tensor cores on a GPU); only reduc
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -80,9 +81,9 @@ def factor_inner(p: Factors, q: Factors) -> Tensor:
     batch, steps = p.right.shape[:2]
     if p is q and p.dense_is_cheaper:
         per_sample = (p.rows if p.indexed else p.left.shape[-1]) * p.right.shape[-1]
-        return _joined([self_dot(_sliced(p, i, n).dense()) for i, n in sample_chunks(batch, per_sample)])
+        return joined([self_dot(sliced(p, i, n).dense()) for i, n in sample_chunks(batch, per_sample)])
     per_sample = steps * q.right.shape[1]
-    return _joined([_gram_inner(_sliced(p, i, n), _sliced(q, i, n)) for i, n in sample_chunks(batch, per_sample)])
+    return joined([_gram_inner(sliced(p, i, n), sliced(q, i, n)) for i, n in sample_chunks(batch, per_sample)])
 
 
 def _gram_inner(p: Factors, q: Factors) -> Tensor:
@@ -128,14 +129,14 @@ class InputGramSum:
         return (left_gram * right_gram).sum((1, 2), dtype=torch.float32)
 
 
-def _sliced(p: Factors, start: int, count: int) -> Factors:
+def sliced(p: Factors, start: int, count: int) -> Factors:
     """Samples start .. start + count of p (p itself when that is all of them: no view to make)."""
     if start == 0 and count == p.right.shape[0]:
         return p
     return Factors(p.left[start : start + count], p.right[start : start + count], p.rows)
 
 
-def _joined(chunks: list[Tensor]) -> Tensor:
+def joined(chunks: list[Tensor]) -> Tensor:
     """The chunks' per-sample values end to end (one chunk as it is: no copy kernel)."""
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
@@ -216,3 +217,71 @@ def compact(part: Contribution) -> Contribution:
     if isinstance(part, Tensor) or not part.dense_is_smaller:
         return part
     return part.dense()
+
+
+def folding_costs_less(steps: int, rows: int, cols: int, basis_rows: int) -> bool:
+    """Whether a linear weight's per-sample gradients over `steps` positions cost fewer FLOPs formed dense and
+    folded at once into `basis_rows` sums (form it 2 T r c, its norm 2 r c, the fold 2 m r c per sample) than
+    through the Grams (2 T^2 (r + c) + 2 T^2) and book-keeping's update product afterwards (2 T r c)."""
+    return rows * cols * (1 + basis_rows) <= steps * steps * (rows + cols + 1)
+
+
+class FoldedSums:
+    """Book-keeping's per-sample gradients folded into a few sums as they are formed: the official VCPO code's
+    two gradient buffers per prompt group. A sample's update coefficient is affine in its group's baseline b_g,
+    k_i = u_i - b_g s_i, so the update sum_i k_i G_i is sum_i u_i G_i - sum_g b_g sum_{i in g} s_i G_i. The basis
+    holds those rows ([1 + groups, B] fp32: u, then s within each group), each weight's sums are its
+    [1 + groups, *shape] fp32 products with the dense G_i, and no G_i is kept once its layer has passed.
+    Where a weight's G_i cost fewer FLOPs dense than through the Grams (`folding_costs_less`), the update costs
+    no weight-gradient product beyond the plain step's own."""
+
+    def __init__(self, basis: Tensor) -> None:
+        self.basis = basis.float()
+        self.sums: dict[torch.nn.Parameter, Tensor] = {}
+
+    def takes(self, part: Contribution, uses: int) -> bool:
+        """Whether this call's part of a weight folds: factors of a linear weight used once (a tied weight's cross
+        term needs its G_i whole), dense cheaper than the Grams and the update product."""
+        if isinstance(part, Tensor) or part.indexed or uses != 1:
+            return False
+        return folding_costs_less(part.right.shape[1], part.left.shape[-1], part.right.shape[-1], len(self.basis))
+
+    def fold(self, param: torch.nn.Parameter, part: Factors, rows: Tensor | None) -> Tensor:
+        """Fold the part's G_i (rows `rows` of the basis; all when None) into the weight's sums, in chunks of
+        samples; returns their squared norms [n] fp32."""
+        basis = self.basis if rows is None else self.basis[:, rows]
+        elements = part.left.shape[-1] * part.right.shape[-1]
+        norms = []
+        for start, count in sample_chunks(part.right.shape[0], elements):
+            dense = sliced(part, start, count).dense()  # [n, out, in] in the model's dtype
+            norms.append(self_dot(dense))
+            folded = torch.mm(basis[:, start : start + count].to(dense.dtype), dense.flatten(1))
+            total = self.sums.get(param)
+            if total is None:
+                self.sums[param] = folded.float().view(len(basis), *param.shape)
+            else:
+                total.view(len(basis), -1).add_(folded)
+        return joined(norms)
+
+    def add_into(self, grads: dict[torch.nn.Parameter, Tensor], weights: Tensor, fp32: bool = False) -> None:
+        """Each folded weight's sum_j weights_j sums_j ([1 + groups] fp32: 1, then -b_g) into `grads`, in the
+        parameter's dtype (or fp32)."""
+        for param, sums in self.sums.items():
+            folded = torch.tensordot(weights.float(), sums, dims=1)
+            kept = grads.get(param)  # the same weight's part in row buckets too short to fold
+            total = folded if kept is None else kept.float().add_(folded)
+            grads[param] = total if fp32 else total.to(param.dtype)
+
+
+@contextmanager
+def tensor_core_products(device: torch.device) -> Iterator[None]:
+    """fp32 products as TF32 on CUDA while the norms are formed (bf16 products are tensor-core ones already)."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before

@@ -28,8 +28,11 @@ from learner.packing import packed_ids, packed_logits_logprobs, packed_loss_mask
 from learner.policy import PolicyForwards
 from learner.spec import LearnerSpec
 from learner.step import CarriedGroup, StepValues, device_scalar, sequence_coefficients, step_advantages, sub_batch
-from learner.vcpo.ghost_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
+from learner.vcpo.folding import FoldingMicroBatch
+from learner.vcpo.ghost_norms import GhostGradNorms, UncoveredParameters, per_sample_loop_norms
 from learner.vcpo.output_layer import HeadGradient
+from learner.vcpo.products import FoldedSums
+from learner.vcpo.sample_gradients import SampleGradients
 
 log = logging.getLogger("stableasync.learner")
 
@@ -75,7 +78,8 @@ class PerSampleNorms:
             and stabilizer.advantages_from_baseline(torch.zeros(1), torch.zeros(1), torch.zeros(1, dtype=torch.long))
             is not None
         )
-        self.score_buffer_bytes = 4 * sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+        self.trained = [p for p in engine.module.parameters() if p.requires_grad]  # the model's order
+        self.score_buffer_bytes = 4 * sum(p.numel() for p in self.trained)
 
     def _ghost_norms(self, opob_impl: str, fused_head: bool) -> tuple[GhostGradNorms | None, bool]:
         """The ghost-norm path when every parameter has a rule; otherwise the per-sample loop, announced (a silent
@@ -109,18 +113,19 @@ class PerSampleNorms:
 
     # ---- which path a micro-batch takes ----------------------------------------------------------
 
-    def keeps_sample_gradients(self, micro: TrainBatch, packing: Packing | None = None, extra_bytes: int = 0) -> bool:
+    def keeps_sample_gradients(
+        self, micro: TrainBatch, packing: Packing | None = None, extra_bytes: int = 0, basis_rows: int = 0
+    ) -> bool:
         """Whether this micro-batch's update is formed by book-keeping (its kept gradients fit the budget).
-        Packed rows keep what their row buckets' widths need, padded ones what the micro-batch's width does."""
+        Packed rows keep what their row buckets' widths need, padded ones what the micro-batch's width does;
+        with `basis_rows`, the weights that fold keep their sums instead (`GhostGradNorms.kept_bytes`)."""
         if not self.bookkeeping or self.ghost is None:
             return False
-        per_sample = self.ghost.kept_bytes_per_sample
         if packing is None:
-            tokens = micro.size * micro.input_ids.shape[1]
-            kept = micro.size * per_sample(micro.input_ids.shape[1])
+            tokens, buckets = micro.size * micro.input_ids.shape[1], [(micro.size, micro.input_ids.shape[1])]
         else:
-            tokens = sum(packing.lengths)
-            kept = sum(len(bucket.rows) * per_sample(bucket.width) for bucket in packing.buckets)
+            tokens, buckets = sum(packing.lengths), [(len(bucket.rows), bucket.width) for bucket in packing.buckets]
+        kept = self.ghost.kept_bytes(buckets, basis_rows)
         return kept + extra_bytes <= self.bookkeeping_budget.bytes_for(tokens)
 
     def carries_every_split_group(self, batch: TrainBatch, plan: MicroBatchPlan) -> bool:
@@ -141,15 +146,32 @@ class PerSampleNorms:
         (with book-keeping, its per-sample gradients too), which start from the logits' gradient. With the
         run's `packing` the forward runs its rows without padding."""
         recording = self.ghost is not None and self.spec.zero_stage != 3
-        if self.ghost is not None and recording and self.fuses_head:
-            with self.ghost.recording():
-                logprobs, entropy, head_gradient = self.forwards.head_forward(micro, packing)
-            return logprobs, entropy, self._ghost_gradients(head_gradient, bookkeeping, packing)
+        if recording and (bookkeeping or self.fuses_head):  # a fused head's forward is the bare module's either way
+            logprobs, entropy, start = self.recorded_forward(micro, packing)
+            return logprobs, entropy, self._ghost_gradients(start, bookkeeping, packing)
         with self.ghost.recording() if self.ghost is not None and recording else nullcontext():
             # no loss backward through the engine follows book-keeping
             logits = self.forwards.logits(micro, plain=bookkeeping, packing=packing)
         logprobs, entropy = self._logprobs_and_entropy(micro, logits, packing)
         return logprobs, entropy, self._sample_gradients(micro, logits, bookkeeping, packing)
+
+    def recorded_forward(
+        self, micro: TrainBatch, packing: Packing | None
+    ) -> tuple[Tensor, Tensor, Tensor | HeadGradient]:
+        """A forward recorded for the norms pass, through the bare module: the log-probs and entropy, and what the
+        norms pass starts from (the logits' gradient, or the fused head's `HeadGradient`)."""
+        assert self.ghost is not None, "book-keeping takes the ghost path"
+        with self.ghost.recording():
+            if self.fuses_head:
+                return self.forwards.head_forward(micro, packing)
+            logits = self.forwards.logits(micro, plain=True, packing=packing)
+        logprobs, entropy = self._logprobs_and_entropy(micro, logits, packing)
+        return logprobs, entropy, self._logits_grad(micro, logits, packing)
+
+    def folded_gradients(self, start: Tensor | HeadGradient, packing: Packing | None, basis: Tensor) -> SampleGradients:
+        """The norms pass of a `recorded_forward`, its linear weights folded into `basis`'s sums (`FoldedSums`)."""
+        assert self.ghost is not None, "book-keeping takes the ghost path"
+        return self.ghost.sample_gradients(start, packed=packing, folds=FoldedSums(basis))
 
     def _logprobs_and_entropy(
         self, micro: TrainBatch, logits: Tensor, packing: Packing | None
@@ -249,17 +271,28 @@ class PerSampleNorms:
         loss: Tensor,
         slope: Tensor,
         logprobs: Tensor,
-        sample_grads: SampleGradients,
+        sample_grads: SampleGradients | None,
         loss_mask: Tensor,
+        folding: FoldingMicroBatch | None = None,
     ) -> Tensor:
         """One piece of a group split across micro-batches. Its loss is loss(A) = loss(A0) - b * slope with A0
         the advantages at baseline 0 and b the group's baseline, known after its last piece: the engine
         takes the gradient of loss(A0) now, the score buffer the gradient of `slope`, and the last piece
-        hands the engine -b times the buffer. Returns the larger coefficient gap of the two (see `backward`)."""
+        hands the engine -b times the buffer. A `folding` piece runs its norms pass here, its linear weights
+        folded into those two sums. Returns the larger coefficient gap of the two (see `backward`)."""
         coefficients, gap = self._sequence_coefficients(loss, logprobs, loss_mask, keep_graph=True)
         slope_coefficients, slope_gap = self._sequence_coefficients(slope, logprobs, loss_mask)
+        if folding is not None:
+            basis = folding.basis(coefficients, slope_coefficients)  # [u, s]: the piece is one group's rows
+            sample_grads = self.folded_gradients(folding.norms_start, folding.run.packing, basis)
+            assert folding.run.rows is not None, "a piece has rows"
+            step.record(folding.run.rows, logprobs, None, None, sample_grads, None)
+        assert sample_grads is not None, "a piece's norms come from its forward or its folding"
         grads = sample_grads.weighted_sum(coefficients)
         slope_grads = sample_grads.weighted_sum(slope_coefficients, fp32=True)
+        if sample_grads.folded is not None:
+            sample_grads.folded.add_into(grads, torch.tensor([1.0, 0.0], device=self.device))
+            sample_grads.folded.add_into(slope_grads, torch.tensor([0.0, 1.0], device=self.device), fp32=True)
         carried.add(len(loss_mask), slope_grads, slope.detach())
         if carried.complete:
             squared_norms, baselines = step.squared_norms, step.baseline
@@ -279,6 +312,34 @@ class PerSampleNorms:
         self._backward_gradients(grads)
         return torch.maximum(gap, slope_gap)
 
+    def backward_folded(
+        self,
+        step: StepValues,
+        folding: FoldingMicroBatch,
+        micro: TrainBatch,
+        loss: Tensor,
+        slope: Tensor,
+        logprobs: Tensor,
+    ) -> Tensor:
+        """A folding micro-batch's norms pass and update. Its loss at baseline 0 and its slope give each sample's
+        coefficients u_i and s_i, the basis whose sums the norms pass folds the linear weights' per-sample
+        gradients into; the norms give the baselines b_g, and the update is the sums' combination 1, -b_g (and
+        sum_i (u_i - b_g s_i) G_i for the parts kept). Returns the larger coefficient gap (see `backward`)."""
+        coefficients, gap = self._sequence_coefficients(loss, logprobs, micro.loss_mask, keep_graph=True)
+        slope_coefficients, slope_gap = self._sequence_coefficients(slope, logprobs, micro.loss_mask)
+        basis = folding.basis(coefficients, slope_coefficients)
+        sample_grads = self.folded_gradients(folding.norms_start, folding.run.packing, basis)
+        advantages, baseline = step_advantages(self.stabilizer, self.advantage_estimator, micro, logprobs, sample_grads)
+        assert baseline is not None and sample_grads.folded is not None, "a folding stabilizer forms its baseline"
+        baseline = baseline.float()
+        grads = sample_grads.weighted_sum(coefficients - baseline * slope_coefficients)
+        sample_grads.folded.add_into(grads, folding.basis_weights(baseline))
+        assert folding.run.rows is not None, "an empty micro-batch does not fold"
+        step.record(folding.run.rows, logprobs, None, advantages, sample_grads, baseline)
+        step.loss = step.loss - folding.loss_at(micro, logprobs, baseline * folding.slope, self.spec)
+        self._backward_gradients(grads)
+        return torch.maximum(gap, slope_gap)
+
     def _sequence_coefficients(
         self, loss: Tensor, logprobs: Tensor, loss_mask: Tensor, keep_graph: bool = False
     ) -> tuple[Tensor, Tensor]:
@@ -289,8 +350,11 @@ class PerSampleNorms:
 
     def _backward_gradients(self, grads: dict[torch.nn.Parameter, Tensor]) -> None:
         """The engine's backward of a scalar whose gradient is `grads`: hands them to ZeRO's reduction without
-        a model pass, through one autograd node (not a product and a sum per parameter)."""
-        self.engine.backward(GivenGradients.apply(list(grads.values()), *grads))
+        a model pass, through one autograd node (not a product and a sum per parameter). In the model's order:
+        ZeRO reduces gradients in buckets as they come, which must be the same on every rank, and which weights
+        fold depends on a rank's own row lengths."""
+        params = [param for param in self.trained if param in grads]
+        self.engine.backward(GivenGradients.apply([grads[param] for param in params], *params))
 
     def micro_batches(self, step: StepValues, batch: TrainBatch) -> NormedMicroBatches:
         """The one-pass step's micro-batch paths with the norms, for `step` over `batch`."""
@@ -324,13 +388,28 @@ class NormedMicroBatches:
     def __init__(self, norms: PerSampleNorms, step: StepValues, batch: TrainBatch) -> None:
         self.norms, self.step, self.batch = norms, step, batch
         self.carried: CarriedGroup | None = None
+        self.folding: FoldingMicroBatch | None = None
 
-    def forward(self, run: MicroBatch, micro: TrainBatch) -> tuple[Tensor, Tensor, SampleGradients]:
+    def forward(self, run: MicroBatch, micro: TrainBatch) -> tuple[Tensor, Tensor, SampleGradients | None]:
         norms = self.norms
         if run.group_rows is not None and self.carried is None:  # the first piece of a split group
             self.carried = CarriedGroup.start(norms.stabilizer, self.batch, run.group_rows)
-        bookkeeping = run.group_rows is not None or norms.keeps_sample_gradients(micro, run.packing)
+        # folding where its sums fit the budget, else book-keeping as it keeps every per-sample gradient
+        # a carried piece folds into the group's two sums beside the score buffer
+        extra = norms.score_buffer_bytes if self.carried is not None else 0
+        folds = norms.carries_split_groups and run.group_slots is not None
+        folds = folds and norms.keeps_sample_gradients(micro, run.packing, extra, basis_rows=1 + run.groups)
+        bookkeeping = run.group_rows is not None or folds or norms.keeps_sample_gradients(micro, run.packing)
         self.step.bookkept_micro_batches += bookkeeping
+        self.step.folded_micro_batches += folds
+        if folds:
+            logprobs, entropy, start = norms.recorded_forward(micro, run.packing)  # its norms pass comes in `backward`
+            if self.carried is not None and run.rows is not None:  # the whole group's advantages, not the piece's
+                affine = self.carried.at_zero[run.rows], self.carried.slope[run.rows]
+            else:
+                affine = FoldingMicroBatch.affine(norms.stabilizer, micro)
+            self.folding = FoldingMicroBatch(run, start, *affine)
+            return logprobs, entropy, None
         return norms.forward(micro, bookkeeping, run.packing)
 
     def advantages(
@@ -340,16 +419,25 @@ class NormedMicroBatches:
             return torch.zeros(1, device=self.norms.device), None
         if self.carried is not None:  # advantages at baseline 0; the baseline's part waits in the score buffer
             return self.carried.at_zero[run.rows], None
+        if self.folding is not None:  # at baseline 0 too: the norms, and so the baseline, come in `backward`
+            return self.folding.at_zero, None
         return step_advantages(self.norms.stabilizer, self.norms.advantage_estimator, micro, logprobs, sample_grads)
 
     def extra_losses(
         self, run: MicroBatch, micro: TrainBatch, logprobs: Tensor, decision: TokenWeights, denominator: Tensor
     ) -> list[Tensor]:
-        """A carried piece's slope: the loss's derivative in its group's baseline, at the same weights."""
-        if self.carried is None:
+        """The slope of a carried piece or a folding micro-batch: the loss's derivative in its groups' baselines
+        (summed over them), at the same weights."""
+        if self.carried is None and self.folding is None:
             return []
         spec = self.norms.spec
-        policy = PolicyBatch(logprobs, micro.behaviour_logprobs, self.carried.slope[run.rows], micro.loss_mask)
+        if self.folding is not None:
+            self.folding.decision, self.folding.denominator = decision, denominator
+            slope = self.folding.slope
+        else:
+            assert self.carried is not None and run.rows is not None, "a carried piece has rows"
+            slope = self.carried.slope[run.rows]
+        policy = PolicyBatch(logprobs, micro.behaviour_logprobs, slope, micro.loss_mask)
         return [policy_loss(policy, decision, spec.loss_aggregation, denominator, spec.constant_tokens)]
 
     def backward(
@@ -362,13 +450,17 @@ class NormedMicroBatches:
     ) -> Tensor:
         """The micro-batch's gradient into the engine (`PerSampleNorms.backward`, or `backward_piece` for a carried
         group's piece); how far a sequence's token coefficients differ, for the step's one check."""
-        assert sample_grads is not None, "every forward with the norms gives them"
+        folding, self.folding = self.folding, None
         carried = self.carried
+        if carried is None and folding is not None:
+            (slope,) = extra_losses
+            return self.norms.backward_folded(self.step, folding, micro, loss, slope, logprobs)
         if carried is None:
+            assert sample_grads is not None, "every forward with the norms gives them"
             return self.norms.backward(loss, logprobs, sample_grads, micro.loss_mask)
         (slope,) = extra_losses
         gap = self.norms.backward_piece(
-            self.step, self.batch, carried, loss, slope, logprobs, sample_grads, micro.loss_mask
+            self.step, self.batch, carried, loss, slope, logprobs, sample_grads, micro.loss_mask, folding
         )
         self.carried = None if carried.complete else carried
         return gap

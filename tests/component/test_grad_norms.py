@@ -10,7 +10,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from learner.batch import collate, sequence_logprob_grad, token_logprobs
-from learner.vcpo.ghost_norms import GhostGradNorms, SampleGradients, UncoveredParameters, per_sample_loop_norms
+from learner.vcpo.ghost_norms import GhostGradNorms, UncoveredParameters, per_sample_loop_norms
+from learner.vcpo.sample_gradients import SampleGradients
 
 
 def _samples(pad_id: int) -> list[dict]:
@@ -122,6 +123,61 @@ def test_bookkeeping_forms_any_weighted_sum_of_sample_gradients(model_name, requ
     params = [p for p in model.parameters() if p.requires_grad]
     expected = torch.autograd.grad((coefficients * _seq_logp(model, batch)).sum(), params)
     formed = sample_grads.weighted_sum(coefficients)
+    assert set(map(id, formed)) == set(map(id, params))
+    for param, want in zip(params, expected):
+        assert torch.allclose(formed[param], want, rtol=1e-4, atol=1e-6 * want.abs().max()), param.shape
+
+
+@pytest.mark.parametrize("model_name", ["tiny_qwen2", "tiny_llama", "tiny_qwen2_tied"])
+def test_folded_bookkeeping_forms_the_update_at_baselines_known_only_after_its_norms(model_name, request):
+    """Book-keeping that folds: each sample's coefficient is u_i - b_g s_i with u and s known before the norms pass
+    and the group baselines b_g after it. The linear weights' per-sample gradients fold into the sums of the basis
+    (u, then s within each group) as they come; the update formed from the sums and the kept parts is autograd's
+    gradient of sum_i (u_i - b_g s_i) log pi(tau_i), the norms are the ghost path's, and the memory held is what
+    the budget counts (`kept_bytes` with the basis's rows)."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.vcpo.products import FoldedSums
+
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_name), dtype=torch.float32)
+    pad_id = model.config.pad_token_id
+    gen = torch.Generator().manual_seed(3)
+    groups = torch.tensor([0, 0, 1, 1, 1])
+    samples = [
+        dict(
+            prompt_ids=torch.randint(3, 200, (5,), generator=gen).tolist(),
+            completion_ids=torch.randint(3, 200, (18 + 3 * i,), generator=gen).tolist(),
+            behaviour_logprobs=[0.0] * (18 + 3 * i),
+            reward=0.0,
+            group_id=int(groups[i]),
+            version=0,
+        )
+        for i in range(5)
+    ]
+    batch = collate(samples, pad_id)
+    u, s = torch.randn(5, generator=gen), torch.randn(5, generator=gen)
+    basis = torch.stack([u, s * (groups == 0), s * (groups == 1)])
+    norms = GhostGradNorms(model)
+    with norms.recording():
+        logits = _logits(model, batch)
+    folds = FoldedSums(basis)
+    sample_grads = norms.sample_gradients(
+        sequence_logprob_grad(logits, batch.input_ids, batch.loss_mask, TEMPERATURE), folds=folds
+    )
+    _, ghost = _ghost(model, batch)
+    assert torch.allclose(sample_grads.squared_norms, ghost, rtol=1e-5, atol=0)
+    assert folds.sums and sample_grads.parts is not None and len(sample_grads.parts[0]) > 0  # both kinds taken
+
+    width = batch.input_ids.shape[1]
+    held = _kept_bytes(sample_grads) + sum(total.numel() * 4 for total in folds.sums.values())
+    assert held == norms.kept_bytes([(batch.size, width)], basis_rows=3)
+
+    baselines = torch.tensor([0.3, -1.2])
+    coefficients = u - baselines[groups] * s
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = torch.autograd.grad((coefficients * _seq_logp(model, batch)).sum(), params)
+    formed = sample_grads.weighted_sum(coefficients)
+    folds.add_into(formed, torch.cat([torch.ones(1), -baselines]))
     assert set(map(id, formed)) == set(map(id, params))
     for param, want in zip(params, expected):
         assert torch.allclose(formed[param], want, rtol=1e-4, atol=1e-6 * want.abs().max()), param.shape

@@ -230,8 +230,13 @@ def test_the_packed_step_gives_the_padded_update(tiny_qwen2, tmp_path):
         if label == "vcpo-bookkeeping":  # the padded step carried split groups through the score buffer
             assert padded["metrics"]["opob/carried_groups"] > 0 == packed["metrics"]["opob/carried_groups"]
             assert packed["metrics"]["stability/skipped_step"] == 0, label
+            assert packed["metrics"]["opob/folded_share"] == padded["metrics"]["opob/folded_share"] == 1.0  # pieces too
         for key, want in padded["metrics"].items():
-            if key.startswith("time/") or key.startswith("perf/") or key == "opob/carried_groups":
+            if (
+                key.startswith("time/")
+                or key.startswith("perf/")
+                or key in ("opob/carried_groups", "opob/folded_share")
+            ):
                 continue  # how the step ran: packed micro-batches hold whole groups that padded ones split
             if packed["metrics"][key] != pytest.approx(want, rel=0.0001, abs=1e-06):
                 failures.append(f"{label}: {key} {packed['metrics'][key]} != {want}")

@@ -113,7 +113,7 @@ def test_the_pinned_torch_keeps_the_cuda_calls_the_learner_makes():
         assert "device" in inspect.signature(call).parameters, call.__name__
     for call in (torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats, torch.cuda.synchronize):
         assert "device" in inspect.signature(call).parameters, call.__name__
-    from learner.vcpo.ghost_norms import tensor_core_products
+    from learner.vcpo.products import tensor_core_products
 
     before = torch.backends.cuda.matmul.allow_tf32
     with warnings.catch_warnings():
