@@ -238,6 +238,9 @@ class FoldedSums:
     def __init__(self, basis: Tensor) -> None:
         self.basis = basis.float()
         self.sums: dict[torch.nn.Parameter, Tensor] = {}
+        # each row bucket's columns of the basis in each dtype, formed once for all its layers (the norms pass
+        # is bound by the host on a small model: every operator call counts)
+        self.bucket_bases: dict[tuple[int, torch.dtype], Tensor] = {}
 
     def takes(self, part: Contribution, uses: int) -> bool:
         """Whether this call's part of a weight folds: factors of a linear weight used once (a tied weight's cross
@@ -249,25 +252,35 @@ class FoldedSums:
     def fold(self, param: torch.nn.Parameter, part: Factors, rows: Tensor | None) -> Tensor:
         """Fold the part's G_i (rows `rows` of the basis; all when None) into the weight's sums, in chunks of
         samples; returns their squared norms [n] fp32."""
-        basis = self.basis if rows is None else self.basis[:, rows]
         elements = part.left.shape[-1] * part.right.shape[-1]
+        basis = self._bucket_basis(rows, part.left.dtype)
         norms = []
         for start, count in sample_chunks(part.right.shape[0], elements):
             dense = sliced(part, start, count).dense()  # [n, out, in] in the model's dtype
             norms.append(self_dot(dense))
-            folded = torch.mm(basis[:, start : start + count].to(dense.dtype), dense.flatten(1))
+            chunk = basis if count == basis.shape[1] else basis[:, start : start + count]
             total = self.sums.get(param)
             if total is None:
-                self.sums[param] = folded.float().view(len(basis), *param.shape)
+                self.sums[param] = torch.mm(chunk, dense.flatten(1)).float().view(len(basis), *param.shape)
+            elif dense.dtype == torch.float32:  # the product added in the same kernel
+                total.view(len(basis), -1).addmm_(chunk, dense.flatten(1))
             else:
-                total.view(len(basis), -1).add_(folded)
+                total.view(len(basis), -1).add_(torch.mm(chunk, dense.flatten(1)))
         return joined(norms)
+
+    def _bucket_basis(self, rows: Tensor | None, dtype: torch.dtype) -> Tensor:
+        key = (id(rows), dtype)
+        if key not in self.bucket_bases:
+            basis = self.basis if rows is None else self.basis[:, rows]
+            self.bucket_bases[key] = basis.to(dtype)
+        return self.bucket_bases[key]
 
     def add_into(self, grads: dict[torch.nn.Parameter, Tensor], weights: Tensor, fp32: bool = False) -> None:
         """Each folded weight's sum_j weights_j sums_j ([1 + groups] fp32: 1, then -b_g) into `grads`, in the
         parameter's dtype (or fp32)."""
+        weights = weights.float()
         for param, sums in self.sums.items():
-            folded = torch.tensordot(weights.float(), sums, dims=1)
+            folded = torch.tensordot(weights, sums, dims=1)
             kept = grads.get(param)  # the same weight's part in row buckets too short to fold
             total = folded if kept is None else kept.float().add_(folded)
             grads[param] = total if fp32 else total.to(param.dtype)
