@@ -117,6 +117,16 @@ class StepValues:
         return None if self.squared_norms is None else SampleGradients(self.squared_norms)
 
 
+def affine_advantages(stabilizer: Stabilizer, batch: TrainBatch) -> tuple[Tensor, Tensor]:
+    """[B] fp32 each: the advantages at baseline 0, and at_zero minus those at baseline 1 (a stabilizer whose
+    advantages are affine in each group's baseline b: A = at_zero - b * slope)."""
+    zeros = torch.zeros_like(batch.rewards, dtype=torch.float32)
+    at_zero = stabilizer.advantages_from_baseline(batch.rewards, zeros, batch.group_ids)
+    at_one = stabilizer.advantages_from_baseline(batch.rewards, zeros + 1, batch.group_ids)
+    assert at_zero is not None and at_one is not None, "the stabilizer's advantages are affine in the baseline"
+    return at_zero.float(), at_zero.float() - at_one.float()
+
+
 @dataclass
 class CarriedGroup:
     """A prompt group whose rows the plan split across consecutive micro-batches (nothing between them).
@@ -136,11 +146,8 @@ class CarriedGroup:
 
     @classmethod
     def start(cls, stabilizer: Stabilizer, batch: TrainBatch, rows: Tensor) -> CarriedGroup:
-        zeros = torch.zeros_like(batch.rewards, dtype=torch.float32)
-        at_zero = stabilizer.advantages_from_baseline(batch.rewards, zeros, batch.group_ids)
-        at_one = stabilizer.advantages_from_baseline(batch.rewards, zeros + 1, batch.group_ids)
-        assert at_zero is not None and at_one is not None, "a carried group's advantages are affine in its baseline"
-        return cls(rows, at_zero.float(), at_zero.float() - at_one.float())
+        at_zero, slope = affine_advantages(stabilizer, batch)
+        return cls(rows, at_zero, slope)
 
     def add(self, piece_rows: int, score: dict[torch.nn.Parameter, Tensor], slope_loss: Tensor) -> None:
         """A piece's gradient of the slope loss, into the buffer."""

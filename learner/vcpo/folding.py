@@ -10,7 +10,6 @@ from torch import Tensor
 
 from algorithms.aggregation import policy_loss
 from algorithms.batch import PolicyBatch, TokenWeights
-from algorithms.stabilizer import Stabilizer
 from learner.batch import TrainBatch
 from learner.micro_batches import MicroBatch
 from learner.spec import LearnerSpec
@@ -30,15 +29,6 @@ class FoldingMicroBatch:
     slope: Tensor  # [b] fp32: at_zero minus the advantages at baseline 1
     decision: TokenWeights | None = None  # the loss's, for its value at the final advantages
     denominator: Tensor | None = None
-
-    @staticmethod
-    def affine(stabilizer: Stabilizer, micro: TrainBatch) -> tuple[Tensor, Tensor]:
-        """The advantages at baseline 0 and their slope in it, from the micro-batch's whole groups."""
-        zeros = torch.zeros_like(micro.rewards, dtype=torch.float32)
-        at_zero = stabilizer.advantages_from_baseline(micro.rewards, zeros, micro.group_ids)
-        at_one = stabilizer.advantages_from_baseline(micro.rewards, zeros + 1, micro.group_ids)
-        assert at_zero is not None and at_one is not None, "a folding stabilizer's advantages are affine in b"
-        return at_zero.float(), at_zero.float() - at_one.float()
 
     def basis(self, coefficients: Tensor, slope_coefficients: Tensor) -> Tensor:
         """[1 + groups, b] fp32: the coefficients at baseline 0, then each group's slope coefficients (0 off it)."""

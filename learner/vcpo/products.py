@@ -275,12 +275,12 @@ class FoldedSums:
             self.bucket_bases[key] = basis.to(dtype)
         return self.bucket_bases[key]
 
-    def add_into(self, grads: dict[torch.nn.Parameter, Tensor], weights: Tensor, fp32: bool = False) -> None:
-        """Each folded weight's sum_j weights_j sums_j ([1 + groups] fp32: 1, then -b_g) into `grads`, in the
-        parameter's dtype (or fp32)."""
-        weights = weights.float()
+    def add_into(self, grads: dict[torch.nn.Parameter, Tensor], weights: Tensor | int, fp32: bool = False) -> None:
+        """Each folded weight's sum_j weights_j sums_j ([1 + groups] fp32: 1, then -b_g), or with an int its one
+        sum of that row, into `grads`, in the parameter's dtype (or fp32)."""
+        weights = weights if isinstance(weights, int) else weights.float()
         for param, sums in self.sums.items():
-            folded = torch.tensordot(weights, sums, dims=1)
+            folded = sums[weights] if isinstance(weights, int) else torch.tensordot(weights, sums, dims=1)
             kept = grads.get(param)  # the same weight's part in row buckets too short to fold
             total = folded if kept is None else kept.float().add_(folded)
             grads[param] = total if fp32 else total.to(param.dtype)

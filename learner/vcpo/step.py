@@ -27,7 +27,15 @@ from learner.micro_batches import MicroBatch, MicroBatchPlan, Packing
 from learner.packing import packed_ids, packed_logits_logprobs, packed_loss_mask
 from learner.policy import PolicyForwards
 from learner.spec import LearnerSpec
-from learner.step import CarriedGroup, StepValues, device_scalar, sequence_coefficients, step_advantages, sub_batch
+from learner.step import (
+    CarriedGroup,
+    StepValues,
+    affine_advantages,
+    device_scalar,
+    sequence_coefficients,
+    step_advantages,
+    sub_batch,
+)
 from learner.vcpo.folding import FoldingMicroBatch
 from learner.vcpo.ghost_norms import GhostGradNorms, UncoveredParameters, per_sample_loop_norms
 from learner.vcpo.output_layer import HeadGradient
@@ -168,10 +176,14 @@ class PerSampleNorms:
         logprobs, entropy = self._logprobs_and_entropy(micro, logits, packing)
         return logprobs, entropy, self._logits_grad(micro, logits, packing)
 
-    def folded_gradients(self, start: Tensor | HeadGradient, packing: Packing | None, basis: Tensor) -> SampleGradients:
-        """The norms pass of a `recorded_forward`, its linear weights folded into `basis`'s sums (`FoldedSums`)."""
+    def folded_gradients(
+        self, folding: FoldingMicroBatch, coefficients: Tensor, slope_coefficients: Tensor
+    ) -> SampleGradients:
+        """The norms pass of a folding micro-batch's `recorded_forward`, its linear weights folded into the sums of
+        the basis its coefficients at baseline 0 and slopes make (`FoldedSums`)."""
         assert self.ghost is not None, "book-keeping takes the ghost path"
-        return self.ghost.sample_gradients(start, packed=packing, folds=FoldedSums(basis))
+        folds = FoldedSums(folding.basis(coefficients, slope_coefficients))
+        return self.ghost.sample_gradients(folding.norms_start, packed=folding.run.packing, folds=folds)
 
     def _logprobs_and_entropy(
         self, micro: TrainBatch, logits: Tensor, packing: Packing | None
@@ -282,17 +294,16 @@ class PerSampleNorms:
         folded into those two sums. Returns the larger coefficient gap of the two (see `backward`)."""
         coefficients, gap = self._sequence_coefficients(loss, logprobs, loss_mask, keep_graph=True)
         slope_coefficients, slope_gap = self._sequence_coefficients(slope, logprobs, loss_mask)
-        if folding is not None:
-            basis = folding.basis(coefficients, slope_coefficients)  # [u, s]: the piece is one group's rows
-            sample_grads = self.folded_gradients(folding.norms_start, folding.run.packing, basis)
+        if folding is not None:  # the basis [u, s]: the piece is one group's rows
+            sample_grads = self.folded_gradients(folding, coefficients, slope_coefficients)
             assert folding.run.rows is not None, "a piece has rows"
             step.record(folding.run.rows, logprobs, None, None, sample_grads, None)
         assert sample_grads is not None, "a piece's norms come from its forward or its folding"
         grads = sample_grads.weighted_sum(coefficients)
         slope_grads = sample_grads.weighted_sum(slope_coefficients, fp32=True)
         if sample_grads.folded is not None:
-            sample_grads.folded.add_into(grads, torch.tensor([1.0, 0.0], device=self.device))
-            sample_grads.folded.add_into(slope_grads, torch.tensor([0.0, 1.0], device=self.device), fp32=True)
+            sample_grads.folded.add_into(grads, 0)
+            sample_grads.folded.add_into(slope_grads, 1, fp32=True)
         carried.add(len(loss_mask), slope_grads, slope.detach())
         if carried.complete:
             squared_norms, baselines = step.squared_norms, step.baseline
@@ -327,8 +338,7 @@ class PerSampleNorms:
         sum_i (u_i - b_g s_i) G_i for the parts kept). Returns the larger coefficient gap (see `backward`)."""
         coefficients, gap = self._sequence_coefficients(loss, logprobs, micro.loss_mask, keep_graph=True)
         slope_coefficients, slope_gap = self._sequence_coefficients(slope, logprobs, micro.loss_mask)
-        basis = folding.basis(coefficients, slope_coefficients)
-        sample_grads = self.folded_gradients(folding.norms_start, folding.run.packing, basis)
+        sample_grads = self.folded_gradients(folding, coefficients, slope_coefficients)
         advantages, baseline = step_advantages(self.stabilizer, self.advantage_estimator, micro, logprobs, sample_grads)
         assert baseline is not None and sample_grads.folded is not None, "a folding stabilizer forms its baseline"
         baseline = baseline.float()
@@ -407,7 +417,7 @@ class NormedMicroBatches:
             if self.carried is not None and run.rows is not None:  # the whole group's advantages, not the piece's
                 affine = self.carried.at_zero[run.rows], self.carried.slope[run.rows]
             else:
-                affine = FoldingMicroBatch.affine(norms.stabilizer, micro)
+                affine = affine_advantages(norms.stabilizer, micro)
             self.folding = FoldingMicroBatch(run, start, *affine)
             return logprobs, entropy, None
         return norms.forward(micro, bookkeeping, run.packing)
