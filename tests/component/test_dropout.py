@@ -13,10 +13,6 @@ import torch.multiprocessing as mp
 from learner.ports import listenable_port
 
 
-def _free_port() -> int:
-    return listenable_port()
-
-
 def _main(rank: int, model_path: str, port: int, out: str) -> None:
     from algorithms import registry
     from learner.batch import collate
@@ -62,7 +58,7 @@ def test_a_model_that_asks_for_dropout_trains_without_it(tiny_qwen2, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
     out = str(tmp_path / "dropout.pt")
-    mp.start_processes(_main, args=(str(folder), _free_port(), out), nprocs=1, start_method="spawn", join=True)
+    mp.start_processes(_main, args=(str(folder), listenable_port(), out), nprocs=1, start_method="spawn", join=True)
     result = torch.load(out, weights_only=True)
     assert result["training"]  # still in training mode: gradient checkpointing needs it
     assert result["rates"] and all(rate == 0.0 for rate in result["rates"])

@@ -20,10 +20,6 @@ def _weights() -> dict[str, torch.Tensor]:
     }
 
 
-def _free_port() -> int:
-    return listenable_port()
-
-
 def _member(rank: int, world: int, port: int, bucket_mb: int, out: str) -> None:
     sync = CollectiveWeightSync("127.0.0.1", port, rank, world, bucket_mb=bucket_mb)
     weights = _weights()
@@ -44,7 +40,7 @@ def _member(rank: int, world: int, port: int, bucket_mb: int, out: str) -> None:
 def _broadcast(world: int, bucket_mb: int, tmp_path) -> list[dict[str, torch.Tensor]]:
     out = str(tmp_path / "received")
     mp.start_processes(
-        _member, args=(world, _free_port(), bucket_mb, out), nprocs=world, start_method="spawn", join=True
+        _member, args=(world, listenable_port(), bucket_mb, out), nprocs=world, start_method="spawn", join=True
     )
     return [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(1, world)]
 
