@@ -28,6 +28,7 @@ a 4x spread (the 90th percentile 4 times the 10th), clipped to [32, MAX] tokens.
 `-padded` runs its stabilizer with learner.packed_micro_batches off (right-padded rows, a budget of rows x
 longest row); the table then gives each one's real tokens per second and, for each pair, packed over padded.
 `-logits`: learner.fused_output_layer off, the model's own [tokens, vocabulary] logits (VCPO's norms from them).
+`-compiled`: learner.compile layers, each decoder layer compiled by inductor in the warm-up step.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "vcpo-auto-logits": ("vcpo", {"opob_impl": "auto"}, {"fused_output_layer": False}),
     # learner.gradient_checkpointing: activations recomputed layer by layer in the backward
     "tis_seq-gc": ("tis_seq", {}, {"gradient_checkpointing": True}),
+    # learner.compile: layers, each decoder layer compiled by inductor (at the warm-up step)
+    "tis_seq-compiled": ("tis_seq", {}, {"compiled_layers": "inductor"}),
+    "m2po-compiled": ("m2po", {}, {"compiled_layers": "inductor"}),
     # algorithm.proximal: recompute, with one update and with learner.mini_batches 2 x learner.epochs 2
     "tis_seq-recompute": ("tis_seq", {}, {"proximal": "recompute"}),
     "tis_seq-recompute-2x2": ("tis_seq", {}, {"proximal": "recompute", "mini_batches": 2, "epochs": 2}),

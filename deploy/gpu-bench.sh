@@ -32,8 +32,9 @@ section() {  # section LIMIT_S COMMAND...: runs COMMAND, killed with its process
   # the card and the torch, transformers, DeepSpeed and peft that ran, each beside the gpu extra's pin
   section 20 python3 -m benchmarks.stack_versions
   section 90 python3 -m pytest -q -p no:cacheprovider tests/gpu
-  section 150 python3 -m benchmarks.learner_step --model-config smollm2-135m --sequences 64 --tokens 512 \
-    --budget 8192 --configs tis_seq,vcpo-auto,m2po --profile tis_seq,vcpo-auto
+  # tis_seq-compiled: learner.compile layers (inductor compiles in the warm-up step)
+  section 180 python3 -m benchmarks.learner_step --model-config smollm2-135m --sequences 64 --tokens 512 \
+    --budget 8192 --configs tis_seq,tis_seq-compiled,vcpo-auto --profile tis_seq,tis_seq-compiled,vcpo-auto
   # responses of drawn lengths (mean 247 of at most 1023 tokens, 90th percentile 4x the 10th): packed against
   # padded micro-batches, and VCPO where rows differ in length
   section 110 python3 -m benchmarks.learner_step --model-config smollm2-135m --sequences 64 --tokens 1024 \

@@ -124,7 +124,7 @@ def varlen_sdpa(
 
 
 def _packed_attention(implementation: str) -> Callable[..., tuple[Tensor, Any]]:
-    """The model's own attention function `implementation`, and for a packed forward (`packed_lengths` given)
+    """The model's own attention function `implementation`, and for a packed forward (`packed_longest` given)
     the same attention within each row: flash's varlen kernel on the rows' `cu_seq_lens`, or `rows_sdpa`."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -136,11 +136,11 @@ def _packed_attention(implementation: str) -> Callable[..., tuple[Tensor, Any]]:
         attention_mask: Tensor | None,
         dropout: float = 0.0,
         scaling: float | None = None,
-        packed_lengths: tuple[int, ...] | None = None,
+        packed_longest: int | None = None,
         **kwargs: Any,
     ) -> tuple[Tensor, Any]:
         own = ALL_ATTENTION_FUNCTIONS[implementation]
-        if packed_lengths is None:  # a padded forward: the model's attention as it was
+        if packed_longest is None:  # a padded forward: the model's attention as it was
             return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         if implementation in FLASH:  # the cu_seq_lens and longest row in kwargs: transformers' varlen path
             return own(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
@@ -149,9 +149,11 @@ def _packed_attention(implementation: str) -> Callable[..., tuple[Tensor, Any]]:
             if output is not None:
                 return output, None
         spans, places = kwargs["packed_row_spans"], kwargs["packed_row_places"]
-        return rows_sdpa(module, query, key, value, spans, places, max(packed_lengths), dropout, scaling), None
+        return rows_sdpa(module, query, key, value, spans, places, packed_longest, dropout, scaling), None
 
-    return attention
+    # outside any compiled layer's graph (learner/compiled_layers.py): the rows' lengths are Python numbers, which
+    # would specialise a graph per micro-batch
+    return torch.compiler.disable(attention)
 
 
 def _base_model(model: Any) -> Any:
@@ -206,7 +208,9 @@ def _attention_kwargs(model: Any, packing: Packing) -> dict[str, Any]:
     return {
         "position_ids": packing.position_ids,
         "use_cache": False,
-        "packed_lengths": packing.lengths,
+        # the longest row, not each row's length: a compiled layer (learner/compiled_layers.py) would guard on
+        # how many rows a tuple holds and compile again for each count
+        "packed_longest": packing.max_length,
         "packed_row_spans": packing.row_spans,
         "packed_row_places": packing.row_places,
         "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),

@@ -21,6 +21,7 @@ from algorithms import registry
 from learner import checkpoint, memory_budget
 from learner.batch import TrainBatch
 from learner.collectives import Collectives
+from learner.compiled_layers import compile_decoder_layers, refuse_with_sample_norms
 from learner.lora import with_lora
 from learner.models import without_dropout
 from learner.passes import LearnerStep
@@ -105,6 +106,9 @@ class LearnerRank:
         )
         self.micro_batch_tokens = self.micro_batch_budget.tokens  # padded tokens per forward; None: the whole batch
         self.stabilizer = registry.build(spec.stabilizer_name, **config_values(spec.stabilizer_config))
+        if spec.compiled_layers is not None:
+            refuse_with_sample_norms(self.stabilizer)
+            compile_decoder_layers(self.engine.module, spec.compiled_layers, rank)
         self.norms = (
             PerSampleNorms(
                 spec,

@@ -57,6 +57,8 @@ class LearnerSpec:
     packed_micro_batches: bool = True
     # the output layer and log-softmax by chunks, no [tokens, vocabulary] logits (learner/fused_head.py)
     fused_output_layer: bool = True
+    # each decoder layer compiled in place with this torch.compile backend (learner/compiled_layers.py); None: eager
+    compiled_layers: str | None = None
 
     @property
     def token_terms(self) -> bool:

@@ -240,6 +240,18 @@ class LearnerSection(Section):
         "per-sample norms, of the vocabulary) at a time, so no [tokens, vocabulary] logits are formed, where a "
         "probe at start-up finds the model's logits are h W^T (not under ZeRO-3). false: the model's own logits",
     )
+    compile: Literal["none", "layers"] = Field(
+        "none",
+        description="layers: each decoder layer compiled in place by torch.compile (one graph serves every layer; "
+        "the packed attention stays outside it), so a step makes far fewer operator calls; costs about a "
+        "layer's compile time at the first step. Not with per-sample gradient norms (VCPO's baseline) or ZeRO-3",
+    )
+    compile_backend: Literal["inductor", "aot_eager"] = Field(
+        "inductor",
+        description="learner.compile's torch.compile backend: inductor generates fused kernels (Triton on a GPU, "
+        "C++ on the CPU, which needs a compiler); aot_eager traces and differentiates without generating any, "
+        "to tell a problem in inductor from one in tracing",
+    )
     max_restarts: int = Field(
         2, ge=0, description="times the job resumes by itself from its latest checkpoint after a learner rank dies"
     )

@@ -118,6 +118,14 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
             ),
         ]
         errors += [JobError(field, why) for field, refused, why in lora_limits if refused]
+    if learner.compile == "layers" and learner.zero_stage == 3:
+        errors.append(
+            JobError(
+                "learner.compile",
+                "layers is not supported with learner.zero_stage 3, whose hooks gather each layer's weights "
+                "as it runs; use zero_stage 2 or compile: none",
+            )
+        )
     kl = job.algorithm.kl
     if kl is not None and kl.reference == "rl_start" and job.model.lora is not None and job.model.sft_warmup.steps:
         errors.append(

@@ -70,6 +70,7 @@ def learner_spec(job: Job, model_path: str, reference: Path | None = None) -> Le
         gradient_checkpointing=job.learner.gradient_checkpointing,
         packed_micro_batches=job.learner.packed_micro_batches,
         fused_output_layer=job.learner.fused_output_layer,
+        compiled_layers=job.learner.compile_backend if job.learner.compile == "layers" else None,
         proximal=job.algorithm.proximal,
         proximal_eps_low=job.algorithm.proximal_eps_low,
         proximal_eps_high=job.algorithm.proximal_eps_high,

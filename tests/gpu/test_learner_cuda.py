@@ -150,3 +150,25 @@ def test_the_varlen_kernel_gives_each_rows_own_causal_attention_in_bf16():
     for want, got in zip(outputs["rows"][1], outputs["varlen"][1]):
         assert (got - want).abs().max() <= 2e-2 * want.abs().max()
     assert varlen_sdpa(query.float(), key.float(), value.float(), cu_seqlens, max(lengths), None) is None  # fp32
+
+
+def test_inductor_compiled_layers_on_cuda_give_the_eager_logprobs_and_gradients(tiny_qwen2):
+    """`learner.compile: layers` as a GPU runs it: inductor's Triton kernels for each decoder layer, the packed
+    attention between two graphs, one compile for micro-batches of every length."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    from learner.compiled_layers import compile_decoder_layers
+    from learner.packing import packing_support
+    from tests.component.test_compiled_layers import compiled_matches_eager
+
+    eager, compiled = (
+        AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32, attn_implementation="sdpa").cuda()
+        for _ in range(2)
+    )
+    for model in (eager, compiled):
+        assert packing_support(model)[0]
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_decoder_layers(compiled, "inductor", rank=0) > 1
+    compiled_matches_eager(eager, compiled, "cuda", 1e-4)

@@ -667,3 +667,16 @@ def test_an_error_in_a_field_given_by_set_names_the_set_not_the_job_file(capsys)
     err = capsys.readouterr().err
     assert "learner.steps: Input should be a valid integer" in err and "(from --set learner.steps=abc)" in err
     assert "did you mean 'steps'? (from --set learner.stepz=3)" in err and "seed=1" not in err
+
+
+def test_compiled_layers_are_refused_under_zero_3_and_reach_the_learner_spec_otherwise():
+    from cluster.run.specs import learner_spec
+
+    compiled = {**MINIMAL, "learner": {"compile": "layers"}}
+    assert learner_spec(validate_job(compiled), "model").compiled_layers == "inductor"
+    assert learner_spec(validate_job(MINIMAL), "model").compiled_layers is None
+    debug = {**MINIMAL, "learner": {"compile": "layers", "compile_backend": "aot_eager"}}
+    assert learner_spec(validate_job(debug), "model").compiled_layers == "aot_eager"
+    errors = _errors({**MINIMAL, "learner": {"compile": "layers", "zero_stage": 3}})
+    assert "learner.zero_stage 3" in errors["learner.compile"]
+    assert "learner.compile" in _errors({**MINIMAL, "learner": {"compile": "everything"}})
