@@ -98,6 +98,7 @@ def test_compiled_layers_are_refused_beside_per_sample_gradient_norms():
 
 def _rank_main(rank: int, model_path: str, port: int, out: str) -> None:
     from learner.batch import collate
+    from learner.lora import LoraSpec
     from learner.rank import LearnerRank, LearnerSpec
     from tests.component.test_packing import _varied_samples
 
@@ -107,6 +108,12 @@ def _rank_main(rank: int, model_path: str, port: int, out: str) -> None:
         "eager": {},
         "compiled": {"compiled_layers": "aot_eager"},
         "compiled-checkpointed": {"compiled_layers": "aot_eager", "gradient_checkpointing": True},
+        "compiled-padded": {"compiled_layers": "aot_eager", "packed_micro_batches": False},
+        "lora": {"lora": LoraSpec(4, 8.0, 0.0, ("q_proj", "v_proj", "down_proj"))},
+        "compiled-lora": {
+            "compiled_layers": "aot_eager",
+            "lora": LoraSpec(4, 8.0, 0.0, ("q_proj", "v_proj", "down_proj")),
+        },
     }.items():
         spec = LearnerSpec(
             model_path=model_path,
@@ -133,9 +140,15 @@ def test_a_rank_with_compiled_layers_takes_the_eager_step(tiny_qwen2, tmp_path):
     eager = results["eager"]
     assert eager["metrics"]["perf/micro_batches"] > 1
     assert sum(not torch.equal(initial[name], w) for name, w in eager["weights"].items()) > 0, "nothing trained"
-    for label in ("compiled", "compiled-checkpointed"):
-        got = results[label]
-        assert list(got["weights"]) == list(eager["weights"]), label
-        assert got["metrics"]["optim/grad_norm"] == pytest.approx(eager["metrics"]["optim/grad_norm"], rel=1e-4)
-        for name, want in eager["weights"].items():
+    for label, reference in (
+        ("compiled", "eager"),
+        ("compiled-checkpointed", "eager"),
+        ("compiled-padded", "eager"),
+        ("compiled-lora", "lora"),
+    ):
+        got, want_step = results[label], results[reference]
+        assert want_step["metrics"]["optim/grad_norm"] > 0, reference
+        assert list(got["weights"]) == list(want_step["weights"]), label
+        assert got["metrics"]["optim/grad_norm"] == pytest.approx(want_step["metrics"]["optim/grad_norm"], rel=1e-4)
+        for name, want in want_step["weights"].items():
             torch.testing.assert_close(got["weights"][name], want, rtol=0, atol=1e-2 * LEARNING_RATE, msg=label + name)
