@@ -38,17 +38,36 @@ class CountdownConfig(CheckedConfig):
 
 @dataclass(frozen=True)
 class GSM8KConfig(CheckedConfig):
-    """GSM8K from a JSONL file (question, answer with the gold after '####'), scored with math-verify."""
+    """GSM8K rows (question, answer with the gold after '####'), scored with math-verify."""
 
-    path: str = config_field("JSONL file of GSM8K rows", "")
+    path: str = config_field(
+        "GSM8K's rows: a JSONL or Parquet file, a folder Hugging Face datasets reads, or hf:openai/gsm8k (with "
+        "subset main)",
+        "",
+    )
+    split: str = config_field("a folder's or Hub dataset's split", "train")
+    subset: str | None = config_field(
+        "a Hub dataset's configuration name (openai/gsm8k: main); none: its default", None
+    )
     max_rows: int | None = config_field("use only the first rows (none: all)", None, ge=1)
+
+
+HUB_PREFIX = "hf:"  # task.path hf:OWNER/NAME: a Hugging Face Hub dataset, read by each process from its own cache
 
 
 @dataclass(frozen=True)
 class DatasetConfig(CheckedConfig):
-    """Your own problems from a JSONL file, scored by a built-in verifier or by your own reward function."""
+    """Your own problems from a JSONL or Parquet file, a dataset folder or a Hugging Face Hub dataset, scored by a
+    built-in verifier or by your own reward function."""
 
-    path: str = config_field("JSONL file, one problem per line", "")
+    path: str = config_field(
+        "where the problems are: a JSONL file (one per line), a Parquet file, a folder Hugging Face datasets reads "
+        "(Parquet or JSON shards, a Hub snapshot, save_to_disk's output), or hf:OWNER/NAME, a Hub dataset (read "
+        "from the local cache where the Hub is out of reach)",
+        "",
+    )
+    split: str = config_field("a folder's or Hub dataset's split", "train")
+    subset: str | None = config_field("a Hub dataset's configuration name (gsm8k's 'main'); none: its default", None)
     prompt_field: str = config_field(
         "the field with the prompt: text, or a list of chat messages {role, content}", "prompt"
     )

@@ -1,8 +1,9 @@
-"""Your own problems from a JSONL file, scored by a built-in verifier or by your own reward function.
+"""Your own problems from a JSONL or Parquet file, a dataset folder or a Hub dataset (`tasks.sources`), scored by
+a built-in verifier or by your own reward function.
 
 Every row is checked when the task is built, in the driver and in each reward worker: a missing field,
 a prompt that is neither text nor chat messages, or a reward function that cannot be imported or called
-with (completion, answer, row) is a `TaskError` naming the field and the file's line, before anything
+with (completion, answer, row) is a `TaskError` naming the field and the file's line or row, before anything
 starts. A reward function that raises, hangs or returns a non-number at run time fails only that sample
 (`tasks.scoring`).
 """
@@ -12,22 +13,12 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
-from tasks.base import (
-    ANSWER_FORMAT,
-    Problem,
-    Task,
-    TaskError,
-    file_problems,
-    graded_answer,
-    read_jsonl,
-    register,
-    user_function,
-)
+from tasks.base import ANSWER_FORMAT, Problem, Task, TaskError, file_problems, graded_answer, register, user_function
 from tasks.config import DatasetConfig
 from tasks.gsm8k import math_equivalent
+from tasks.sources import source_rows
 
 ROLES = ("system", "user", "assistant")
 
@@ -48,7 +39,7 @@ BOXED_REWARDS = frozenset({"math"})  # also read a \boxed{} answer (without <ans
 class Dataset(Task):
     def __init__(self, config: DatasetConfig) -> None:
         if not config.path:
-            raise TaskError("task.path: the dataset task needs the path of a JSONL file")
+            raise TaskError("task.path: the dataset task needs a JSONL or Parquet file, a folder or hf:OWNER/NAME")
         self.config = config
         self.equivalent = BUILT_IN_REWARDS.get(config.reward)
         if config.reward_batched and self.equivalent:
@@ -56,13 +47,14 @@ class Dataset(Task):
         self.reward_function = (
             None if self.equivalent else load_reward_function(config.reward, batched=config.reward_batched)
         )
-        path = Path(config.path).expanduser()
-        self.rows = [self._problem(path, line, row) for line, row in read_jsonl(path, config.max_rows)]
+        sourced = source_rows(config.path, config.split, config.subset, config.max_rows)
+        self.rows = [
+            self._problem(source.where, f"{source.name}-{source.number:06d}", source.row) for source in sourced
+        ]
         if not self.rows:
             raise TaskError(f"task.path: {config.path} has no rows")
 
-    def _problem(self, path: Path, line: int, row: dict[str, Any]) -> Problem:
-        where = f"{path}:{line}"
+    def _problem(self, where: str, problem_id: str, row: dict[str, Any]) -> Problem:
         config = self.config
         if config.prompt_field not in row:
             raise TaskError(f"{where}: field {config.prompt_field!r} (task.prompt_field) is missing")
@@ -89,7 +81,7 @@ class Dataset(Task):
                 )
         answer = gold if isinstance(gold, str) else json.dumps(gold)
         return Problem(
-            f"{path.stem}-{line:06d}",
+            problem_id,
             messages[-1]["content"],
             answer,
             {"messages": messages, "gold": gold, "row": row, "demonstration": demonstration},

@@ -8,31 +8,34 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
-from tasks.base import Problem, Task, TaskError, file_problems, graded_answer, read_jsonl, register, tool_call_text
+from tasks.base import Problem, Task, TaskError, file_problems, graded_answer, register, tool_call_text
 from tasks.config import GSM8KConfig
+from tasks.sources import source_rows
 
 _CALC = re.compile(r"<<[^>]*>>")
 _CALC_PARTS = re.compile(r"<<([^>]*)>>")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def load_rows(path: Path, max_rows: int | None = None) -> list[Problem]:
+def load_rows(config: GSM8KConfig) -> list[Problem]:
+    """GSM8K's rows from `config.path` (any source `tasks.sources` reads: the Hub's openai/gsm8k has these
+    columns), each checked: question and answer text, the answer's last '#### GOLD' a number."""
     problems = []
-    for line_number, row in read_jsonl(path, max_rows):
+    for source in source_rows(config.path, config.split, config.subset, config.max_rows):
+        row, where = source.row, source.where
         for key in ("question", "answer"):
             if not isinstance(row.get(key), str) or not row[key].strip():
-                raise TaskError(f"{path}:{line_number}: field {key!r} is missing or not text")
+                raise TaskError(f"{where}: field {key!r} is missing or not text")
         if "####" not in row["answer"]:
-            raise TaskError(f"{path}:{line_number}: field 'answer' has no '#### <gold>' line")
+            raise TaskError(f"{where}: field 'answer' has no '#### <gold>' line")
         reasoning, gold = row["answer"].rsplit("####", 1)
         gold = gold.strip().replace(",", "")
         if not _NUMBER.fullmatch(gold):
-            raise TaskError(f"{path}:{line_number}: gold answer {gold!r} is not a number")
+            raise TaskError(f"{where}: gold answer {gold!r} is not a number")
         problems.append(
             Problem(
-                f"gsm8k-{path.stem}-{line_number:05d}",
+                f"gsm8k-{source.name}-{source.number:05d}",
                 row["question"].strip(),
                 gold,
                 {"reasoning": _CALC.sub("", reasoning).strip(), "annotated": reasoning.strip()},
@@ -45,8 +48,8 @@ def load_rows(path: Path, max_rows: int | None = None) -> list[Problem]:
 class GSM8K(Task):
     def __init__(self, config: GSM8KConfig) -> None:
         if not config.path:
-            raise TaskError("task.path: the gsm8k task needs the path of a JSONL file")
-        self.rows = load_rows(Path(config.path).expanduser(), config.max_rows)
+            raise TaskError("task.path: the gsm8k task needs a JSONL or Parquet file, a folder or hf:openai/gsm8k")
+        self.rows = load_rows(config)
         if not self.rows:
             raise TaskError(f"task.path: {config.path} has no rows")
 

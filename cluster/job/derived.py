@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Collection
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cluster.job.schema import Job
@@ -149,17 +148,19 @@ def _named_evaluation_set(job: Job, name: str, job_task_config: Any) -> Evaluati
     """eval.sets.NAME read by its task format: the job's task config when the format is the job's task (its
     reward, system prompt and fields carry over), else that format's defaults; the set's file and fields on top."""
     from tasks.base import TaskError, build_task
+    from tasks.sources import source_problem
 
     spec, where = job.eval.sets[name], f"eval.sets.{name}"
-    if not Path(spec.path).expanduser().is_file():
-        raise TaskError(f"{where}.path: no data file at {spec.path}")
+    problem = source_problem(spec.path)
+    if problem is not None:
+        raise TaskError(f"{where}.path: {problem}")
     task_name = eval_set_task(job, name)
     assert task_name is not None, "validate_job refuses a set without a file format"
     fields = config_fields(task_name)
     overrides = {
         "path": spec.path,
         **{key: value for key, value in EVAL_SET_TASK_RESETS.items() if key in fields},
-        **{key: getattr(spec, key) for key in ("prompt_field", "answer_field") if getattr(spec, key)},
+        **{key: getattr(spec, key) for key in ("prompt_field", "answer_field", "split") if getattr(spec, key)},
     }
     base = job_task_config if task_name == job.task.name else TASK_CONFIGS[task_name]()
     config = dataclasses.replace(base, **overrides)

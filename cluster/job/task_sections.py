@@ -184,12 +184,20 @@ EVAL_SET_TASK_RESETS: dict[str, Any] = {"max_rows": None, "demonstration_field":
 class EvalSetSection(Section):
     """One named evaluation set: a JSONL file the policy answers at every evaluation, logged as `eval/NAME/*`."""
 
-    path: str = Field(description="JSONL file of the set's problems; a relative path is from the working directory")
+    path: str = Field(
+        description="the set's problems: a JSONL or Parquet file, a dataset folder or hf:OWNER/NAME, as task.path; "
+        "a relative path is from the working directory"
+    )
     task: Literal[FILE_TASKS] | None = Field(  # type: ignore[valid-type]
         None,
         description="the task format that reads the file and scores its answers: gsm8k (rows {question, "
         "answer: '... #### GOLD'}) or dataset (rows {prompt, answer}, see prompt_field); default: the job's task, "
         "which must read a file",
+    )
+    split: str | None = Field(
+        None,
+        description="a folder's or Hub dataset's split (a held-out set is often 'test'); default: the job's "
+        "task.split, else 'train'",
     )
     prompt_field: str | None = Field(
         None,

@@ -32,6 +32,7 @@ from typing import Any
 
 from algorithms.errors import StableAsyncError
 from cluster.job import Job, JobValidationError, dump_job, validate_job
+from tasks.config import HUB_PREFIX
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # What a job needs on the cluster: the importable packages and the project metadata.
@@ -134,14 +135,18 @@ def job_files(job: Job) -> list[tuple[str, str]]:
     FILE.py, the evaluation sets' data files and the tools' FILE.py. A model (model.path) is not among them: a
     hub id, a known name, or a folder on every node (docs/cluster.md, Shared storage)."""
     files = []
-    if getattr(job.task, "path", ""):
+    if getattr(job.task, "path", "") and not job.task.path.startswith(HUB_PREFIX):  # a Hub dataset: each node's cache
         files.append(("task.path", job.task.path))
     source = getattr(job.task, "reward", "").rpartition(":")[0]  # 'FILE.py:NAME'; 'module:NAME' is imported
     if source.endswith(".py"):
         files.append(("task.reward", source))
     if job.eval.task_path:
         files.append(("eval.task_path", job.eval.task_path))
-    files += [(f"eval.sets.{name}.path", spec.path) for name, spec in job.eval.sets.items()]
+    files += [
+        (f"eval.sets.{name}.path", spec.path)
+        for name, spec in job.eval.sets.items()
+        if not spec.path.startswith(HUB_PREFIX)
+    ]
     files += [
         (f"environment.tools.{index}", entry.rpartition(":")[0])
         for index, entry in enumerate(job.environment.tools)
@@ -179,6 +184,12 @@ def carried_files(job: Job, remote_prefixes: Sequence[str] = DEFAULT_REMOTE_PREF
         if is_remote(path, remote_prefixes):
             continue
         source = Path(path).expanduser().resolve()
+        if source.is_dir():
+            missing.append(
+                f"{field}: {path} is a folder, which submit does not carry: put it on every node under a remote "
+                "prefix (--remote-prefix), or write it as one Parquet or JSONL file"
+            )
+            continue
         if not source.is_file():
             missing.append(
                 f"{field}: {path} ({source}) is {'not a file' if source.exists() else 'missing'} on this machine"

@@ -166,7 +166,8 @@ def test_a_missing_file_is_an_error_naming_each_field_before_anything_is_staged(
         stage_working_dir(job, tmp_path / "wd")
     message = str(error.value)
     assert f"task.path: nope.jsonl ({tmp_path / 'nope.jsonl'}) is missing on this machine" in message
-    assert "task.reward: gone.py" in message and f"eval.task_path: {tmp_path} ({tmp_path}) is not a file" in message
+    assert "task.reward: gone.py" in message
+    assert f"eval.task_path: {tmp_path} is a folder, which submit does not carry: put it on every node" in message
     assert "--remote-prefix" in message and "/mnt/shared" in message
     assert not (tmp_path / "wd").exists(), "nothing was staged"
 
@@ -203,3 +204,15 @@ def test_a_tools_file_travels_and_built_in_and_remote_tools_stay(tmp_path, monke
     from tasks.tools import load_tools
 
     assert load_tools(sent.environment.tools[:2])["lookup"]("x") == "x"
+
+
+def test_a_hub_dataset_is_read_on_the_cluster_and_travels_as_its_name(tmp_path):
+    job = validate_job(
+        {
+            **_dataset_job(tmp_path, path="hf:openai/gsm8k", subset="main"),
+            "eval": {"sets": {"held": {"path": "hf:openai/gsm8k", "split": "test"}}},
+        }
+    )
+    assert carried_files(job) == []
+    sent = load_job(stage_working_dir(job, tmp_path / "wd") / "job.yaml")
+    assert sent.task.path == sent.eval.sets["held"].path == "hf:openai/gsm8k" and sent.eval.sets["held"].split == "test"
