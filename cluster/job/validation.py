@@ -17,13 +17,28 @@ from tasks.config import TASK_CONFIGS
 
 
 def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = None) -> list[JobError]:
-    """Checks that span fields: sizes divisible, resources satisfiable, options consistent.
+    """Checks that span fields: sizes divisible, resources satisfiable, options consistent; each group of rules
+    beside the fields it reads, in this order (a later error on the same field is the one a reader sees last).
 
     `cluster_resources` (Ray's totals) adds the checks against the cluster the job is about to start on.
     """
+    rules = (
+        _learner_errors,
+        _algorithm_errors,
+        _kl_errors,
+        _environment_errors,
+        _fixed_lag_errors,
+        _model_errors,
+        _generator_errors,
+        _elastic_generator_errors,
+        _eval_errors,
+    )
+    return [error for rule in rules for error in rule(job)] + _resource_errors(job, cluster_resources)
+
+
+def _learner_errors(job: Job) -> list[JobError]:
+    """The learner's sizes, schedule, micro-batch budget and compilation."""
     errors: list[JobError] = []
-    available_cpus = cluster_resources.get("CPU", 0.0) if cluster_resources is not None else None
-    available_gpus = cluster_resources.get("GPU", 0.0) if cluster_resources is not None else None
     learner, generator = job.learner, job.generator
     if learner.prompts_per_step % learner.num_ranks:
         errors.append(
@@ -59,6 +74,29 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                 f"{learner.lr_warmup_steps} warm-up steps is more than the {learner.steps} steps",
             )
         )
+    if learner.max_tokens_per_micro_batch != "auto" and learner.max_tokens_per_micro_batch < generator.max_model_len:
+        errors.append(
+            JobError(
+                "learner.max_tokens_per_micro_batch",
+                f"{learner.max_tokens_per_micro_batch} is less than one sequence may hold (generator.max_model_len "
+                f"{generator.max_model_len}); raise it, or lower max_model_len",
+            )
+        )
+    if learner.compile == "layers" and learner.zero_stage == 3:
+        errors.append(
+            JobError(
+                "learner.compile",
+                "layers is not supported with learner.zero_stage 3, whose hooks gather each layer's weights "
+                "as it runs; use zero_stage 2 or compile: none",
+            )
+        )
+    return errors
+
+
+def _algorithm_errors(job: Job) -> list[JobError]:
+    """Group filtering, overlong shaping, book-keeping's limits and the loss aggregation."""
+    errors: list[JobError] = []
+    generator = job.generator
     if job.algorithm.drop_uniform_groups and generator.samples_per_prompt == 1:
         errors.append(
             JobError(
@@ -76,66 +114,25 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                 "(generator.max_new_tokens)",
             )
         )
-    if generator.top_p < 1:
+    token_terms = (job.algorithm.kl is not None and job.algorithm.kl.in_ == "loss") or job.algorithm.entropy_coef > 0
+    if token_terms and getattr(job.algorithm.stabilizer, "opob_impl", None) == "bookkeeping":
         errors.append(
             JobError(
-                "generator.top_p",
-                f"{generator.top_p} is not supported: vLLM's log-probs of a "
-                "nucleus-sampled token are renormalised over the nucleus, while the learner's are over "
-                "the whole vocabulary, so every importance ratio would be biased even on-policy; use "
-                "1.0 and set the sampling's spread with generator.temperature",
+                "algorithm.stabilizer.opob_impl",
+                "bookkeeping forms each sequence's whole gradient "
+                "from its log-prob alone, so it cannot carry a KL term in the loss or an entropy bonus; "
+                "use ghost or auto (which then takes ghost)",
             )
         )
-    errors += _environment_errors(job)
-    if (lag := job.async_.fixed_lag) is not None:  # what would sample or drop a group at another lag
-        fixed_lag_limits = [
-            ("async.max_lag", job.async_.max_lag < lag, f"{job.async_.max_lag} is below async.fixed_lag {lag}"),
-            ("async.stale_policy", job.async_.stale_policy == "drop", f"async.fixed_lag {lag} needs wait"),
-            ("generator.streaming", generator.streaming, f"loads weights mid-call; async.fixed_lag {lag} needs false"),
-            (
-                "algorithm.drop_uniform_groups",
-                job.algorithm.drop_uniform_groups,
-                f"a dropped group's replacement would be sampled by a later policy than async.fixed_lag {lag} allows",
-            ),
-        ]
-        errors += [JobError(field, why) for field, refused, why in fixed_lag_limits if refused]
-    if job.model.lora is not None:
-        lora_limits = [
-            (
-                "learner.zero_stage",
-                learner.zero_stage == 3,
-                "ZeRO-3 with LoRA is not supported yet; the adapter is small, so use zero_stage 2",
-            ),
-            (
-                "async.weight_sync",
-                job.async_.weight_sync != "object_store",
-                "a LoRA adapter travels through the object store only; use object_store",
-            ),
-            (
-                "generator.streaming",
-                generator.streaming,
-                "streaming generators do not load LoRA adapters yet; use streaming: false",
-            ),
-        ]
-        errors += [JobError(field, why) for field, refused, why in lora_limits if refused]
-    if learner.compile == "layers" and learner.zero_stage == 3:
-        errors.append(
-            JobError(
-                "learner.compile",
-                "layers is not supported with learner.zero_stage 3, whose hooks gather each layer's weights "
-                "as it runs; use zero_stage 2 or compile: none",
-            )
-        )
+    if job.algorithm.loss_aggregation == "constant" and job.algorithm.constant_tokens is None:
+        errors.append(JobError("algorithm.constant_tokens", "required when loss_aggregation is 'constant'"))
+    return errors
+
+
+def _kl_errors(job: Job) -> list[JobError]:
+    """A KL term that would not measure or train what it says."""
+    errors: list[JobError] = []
     kl = job.algorithm.kl
-    if kl is not None and kl.reference == "rl_start" and job.model.lora is not None and job.model.sft_warmup.steps:
-        errors.append(
-            JobError(
-                "algorithm.kl.reference",
-                "rl_start after an SFT warm-up is not there with LoRA: the "
-                "reference is the base model with the adapter switched off, the policy before the "
-                "warm-up; set algorithm.kl.reference: model to measure against it",
-            )
-        )
     stabilizer_normalises = getattr(job.algorithm.stabilizer, "norm_by_std", None)  # VCPO forms its own advantages
     std_normalised = job.algorithm.advantage == "grpo" if stabilizer_normalises is None else stabilizer_normalises
     if kl is not None and kl.in_ == "reward" and std_normalised:
@@ -159,31 +156,85 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                 "samples vanishes); use low_var+ or k2 in the loss, or k1 with `in: reward`",
             )
         )
-    token_terms = (job.algorithm.kl is not None and job.algorithm.kl.in_ == "loss") or job.algorithm.entropy_coef > 0
-    if token_terms and getattr(job.algorithm.stabilizer, "opob_impl", None) == "bookkeeping":
+    return errors
+
+
+def _fixed_lag_errors(job: Job) -> list[JobError]:
+    """Settings that would sample or drop a group at another lag than async.fixed_lag."""
+    errors: list[JobError] = []
+    generator = job.generator
+    if (lag := job.async_.fixed_lag) is not None:  # what would sample or drop a group at another lag
+        fixed_lag_limits = [
+            ("async.max_lag", job.async_.max_lag < lag, f"{job.async_.max_lag} is below async.fixed_lag {lag}"),
+            ("async.stale_policy", job.async_.stale_policy == "drop", f"async.fixed_lag {lag} needs wait"),
+            ("generator.streaming", generator.streaming, f"loads weights mid-call; async.fixed_lag {lag} needs false"),
+            (
+                "algorithm.drop_uniform_groups",
+                job.algorithm.drop_uniform_groups,
+                f"a dropped group's replacement would be sampled by a later policy than async.fixed_lag {lag} allows",
+            ),
+        ]
+        errors += [JobError(field, why) for field, refused, why in fixed_lag_limits if refused]
+    return errors
+
+
+def _model_errors(job: Job) -> list[JobError]:
+    """LoRA's limits and the tiny model's shape."""
+    errors: list[JobError] = []
+    learner, generator = job.learner, job.generator
+    if job.model.lora is not None:
+        lora_limits = [
+            (
+                "learner.zero_stage",
+                learner.zero_stage == 3,
+                "ZeRO-3 with LoRA is not supported yet; the adapter is small, so use zero_stage 2",
+            ),
+            (
+                "async.weight_sync",
+                job.async_.weight_sync != "object_store",
+                "a LoRA adapter travels through the object store only; use object_store",
+            ),
+            (
+                "generator.streaming",
+                generator.streaming,
+                "streaming generators do not load LoRA adapters yet; use streaming: false",
+            ),
+        ]
+        errors += [JobError(field, why) for field, refused, why in lora_limits if refused]
+    kl = job.algorithm.kl
+    if kl is not None and kl.reference == "rl_start" and job.model.lora is not None and job.model.sft_warmup.steps:
         errors.append(
             JobError(
-                "algorithm.stabilizer.opob_impl",
-                "bookkeeping forms each sequence's whole gradient "
-                "from its log-prob alone, so it cannot carry a KL term in the loss or an entropy bonus; "
-                "use ghost or auto (which then takes ghost)",
+                "algorithm.kl.reference",
+                "rl_start after an SFT warm-up is not there with LoRA: the "
+                "reference is the base model with the adapter switched off, the policy before the "
+                "warm-up; set algorithm.kl.reference: model to measure against it",
             )
         )
-    if job.algorithm.loss_aggregation == "constant" and job.algorithm.constant_tokens is None:
-        errors.append(JobError("algorithm.constant_tokens", "required when loss_aggregation is 'constant'"))
+    if job.model.path == "tiny" and job.model.tiny.num_heads % job.model.tiny.num_kv_heads:
+        errors.append(JobError("model.tiny.num_kv_heads", "must divide num_heads"))
+    return errors
+
+
+def _generator_errors(job: Job) -> list[JobError]:
+    """Sampling, engine sizes, weight sync and elastic generators."""
+    errors: list[JobError] = []
+    learner, generator = job.learner, job.generator
+    if generator.top_p < 1:
+        errors.append(
+            JobError(
+                "generator.top_p",
+                f"{generator.top_p} is not supported: vLLM's log-probs of a "
+                "nucleus-sampled token are renormalised over the nucleus, while the learner's are over "
+                "the whole vocabulary, so every importance ratio would be biased even on-policy; use "
+                "1.0 and set the sampling's spread with generator.temperature",
+            )
+        )
     if generator.max_new_tokens >= generator.max_model_len:
         errors.append(
             JobError(
                 "generator.max_new_tokens",
                 f"{generator.max_new_tokens} leaves no room for the prompt in max_model_len {generator.max_model_len}",
-            )
-        )
-    if learner.max_tokens_per_micro_batch != "auto" and learner.max_tokens_per_micro_batch < generator.max_model_len:
-        errors.append(
-            JobError(
-                "learner.max_tokens_per_micro_batch",
-                f"{learner.max_tokens_per_micro_batch} is less than one sequence may hold (generator.max_model_len "
-                f"{generator.max_model_len}); raise it, or lower max_model_len",
             )
         )
     if generator.tensor_parallel_size > 1 and generator.gpus_per_generator != generator.tensor_parallel_size:
@@ -206,6 +257,13 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
         errors.append(
             JobError("async.weight_sync", "nccl needs GPUs on generators and learner ranks; use object_store")
         )
+    return errors
+
+
+def _elastic_generator_errors(job: Job) -> list[JobError]:
+    """Elastic generators (generator.max_generators): the resource they follow and a weight sync that takes them."""
+    errors: list[JobError] = []
+    generator = job.generator
     if generator.max_generators is not None:
         if job.cluster.generator_resource is None:
             errors.append(
@@ -230,9 +288,12 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
                     "object_store: a collective weight group cannot take new members",
                 )
             )
-    errors += _scoring_errors(
-        job, available_cpus if available_cpus is not None else job.cluster.num_cpus, available_gpus
-    )
+    return errors
+
+
+def _eval_errors(job: Job) -> list[JobError]:
+    """Evaluation's pass@k, sampling and data."""
+    errors: list[JobError] = []
     if any(k < 1 or k > job.eval.samples_per_problem for k in job.eval.pass_at):
         errors.append(
             JobError(
@@ -253,8 +314,18 @@ def cross_field_errors(job: Job, cluster_resources: dict[str, float] | None = No
     if job.eval.task_path is not None and not hasattr(job.task, "path"):
         errors.append(JobError("eval.task_path", f"task {job.task.name!r} reads no data file; leave it unset"))
     errors += _eval_set_errors(job)
-    if job.model.path == "tiny" and job.model.tiny.num_heads % job.model.tiny.num_kv_heads:
-        errors.append(JobError("model.tiny.num_kv_heads", "must divide num_heads"))
+    return errors
+
+
+def _resource_errors(job: Job, cluster_resources: dict[str, float] | None) -> list[JobError]:
+    """Scoring's and the actors' CPUs, GPUs and custom resources against the cluster (Ray's totals when given)."""
+    errors: list[JobError] = []
+    available_cpus = cluster_resources.get("CPU", 0.0) if cluster_resources is not None else None
+    available_gpus = cluster_resources.get("GPU", 0.0) if cluster_resources is not None else None
+    learner, generator = job.learner, job.generator
+    errors += _scoring_errors(
+        job, available_cpus if available_cpus is not None else job.cluster.num_cpus, available_gpus
+    )
     cpus_needed = generator.num_generators * generator.cpus_per_generator + learner.num_ranks * learner.cpus_per_rank
     gpus_needed = generator.num_generators * generator.gpus_per_generator + learner.num_ranks * learner.gpus_per_rank
     cpu_limit = available_cpus if available_cpus is not None else job.cluster.num_cpus
