@@ -95,6 +95,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def print_own_phases(runs: dict[int, Path], rows: dict[int, list[dict[str, Any]]]) -> None:
+    """Each lag's run against its own generator and learner phases (its ideal speedup, and how near it came)."""
+    print("\neach run against its own phases:")
+    print(
+        f"{'max_lag':>7}{'own g s/step':>14}{'own t s/step':>14}{'response len':>14}{'own ideal':>11}"
+        f"{'(g + t) / wall':>16}{'of own ideal':>14}"
+    )
+    for lag, run_dir in runs.items():
+        own_g, own_t = phase_s(run_dir, rows[lag])
+        wall = wall_per_step_s(rows[lag])
+        length = statistics.median(metric_number(r["rollout/response_len"]) for r in rows[lag][SKIP_STEPS:])
+        print(
+            f"{lag:>7}{own_g:>14.3f}{own_t:>14.3f}{length:>14.1f}{(own_g + own_t) / max(own_g, own_t):>11.2f}"
+            f"{(own_g + own_t) / wall:>16.2f}{max(own_g, own_t) / wall:>14.0%}"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -140,19 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{lag:>7}{wall:>13.3f}{speedup:>9.2f}{speedup / ideal:>10.0%}"
             f"{(f'{to_target:.1f}' if to_target is not None else 'never'):>13}{predicted:>18.3f}{error:>+11.0%}"
         )
-    print("\neach run against its own phases:")
-    print(
-        f"{'max_lag':>7}{'own g s/step':>14}{'own t s/step':>14}{'response len':>14}{'own ideal':>11}"
-        f"{'(g + t) / wall':>16}{'of own ideal':>14}"
-    )
-    for lag in lags:
-        own_g, own_t = phase_s(runs[lag], rows[lag])
-        wall = wall_per_step_s(rows[lag])
-        length = statistics.median(metric_number(r["rollout/response_len"]) for r in rows[lag][SKIP_STEPS:])
-        print(
-            f"{lag:>7}{own_g:>14.3f}{own_t:>14.3f}{length:>14.1f}{(own_g + own_t) / max(own_g, own_t):>11.2f}"
-            f"{(own_g + own_t) / wall:>16.2f}{max(own_g, own_t) / wall:>14.0%}"
-        )
+    print_own_phases(runs, rows)
     print(f"\n(simulated s/step is compared with the run's mean gap between step rows, {out}/lag*/metrics.jsonl)")
     print("\nthis machine with both cores busy (async phases run slower by about their memory-bound share):")
     print(report(contention))

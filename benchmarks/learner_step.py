@@ -254,6 +254,68 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _configuration_result(
+    label: str, args: argparse.Namespace, model_path: str, vocab: int, profiled: bool
+) -> dict[str, Any]:
+    """One configuration's measurements from a process of its own (`_configuration_child`)."""
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.learner_step",
+            "--child",
+            label,
+            "--model-path",
+            model_path,
+            "--vocab",
+            str(vocab),
+            "--port",
+            str(listenable_port()),
+            "--sequences",
+            str(args.sequences),
+            "--tokens",
+            str(args.tokens),
+            "--threads",
+            str(args.threads),
+            "--rounds",
+            str(args.rounds),
+            "--budget",
+            str(args.budget),
+            "--dtype",
+            args.dtype,
+            *(["--profile"] if profiled else []),
+            *(["--flops"] if args.flops else []),
+            *(["--lengths", args.lengths] if args.lengths else []),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if child.returncode != 0:
+        raise SystemExit(f"{label}: its process failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def _print_row(label: str, result: dict[str, Any], reference: dict[str, Any]) -> None:
+    """A configuration's row against the reference's, and its FLOPs and profile where it measured them."""
+    best, median = min(result["times"]), statistics.median(result["times"])
+    share = result["bookkeeping_share"]
+    print(
+        f"{label:<22} {best:>12.3f} {best / min(reference['times']):>10.2f} "
+        f"{median / statistics.median(reference['times']):>9.2f} {result['peak_bytes'] / 2**20:>9.0f} "
+        f"{result['peak_bytes'] / reference['peak_bytes']:>10.2f} {'-' if share is None else f'{share:.2f}':>9} "
+        f"{result['held_bytes'] / 2**20:>9.0f} {result['micro_batches']:>5.0f} "
+        f"{result['tokens'] / best:>9.1f}"
+    )
+    if "flops" in result:
+        print(
+            f"  flops of {label}: {result['flops'] / 1e9:.1f} GFLOP, {result['flops'] / reference['flops']:.2f}x "
+            f"{REFERENCE}; {result['model_backwards'] / result['micro_batches']:.2f} backward passes through "
+            "the model per micro-batch"
+        )
+    if "profile" in result:
+        print_profile(label, result["profile"])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -298,59 +360,9 @@ def main(argv: list[str] | None = None) -> None:
     reference: dict[str, Any] | None = None
     results: dict[str, dict[str, Any]] = {}
     for label in labels:
-        child = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.learner_step",
-                "--child",
-                label,
-                "--model-path",
-                model_path,
-                "--vocab",
-                str(vocab),
-                "--port",
-                str(listenable_port()),
-                "--sequences",
-                str(args.sequences),
-                "--tokens",
-                str(args.tokens),
-                "--threads",
-                str(args.threads),
-                "--rounds",
-                str(args.rounds),
-                "--budget",
-                str(args.budget),
-                "--dtype",
-                args.dtype,
-                *(["--profile"] if label in profiled else []),
-                *(["--flops"] if args.flops else []),
-                *(["--lengths", args.lengths] if args.lengths else []),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if child.returncode != 0:
-            raise SystemExit(f"{label}: its process failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
-        result = results[label] = json.loads(child.stdout.strip().splitlines()[-1])
+        result = results[label] = _configuration_result(label, args, model_path, vocab, label in profiled)
         reference = reference or result
-        best, median = min(result["times"]), statistics.median(result["times"])
-        share = result["bookkeeping_share"]
-        print(
-            f"{label:<22} {best:>12.3f} {best / min(reference['times']):>10.2f} "
-            f"{median / statistics.median(reference['times']):>9.2f} {result['peak_bytes'] / 2**20:>9.0f} "
-            f"{result['peak_bytes'] / reference['peak_bytes']:>10.2f} {'-' if share is None else f'{share:.2f}':>9} "
-            f"{result['held_bytes'] / 2**20:>9.0f} {result['micro_batches']:>5.0f} "
-            f"{result['tokens'] / best:>9.1f}"
-        )
-        if "flops" in result:
-            print(
-                f"  flops of {label}: {result['flops'] / 1e9:.1f} GFLOP, {result['flops'] / reference['flops']:.2f}x "
-                f"{REFERENCE}; {result['model_backwards'] / result['micro_batches']:.2f} backward passes through "
-                "the model per micro-batch"
-            )
-        if "profile" in result:
-            print_profile(label, result["profile"])
+        _print_row(label, result, reference)
         sys.stdout.flush()
     for label, result in results.items():
         padded = results.get(f"{label}-padded")

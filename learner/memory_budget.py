@@ -354,6 +354,7 @@ def read_free_bytes(device: Any, ranks_on_host: int, device_share: float) -> tup
     return read_host_available_bytes() // ranks_on_host, USABLE_SHARE_HOST
 
 
+# long: one collective over the ranks: the device read, both budgets and their reasons agree
 def resolve(
     spec: Any, engine: Any, device: Any, rank: int, world_size: int, fused_head: bool = False
 ) -> MicroBatchBudget:

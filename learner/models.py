@@ -51,6 +51,7 @@ def atomic_build(out_dir: Path, params: dict, build: Callable[[Path], None]) -> 
     return out_dir
 
 
+# long: twelve keyword arguments, one per model dimension; the body is short
 def build_tiny_model(
     out_dir: Path,
     corpus: Iterable[str],

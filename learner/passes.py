@@ -99,6 +99,7 @@ class LearnerStep:
 
     # ---- the RL step -------------------------------------------------------------------------
 
+    # long: the step in the order it runs: plan, reference, passes, metrics, update
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step (or with `proximal: recompute`, its updates) on this rank's groups; metrics averaged
         over ranks. The step publishes one policy version."""

@@ -64,6 +64,7 @@ def engine_config(spec: LearnerSpec) -> dict[str, Any]:
 class LearnerRank:
     """A ZeRO data-parallel rank of the policy."""
 
+    # long: the rank's parts in the order each needs the one before: engine, head, budget, norms, step
     def __init__(self, spec: LearnerSpec, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         import deepspeed
         from transformers import AutoModelForCausalLM

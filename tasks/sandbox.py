@@ -353,6 +353,7 @@ class WorkerPool(Generic[Result]):
                 self._idle += mine
                 self._free.notify_all()
 
+    # long: one event loop over the workers: sending, deadlines and failures share its queues
     def _run_on(self, slots: list[int], items: Sequence[Any], failed: Callable[[int, str], Result]) -> list[Result]:
         results: list[Result | None] = [None] * len(items)
         todo = deque(range(len(items)))

@@ -279,6 +279,7 @@ def _complete(chunks: list[bytes]) -> bool:
     return len(data) >= 8 and len(data) >= 8 + int.from_bytes(data[:8], "little")
 
 
+# long: a forked child's whole life, fork to reaping, so every pipe it opens is closed in one finally
 def _run_item(handle: Handler, item: Any, setup: WorkerSetup) -> Any:
     """One item in a process forked from the worker, in a process group of its own that is killed when it
     returns; its stdout and stderr are a pipe read here and cut at `max_output_chars`."""

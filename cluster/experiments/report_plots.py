@@ -43,6 +43,7 @@ def _style(index: int) -> dict[str, Any]:
     return {"color": f"C{index % 10}", "linestyle": ("-", "--", ":", "-.")[index // 10 % 4]}
 
 
+# long: one figure per metric; each panel's rules (log scale, shares, NaN notes) sit beside what they change
 def plot_runs(
     runs: Sequence[RunData], summaries: Sequence[RunSummary], out_dir: Path, target_reward: float | None = None
 ) -> list[Path]:
@@ -125,6 +126,15 @@ def plot_runs(
         figure.savefig(path, dpi=90)
         paths.append(path)
 
+    paths.append(_plot_lag_histogram(runs, out_dir))
+    return paths
+
+
+def _plot_lag_histogram(runs: Sequence[RunData], out_dir: Path) -> Path:
+    """The runs' trained samples by lag, side by side, as LAG_PLOT.png (a note on the panel when none logged it)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(9, 4.2), layout="constrained")
     FigureCanvasAgg(figure)
     ax = figure.subplots()
@@ -151,8 +161,7 @@ def plot_runs(
     figure.suptitle(f"{LAG_HIST_KEY}: lag histogram")
     path = out_dir / f"{LAG_PLOT}.png"
     figure.savefig(path, dpi=90)
-    paths.append(path)
-    return paths
+    return path
 
 
 def _reward_ma_by_step(run: RunData) -> dict[int, float]:

@@ -99,6 +99,7 @@ def _grad_norm_max(values: list[float]) -> float | None:
     return max(values)
 
 
+# long: 27 lines of docstring state every rule of the row, so a reader can recompute it
 def summarise(
     run: RunData,
     target_reward: float | None = None,

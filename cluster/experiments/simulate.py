@@ -95,6 +95,7 @@ def _finite(rows: list[dict[str, Any]], key: str, path: Path) -> list[float]:
     return values
 
 
+# long: each model cost is read from the run's own rows in turn, beside the comment that says how
 def calibrate(run_dir: Path) -> tuple[SimConfig, Measured]:
     """The model's costs derived from a finished run's own measurements, and what it measured.
 

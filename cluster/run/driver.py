@@ -95,6 +95,7 @@ def run_job(job: Job, resume_dir: Path | None = None, stop: StopRequest | None =
             resume_dir = crash.run_dir
 
 
+# long: the run's life in order, under one try/finally that must reach every actor it started
 def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: StopRequest | None = None) -> RunResult:
     """Run one job to its last step, or resume `resume_dir` from its newest usable checkpoint.
 

@@ -58,6 +58,7 @@ def reward_workers(job: Job) -> ScorePool:
 class AsyncLoop:
     """Generators, scorer, buffer and learner, driven by completions (`ray.wait`)."""
 
+    # long: the loop's whole state, a field a line, so no field appears later
     def __init__(
         self,
         job: Job,

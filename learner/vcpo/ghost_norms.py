@@ -289,6 +289,7 @@ class GhostGradNorms:
             records.clear()
             self._release()
 
+    # long: its hooks share one backward pass's bucket state, and the layers' gradients arrive through them
     def _run_backward(
         self,
         records: list[_Record | None],

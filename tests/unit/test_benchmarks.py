@@ -1,7 +1,7 @@
 """Smoke tests of the benchmarks that fit the default run: each command with its smallest arguments, its
 analysis and printing included. async_speedup's analysis runs on recorded runs (tests/fixtures/bench-async,
 evaluation rows included); its real runs, and the benchmarks that start vLLM, DeepSpeed or Ray, are in
-tests/integration/test_benchmarks.py (slow)."""
+tests/integration/test_benchmark_runs.py (slow)."""
 
 from __future__ import annotations
 

@@ -47,18 +47,18 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/unit/test_wandb_workspace.py::test_offline_from_any_directory_needs_no_entity_project_or_spec_and_says_how_to_save",
     ),
     "stableasync submit": (
-        "tests/integration/test_submit.py::test_a_submission_without_the_token_or_with_a_wrong_one_is_refused",
-        "tests/integration/test_submit.py::test_two_jobs_at_once_each_with_its_own_stabilizer_run_dir_and_wandb_run",
+        "tests/integration/test_submit_to_ray.py::test_a_submission_without_the_token_or_with_a_wrong_one_is_refused",
+        "tests/integration/test_submit_to_ray.py::test_two_jobs_at_once_each_with_its_own_stabilizer_run_dir_and_wandb_run",
     ),
     "stableasync status": (
-        "tests/integration/test_submit.py::test_a_submission_without_the_token_or_with_a_wrong_one_is_refused",
-        "tests/integration/test_submit.py::test_two_jobs_at_once_each_with_its_own_stabilizer_run_dir_and_wandb_run",
+        "tests/integration/test_submit_to_ray.py::test_a_submission_without_the_token_or_with_a_wrong_one_is_refused",
+        "tests/integration/test_submit_to_ray.py::test_two_jobs_at_once_each_with_its_own_stabilizer_run_dir_and_wandb_run",
     ),
     "stableasync logs": (
-        "tests/integration/test_submit.py::test_two_jobs_at_once_each_with_its_own_stabilizer_run_dir_and_wandb_run",
+        "tests/integration/test_submit_to_ray.py::test_two_jobs_at_once_each_with_its_own_stabilizer_run_dir_and_wandb_run",
     ),
     "stableasync stop": (
-        "tests/integration/test_submit.py::test_stop_ends_a_submitted_job_at_a_step_with_a_checkpoint",
+        "tests/integration/test_submit_to_ray.py::test_stop_ends_a_submitted_job_at_a_step_with_a_checkpoint",
     ),
     "stableasync sweep": (
         "tests/unit/test_sweep.py::test_sweep_set_options_change_every_cell_through_the_job_schema",
@@ -72,7 +72,7 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/unit/test_simulate.py::test_cli_prints_a_prediction_and_the_paper_comparison",
         "tests/unit/test_simulate.py::test_the_documented_calibrate_commands_on_a_recorded_run_with_evaluation_rows",
     ),
-    "stableasync soak": ("tests/integration/test_benchmarks.py::test_soak_runs_the_job_and_audits_its_ledger",),
+    "stableasync soak": ("tests/integration/test_benchmark_runs.py::test_soak_runs_the_job_and_audits_its_ledger",),
     "cluster.remote.job_entrypoint": ("tests/unit/test_job_entrypoint.py::test_no_command_is_a_usage_error",),
     "benchmarks.model_configs": (
         "tests/unit/test_model_configs.py::test_a_built_folder_loads_as_the_learner_loads_it_and_is_built_once",
@@ -80,7 +80,7 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     "benchmarks.output_layer": ("tests/unit/test_benchmarks.py::test_output_layer_compares_the_fused_and_whole_paths",),
     "benchmarks.async_speedup": (
         "tests/unit/test_benchmarks.py::test_async_speedup_analyses_recorded_runs_whose_evaluations_have_their_own_rows",
-        "tests/integration/test_benchmarks.py::test_async_speedup_trains_each_lag_and_prints_its_tables",
+        "tests/integration/test_benchmark_runs.py::test_async_speedup_trains_each_lag_and_prints_its_tables",
     ),
     "benchmarks.core_contention": (
         "tests/unit/test_benchmarks.py::test_core_contention_prints_each_loop_alone_and_with_both_cores_busy",
@@ -89,21 +89,25 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/unit/test_benchmarks.py::test_stabilizers_benchmark_prints_a_row_per_stabilizer",
     ),
     "benchmarks.learner_memory": (
-        "tests/integration/test_benchmarks.py::test_learner_memory_measures_each_batch_size_in_its_own_process",
+        "tests/integration/test_benchmark_runs.py::test_learner_memory_measures_each_batch_size_in_its_own_process",
     ),
-    "benchmarks.learner_step": ("tests/integration/test_benchmarks.py::test_learner_step_times_its_configurations",),
+    "benchmarks.learner_step": (
+        "tests/integration/test_benchmark_runs.py::test_learner_step_times_its_configurations",
+    ),
     "benchmarks.step_measures": (
         "tests/unit/test_benchmarks.py::test_a_counted_step_gives_its_flops_and_the_backwards_through_the_model",
     ),
     "benchmarks.stack_versions": (
         "tests/unit/test_benchmarks.py::test_the_gpu_run_names_each_version_beside_the_gpu_extras_pin",
     ),
-    "benchmarks.generation": ("tests/integration/test_benchmarks.py::test_generation_compares_vllm_with_transformers",),
+    "benchmarks.generation": (
+        "tests/integration/test_benchmark_runs.py::test_generation_compares_vllm_with_transformers",
+    ),
     "benchmarks.streaming": (
-        "tests/integration/test_benchmarks.py::test_streaming_benchmark_trains_both_generators_and_prints_their_rows",
+        "tests/integration/test_benchmark_runs.py::test_streaming_benchmark_trains_both_generators_and_prints_their_rows",
     ),
     "benchmarks.weight_sync": (
-        "tests/integration/test_benchmarks.py::test_weight_sync_prints_the_paths_and_their_ratios",
+        "tests/integration/test_benchmark_runs.py::test_weight_sync_prints_the_paths_and_their_ratios",
     ),
     "cluster.reference_loop": (
         "tests/integration/test_reference_loop.py::test_the_reference_loop_learns_the_demo_task",

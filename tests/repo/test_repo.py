@@ -1,5 +1,6 @@
 """Repository contracts: CI runs the README's command, and the layout's import rules hold."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -159,15 +160,45 @@ def test_no_layer_imports_upwards():
     assert not offenders, offenders
 
 
-MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+LONG_REASON = "# long: "
 
 
-def test_no_module_of_the_project_is_over_500_lines():
-    """A module past 500 lines does several things: split it where its parts meet (CONTRIBUTING.md)."""
-    long = {
-        str(path.relative_to(ROOT)): lines
+def unexplained_long_functions(source: str) -> list[str]:
+    """The functions of `source` over MAX_FUNCTION_LINES lines (from `def` to their last line) without a
+    `# long: REASON` comment on the line above their `def` or first decorator."""
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        assert node.end_lineno is not None
+        if node.end_lineno - node.lineno + 1 <= MAX_FUNCTION_LINES:
+            continue
+        first = min([node.lineno, *(decorator.lineno for decorator in node.decorator_list)])
+        above = lines[first - 2].strip() if first >= 2 else ""
+        reason = above.removeprefix(LONG_REASON).strip() if above.startswith(LONG_REASON) else ""
+        if len(reason.split()) < 3:  # a reason, not a word to silence the check
+            found.append(f"{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})")
+    return found
+
+
+def test_a_function_over_60_lines_says_why_it_reads_better_whole():
+    """A function that does not fit a screen costs its reader more than a long module does: split it where its
+    concepts meet, or say on the line above it (`# long: REASON`) why it reads better whole (CONTRIBUTING.md)."""
+    unexplained = {
+        str(path.relative_to(ROOT)): found
         for package in PROJECT_PACKAGES
         for path in sorted((ROOT / package).rglob("*.py"))
-        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+        if (found := unexplained_long_functions(path.read_text()))
     }
-    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+    assert not unexplained, f"functions over {MAX_FUNCTION_LINES} lines without a reason: {unexplained}"
+
+
+def test_the_function_length_check_can_fail():
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    assert unexplained_long_functions(f"def long():\n{body}") == [f"long ({MAX_FUNCTION_LINES + 1} lines, line 1)"]
+    assert unexplained_long_functions(f"# long: {' '.join(['why'] * 3)}\ndef long():\n{body}") == []
+    assert unexplained_long_functions(f"# long: why\n@staticmethod\ndef long():\n{body}") != []  # no reason
+    short = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    assert unexplained_long_functions(f"def short():\n{short}") == []
