@@ -66,12 +66,12 @@ def _measure(job, model_path: str, rounds: int) -> dict[str, float]:
     import ray
     from transformers import AutoConfig
 
-    from cluster.run import runtime
+    from cluster.run import generator_actors, learner_group
     from cluster.run.specs import generator_spec, learner_spec
 
-    learners = runtime.LearnerGroup(learner_spec(job, model_path), 1, 1.0, 0.0)
+    learners = learner_group.LearnerGroup(learner_spec(job, model_path), 1, 1.0, 0.0)
     spec = generator_spec(job, model_path)
-    generator = runtime.start_generator(spec, 0, 1.0)
+    generator = generator_actors.start_generator(spec, 0, 1.0)
     learners.wait_until_ready()
     ray.get(generator.ready.remote())
 
@@ -100,7 +100,7 @@ def _measure(job, model_path: str, rounds: int) -> dict[str, float]:
         ray.get(learners.train_step([batch]))
         step_s.append(time.perf_counter() - start)
     learners.shutdown()
-    runtime.stop_generator(generator)
+    generator_actors.stop_generator(generator)
     transport_s = [sync - reload for sync, reload in zip(sync_s, reload_s)]
     return {
         "mib": size / 2**20,
@@ -132,13 +132,13 @@ def main(argv: list[str] | None = None) -> None:
     import ray
 
     from cluster.job import job_task, load_job
-    from cluster.run import runtime
+    from cluster.run import ray_cluster
     from cluster.run.model_prep import prepare_model
 
     variants = {"full fine-tuning": ()}
     if args.lora_rank:
         variants[f"LoRA rank {args.lora_rank}"] = (f"model.lora={{rank: {args.lora_rank}}}",)
-    runtime.connect(None, 3, "stableasync-bench")
+    ray_cluster.connect(None, 3, "stableasync-bench")
     results = {}
     for label, overrides in variants.items():
         job = load_job(args.job, overrides)

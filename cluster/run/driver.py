@@ -26,7 +26,7 @@ from cluster.job import (
     evaluation_sets,
     job_task,
 )
-from cluster.run import runtime
+from cluster.run import generator_actors, learner_group, ray_cluster
 from cluster.run.checkpoints import (
     CHECKPOINTS,
     MODEL,
@@ -113,14 +113,14 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
     check_tools(job)  # a tool file that does not load, by its entry
     check_sandbox(job)  # sandbox.isolation: namespaces that this machine cannot start
     run_dir = resume_dir if resume_dir is not None else create_run_dir(job)
-    runtime.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace, job.logging.engine_logs)
+    ray_cluster.connect(job.cluster.address, job.cluster.num_cpus, job.cluster.namespace, job.logging.engine_logs)
     if stop is not None:
         stop.take_signals()
     _check_resources(job)
     _check_shared_paths(run_dir, model_path)
     names = run_dir.name + (f"-restart{attempt}" if attempt else "")
     reference = run_dir / REFERENCE  # written after the warm-up; a resumed run's learners load it again
-    learners = runtime.LearnerGroup(
+    learners = learner_group.LearnerGroup(
         learner_spec(job, model_path, reference),
         job.learner.num_ranks,
         job.learner.cpus_per_rank,
@@ -192,7 +192,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
         learners.shutdown()
         started = loop.pool.every_actor() if loop else []
         for generator in {id(actor): actor for actor in [*generators.values(), *started]}.values():
-            runtime.stop_generator(generator)  # each once: the loop's members include the initial generators
+            generator_actors.stop_generator(generator)  # each once: the loop's members include the initial generators
     counts = ledger.counts()
     summary = {
         "steps": job.learner.steps,
@@ -214,7 +214,7 @@ def train(job: Job, resume_dir: Path | None = None, attempt: int = 0, stop: Stop
 
 
 def _save_trained_model(
-    run_dir: Path, learners: runtime.LearnerGroup, sink: MetricSink
+    run_dir: Path, learners: learner_group.LearnerGroup, sink: MetricSink
 ) -> tuple[Path | None, str | None]:
     """The finished run's policy as RUN_DIR/model: what users evaluate, serve or train on from (`model.path`).
 
@@ -239,7 +239,7 @@ def _save_trained_model(
     return path, None
 
 
-def _sft_warmup(job: Job, task: Task, model_path: str, learners: runtime.LearnerGroup, sink: MetricSink) -> None:
+def _sft_warmup(job: Job, task: Task, model_path: str, learners: learner_group.LearnerGroup, sink: MetricSink) -> None:
     """Teach the answer format on demonstrations before RL (the learner's own optimizer, its own LR)."""
     warmup = job.model.sft_warmup
     problems = task.problems("sft", job.seed + 1)
@@ -259,7 +259,7 @@ def _generator_starter(job: Job, model_path: str, name_prefix: str) -> Callable[
     # Elastic members are not restarted in place: a dead one leaves, and a new one joins on a free unit.
     max_restarts = 0 if g.max_generators is not None else g.max_restarts
     return functools.partial(
-        runtime.start_generator,
+        generator_actors.start_generator,
         spec,
         cpus=g.cpus_per_generator,
         max_restarts=max_restarts,
@@ -268,7 +268,7 @@ def _generator_starter(job: Job, model_path: str, name_prefix: str) -> Callable[
     )
 
 
-def _placement(learners: runtime.LearnerGroup, generators: dict[int, Any]) -> dict[str, Any]:
+def _placement(learners: learner_group.LearnerGroup, generators: dict[int, Any]) -> dict[str, Any]:
     """The Ray node id of every learner rank and generator at the start (the run's summary records it)."""
     nodes = ray.get(
         [rank.node_id.remote() for rank in learners.ranks] + [g.node_id.remote() for g in generators.values()]
@@ -279,7 +279,7 @@ def _placement(learners: runtime.LearnerGroup, generators: dict[int, Any]) -> di
     }
 
 
-def _log_micro_batch_budgets(learners: runtime.LearnerGroup) -> None:
+def _log_micro_batch_budgets(learners: learner_group.LearnerGroup) -> None:
     """Each rank's micro-batch budget and why, here where the user reads (an actor's info log goes nowhere)."""
     whys = ray.get(
         [rank.__ray_call__.remote(lambda learner: learner.micro_batch_budget.why) for rank in learners.ranks]
@@ -317,7 +317,7 @@ def _check_shared_paths(run_dir: Path, model_path: str) -> None:
     """Before any actor starts: every node sees the run directory and a local model where the driver does."""
     run_dir, local_model = run_dir.resolve(), Path(model_path).exists()  # else a hub id, which each node fetches
     model = str(Path(model_path).resolve()) if local_model else model_path
-    missing = runtime.paths_missing_on_nodes([str(run_dir)] + ([model] if local_model else []))
+    missing = ray_cluster.paths_missing_on_nodes([str(run_dir)] + ([model] if local_model else []))
     errors = shared_path_errors(run_dir, model, missing)
     if errors:
         raise JobValidationError("cluster", errors)
@@ -326,7 +326,7 @@ def _check_shared_paths(run_dir: Path, model_path: str) -> None:
 def _check_resources(job: Job) -> None:
     from cluster.job import cross_field_errors
 
-    resources = runtime.cluster_resources()
+    resources = ray_cluster.cluster_resources()
     errors = cross_field_errors(job, resources)
     if errors:
         raise JobValidationError("cluster", errors)

@@ -14,7 +14,7 @@ from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
 from actors.buffer import RolloutBuffer
 from algorithms.errors import StableAsyncError
 from cluster.job import Job
-from cluster.run import runtime
+from cluster.run import learner_group
 from tasks.dataset import BUILT_IN_REWARDS
 
 
@@ -31,7 +31,7 @@ class LearnerCrashed(StableAsyncError, RuntimeError):
 
 
 # A learner rank died, or one failed while the others waited in a collective: the group cannot go on.
-LEARNER_GROUP_FAILURES = (RayActorError, runtime.LearnerGroupBroken)
+LEARNER_GROUP_FAILURES = (RayActorError, learner_group.LearnerGroupBroken)
 
 
 class LearnerOutOfMemory(StableAsyncError, RuntimeError):

@@ -12,7 +12,7 @@ from tests.component.test_learner import LEARNING_RATE, _free_port, _leave_group
 
 
 def _learner_main(rank: int, model_path: str, ports: tuple[int, int], stage: int, out: str) -> None:
-    from cluster.run.runtime import LearnerActor
+    from cluster.run.learner_group import LearnerActor
     from learner.rank import LearnerSpec
     from learner.weight_sync import CollectiveWeightSync, TensorSpec
 
@@ -76,14 +76,14 @@ def test_the_rendezvous_address_is_on_learner_rank_0s_node():
     from ray.cluster_utils import Cluster
     from ray.util.placement_group import placement_group
 
-    from cluster.run import runtime
+    from cluster.run import learner_group
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     learner_node = cluster.add_node(num_cpus=1, resources={"learner": 1})
     try:
         ray.init(address=cluster.address)
 
-        class Placed(runtime.LearnerGroup):  # the group's placement only: no learner process is started
+        class Placed(learner_group.LearnerGroup):  # the group's placement only: no learner process is started
             def __init__(self) -> None:
                 self.placement = placement_group([{"CPU": 0.5, "learner": 1}])
                 ray.get(self.placement.ready())

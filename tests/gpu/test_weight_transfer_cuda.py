@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _sender_main(rank: int, stage: int, model_path: str, ports: tuple[int, int], out: str) -> None:
-    from cluster.run.runtime import LearnerActor
+    from cluster.run.learner_group import LearnerActor
     from learner.rank import LearnerSpec
 
     spec = LearnerSpec(model_path=model_path, zero_stage=stage, dtype="bfloat16", backend="nccl")

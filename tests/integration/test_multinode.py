@@ -158,9 +158,9 @@ def test_every_node_is_asked_which_paths_it_sees(cluster, tmp_path):
     seen, nowhere = tmp_path / "runs", tmp_path / "absent"
     seen.mkdir()
     code = (
-        "import json, ray; from cluster.run import runtime; "
+        "import json, ray; from cluster.run import ray_cluster; "
         f"ray.init(address={cluster.address!r}, logging_level='ERROR'); "
-        f"missing = runtime.paths_missing_on_nodes([{str(seen)!r}, {str(nowhere)!r}]); "
+        f"missing = ray_cluster.paths_missing_on_nodes([{str(seen)!r}, {str(nowhere)!r}]); "
         "nodes = sorted(n['NodeID'] for n in ray.nodes() if n['Alive']); "
         "print(json.dumps({'missing': missing, 'nodes': nodes}))"
     )

@@ -31,7 +31,7 @@ def local_ray(tmp_path_factory):
         include_dashboard=False,
         namespace="stableasync-tests",
         _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
-        runtime_env={"env_vars": __import__("cluster.run.runtime", fromlist=["actor_env"]).actor_env()},
+        runtime_env={"env_vars": __import__("cluster.run.ray_cluster", fromlist=["actor_env"]).actor_env()},
     )
     yield
     ray.shutdown()
@@ -457,14 +457,14 @@ def test_an_evaluation_due_while_the_previous_one_runs_waits_for_it(local_ray, t
     time/eval_wait_s, and that first wait logs a warning naming the knobs."""
     from actors.generator import GeneratorSpec
     from cluster.job import evaluation_sets, job_task, section_config
-    from cluster.run import runtime
+    from cluster.run import generator_actors
     from cluster.run.evaluation import Evaluator
     from cluster.telemetry.metrics import MetricSink
     from tasks.config import TASK_CONFIGS
     from tasks.scoring import ScorePool
 
     job = validate_job({"task": {"name": "arithmetic"}, "eval": {"every_steps": 1, "num_problems": 32}})
-    generator = runtime.start_generator(
+    generator = generator_actors.start_generator(
         GeneratorSpec(model_path=tiny_qwen2, samples_per_prompt=1, max_new_tokens=8, temperature=0.0, max_model_len=96),
         0,
         cpus=1,
@@ -492,7 +492,7 @@ def test_an_evaluation_due_while_the_previous_one_runs_waits_for_it(local_ray, t
 
 
 def test_a_learner_the_cluster_cannot_place_fails_with_the_resources_named(local_ray):
-    from cluster.run.runtime import LearnerGroup
+    from cluster.run.learner_group import LearnerGroup
     from learner.rank import LearnerSpec
 
     with pytest.raises(RuntimeError, match=r"could not be placed within 2 s.*learner.cpus_per_rank"):
@@ -522,7 +522,7 @@ def test_learner_ranks_whose_rendezvous_port_was_taken_start_again_at_another(lo
     it; both ranks then start again at a fresh port instead of failing the run. Here the test holds the first."""
     import socket
 
-    from cluster.run.runtime import LearnerGroup
+    from cluster.run.learner_group import LearnerGroup
     from learner.rank import LearnerSpec
 
     holders: list[socket.socket] = []
@@ -999,13 +999,13 @@ def test_a_learner_killed_while_publishing_and_again_while_loading_resumes_from_
     import os
     import signal
 
-    from cluster.run import runtime
+    from cluster.run import learner_group, publishers
     from cluster.run.driver import run_job
 
-    publish, load_checkpoint = runtime.ObjectStorePublisher.publish, runtime.LearnerGroup.load_checkpoint
+    publish, load_checkpoint = publishers.ObjectStorePublisher.publish, learner_group.LearnerGroup.load_checkpoint
     killed: list[str] = []
 
-    def kill_rank_0(learners: runtime.LearnerGroup, doing: str) -> None:
+    def kill_rank_0(learners: learner_group.LearnerGroup, doing: str) -> None:
         killed.append(doing)
         os.kill(ray.get(learners.ranks[0].process_id.remote()), signal.SIGKILL)
 
@@ -1019,8 +1019,8 @@ def test_a_learner_killed_while_publishing_and_again_while_loading_resumes_from_
             kill_rank_0(self, "loading")
         return load_checkpoint(self, directory, tag)
 
-    monkeypatch.setattr(runtime.ObjectStorePublisher, "publish", kill_then_publish)
-    monkeypatch.setattr(runtime.LearnerGroup, "load_checkpoint", kill_then_load)
+    monkeypatch.setattr(publishers.ObjectStorePublisher, "publish", kill_then_publish)
+    monkeypatch.setattr(learner_group.LearnerGroup, "load_checkpoint", kill_then_load)
     job = _job(
         tmp_path,
         max_lag=1,
@@ -1050,9 +1050,9 @@ def test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_no
     The checkpoint's partial folder is removed, an alert names the step and the error, and the run trains to
     its end with the checkpoints before and after it. The model that cannot be written is an alert and a
     `model_error` in the result and summary that points at the last checkpoint, which exports as said."""
-    from cluster.run import runtime
+    from cluster.run import learner_group
 
-    save_checkpoint, save_model = runtime.LearnerGroup.save_checkpoint, runtime.LearnerGroup.save_model
+    save_checkpoint, save_model = learner_group.LearnerGroup.save_checkpoint, learner_group.LearnerGroup.save_model
 
     def blocked_at_step_2(self, directory: str, tag: str) -> None:
         if ".step-000002.tmp" in directory:
@@ -1063,8 +1063,8 @@ def test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_no
         (Path(directory) / "model.safetensors").mkdir(parents=True)  # where the weights file goes
         save_model(self, directory)
 
-    monkeypatch.setattr(runtime.LearnerGroup, "save_checkpoint", blocked_at_step_2)
-    monkeypatch.setattr(runtime.LearnerGroup, "save_model", blocked_model)
+    monkeypatch.setattr(learner_group.LearnerGroup, "save_checkpoint", blocked_at_step_2)
+    monkeypatch.setattr(learner_group.LearnerGroup, "save_model", blocked_model)
     run_dir = tmp_path / "runs" / "full-disk"
     with caplog.at_level("WARNING", logger="stableasync"):
         result = _run(
@@ -1102,9 +1102,9 @@ def test_one_rank_that_cannot_write_its_shard_restarts_the_learners_instead_of_h
     process-group timeout (DeepSpeed's default: 10 minutes). The driver sees rank 0 still inside the call
     after `rank_straggle_s`, restarts the learners from step 1's checkpoint, and the run ends with every
     group trained once."""
-    from cluster.run import runtime
+    from cluster.run import learner_group
 
-    save = runtime.LearnerGroup.save_checkpoint
+    save = learner_group.LearnerGroup.save_checkpoint
     blocked = []
 
     def rank_1_blocked_once(self, directory: str, tag: str) -> None:
@@ -1113,7 +1113,7 @@ def test_one_rank_that_cannot_write_its_shard_restarts_the_learners_instead_of_h
             (Path(directory) / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").mkdir(parents=True)
         save(self, directory, tag)
 
-    monkeypatch.setattr(runtime.LearnerGroup, "save_checkpoint", rank_1_blocked_once)
+    monkeypatch.setattr(learner_group.LearnerGroup, "save_checkpoint", rank_1_blocked_once)
     run_dir = _run_with_rank_1_failing_once(
         tmp_path, monkeypatch, caplog, "rank-1-full", "learner rank 1 failed in save_checkpoint (RayTaskError(OSError)"
     )
@@ -1124,9 +1124,9 @@ def test_one_rank_that_cannot_write_its_shard_restarts_the_learners_instead_of_h
 def _run_with_rank_1_failing_once(tmp_path, monkeypatch, caplog, run_name: str, failure: str) -> Path:
     """A 3-step, 2-rank run checkpointing every step, in which rank 1 fails once while rank 0 waits: the log
     says the group broke with `failure`, the learners restarted once, and every group ends once."""
-    from cluster.run import runtime
+    from cluster.run import learner_group
 
-    monkeypatch.setattr(runtime.LearnerGroup, "rank_straggle_s", 5.0)
+    monkeypatch.setattr(learner_group.LearnerGroup, "rank_straggle_s", 5.0)
     with caplog.at_level("WARNING", logger="stableasync"):
         result = run_job_in(
             tmp_path, max_lag=1, steps=3, logging={"run_name": run_name}, checkpoint={"every_steps": 1, "keep": 3}

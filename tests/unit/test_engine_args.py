@@ -84,7 +84,7 @@ def test_every_engine_setting_of_the_job_reaches_the_generator():
 
 
 def test_a_tensor_parallel_generator_is_placed_on_its_own_gpus_on_one_node():
-    from cluster.run.runtime import generator_bundles
+    from cluster.run.generator_actors import generator_bundles
 
     spec = generator_spec(GPU_JOB)
     assert generator_bundles(dataclasses.replace(spec, tensor_parallel_size=1, gpus=1.0), 4.0) == []
