@@ -433,18 +433,14 @@ class AsyncLoop:
             for c, r, penalty in zip(group.completions, results, penalties)
         ]
         errors = sum(r.error is not None for r in results)
-        self.scored.score_errors += errors
         first = self.score_failures.record([r.error for r in results])
         if first is not None:
             self.sink.alert("reward failed", self.score_failures.first_alert(problem.problem_id))
-        self.scored.rewards += [c["reward"] for c in completions]
-        self.scored.overlong_penalties += penalties
-        for section in self.job.scoring.rewards or []:  # a component's failed samples have no score of it
-            self.scored.components.setdefault(section.name, []).extend(
-                r.components[section.name] for r in results if section.name in r.components
-            )
-        self.scored.truncated += sum(c["finish_reason"] == "length" for c in completions)
-        self.scored.episodes.add(completions)
+        components = {  # a component's failed samples have no score of it
+            section.name: [r.components[section.name] for r in results if section.name in r.components]
+            for section in self.job.scoring.rewards or []
+        }
+        self.scored.record(completions, penalties, components)
         scored = ScoredGroup(
             group.group_id,
             group.problem_id,
@@ -456,7 +452,7 @@ class AsyncLoop:
             problem.question,
             problem.answer,
         )
-        self.scored.uniform_groups_dropped += not self.buffer.add(scored, errors)
+        self.scored.record_group_kept(self.buffer.add(scored, errors))
 
     def _shards(self, groups: list[ScoredGroup]) -> list[TrainBatch]:
         """Each rank's share of the groups as its training batch (`rank_shards`)."""

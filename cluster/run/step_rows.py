@@ -16,6 +16,7 @@ from algorithms.diagnostics import lag_stats
 from cluster.job import AlgorithmSection, ScoringSection
 from cluster.run.rewards import REWARD_METRICS
 from tasks.environment import EpisodeStats
+from tasks.records import ScoredCompletion
 
 
 @dataclass
@@ -29,6 +30,23 @@ class ScoredSinceStep:
     uniform_groups_dropped: int = 0  # by algorithm.drop_uniform_groups
     components: dict[str, list[float]] = field(default_factory=dict)  # scoring.rewards: each kind's scores
     episodes: EpisodeStats = field(default_factory=EpisodeStats)  # tool episodes (environment.tools)
+
+    def record(
+        self, completions: list[ScoredCompletion], penalties: list[float], components: dict[str, list[float]]
+    ) -> None:
+        """One scored group's responses: their rewards as trained on (overlong `penalties` included), failures,
+        truncations, each reward component's scores and tool episodes."""
+        self.score_errors += sum(c["score_error"] is not None for c in completions)
+        self.rewards += [c["reward"] for c in completions]
+        self.overlong_penalties += penalties
+        for name, scores in components.items():
+            self.components.setdefault(name, []).extend(scores)
+        self.truncated += sum(c["finish_reason"] == "length" for c in completions)
+        self.episodes.add(completions)
+
+    def record_group_kept(self, kept: bool) -> None:
+        """Whether the rollout buffer kept the group (algorithm.drop_uniform_groups drops uniform ones)."""
+        self.uniform_groups_dropped += not kept
 
     def metrics(
         self, algorithm: AlgorithmSection, scoring: ScoringSection | None = None, tool_episodes: bool = False

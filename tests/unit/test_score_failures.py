@@ -65,3 +65,28 @@ def test_a_step_row_counts_score_errors_and_leaves_out_what_had_no_data():
     assert row["rollout/overlong_penalty_mean"] == -0.5 / 3
     assert "rollout/turns_mean" not in row  # no tool episode among them
     assert not any(isinstance(value, float) and math.isnan(value) for value in row.values())
+
+
+def test_a_scored_group_is_recorded_by_the_row_that_reports_it():
+    """The loop hands each scored group to `ScoredSinceStep.record` instead of writing its fields one by one."""
+
+    def completion(reward: float, finish: str, error: str | None) -> dict:
+        return dict(
+            completion_ids=[5, 6],
+            behaviour_logprobs=[-1.0, -1.0],
+            text="x",
+            finish_reason=finish,
+            version_spans=[[0, 0, 2]],
+            reward=reward,
+            score_error=error,
+        )
+
+    scored = ScoredSinceStep()
+    group = [completion(1.0, "stop", None), completion(-0.5, "length", None), completion(0.0, "stop", "raised")]
+    scored.record(group, [0.0, -0.5, 0.0], {"task": [1.0, 0.0], "format": []})
+    scored.record([completion(0.5, "stop", None)], [0.0], {"task": [0.5], "format": [1.0]})
+    scored.record_group_kept(False)
+    scored.record_group_kept(True)
+    assert scored.rewards == [1.0, -0.5, 0.0, 0.5] and scored.overlong_penalties == [0.0, -0.5, 0.0, 0.0]
+    assert scored.score_errors == 1 and scored.truncated == 1 and scored.uniform_groups_dropped == 1
+    assert scored.components == {"task": [1.0, 0.0, 0.5], "format": [1.0]}
