@@ -1,4 +1,4 @@
-"""Stabilizers by name: `STABILIZERS` lists what a job may select, `get` and `build` resolve it."""
+"""Stabilizers by name: `STABILIZERS` lists what a job may select; `get`, `build` and `from_config` resolve it."""
 
 from __future__ import annotations
 
@@ -30,3 +30,9 @@ def get(name: str) -> type[Stabilizer]:
 def build(name: str, **config: Any) -> Stabilizer:
     """Instantiate `name` with its typed config; unknown config keys raise TypeError naming them."""
     return get(name)(STABILIZER_CONFIGS[name](**config))
+
+
+def from_config(name: str, config: Any | None) -> Stabilizer:
+    """Instantiate `name` with its validated config dataclass as the job gave it (None: the defaults); a config
+    of another stabilizer raises TypeError naming both."""
+    return get(name)(config)

@@ -363,8 +363,7 @@ def resolve(
     all plan alike (a collective: every rank resolves at once). `fused_head`: no [tokens, vocabulary] logits."""
     from algorithms import registry
 
-    config = spec.stabilizer_config
-    stabilizer = registry.build(spec.stabilizer_name, **({} if config is None else dataclasses.asdict(config)))
+    stabilizer = registry.from_config(spec.stabilizer_name, spec.stabilizer_config)
     per_sample_norms = stabilizer.needs_grad_norms
     kept = _kept_gradient_cap_bytes(spec, stabilizer.config) if per_sample_norms else 0.0
     tokens = spec.max_tokens_per_micro_batch

@@ -28,7 +28,6 @@ from learner.passes import LearnerStep
 from learner.policy import PolicyForwards, Reference, fused_head_of, load_frozen_model, packs_micro_batches
 from learner.publishing import Publisher
 from learner.spec import LearnerSpec
-from learner.step import config_values
 from learner.vcpo.step import PerSampleNorms
 from learner.weight_sync import PackedWeights, TensorSpec
 
@@ -106,7 +105,7 @@ class LearnerRank:
             spec, self.engine, self.device, rank, world_size, fused_head=self.forwards.head is not None
         )
         self.micro_batch_tokens = self.micro_batch_budget.tokens  # padded tokens per forward; None: the whole batch
-        self.stabilizer = registry.build(spec.stabilizer_name, **config_values(spec.stabilizer_config))
+        self.stabilizer = registry.from_config(spec.stabilizer_name, spec.stabilizer_config)
         if spec.compiled_layers is not None:
             refuse_with_sample_norms(self.stabilizer)
             compile_decoder_layers(self.engine.module, spec.compiled_layers, rank)

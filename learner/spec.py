@@ -27,7 +27,7 @@ class LearnerSpec:
     grad_clip: float = 1.0
     temperature: float = 1.0
     stabilizer_name: str = "tis_seq"
-    stabilizer_config: Any = None
+    stabilizer_config: Any = None  # the job's validated config dataclass of the stabilizer (None: its defaults)
     advantage: str = "grpo"
     loss_aggregation: LossAggregation = "token-mean"
     constant_tokens: int | None = None

@@ -8,7 +8,7 @@ collective.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -231,10 +231,3 @@ def check_one_coefficient_per_sequence(gap: float) -> None:
             f"book-keeping needs one loss coefficient per sequence; tokens of a sequence differ by "
             f"{gap:.3g} of the largest (use opob_impl: ghost for this loss)"
         )
-
-
-def config_values(config: Any) -> dict[str, Any]:
-    """A stabilizer's config dataclass as keyword arguments (none without one)."""
-    if config is None:
-        return {}
-    return asdict(config)

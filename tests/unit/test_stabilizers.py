@@ -485,3 +485,11 @@ def test_stabilizers_see_per_token_behaviour_log_probs_only_so_mixed_version_seq
     assert bool(kept.mask.all()) and torch.allclose(kept.weights, torch.full((1, 6), sequence_ratio), rtol=1e-5)
     dropped = _weights("mis_seq", batch, low=sequence_ratio * 1.01, high=sequence_ratio * 2)
     assert not bool(dropped.mask.bool().any())
+
+
+def test_a_stabilizer_is_built_from_its_validated_config_as_it_is():
+    config = STABILIZER_CONFIGS["m2po"](tau=0.07)
+    built = registry.from_config("m2po", config)
+    assert built.config is config and registry.from_config("m2po", None).config == STABILIZER_CONFIGS["m2po"]()
+    with pytest.raises(TypeError, match="stabilizer 'vcpo' takes"):
+        registry.from_config("vcpo", config)
