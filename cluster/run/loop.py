@@ -29,7 +29,7 @@ from actors.buffer import Ledger, RolloutBuffer, ScoredGroup
 from actors.generator import GeneratedGroup, GenerationRequest
 from algorithms.rewards import overlong_penalty
 from cluster.job import EvaluationSet, Job, section_config
-from cluster.run import learner_group, publishers
+from cluster.run import learner_group, weight_sync
 from cluster.run.checkpoints import CheckpointFailed, readable_checkpoints, write_checkpoint
 from cluster.run.evaluation import Evaluator, evaluate_again_on_resume, verifier_pool
 from cluster.run.faults import NumericalFailure, ScoreFailureStreak, SkipStreak, learners_may_crash, streak_halt
@@ -79,9 +79,9 @@ class AsyncLoop:
         self.generators = dict(generators)  # index -> actor; elastic jobs add and remove members
         sync, dtype = job.async_.weight_sync, job.model.dtype_on(gpu=job.generator.gpus_per_generator > 0)
         self.publisher = (
-            publishers.ObjectStorePublisher(learners, self.generators, dtype, wait_for_loads=job.generator.streaming)
+            weight_sync.ObjectStorePublisher(learners, self.generators, dtype, wait_for_loads=job.generator.streaming)
             if sync == "object_store"
-            else publishers.CollectivePublisher(
+            else weight_sync.CollectivePublisher(
                 learners, self.generators, sync, dtype, job.generator.tensor_parallel_size
             )
         )

@@ -999,10 +999,10 @@ def test_a_learner_killed_while_publishing_and_again_while_loading_resumes_from_
     import os
     import signal
 
-    from cluster.run import learner_group, publishers
+    from cluster.run import learner_group, weight_sync
     from cluster.run.driver import run_job
 
-    publish, load_checkpoint = publishers.ObjectStorePublisher.publish, learner_group.LearnerGroup.load_checkpoint
+    publish, load_checkpoint = weight_sync.ObjectStorePublisher.publish, learner_group.LearnerGroup.load_checkpoint
     killed: list[str] = []
 
     def kill_rank_0(learners: learner_group.LearnerGroup, doing: str) -> None:
@@ -1019,7 +1019,7 @@ def test_a_learner_killed_while_publishing_and_again_while_loading_resumes_from_
             kill_rank_0(self, "loading")
         return load_checkpoint(self, directory, tag)
 
-    monkeypatch.setattr(publishers.ObjectStorePublisher, "publish", kill_then_publish)
+    monkeypatch.setattr(weight_sync.ObjectStorePublisher, "publish", kill_then_publish)
     monkeypatch.setattr(learner_group.LearnerGroup, "load_checkpoint", kill_then_load)
     job = _job(
         tmp_path,
