@@ -1,7 +1,7 @@
 """What a generator backend is to the driver: the calls it makes of every generator actor, whichever engine
 runs underneath (`Generator`, vLLM's LLM with calls run in order; `StreamingGenerator`, vLLM's AsyncLLM with
 calls run at once). A third backend implements these, with these parameters; a method may be a coroutine
-(an async Ray actor awaits it), and the caller always reaches it through Ray. `tests/unit/test_backend.py`
+(an async Ray actor awaits it), and the caller always reaches it through Ray. `tests/unit/actors/test_backend.py`
 holds both backends to it.
 """
 

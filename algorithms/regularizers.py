@@ -73,8 +73,8 @@ KL_GRADIENTS: dict[str, str] = {
     "k3+": "KL(pi || ref)",
     "low_var+": "KL(pi || ref)",
 }
-"""The divergence whose gradient each estimator gives in expectation as a loss term (tests/unit/test_kl_estimators.py
-checks each against the exact gradients on a small categorical)."""
+"""The divergence whose gradient each estimator gives in expectation as a loss term
+(tests/unit/algorithms/test_kl_estimators.py checks each against the exact gradients on a small categorical)."""
 
 
 def kl_penalty(logprobs: Tensor, reference_logprobs: Tensor, estimator: str, mask: Tensor) -> Tensor:

@@ -2,7 +2,7 @@
 # Run here, on a development machine that reaches PyPI: fills .whl/ (git-ignored) with what
 # deploy/gpu-bench.sh installs on a GPU machine that has CUDA torch, transformers, peft and accelerate
 # but neither DeepSpeed nor its pure-Python needs, and no network. The pins are .venv's versions
-# (tests/unit/test_benchmarks.py checks they agree), so the GPU run imports what CI tested.
+# (tests/unit/benchmarks/test_benchmarks.py checks they agree), so the GPU run imports what CI tested.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}

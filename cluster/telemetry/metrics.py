@@ -24,7 +24,7 @@ SAMPLES_TABLE = "samples/rollouts"
 log = logging.getLogger("stableasync")
 
 # Every key the project logs, with what it means. The W&B workspace (deploy/wandb/workspace.yaml) may
-# only plot these, and tests/unit/test_metrics.py checks this table against the keys in the source.
+# only plot these, and tests/unit/cluster/test_metrics.py checks this table against the keys in the source.
 KNOWN_METRICS: dict[str, str] = {
     STEP_KEY: "policy version after this step (optimizer steps); the SFT warm-up's N steps are -N..-1",
     SAMPLES_TABLE: "a W&B table of a few trained responses every logging.samples.every_steps steps: question, "

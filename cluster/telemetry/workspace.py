@@ -20,7 +20,7 @@ import yaml
 
 from algorithms.errors import StableAsyncError
 
-# What the file may hold. tests/unit/test_metrics.py checks the file against the same panel fields, so a field
+# What the file may hold. tests/unit/cluster/test_metrics.py checks the file against the same panel fields, so a field
 # this module would have to drop (and a panel that would silently differ from the file) fails a test first.
 WORKSPACE_FIELDS = frozenset({"name", "x_axis", "sections"})
 SECTION_FIELDS = frozenset({"name", "panels"})

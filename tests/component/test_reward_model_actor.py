@@ -55,7 +55,7 @@ def test_a_reward_model_actor_that_cannot_start_stops_the_job_with_the_reason(lo
 
 def test_the_actor_scores_as_the_scorer_does_in_process(local_ray, tiny_qwen2, tmp_path):
     from tasks.rewards import RewardModelScorer
-    from tests.unit.test_composite_rewards import COMPLETIONS, build_tiny_reward_model
+    from tests.unit.cluster.test_composite_rewards import COMPLETIONS, build_tiny_reward_model
 
     path = build_tiny_reward_model(tiny_qwen2, tmp_path / "rm")
     inline = RewardModelScorer(path, max_length=64, batch_size=3).score([(_messages(PROBLEM), c) for c in COMPLETIONS])

@@ -1,6 +1,6 @@
 """Slow smoke tests: the benchmarks that start Ray, vLLM or DeepSpeed, and `stableasync soak`, each run as the
 docs show it, in a fresh process, with its smallest arguments (a few steps, one round). The default run keeps
-async_speedup's analysis through recorded runs (tests/unit/test_benchmarks.py)."""
+async_speedup's analysis through recorded runs (tests/unit/benchmarks/test_benchmarks.py)."""
 
 from __future__ import annotations
 

@@ -666,7 +666,7 @@ def test_uniform_reward_groups_are_dropped_and_replaced_so_every_step_trains_gro
     assert 0 < sum(m["rollout/uniform_groups_dropped"] for m in steps) <= len(dropped)
 
 
-@pytest.mark.slow  # 35 s; tests/unit/test_buffer.py and test_rewards.py cover the penalty and its metric
+@pytest.mark.slow  # 35 s; tests/unit/actors/test_buffer.py and test_rewards.py cover the penalty and its metric
 def test_overlong_shaping_lowers_the_rewards_trained_on_by_length_and_leaves_evaluation_alone(local_ray, tmp_path):
     """Every response scores 1 from the verifier. With the whole response inside the overlong buffer (8 of
     max_new_tokens 8) at penalty 0.5, a response of n tokens is trained on with reward 1 - n / 16: below 1 for
@@ -930,7 +930,7 @@ def test_a_job_with_a_reward_model_logs_each_component(local_ray, tiny_qwen2, tm
     """A composite reward: the task's verifier, a reward model in its own actor and the format term, each
     component in the step rows, every sample scored without a failure."""
     from cluster.run.driver import train
-    from tests.unit.test_composite_rewards import build_tiny_reward_model
+    from tests.unit.cluster.test_composite_rewards import build_tiny_reward_model
 
     reward_model = build_tiny_reward_model(tiny_qwen2, tmp_path / "rm")
     job = _job(
@@ -1256,7 +1256,7 @@ def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes(local_ray,
     import sys
     import time
 
-    from tests.unit.test_metrics import _wandb_records
+    from tests.unit.cluster.test_metrics import _wandb_records
 
     steps = 12
     job_file = tmp_path / "job.yaml"

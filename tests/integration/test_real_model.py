@@ -59,7 +59,7 @@ def test_a_tool_episode_on_smollm2_holds_its_chat_templates_conversation():
     from transformers import AutoTokenizer
 
     from learner.models import prepare_smollm2
-    from tests.unit.test_environment import CALL, MESSAGES, run
+    from tests.unit.tasks.test_environment import CALL, MESSAGES, run
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_smollm2())
     [episode], _, chat = run(tokenizer, [[CALL, "<answer>8</answer>"]])

@@ -29,7 +29,7 @@ from actors.buffer import audit_ledger
 from cluster.cli import main as cli_main
 from cluster.job import validate_job
 from cluster.remote.submit import SubmitError, submit
-from tests.unit.test_metrics import _wandb_records
+from tests.unit.cluster.test_metrics import _wandb_records
 
 
 def _free_port() -> int:

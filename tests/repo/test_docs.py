@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # Fields documented on a page of their own, each held there by its own test: the stabilizers' settings
-# (docs/stabilizers.md, tests/unit/test_stabilizers.py), the alerts (docs/wandb.md, tests/unit/test_job.py), the
-# sandbox (docs/security.md, tests/unit/test_sandbox.py); the items of scoring.rewards and eval.sets are described
+# (docs/stabilizers.md, tests/unit/algorithms/test_stabilizers.py), the alerts (docs/wandb.md,
+# tests/unit/cluster/test_job.py), the sandbox (docs/security.md, tests/unit/tasks/test_sandbox.py); the items of
+# scoring.rewards and eval.sets are described
 # in docs/tasks.md. docs/jobs.md may give such a field a row; its default is checked then.
 ELSEWHERE = {"algorithm.stabilizer", "logging.alerts", "sandbox", "scoring.rewards", "eval.sets"}
 # Defaults of "" that no job can keep: `stableasync validate` refuses a gsm8k or dataset job without its file.

@@ -20,31 +20,31 @@ MODULE = re.compile(r"(benchmarks|cluster)(\.[a-z_]+)+")
 # slow run with `-m slow`; each command keeps at least its parsing, analysis or error path in the default run.
 SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     "stableasync train": (
-        "tests/unit/test_job.py::test_validate_and_train_refuse_a_hub_id_that_is_not_cached_when_the_hub_cannot_be_reached",
+        "tests/unit/cluster/test_job.py::test_validate_and_train_refuse_a_hub_id_that_is_not_cached_when_the_hub_cannot_be_reached",
         "tests/integration/test_pipeline.py::test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes",
         "tests/integration/test_pipeline.py::test_resume_from_a_checkpoint_continues_without_gap_or_duplicate",
     ),
     "stableasync validate": (
-        "tests/unit/test_job.py::test_every_deploy_job_validates",
-        "tests/unit/test_job.py::test_validate_dry_run_prints_the_resolved_job",
+        "tests/unit/cluster/test_job.py::test_every_deploy_job_validates",
+        "tests/unit/cluster/test_job.py::test_validate_dry_run_prints_the_resolved_job",
     ),
     "stableasync prepare-model": (
         "tests/component/test_models.py::test_prepare_model_names_the_models_it_knows",
         "tests/component/test_models.py::test_prepare_smollm2_from_the_wheel",
     ),
     "stableasync evaluate": (
-        "tests/unit/test_evaluation.py::test_evaluate_refuses_bad_input_with_exit_2_before_loading_a_model",
+        "tests/unit/cluster/test_evaluation.py::test_evaluate_refuses_bad_input_with_exit_2_before_loading_a_model",
         "tests/integration/test_evaluate.py::test_evaluate_answers_every_set_and_writes_each_ones_results",
     ),
     "stableasync export": (
         "tests/integration/test_pipeline.py::test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_nothing",
-        "tests/unit/test_checkpoints.py::test_export_of_a_run_without_checkpoints_gives_its_finished_model_or_says_what_to_set",
-        "tests/unit/test_checkpoints.py::test_export_to_the_hub_where_it_cannot_be_reached_fails_at_once_and_keeps_the_folder",
+        "tests/unit/cluster/test_checkpoints.py::test_export_of_a_run_without_checkpoints_gives_its_finished_model_or_says_what_to_set",
+        "tests/unit/cluster/test_checkpoints.py::test_export_to_the_hub_where_it_cannot_be_reached_fails_at_once_and_keeps_the_folder",
     ),
     "stableasync wandb-workspace": (
-        "tests/unit/test_wandb_workspace.py::test_the_command_writes_the_view_offline_and_a_bad_file_exits_2",
-        "tests/unit/test_wandb_workspace.py::test_online_saves_the_workspace_and_prints_its_url",
-        "tests/unit/test_wandb_workspace.py::test_offline_from_any_directory_needs_no_entity_project_or_spec_and_says_how_to_save",
+        "tests/unit/cluster/test_wandb_workspace.py::test_the_command_writes_the_view_offline_and_a_bad_file_exits_2",
+        "tests/unit/cluster/test_wandb_workspace.py::test_online_saves_the_workspace_and_prints_its_url",
+        "tests/unit/cluster/test_wandb_workspace.py::test_offline_from_any_directory_needs_no_entity_project_or_spec_and_says_how_to_save",
     ),
     "stableasync submit": (
         "tests/integration/test_submit_to_ray.py::test_a_submission_without_the_token_or_with_a_wrong_one_is_refused",
@@ -61,32 +61,34 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/integration/test_submit_to_ray.py::test_stop_ends_a_submitted_job_at_a_step_with_a_checkpoint",
     ),
     "stableasync sweep": (
-        "tests/unit/test_sweep.py::test_sweep_set_options_change_every_cell_through_the_job_schema",
-        "tests/unit/test_sweep.py::test_a_sweep_with_seeds_prints_a_row_per_cell_over_its_seeds",
+        "tests/unit/cluster/test_sweep.py::test_sweep_set_options_change_every_cell_through_the_job_schema",
+        "tests/unit/cluster/test_sweep.py::test_a_sweep_with_seeds_prints_a_row_per_cell_over_its_seeds",
     ),
     "stableasync report": (
-        "tests/unit/test_report.py::test_the_documented_report_command_on_recorded_runs_counts_their_steps_not_their_evaluations",
-        "tests/unit/test_report_records.py::test_records_report_what_their_runs_report",
+        "tests/unit/cluster/test_report.py::test_the_documented_report_command_on_recorded_runs_counts_their_steps_not_their_evaluations",
+        "tests/unit/cluster/test_report_records.py::test_records_report_what_their_runs_report",
     ),
     "stableasync simulate": (
-        "tests/unit/test_simulate.py::test_cli_prints_a_prediction_and_the_paper_comparison",
-        "tests/unit/test_simulate.py::test_the_documented_calibrate_commands_on_a_recorded_run_with_evaluation_rows",
+        "tests/unit/cluster/test_simulate.py::test_cli_prints_a_prediction_and_the_paper_comparison",
+        "tests/unit/cluster/test_simulate.py::test_the_documented_calibrate_commands_on_a_recorded_run_with_evaluation_rows",
     ),
     "stableasync soak": ("tests/integration/test_benchmark_runs.py::test_soak_runs_the_job_and_audits_its_ledger",),
-    "cluster.remote.job_entrypoint": ("tests/unit/test_job_entrypoint.py::test_no_command_is_a_usage_error",),
+    "cluster.remote.job_entrypoint": ("tests/unit/cluster/test_job_entrypoint.py::test_no_command_is_a_usage_error",),
     "benchmarks.model_configs": (
-        "tests/unit/test_model_configs.py::test_a_built_folder_loads_as_the_learner_loads_it_and_is_built_once",
+        "tests/unit/benchmarks/test_model_configs.py::test_a_built_folder_loads_as_the_learner_loads_it_and_is_built_once",
     ),
-    "benchmarks.output_layer": ("tests/unit/test_benchmarks.py::test_output_layer_compares_the_fused_and_whole_paths",),
+    "benchmarks.output_layer": (
+        "tests/unit/benchmarks/test_benchmarks.py::test_output_layer_compares_the_fused_and_whole_paths",
+    ),
     "benchmarks.async_speedup": (
-        "tests/unit/test_benchmarks.py::test_async_speedup_analyses_recorded_runs_whose_evaluations_have_their_own_rows",
+        "tests/unit/benchmarks/test_benchmarks.py::test_async_speedup_analyses_recorded_runs_whose_evaluations_have_their_own_rows",
         "tests/integration/test_benchmark_runs.py::test_async_speedup_trains_each_lag_and_prints_its_tables",
     ),
     "benchmarks.core_contention": (
-        "tests/unit/test_benchmarks.py::test_core_contention_prints_each_loop_alone_and_with_both_cores_busy",
+        "tests/unit/benchmarks/test_benchmarks.py::test_core_contention_prints_each_loop_alone_and_with_both_cores_busy",
     ),
     "benchmarks.stabilizers": (
-        "tests/unit/test_benchmarks.py::test_stabilizers_benchmark_prints_a_row_per_stabilizer",
+        "tests/unit/benchmarks/test_benchmarks.py::test_stabilizers_benchmark_prints_a_row_per_stabilizer",
     ),
     "benchmarks.learner_memory": (
         "tests/integration/test_benchmark_runs.py::test_learner_memory_measures_each_batch_size_in_its_own_process",
@@ -95,10 +97,10 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/integration/test_benchmark_runs.py::test_learner_step_times_its_configurations",
     ),
     "benchmarks.step_measures": (
-        "tests/unit/test_benchmarks.py::test_a_counted_step_gives_its_flops_and_the_backwards_through_the_model",
+        "tests/unit/benchmarks/test_benchmarks.py::test_a_counted_step_gives_its_flops_and_the_backwards_through_the_model",
     ),
     "benchmarks.stack_versions": (
-        "tests/unit/test_benchmarks.py::test_the_gpu_run_names_each_version_beside_the_gpu_extras_pin",
+        "tests/unit/benchmarks/test_benchmarks.py::test_the_gpu_run_names_each_version_beside_the_gpu_extras_pin",
     ),
     "benchmarks.generation": (
         "tests/integration/test_benchmark_runs.py::test_generation_compares_vllm_with_transformers",

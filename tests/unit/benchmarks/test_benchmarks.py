@@ -21,7 +21,7 @@ import torch
 from tests.fixtures import BENCH_ASYNC as RECORDED
 from tests.fixtures import learner_rows, metric_rows
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RECORDED_STEPS = 12
 
 

@@ -130,7 +130,7 @@ def test_a_full_disk_under_torch_save_and_safetensors_is_an_oserror(tmp_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     done = subprocess.run(
         [sys.executable, "-c", FULL_DISK, str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=120
     )

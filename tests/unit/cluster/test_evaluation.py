@@ -10,7 +10,7 @@ import pytest
 
 from cluster.job import evaluation_set, job_task, validate_job
 
-FIXTURE = Path(__file__).resolve().parents[2] / "tasks" / "fixtures" / "gsm8k_sample.jsonl"
+FIXTURE = Path(__file__).resolve().parents[3] / "tasks" / "fixtures" / "gsm8k_sample.jsonl"
 
 
 def _set(job: dict):
@@ -224,7 +224,7 @@ def test_a_resume_answers_again_its_own_steps_evaluation_and_warns_of_an_earlier
 
 # ---- named evaluation sets (eval.sets): schema, reading, per-set rows ----
 
-GSM8K_TEST = Path(__file__).resolve().parents[2] / "tasks" / "data" / "gsm8k" / "test.jsonl"
+GSM8K_TEST = Path(__file__).resolve().parents[3] / "tasks" / "data" / "gsm8k" / "test.jsonl"
 
 
 def _errors(job: dict) -> dict[str, str]:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from cluster.job import Job, JobValidationError, dump_job, load_job, validate_job
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MINIMAL = {"task": {"name": "arithmetic"}}
 
 

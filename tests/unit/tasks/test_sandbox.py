@@ -27,7 +27,7 @@ from tasks.sandbox import SandboxLimits, namespaces_unavailable
 from tasks.scoring import RewardWorkerError, ScorePool
 from tasks.tools import ToolCall, ToolPool, ToolWorkerError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BIG_FILE = "stableasync-sandbox-test-1gb"
 
 ATTACKS = f'''

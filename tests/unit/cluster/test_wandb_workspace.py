@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORKSPACE = ROOT / "deploy" / "wandb" / "workspace.yaml"
 
 
@@ -76,7 +76,7 @@ def test_the_check_itself_catches_a_view_that_differs_from_the_file():
 
 def test_the_builder_expresses_exactly_the_panel_fields_the_file_is_checked_against():
     from cluster.telemetry.workspace import PANEL_FIELDS
-    from tests.unit import test_metrics
+    from tests.unit.cluster import test_metrics
 
     assert PANEL_FIELDS == test_metrics.PANEL_FIELDS
 

@@ -17,7 +17,7 @@ from cluster.job import validate_job
 from tasks.base import TaskError, build_task
 from tasks.config import DatasetConfig, GSM8KConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ROWS = [{"prompt": f"What is {n} + 1?", "answer": n + 1, "topic": "sums"} for n in range(6)]
 
 

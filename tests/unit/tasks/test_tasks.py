@@ -12,7 +12,7 @@ from tasks.config import ArithmeticConfig, CountdownConfig, DatasetConfig, GSM8K
 from tasks.countdown import evaluate, solve
 from tasks.scoring import ScorePool
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FIXTURE = ROOT / "tasks" / "fixtures" / "gsm8k_sample.jsonl"
 DATASET = ROOT / "tasks" / "fixtures" / "dataset_sample.jsonl"
 GSM8K_DATA = ROOT / "tasks" / "data" / "gsm8k"

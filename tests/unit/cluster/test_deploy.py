@@ -10,7 +10,7 @@ import yaml
 
 from cluster.job import load_job
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CLOUDS = ("aws", "gcp")
 CLUSTERS = (*CLOUDS, "local")
 

@@ -706,7 +706,7 @@ def test_importing_the_report_loads_no_torch_ray_or_matplotlib():
     import sys
 
     code = "import sys, cluster.experiments.report; print(' '.join(sorted(sys.modules)))"
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     loaded = {
         name.split(".")[0]
         for name in subprocess.run(

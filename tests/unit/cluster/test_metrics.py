@@ -87,7 +87,7 @@ def test_step_rows_are_the_learner_steps_alone_in_logged_order(tmp_path):
 
 # ---- the metric table, the W&B workspace file ---------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORKSPACE = ROOT / "deploy" / "wandb" / "workspace.yaml"
 SOURCE_FOLDERS = ("algorithms", "learner", "actors", "cluster", "tasks")
 PANEL_FIELDS = {"kind", "title", "y", "log_y", "range_y"}  # what cluster/telemetry/workspace.py reads

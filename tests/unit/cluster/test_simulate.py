@@ -16,7 +16,7 @@ from cluster.experiments.simulate import SimConfig, calibrate, simulate
 from cluster.job import dump_job, validate_job
 from tests.fixtures import BENCH_ASYNC, learner_rows
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # Every response exactly `response_len_mean` tokens, so each phase has a closed form.
 FIXED = SimConfig(

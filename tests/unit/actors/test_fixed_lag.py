@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.buffer import FixedLag, FixedLagBatchLost, Ledger, RolloutBuffer, ScoredGroup
-from tests.unit.test_schedule import FakeRun
+from tests.unit.cluster.test_schedule import FakeRun
 
 
 def _group(group_id: int, version: int, failed: bool = False) -> ScoredGroup:

@@ -11,7 +11,7 @@ import pytest
 from tasks.base import Problem, build_task, last_boxed
 from tasks.config import ArithmeticConfig, DatasetConfig, GSM8KConfig
 
-FIXTURE = __import__("pathlib").Path(__file__).resolve().parents[2] / "tasks" / "fixtures" / "gsm8k_sample.jsonl"
+FIXTURE = __import__("pathlib").Path(__file__).resolve().parents[3] / "tasks" / "fixtures" / "gsm8k_sample.jsonl"
 
 
 @pytest.mark.parametrize(

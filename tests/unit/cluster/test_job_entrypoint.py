@@ -58,7 +58,7 @@ def _start(out: Path, driver: str = DRIVER) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=Path(__file__).resolve().parents[3],
     )
 
 
@@ -158,6 +158,6 @@ def test_no_command_is_a_usage_error():
         [sys.executable, "-m", "cluster.remote.job_entrypoint"],
         capture_output=True,
         text=True,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=Path(__file__).resolve().parents[3],
     )
     assert result.returncode == 2 and "COMMAND" in result.stderr

@@ -8,7 +8,7 @@ import pytest
 
 from actors.buffer import ScoredGroup
 from cluster.telemetry.samples import COLUMNS, rollout_samples
-from tests.unit.test_metrics import _nested, _wandb_records
+from tests.unit.cluster.test_metrics import _nested, _wandb_records
 
 
 def _group(group_id: int, version: int, texts: list[str], rewards: list[float]) -> ScoredGroup:
