@@ -176,7 +176,7 @@ def test_weight_sync_prints_the_paths_and_their_ratios(tmp_path):
 
 def test_soak_runs_the_job_and_audits_its_ledger(tmp_path):
     """`stableasync soak` on a small job; the kill interval outlasts the run, so this checks the run, the audit
-    and what it prints (tests/integration/test_pipeline.py kills generators)."""
+    and what it prints (tests/integration/test_faults.py kills generators)."""
     job = _demo_with(
         tmp_path,
         model={"sft_warmup": {"steps": 2, "prompts_per_step": 8}},

@@ -21,8 +21,8 @@ MODULE = re.compile(r"(benchmarks|cluster)(\.[a-z_]+)+")
 SMOKE_TESTS: dict[str, tuple[str, ...]] = {
     "stableasync train": (
         "tests/unit/cluster/test_job.py::test_validate_and_train_refuse_a_hub_id_that_is_not_cached_when_the_hub_cannot_be_reached",
-        "tests/integration/test_pipeline.py::test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes",
-        "tests/integration/test_pipeline.py::test_resume_from_a_checkpoint_continues_without_gap_or_duplicate",
+        "tests/integration/test_faults.py::test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_the_run_resumes",
+        "tests/integration/test_resume.py::test_resume_from_a_checkpoint_continues_without_gap_or_duplicate",
     ),
     "stableasync validate": (
         "tests/unit/cluster/test_job.py::test_every_deploy_job_validates",
@@ -37,7 +37,7 @@ SMOKE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/integration/test_evaluate.py::test_evaluate_answers_every_set_and_writes_each_ones_results",
     ),
     "stableasync export": (
-        "tests/integration/test_pipeline.py::test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_nothing",
+        "tests/integration/test_faults.py::test_a_checkpoint_or_model_the_learner_cannot_write_is_an_alert_and_loses_nothing",
         "tests/unit/cluster/test_checkpoints.py::test_export_of_a_run_without_checkpoints_gives_its_finished_model_or_says_what_to_set",
         "tests/unit/cluster/test_checkpoints.py::test_export_to_the_hub_where_it_cannot_be_reached_fails_at_once_and_keeps_the_folder",
     ),
