@@ -55,6 +55,11 @@ class GSM8KConfig(CheckedConfig):
 HUB_PREFIX = "hf:"  # task.path hf:OWNER/NAME: a Hugging Face Hub dataset, read by each process from its own cache
 
 
+def is_hub_dataset(path: str) -> bool:
+    """Whether a data path names a Hugging Face Hub dataset (hf:OWNER/NAME) rather than a file or folder."""
+    return path.startswith(HUB_PREFIX)
+
+
 @dataclass(frozen=True)
 class DatasetConfig(CheckedConfig):
     """Your own problems from a JSONL or Parquet file, a dataset folder or a Hugging Face Hub dataset, scored by a

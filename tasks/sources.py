@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.base import TaskError, read_jsonl
-from tasks.config import HUB_PREFIX
+from tasks.config import HUB_PREFIX, is_hub_dataset
 
 PARQUET_BATCH_ROWS = 1024
 
@@ -26,10 +26,6 @@ class SourceRow:
     name: str  # the file's name without its suffix, or the dataset's and split's ("gsm8k-train"): ids start with it
     number: int  # the row's line in a JSONL file, else its place from 1
     row: dict[str, Any]
-
-
-def is_hub_dataset(path: str) -> bool:
-    return path.startswith(HUB_PREFIX)
 
 
 def source_problem(path: str) -> str | None:

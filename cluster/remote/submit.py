@@ -32,7 +32,7 @@ from typing import Any
 
 from algorithms.errors import StableAsyncError
 from cluster.job import Job, JobValidationError, dump_job, validate_job
-from tasks.config import HUB_PREFIX
+from tasks.config import is_hub_dataset
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # What a job needs on the cluster: the importable packages and the project metadata.
@@ -135,24 +135,20 @@ def job_files(job: Job) -> list[tuple[str, str]]:
     FILE.py, the evaluation sets' data files and the tools' FILE.py. A model (model.path) is not among them: a
     hub id, a known name, or a folder on every node (docs/cluster.md, Shared storage)."""
     files = []
-    if getattr(job.task, "path", "") and not job.task.path.startswith(HUB_PREFIX):  # a Hub dataset: each node's cache
+    if getattr(job.task, "path", ""):
         files.append(("task.path", job.task.path))
     source = getattr(job.task, "reward", "").rpartition(":")[0]  # 'FILE.py:NAME'; 'module:NAME' is imported
     if source.endswith(".py"):
         files.append(("task.reward", source))
     if job.eval.task_path:
         files.append(("eval.task_path", job.eval.task_path))
-    files += [
-        (f"eval.sets.{name}.path", spec.path)
-        for name, spec in job.eval.sets.items()
-        if not spec.path.startswith(HUB_PREFIX)
-    ]
+    files += [(f"eval.sets.{name}.path", spec.path) for name, spec in job.eval.sets.items()]
     files += [
         (f"environment.tools.{index}", entry.rpartition(":")[0])
         for index, entry in enumerate(job.environment.tools)
         if entry.rpartition(":")[0].endswith(".py")
     ]  # a tool's FILE.py
-    return files
+    return [(field, path) for field, path in files if not is_hub_dataset(path)]  # read from each node's cache
 
 
 def _prefix_parts(prefix: str) -> tuple[str, ...]:

@@ -210,9 +210,10 @@ def test_a_hub_dataset_is_read_on_the_cluster_and_travels_as_its_name(tmp_path):
     job = validate_job(
         {
             **_dataset_job(tmp_path, path="hf:openai/gsm8k", subset="main"),
-            "eval": {"sets": {"held": {"path": "hf:openai/gsm8k", "split": "test"}}},
+            "eval": {"task_path": "hf:openai/gsm8k", "sets": {"held": {"path": "hf:openai/gsm8k", "split": "test"}}},
         }
     )
     assert carried_files(job) == []
     sent = load_job(stage_working_dir(job, tmp_path / "wd") / "job.yaml")
-    assert sent.task.path == sent.eval.sets["held"].path == "hf:openai/gsm8k" and sent.eval.sets["held"].split == "test"
+    assert sent.task.path == sent.eval.task_path == sent.eval.sets["held"].path == "hf:openai/gsm8k"
+    assert sent.eval.sets["held"].split == "test"
